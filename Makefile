@@ -1,0 +1,33 @@
+# The two commands a newcomer needs:
+#   make run   - install everything into .venv and start a single node with embedded defaults
+#   make test  - install everything into .venv and run the whole test suite (what CI runs)
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: install run test lint bench clean
+
+$(STAMP): pyproject.toml setup.py native/narad_native.c native/build_native.py
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: install
+	$(BIN)/narad-supervisor --data-dir data
+
+lint: install
+	$(BIN)/ruff check narad tests loadtest native
+
+test: install lint
+	$(BIN)/pytest -q
+
+bench: install
+	command -v wrk >/dev/null || (apt-get install -y wrk || sudo apt-get install -y wrk)
+	$(BIN)/python loadtest/bench_meta.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info narad/_native*.so

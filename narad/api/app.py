@@ -1,0 +1,50 @@
+"""Assembles the worker's API: the router with every route, the step that
+runs before each request (authentication, the 415 guard) and the request
+metrics observer. Transports serve the ``RoutedApp`` this returns.
+
+Imports narad.api.* and narad.metrics.
+"""
+
+from __future__ import annotations
+
+from narad import metrics
+from narad.api.auth import guard_415
+from narad.api.context import ApiContext
+from narad.api.ops import OpsAPI
+from narad.api.router import Request, RoutedApp, Router
+from narad.api.topics import TopicsAPI
+from narad.api.users import UsersAPI
+from narad.meta.grants import Identity
+
+OPEN_PATHS = frozenset(("/healthz", "/readyz"))
+
+
+class _Observer:
+    def __init__(self) -> None:
+        self.m = metrics.get()
+
+    def observe(self, route: str, method: str, status: int, seconds: float, bytes_in: int, bytes_out: int) -> None:
+        m = self.m
+        m.http_requests.labels(route, method, str(status)).inc()
+        m.http_duration.labels(route, method).observe(seconds)
+
+
+def build_app(ctx: ApiContext) -> RoutedApp:
+    router = Router()
+    TopicsAPI(ctx).register(router)
+    UsersAPI(ctx).register(router)
+    OpsAPI(ctx).register(router)
+    metrics_open = ctx.cfg.http.metrics_unauthenticated
+
+    async def before(req: Request) -> None:
+        path = req.path
+        if path in OPEN_PATHS or (path == "/metrics" and metrics_open):
+            req.identity = Identity(None, security=False)
+            return
+        req.identity = await ctx.auth.identify(req)
+        guard_415(req)
+
+    extra = None
+    if ctx.cfg.http.debug_headers:
+        extra = [("X-Narad-Node", ctx.node_id), ("X-Narad-Worker", str(ctx.worker_index))]
+    return RoutedApp(router, before=before, observer=_Observer(), extra_headers=extra)

@@ -1,0 +1,163 @@
+"""HTTP Basic authentication, the verified-credential cache, the failed-login
+throttle hook, and the cross-site (415) guard.
+
+With security on, every ``/v1`` request must carry Basic credentials that
+match a bcrypt hash in the metastore. Verified credentials are cached per
+worker, keyed by a digest of (user, password) and validated with one atomic
+load of the users version counter, so a password change or user delete takes
+effect on the next request. bcrypt runs in threads (it releases the GIL),
+bounded per process, and identical concurrent credentials share one run.
+Unknown usernames are refused before bcrypt. Before a bcrypt check the
+worker asks the supervisor whether the username is throttled (5 failures,
+then one attempt per 12 s, per node) and reports the outcome after.
+
+Imports narad.meta.{grants,requests,store,versions}, narad.api.router and
+narad.errors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import hashlib
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import bcrypt
+
+from narad.api.router import Request
+from narad.errors import InternalError, NaradError, TooManyRequests, Unauthorized, UnsupportedMediaType
+from narad.meta import versions as V
+from narad.meta.grants import Identity
+from narad.meta.records import UserRecord
+from narad.meta.requests import AuthAttemptReq, AuthAttemptResp, AuthOutcome
+
+log = logging.getLogger("narad.api.auth")
+
+STATE_CHANGING = frozenset(("POST", "PUT", "PATCH"))
+_CACHE_LIMIT = 50_000
+
+
+def parse_basic(header: str | None) -> tuple[str, str] | None:
+    if not header:
+        return None
+    scheme, _, value = header.partition(" ")
+    if scheme.lower() != "basic" or not value:
+        return None
+    try:
+        raw = base64.b64decode(value.strip(), validate=True).decode()
+    except (binascii.Error, UnicodeDecodeError):
+        return None
+    user, sep, pw = raw.partition(":")
+    if not sep:
+        return None
+    return user, pw
+
+
+def csrf_ok(req: Request) -> bool:
+    """POST/PUT/PATCH must declare JSON or octet-stream, or carry X-Narad-Client."""
+    if req.method not in STATE_CHANGING:
+        return True
+    if req.headers.get("x-narad-client"):
+        return True
+    ctype = req.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    return ctype in ("application/json", "application/octet-stream")
+
+
+async def check_password(password: bytes, hashed: bytes) -> bool:
+    return await asyncio.to_thread(bcrypt.checkpw, password, hashed)
+
+
+async def hash_password(password: bytes, rounds: int = 10) -> bytes:
+    return await asyncio.to_thread(bcrypt.hashpw, password, bcrypt.gensalt(rounds))
+
+
+class Authenticator:
+    def __init__(
+        self,
+        *,
+        security: bool,
+        users: Callable[[str], UserRecord | None],
+        versions: V.VersionTable,
+        supervisor_call: Callable[[Any, type], Awaitable[Any]] | None,
+        supervisor_note: Callable[[Any], None] | None,
+        bcrypt_slots: int = 2,
+    ) -> None:
+        self.security = security
+        self.users = users
+        self.versions = versions
+        self.call = supervisor_call
+        self.note = supervisor_note
+        self._sem = asyncio.Semaphore(max(1, bcrypt_slots))
+        self._cache: dict[bytes, str] = {}
+        self._cache_ver = -1
+        self._inflight: dict[bytes, asyncio.Future[bool]] = {}
+
+    async def identify(self, req: Request) -> Identity:
+        if not self.security:
+            return Identity(None, security=False)
+        creds = parse_basic(req.headers.get("authorization"))
+        if creds is None:
+            raise Unauthorized()
+        name, pw = creds
+        key = hashlib.sha256(name.encode() + b"\0" + pw.encode()).digest()
+        ver = self.versions.load(V.USERS)
+        if ver != self._cache_ver:
+            self._cache.clear()
+            self._cache_ver = ver
+        hit = self._cache.get(key)
+        if hit is not None:
+            return Identity(hit)
+        try:
+            user = self.users(name)
+        except Exception as e:  # the local user store is unreadable
+            log.error("user store unreadable", extra={"err": str(e)})
+            raise InternalError("authentication unavailable") from None
+        if user is None:
+            raise Unauthorized()
+        ok = await self._verify(key, name, pw.encode(), user.password_hash)
+        if not ok:
+            raise Unauthorized()
+        if len(self._cache) > _CACHE_LIMIT:
+            self._cache.clear()
+        if self.versions.load(V.USERS) == ver:
+            self._cache[key] = name
+        return Identity(name)
+
+    async def _verify(self, key: bytes, name: str, pw: bytes, hashed: bytes) -> bool:
+        fut = self._inflight.get(key)
+        if fut is not None:
+            return await asyncio.shield(fut)
+        fut = asyncio.get_running_loop().create_future()
+        self._inflight[key] = fut
+        try:
+            if self.call is not None:
+                ans: AuthAttemptResp = await self.call(AuthAttemptReq(name), AuthAttemptResp)
+                if not ans.allowed:
+                    raise TooManyRequests(
+                        "too many failed authentication attempts",
+                        headers=[("Retry-After", str(max(1, int(ans.retry_after + 0.999))))],
+                    )
+            async with self._sem:
+                ok = await check_password(pw, hashed)
+            if self.note is not None:
+                self.note(AuthOutcome(name, ok))
+            fut.set_result(ok)
+            return ok
+        except BaseException as e:
+            if not fut.done():
+                if isinstance(e, NaradError):
+                    fut.set_exception(e)
+                else:
+                    fut.set_exception(InternalError("authentication unavailable"))
+                fut.exception()  # mark retrieved
+            raise
+        finally:
+            self._inflight.pop(key, None)
+
+
+def guard_415(req: Request) -> None:
+    if not csrf_ok(req):
+        raise UnsupportedMediaType()

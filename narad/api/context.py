@@ -1,0 +1,91 @@
+"""What every API handler reaches: configuration, the local metastore replica,
+the version counters, the link to the supervisor, the authenticator.
+
+One ``ApiContext`` per worker process; handlers get it at registration.
+Imports narad.config, narad.meta and narad.ipc (no transports).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import msgspec
+
+from narad.api.auth import Authenticator
+from narad.api.router import Request
+from narad.config import Config
+from narad.errors import BadRequest
+from narad.ipc.rpc import Connection
+from narad.meta.store import MetaStore
+from narad.meta.versions import VersionTable
+
+T = TypeVar("T")
+
+
+@dataclass
+class ApiContext:
+    cfg: Config
+    node_id: str
+    store: MetaStore
+    versions: VersionTable
+    sup: Connection
+    auth: Authenticator
+    worker_index: int = 0
+    started: float = field(default_factory=time.time)
+
+    @property
+    def security(self) -> bool:
+        return self.cfg.security.enabled
+
+    async def call(self, req: Any, resp_type: type[T], timeout: float | None = None) -> T:
+        if timeout is None:
+            timeout = self.cfg.seconds("cluster", "write_timeout") + 5.0
+        return await self.sup.call(req, resp_type, timeout)
+
+
+def decode_json(req: Request, typ: type[T], *, required: bool = True) -> T:
+    """Strict JSON body decoding: unknown fields, trailing data and wrong
+    types are 400 with the reason."""
+    if not req.body.strip():
+        if required:
+            raise BadRequest("invalid json: request body required")
+        return msgspec.json.decode(b"{}", type=typ)
+    try:
+        return msgspec.json.decode(req.body, type=typ)
+    except msgspec.ValidationError as e:
+        msg = str(e)
+        if msg.startswith("Object contains unknown field"):
+            field_name = msg.split("`")[1] if "`" in msg else "?"
+            raise BadRequest(f'invalid json: unknown field "{field_name}"') from None
+        raise BadRequest(f"invalid json: {msg}") from None
+    except msgspec.DecodeError as e:
+        raise BadRequest(f"invalid json: {e}") from None
+
+
+def query_int(req: Request, name: str, *, default: int | None = None, minimum: int | None = None) -> int | None:
+    vals = req.query.get(name)
+    if not vals:
+        return default
+    if len(vals) > 1:
+        raise BadRequest(f"invalid argument: {name} given more than once")
+    try:
+        v = int(vals[0])
+    except ValueError:
+        raise BadRequest(f"invalid argument: {name} must be an integer") from None
+    if minimum is not None and v < minimum:
+        raise BadRequest(f"invalid argument: {name} must be >= {minimum}")
+    return v
+
+
+def query_bool(req: Request, name: str, default: bool = False) -> bool:
+    vals = req.query.get(name)
+    if not vals:
+        return default
+    v = vals[-1].lower()
+    if v in ("1", "true", "t", "yes"):
+        return True
+    if v in ("0", "false", "f", "no"):
+        return False
+    raise BadRequest(f"invalid argument: {name} must be true or false")

@@ -1,0 +1,52 @@
+"""Operational routes: /healthz, /readyz, /metrics and /v1/cluster/members.
+
+/healthz and /readyz need no credentials and answer from the shared version
+array (one atomic load each): readiness is decided by the supervisor (Raft
+leader known and heard from, replica caught up, startup reconcile done) and
+published there. /metrics merges every process of the node.
+
+Imports narad.api.{context,router}, narad.meta, narad.metrics, narad.errors.
+"""
+
+from __future__ import annotations
+
+from narad import metrics
+from narad.api.context import ApiContext, query_bool
+from narad.api.router import Request, Response, Router, json_response
+from narad.errors import Forbidden
+from narad.meta import grants as G
+from narad.meta import requests as Q
+from narad.meta import versions as V
+
+
+class OpsAPI:
+    def __init__(self, ctx: ApiContext) -> None:
+        self.ctx = ctx
+
+    def register(self, r: Router) -> None:
+        r.add("GET", "/healthz", self.healthz)
+        r.add("GET", "/readyz", self.readyz)
+        r.add("GET", "/metrics", self.metrics)
+        r.add("GET", "/v1/cluster/members", self.members)
+
+    async def healthz(self, req: Request) -> Response:
+        if self.ctx.versions.load(V.SHUTDOWN):
+            return json_response(503, {"error": "shutting down"})
+        return json_response(200, {"status": "ok"})
+
+    async def readyz(self, req: Request) -> Response:
+        if self.ctx.versions.load(V.READY) == 1:
+            return json_response(200, {"status": "ready"})
+        reason = V.READY_REASONS.get(self.ctx.versions.load(V.READY_REASON), "not ready")
+        return json_response(503, {"error": f"metastore: node is not ready: {reason}"})
+
+    async def metrics(self, req: Request) -> Response:
+        return Response(200, metrics.exposition(), metrics.CONTENT_TYPE)
+
+    async def members(self, req: Request) -> Response:
+        who: G.Identity = req.identity
+        if not who.unrestricted and not G.is_admin(self.ctx.store.user(who.name or "")):
+            raise Forbidden("admin privileges required")
+        query_bool(req, "detail")
+        resp = await self.ctx.call(Q.MembersReq(), Q.MembersResp, timeout=5.0)
+        return json_response(200, resp)

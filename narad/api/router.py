@@ -1,0 +1,205 @@
+"""The one request router both transports (HTTP/1.1 and HTTP/3) serve: sans-IO.
+
+A transport parses bytes into a ``Request``, asks ``App.body_limit`` before
+reading a body, awaits ``App.handle(request)`` and writes the ``Response``.
+Nothing here touches a socket, so the whole API is testable with plain
+``Request`` objects. Routing is a table of path patterns (``{name}`` matches
+one segment); errors raised by handlers become ``{"error": ...}`` responses
+with the status and headers narad.errors carries.
+
+Imports narad.errors only; handlers register themselves from narad.api.app.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import msgspec
+
+from narad.errors import InternalError, MethodNotAllowed, NaradError, NotFound
+
+log = logging.getLogger("narad.api")
+
+GENERAL_BODY_LIMIT = 1 << 20  # 1 MiB
+
+
+@dataclass(slots=True)
+class Request:
+    method: str  # upper case, as sent ("HEAD" is routed to the GET handler)
+    path: str  # percent-decoded path, without the query string
+    query: dict[str, list[str]]  # parsed query string, values in order
+    headers: dict[str, str]  # lower-case names; repeated headers joined with ", "
+    body: bytes = b""
+    client: str = ""  # peer IP address
+    transport: str = "h1"  # "h1" or "h3"
+    params: dict[str, str] = field(default_factory=dict)  # filled by the router from {name} segments
+    route: str = ""  # the matched pattern, e.g. "GET /v1/topics/{topic}" (metrics label)
+    identity: Any = None  # set by the auth step
+
+    def header(self, name: str, default: str | None = None) -> str | None:
+        return self.headers.get(name, default)
+
+    def q1(self, name: str) -> str | None:
+        vals = self.query.get(name)
+        return vals[0] if vals else None
+
+
+@dataclass(slots=True)
+class Response:
+    status: int
+    body: bytes = b""
+    content_type: str | None = "application/json"
+    headers: list[tuple[str, str]] = field(default_factory=list)
+
+
+class App(Protocol):
+    """What a transport needs from the application."""
+
+    def body_limit(self, method: str, path: str) -> tuple[int, int]:
+        """(largest body accepted, status to answer when exceeded: 413 or 400)."""
+        ...
+
+    async def handle(self, req: Request) -> Response: ...
+
+    def error_response(self, err: NaradError) -> Response: ...
+
+
+Handler = Callable[[Request], Awaitable[Response]]
+_json = msgspec.json.Encoder()
+
+
+def json_response(status: int, obj: Any, headers: list[tuple[str, str]] | None = None) -> Response:
+    return Response(status, _json.encode(obj), "application/json", headers or [])
+
+
+def empty(status: int = 204, headers: list[tuple[str, str]] | None = None) -> Response:
+    return Response(status, b"", None, headers or [])
+
+
+def error_response(err: NaradError) -> Response:
+    return Response(err.status, _json.encode(err.body()), "application/json", list(err.headers))
+
+
+@dataclass(slots=True)
+class _Route:
+    method: str
+    pattern: str
+    parts: list[str]
+    handler: Handler
+    body_limit: int
+    oversize_status: int
+
+
+class Router:
+    """Pattern table: exact segments and ``{name}`` captures, one method each."""
+
+    def __init__(self) -> None:
+        self._routes: list[_Route] = []
+        self._exact: dict[tuple[str, str], _Route] = {}
+
+    def add(
+        self, method: str, pattern: str, handler: Handler, *, body_limit: int = GENERAL_BODY_LIMIT,
+        oversize_status: int = 413,
+    ) -> None:
+        parts = pattern.strip("/").split("/")
+        r = _Route(method, pattern, parts, handler, body_limit, oversize_status)
+        self._routes.append(r)
+        if "{" not in pattern:
+            self._exact[(method, pattern)] = r
+
+    def match(self, method: str, path: str) -> tuple[_Route, dict[str, str]]:
+        """Find the route; raises NotFound (unknown path) or MethodNotAllowed."""
+        if method == "HEAD":
+            method = "GET"
+        hit = self._exact.get((method, path))
+        if hit is not None:
+            return hit, {}
+        segs = path.strip("/").split("/")
+        allowed: list[str] = []
+        for r in self._routes:
+            if len(r.parts) != len(segs):
+                continue
+            params: dict[str, str] = {}
+            for want, got in zip(r.parts, segs, strict=True):
+                if want.startswith("{"):
+                    if not got:
+                        break
+                    params[want[1:-1]] = got
+                elif want != got:
+                    break
+            else:
+                if r.method == method:
+                    return r, params
+                allowed.append(r.method)
+        if allowed:
+            if "GET" in allowed:
+                allowed.append("HEAD")
+            raise MethodNotAllowed(allowed)
+        raise NotFound("404 page not found")
+
+    def body_limit(self, method: str, path: str) -> tuple[int, int]:
+        try:
+            r, _ = self.match(method, path)
+        except NaradError:
+            return GENERAL_BODY_LIMIT, 413
+        return r.body_limit, r.oversize_status
+
+
+class Observer(Protocol):
+    def observe(self, route: str, method: str, status: int, seconds: float, bytes_in: int, bytes_out: int) -> None:
+        ...
+
+
+class RoutedApp:
+    """An App over a Router, with a hook run before every handler (auth, the
+    415 guard) and an observer for request metrics."""
+
+    def __init__(
+        self,
+        router: Router,
+        *,
+        before: Callable[[Request], Awaitable[None]] | None = None,
+        observer: Observer | None = None,
+        extra_headers: list[tuple[str, str]] | None = None,
+    ) -> None:
+        self.router = router
+        self.before = before
+        self.observer = observer
+        self.extra_headers = extra_headers or []
+
+    def body_limit(self, method: str, path: str) -> tuple[int, int]:
+        return self.router.body_limit(method, path)
+
+    def error_response(self, err: NaradError) -> Response:
+        return error_response(err)
+
+    async def handle(self, req: Request) -> Response:
+        t0 = time.perf_counter()
+        try:
+            # Authentication and the 415 guard come before routing: Narad
+            # answers 401, then 415, before a 404 or 405.
+            if self.before is not None:
+                await self.before(req)
+            route, params = self.router.match(req.method, req.path)
+            req.params = params
+            req.route = f"{route.method} {route.pattern}"
+            resp = await route.handler(req)
+        except NaradError as e:
+            if not req.route:
+                req.route = "unmatched"
+            resp = error_response(e)
+            if e.status == 404 and e.message == "404 page not found":
+                resp = Response(404, b"404 page not found\n", "text/plain; charset=utf-8")
+        except Exception as e:  # a bug: answer 500, keep serving
+            log.exception("handler failed", extra={"route": req.route, "method": req.method})
+            resp = error_response(InternalError(f"internal error: {type(e).__name__}"))
+        if self.extra_headers:
+            resp.headers.extend(self.extra_headers)
+        if self.observer is not None:
+            self.observer.observe(req.route or "unmatched", req.method, resp.status, time.perf_counter() - t0,
+                                  len(req.body), len(resp.body))
+        return resp

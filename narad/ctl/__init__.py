@@ -1,0 +1,1 @@
+"""naradctl: on-host administration over the control socket."""

@@ -1,0 +1,200 @@
+"""``naradctl``: on-host administration over the supervisor's Unix socket.
+
+No password: the control socket is mode 0600 in the node's runtime
+directory, so only the node's own user (or root) can reach it. The socket is
+found from ``--socket``, or from ``--data-dir``, or from the configuration
+the supervisor would load (``$NARAD_CONFIG`` or /etc/narad/narad.toml, then
+``NARAD_*`` env). Human-readable output by default, ``--json`` for scripts.
+Exit codes: 0 ok, 1 the node refused (message on stderr), 2 usage or
+connection problem.
+
+Imports narad.config, narad.ipc and narad.supervisor.services (the request
+struct only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from narad.config import load_config
+from narad.errors import ConfigError, NaradError
+from narad.ipc import rpc
+from narad.supervisor.services import CtlReply, CtlRequest
+
+
+def _socket_path(ns: argparse.Namespace) -> Path:
+    if ns.socket:
+        return Path(ns.socket)
+    overrides: dict[str, object] = {}
+    if ns.data_dir:
+        overrides["node.data_dir"] = ns.data_dir
+    cfg = load_config(ns.config, overrides=overrides)
+    return cfg.control_socket
+
+
+async def _call(path: Path, cmd: str, args: dict[str, Any], timeout: float) -> Any:
+    conn = await rpc.connect_unix(str(path))
+    try:
+        reply = await conn.call(CtlRequest(cmd, args), CtlReply, timeout=timeout)
+        return reply.data
+    finally:
+        conn.close()
+
+
+def _parse_grants(items: list[str]) -> list[dict[str, Any]]:
+    out = []
+    for item in items:
+        action, _, pats = item.partition(":")
+        patterns = [p for p in pats.split(",") if p] if pats else []
+        out.append({"action": action, "patterns": patterns})
+    return out
+
+
+def _fmt_status(d: dict[str, Any]) -> str:
+    r = d["raft"]
+    lines = [
+        f"node      {d['node_id']} ({d['build']})",
+        f"ready     {'yes' if d['ready'] else 'no: ' + d['reason']}",
+        f"raft      {r['role']}  term {r['term']}  leader {r['leader_id'] or r['leader'] or '-'}",
+        f"index     commit {r['commit_index']}  applied {r['applied_index']}  log {r['first_log_index']}.."
+        f"{r['last_log_index']}",
+        f"ports     client {d['client_port']}  raft {d['raft_port']}  cluster {d['cluster_port']}",
+        f"data      {d['data_dir']}",
+        "workers",
+        f"  {'IDX':>3}  {'PID':>7}  {'CORE':>4}  {'UPTIME':>9}  {'RESTARTS':>8}  STATE",
+    ]
+    for w in d["workers"]:
+        core = "-" if w["core"] is None else str(w["core"])
+        lines.append(f"  {w['index']:>3}  {w['pid']:>7}  {core:>4}  {w['uptime_seconds']:>8.1f}s  "
+                     f"{w['restarts']:>8}  {'up' if w['alive'] else 'down'}")
+    return "\n".join(lines)
+
+
+def _fmt_topics(rows: list[dict[str, Any]]) -> str:
+    lines = [f"{'NAME':<40} {'PARTITIONS':>10} {'RETENTION':>12}  ID"]
+    for t in rows:
+        ret = "forever" if t["retention_ms"] == 0 else f"{t['retention_ms'] // 1000}s"
+        lines.append(f"{t['name']:<40} {t['partitions']:>10} {ret:>12}  {t['id']}")
+    return "\n".join(lines)
+
+
+def _fmt_members(d: dict[str, Any]) -> str:
+    lines = [f"{'ID':<20} {'ADDR':<22} {'STATUS':<6} {'VOTER':<5} {'LEADER':<6} {'HEARTBEAT':>9}  PARTITIONS"]
+    for m in d["members"]:
+        lines.append(f"{m['id']:<20} {m['addr']:<22} {m['status']:<6} {'yes' if m['voter'] else 'no':<5} "
+                     f"{'yes' if m['leader'] else '':<6} {m['heartbeat_age_seconds']:>8.1f}s  {m['owned_partitions']}")
+    return "\n".join(lines)
+
+
+def _fmt_users(rows: list[dict[str, Any]]) -> str:
+    lines = [f"{'USERNAME':<30} GRANTS"]
+    for u in rows:
+        if u.get("root"):
+            grants = "root admin"
+        else:
+            grants = "; ".join(f"{g['action']}:{','.join(g.get('patterns', []))}".rstrip(":")
+                               for g in u.get("grants", [])) or "-"
+        lines.append(f"{u['username']:<30} {grants}")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="naradctl", description="Administer the narad node on this host.")
+    p.add_argument("--socket", help="control socket path")
+    p.add_argument("--data-dir", help="the node's data directory (finds <data-dir>/run/narad.sock)")
+    p.add_argument("--config", help="the node's config file")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--timeout", type=float, default=15.0, help="seconds to wait for the node")
+    sub = p.add_subparsers(dest="command", required=True)
+    sub.add_parser("status", help="Raft role, indexes, workers")
+    sub.add_parser("members", help="cluster members")
+    topics = sub.add_parser("topics", help="topics").add_subparsers(dest="action", required=True)
+    topics.add_parser("ls")
+    c = topics.add_parser("create")
+    c.add_argument("name")
+    c.add_argument("--partitions", type=int)
+    c.add_argument("--retention-ms", type=int)
+    c.add_argument("--visibility-timeout-ms", type=int)
+    c.add_argument("--max-in-flight", type=int)
+    c.add_argument("--max-acked-ahead", type=int)
+    c.add_argument("--schema", help="JSON Schema document (inline)")
+    d = topics.add_parser("describe")
+    d.add_argument("name")
+    a = topics.add_parser("alter")
+    a.add_argument("name")
+    a.add_argument("--partitions", type=int)
+    a.add_argument("--retention-ms", type=int)
+    a.add_argument("--max-in-flight", type=int)
+    a.add_argument("--max-acked-ahead", type=int)
+    r = topics.add_parser("rm")
+    r.add_argument("name")
+    users = sub.add_parser("users", help="users").add_subparsers(dest="action", required=True)
+    users.add_parser("ls")
+    ua = users.add_parser("add")
+    ua.add_argument("username")
+    ua.add_argument("--password", help="the password (default: read one line from stdin)")
+    ua.add_argument("--grant", action="append", default=[], help="action:pattern1,pattern2 (repeatable)")
+    ur = users.add_parser("rm")
+    ur.add_argument("username")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    try:
+        path = _socket_path(ns)
+    except ConfigError as e:
+        print(f"naradctl: {e}", file=sys.stderr)
+        return 2
+    cmd, args, fmt = ns.command, {}, None
+    if ns.command == "status":
+        fmt = _fmt_status
+    elif ns.command == "members":
+        fmt = _fmt_members
+    elif ns.command == "topics":
+        cmd = f"topics.{ns.action}"
+        if ns.action == "ls":
+            fmt = _fmt_topics
+        elif ns.action in ("create", "alter"):
+            args = {"name": ns.name, "partitions": ns.partitions, "retention_ms": ns.retention_ms,
+                    "max_in_flight_per_partition": ns.max_in_flight,
+                    "max_acked_ahead_per_partition": ns.max_acked_ahead}
+            if ns.action == "create":
+                args["visibility_timeout_ms"] = ns.visibility_timeout_ms
+                args["schema"] = ns.schema
+        else:
+            args = {"name": ns.name}
+    elif ns.command == "users":
+        cmd = f"users.{ns.action}"
+        if ns.action == "ls":
+            fmt = _fmt_users
+        elif ns.action == "add":
+            pw = ns.password if ns.password is not None else sys.stdin.readline().rstrip("\n")
+            args = {"username": ns.username, "password": pw, "grants": _parse_grants(ns.grant)}
+        else:
+            args = {"username": ns.username}
+    try:
+        data = asyncio.run(_call(path, cmd, args, ns.timeout))
+    except (FileNotFoundError, ConnectionRefusedError) as e:
+        print(f"naradctl: cannot reach the node at {path}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    except PermissionError:
+        print(f"naradctl: permission denied on {path} (run as the node's user)", file=sys.stderr)
+        return 2
+    except NaradError as e:
+        print(f"naradctl: {e.message} (HTTP {e.status})", file=sys.stderr)
+        return 1
+    if ns.json or fmt is None:
+        print(json.dumps(data, indent=2, sort_keys=True))
+    else:
+        print(fmt(data))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

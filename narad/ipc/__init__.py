@@ -1,0 +1,1 @@
+"""Local RPC between narad processes (Unix sockets, msgpack frames)."""

@@ -1,0 +1,634 @@
+"""The metastore state machine: applies committed Raft entries into LMDB.
+
+Only the supervisor's Raft tick thread writes here. Entries of one tick share
+one write transaction (``apply`` many times, then ``commit``); each entry's
+effects go into a child transaction so a refused entry leaves nothing behind,
+and the entry's index, the newest entry type applied and the LMDB transaction
+id that wrote them go into ``fsm_meta`` in the same transaction as the effects.
+After the commit the caller is told which version slots moved.
+
+Apply is deterministic: it reads only the entry and the database (times and
+ids were stamped at propose time), and it never raises, except ``FailStop`` for
+an entry this build cannot apply (unknown type) or a write the disk refuses
+for 30 s. A refused entry (exists, not found, compare-and-set missed) is a
+result, counted as applied like any other.
+
+Imports narad.meta.{commands,records,versions} and lmdb; nothing above.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import struct
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import lmdb
+import msgspec
+
+from narad.errors import FailStop
+from narad.meta import commands as C
+from narad.meta import records as R
+from narad.meta import versions as V
+
+log = logging.getLogger("narad.meta.fsm")
+
+DB_NAMES = (
+    "topics",
+    "topic_index",
+    "schemas",
+    "assignments",
+    "members",
+    "users",
+    "removed_members",
+    "remotes",
+    "fsm_meta",
+    "requests",
+    "request_times",
+)
+MAP_SIZE = 32 << 30  # address space only; never resized
+MAX_READERS = 512
+SCHEMA_VERSION_CAP = 1000
+REQUEST_MEMORY_MS = 10 * 60 * 1000  # idempotency keys are remembered this long (stamp time)
+PRUNE_PER_ENTRY = 64
+DISK_RETRY_FIRST = 0.1
+DISK_RETRY_MAX_SLEEP = 5.0
+DISK_RETRY_BUDGET = 30.0
+
+_U64 = struct.Struct(">Q")
+K_APPLIED = b"applied_index"
+K_TXN = b"applied_txn"
+K_NEWEST = b"newest_type"
+K_MAX_STAMP = b"max_stamp_ms"
+
+_req_enc = msgspec.msgpack.Encoder()
+_req_dec = msgspec.msgpack.Decoder(tuple[int, C.ApplyResult])
+
+Handler = Callable[[Any, Any, int], "tuple[C.ApplyResult, set[int]]"]
+
+
+def open_env(path: Path, *, readonly: bool = False) -> lmdb.Environment:
+    if readonly:
+        return lmdb.open(
+            str(path), readonly=True, lock=True, map_size=MAP_SIZE, max_dbs=len(DB_NAMES) + 4,
+            max_readers=MAX_READERS, max_spare_txns=2,
+        )
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return lmdb.open(
+        str(path), map_size=MAP_SIZE, max_dbs=len(DB_NAMES) + 4, max_readers=MAX_READERS,
+        sync=True, metasync=False, writemap=False, mode=0o600,
+    )
+
+
+def open_dbs(env: lmdb.Environment, *, create: bool) -> dict[str, Any]:
+    if create:
+        return {n: env.open_db(n.encode(), create=True) for n in DB_NAMES}
+    return {n: env.open_db(n.encode(), create=False) for n in DB_NAMES}
+
+
+def _ok(msg: str = "") -> C.ApplyResult:
+    return C.ApplyResult(C.Result.OK, msg)
+
+
+def _refuse(code: C.Result, msg: str) -> C.ApplyResult:
+    return C.ApplyResult(code, msg)
+
+
+class FSM:
+    def __init__(
+        self,
+        path: Path,
+        *,
+        on_commit: Callable[[set[int], int], None] | None = None,
+        max_entry_type: int = C.NEWEST_ENTRY_TYPE,
+    ) -> None:
+        self.path = Path(path)
+        self.env = open_env(self.path)
+        self.dbs = open_dbs(self.env, create=True)
+        self.on_commit = on_commit
+        self.max_entry_type = max_entry_type
+        self._txn: lmdb.Transaction | None = None
+        self._batch: list[tuple[int, bytes]] = []
+        self._batch_start_applied = 0
+        self._touched: set[int] = set()
+        self.failed: FailStop | None = None
+        self.on_replace: Callable[[], None] | None = None
+        # Held while the environment object is replaced (snapshot install) and
+        # by readers sharing this environment from other threads.
+        self.swap_lock = threading.RLock()
+        with self.env.begin() as txn:
+            self.applied_index = self._meta_u64(txn, K_APPLIED)
+            self.applied_txn = self._meta_u64(txn, K_TXN)
+            raw = txn.get(K_NEWEST, db=self.dbs["fsm_meta"])
+            self.newest_type = raw[0] if raw else 0
+        self._handlers: dict[int, Handler] = {
+            C.EntryType.NOOP: self._noop,
+            C.EntryType.CREATE_TOPIC: self._create_topic,
+            C.EntryType.DELETE_TOPIC: self._delete_topic,
+            C.EntryType.UPDATE_TOPIC: self._update_topic,
+            C.EntryType.PUT_SCHEMA: self._put_schema,
+            C.EntryType.ASSIGN_PARTITIONS: self._assign,
+            C.EntryType.REGISTER_MEMBER: self._register_member,
+            C.EntryType.HEARTBEAT: self._heartbeat,
+            C.EntryType.MARK_DEAD: self._mark_dead,
+            C.EntryType.CREATE_USER: self._create_user,
+            C.EntryType.UPDATE_GRANTS: self._update_grants,
+            C.EntryType.UPDATE_PASSWORD: self._update_password,
+            C.EntryType.DELETE_USER: self._delete_user,
+        }
+
+    # ---- bookkeeping ------------------------------------------------------
+    def _meta_u64(self, txn: lmdb.Transaction, key: bytes) -> int:
+        raw = txn.get(key, db=self.dbs["fsm_meta"])
+        return _U64.unpack(raw)[0] if raw else 0
+
+    def last_txnid(self) -> int:
+        return int(self.env.info()["last_txnid"])
+
+    @property
+    def index_trusted(self) -> bool:
+        """True when nothing but this FSM wrote the file since it stored its index."""
+        return self.applied_index > 0 and self.applied_txn == self.last_txnid()
+
+    def is_empty(self) -> bool:
+        with self.env.begin() as txn:
+            for name in ("topics", "users", "members", "assignments", "schemas", "remotes"):
+                if txn.stat(self.dbs[name])["entries"]:
+                    return False
+        return True
+
+    # ---- apply ------------------------------------------------------------
+    def apply(self, index: int, data: bytes) -> C.ApplyResult:
+        """Apply one committed entry into the open batch. Never raises except FailStop."""
+        if self.failed is not None:
+            raise self.failed
+        if index <= self.applied_index:
+            # Already in the database (a restart replays the log): skip, never apply twice.
+            return C.ApplyResult(C.Result.OK, "already applied", index)
+        if self._txn is None:
+            self._txn = self.env.begin(write=True)
+            self._batch = []
+            self._batch_start_applied = self.applied_index
+        self._batch.append((index, data))
+        result = self._apply_with_disk_retry(index, data)
+        return result
+
+    def _apply_with_disk_retry(self, index: int, data: bytes) -> C.ApplyResult:
+        try:
+            return self._apply_one(index, data)
+        except lmdb.Error as e:
+            log.error("metastore: could not write raft entry; retrying", extra={"index": index, "err": str(e)})
+            self._retry_batch(e)
+            # The retry re-applied the whole batch, this entry included.
+            return self._last_result
+
+    def _apply_one(self, index: int, data: bytes) -> C.ApplyResult:
+        txn = self._txn
+        assert txn is not None
+        op = data[0] if data else 0
+        try:
+            dec = C.decode(data)
+        except KeyError:
+            self._fail_stop(index, op, f"unknown raft entry type {op}")
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError) as e:
+            log.error("metastore: undecodable raft entry; refused on every node",
+                      extra={"index": index, "type": op, "err": str(e)})
+            result = C.ApplyResult(C.Result.UNDECODABLE, f"undecodable entry: {e}")
+            self._finish(txn, index, op, "", 0, result)
+            return result
+        if op > self.max_entry_type:
+            self._fail_stop(index, op, f"raft entry type {op} is newer than this node applies "
+                                       f"({self.max_entry_type})")
+        if dec.request_id:
+            prior = txn.get(dec.request_id.encode(), db=self.dbs["requests"])
+            if prior is not None:
+                _, earlier = _req_dec.decode(prior)
+                result = C.ApplyResult(earlier.code, earlier.message, earlier.index)
+                self._finish(txn, index, op, "", dec.stamp_ms, result, record=False)
+                return result
+        child = self.env.begin(write=True, parent=txn)
+        try:
+            result, slots = self._handlers[op](child, dec.payload, dec.stamp_ms)
+        except lmdb.Error:
+            child.abort()
+            raise
+        except Exception as e:  # a bug: refuse deterministically rather than wedge Raft
+            child.abort()
+            log.exception("metastore: apply of entry failed; refused", extra={"index": index, "type": op})
+            result, slots = C.ApplyResult(C.Result.REFUSED, f"internal error applying entry: {e}"), set()
+        else:
+            if result.code == C.Result.OK:
+                child.commit()
+                self._touched |= slots
+            else:
+                child.abort()
+        result.index = index
+        self._finish(txn, index, op, dec.request_id, dec.stamp_ms, result)
+        return result
+
+    def _finish(
+        self, txn: lmdb.Transaction, index: int, op: int, request_id: str, stamp_ms: int,
+        result: C.ApplyResult, record: bool = True,
+    ) -> None:
+        meta = self.dbs["fsm_meta"]
+        txn.put(K_APPLIED, _U64.pack(index), db=meta)
+        if op > self.newest_type:
+            self.newest_type = op
+            txn.put(K_NEWEST, bytes([op]), db=meta)
+        if request_id and record:
+            self._remember_request(txn, request_id, stamp_ms, result)
+        self.applied_index = index
+        self._last_result = result
+
+    def _remember_request(self, txn: lmdb.Transaction, rid: str, stamp_ms: int, result: C.ApplyResult) -> None:
+        meta, reqs, times = self.dbs["fsm_meta"], self.dbs["requests"], self.dbs["request_times"]
+        rkey = rid.encode()
+        txn.put(rkey, _req_enc.encode((stamp_ms, result)), db=reqs)
+        txn.put(_U64.pack(max(stamp_ms, 0)) + rkey, b"", db=times)
+        max_stamp = max(self._meta_u64(txn, K_MAX_STAMP), stamp_ms)
+        txn.put(K_MAX_STAMP, _U64.pack(max(max_stamp, 0)), db=meta)
+        bound = _U64.pack(max(max_stamp - REQUEST_MEMORY_MS, 0))
+        cur = txn.cursor(db=times)
+        n = 0
+        if cur.first():
+            while n < PRUNE_PER_ENTRY and cur.key() < bound:
+                txn.delete(cur.key()[8:], db=reqs)
+                if not cur.delete():
+                    break
+                n += 1
+
+    def _fail_stop(self, index: int, op: int, why: str) -> None:
+        from narad import BUILD
+
+        self.failed = FailStop(why, index=index, entry_type=op)
+        log.error("metastore: stopped applying raft entries",
+                  extra={"index": index, "type": op, "build": BUILD, "reason": why})
+        if self._txn is not None:
+            # Nothing of this batch is kept: a restart replays every entry of it.
+            self._txn.abort()
+            self._txn = None
+            self.applied_index = self._batch_start_applied
+        raise self.failed
+
+    def _rebuild(self) -> lmdb.Error | None:
+        """Abort the open batch and re-apply every entry of it into a fresh
+        transaction. Returns the disk error if that failed too."""
+        if self._txn is not None:
+            try:
+                self._txn.abort()
+            except lmdb.Error:
+                pass
+        self._txn = None
+        self.applied_index = self._batch_start_applied
+        self._touched = set()
+        try:
+            self._txn = self.env.begin(write=True)
+            for idx, data in list(self._batch):
+                self._apply_one(idx, data)
+        except lmdb.Error as e:
+            return e
+        return None
+
+    def _retry_batch(self, first_error: Exception) -> None:
+        """The disk refused a write: retry the whole batch (100 ms doubling to
+        5 s, for up to 30 s), then fail-stop."""
+        delay = DISK_RETRY_FIRST
+        deadline = time.monotonic() + DISK_RETRY_BUDGET
+        err: Exception = first_error
+        while time.monotonic() < deadline:
+            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+            delay = min(delay * 2, DISK_RETRY_MAX_SLEEP)
+            e = self._rebuild()
+            if e is None:
+                return
+            err = e
+        self._give_up(err)
+
+    def _give_up(self, err: Exception) -> None:
+        idx, data = self._batch[-1]
+        self._fail_stop(idx, data[0] if data else 0, f"the disk refused a metastore write for 30 s: {err}")
+
+    def commit(self) -> None:
+        """Commit the open batch (one fsync), then report the slots it moved."""
+        if self._txn is None:
+            return
+        delay = DISK_RETRY_FIRST
+        deadline = time.monotonic() + DISK_RETRY_BUDGET
+        while True:
+            txn = self._txn
+            try:
+                if txn is None:
+                    raise lmdb.Error("no transaction to commit")
+                txn_id = txn.id()
+                txn.put(K_TXN, _U64.pack(txn_id), db=self.dbs["fsm_meta"])
+                txn.commit()
+                self.applied_txn = txn_id
+                break
+            except lmdb.Error as e:
+                log.error("metastore: could not write raft entry; retrying", extra={"err": str(e)})
+                if time.monotonic() >= deadline:
+                    self._give_up(e)
+                time.sleep(delay)
+                delay = min(delay * 2, DISK_RETRY_MAX_SLEEP)
+                self._rebuild()
+        self._txn = None
+        self._batch = []
+        touched, self._touched = self._touched, set()
+        if self.on_commit is not None:
+            self.on_commit(touched, self.applied_index)
+
+    def abort(self) -> None:
+        if self._txn is not None:
+            self._txn.abort()
+            self._txn = None
+            self.applied_index = self._batch_start_applied
+            self._touched = set()
+
+    def snapshot_to(self, fd: int) -> int:
+        """Append a consistent copy of the database to ``fd``: LMDB copies the
+        file under a read transaction (no in-memory image). Returns the index
+        the copy holds."""
+        self.commit()
+        with self.swap_lock:
+            self.env.copyfd(fd)
+        return self.applied_index
+
+    def restore_from(self, path: str, offset: int, expected_index: int) -> None:
+        """Install a snapshot image: stream it into ``<fsm>.restore``, sync it,
+        check it holds ``expected_index``, then rename it over the FSM."""
+        restore = self.path.with_name(self.path.name + ".restore")
+        old = self.path.with_name(self.path.name + ".old")
+        for d in (restore, old):
+            _rmtree(d)
+        restore.mkdir(mode=0o700)
+        with open(path, "rb") as src, open(restore / "data.mdb", "wb") as dst:
+            src.seek(offset)
+            while True:
+                chunk = src.read(1 << 20)
+                if not chunk:
+                    break
+                dst.write(chunk)
+            dst.flush()
+            os.fsync(dst.fileno())
+        check = lmdb.open(str(restore), readonly=True, lock=False, max_dbs=len(DB_NAMES) + 4)
+        try:
+            meta = check.open_db(b"fsm_meta", create=False)
+            with check.begin() as txn:
+                raw = txn.get(K_APPLIED, db=meta)
+            got = _U64.unpack(raw)[0] if raw else 0
+        finally:
+            check.close()
+        if got != expected_index:
+            _rmtree(restore)
+            raise RuntimeError(f"snapshot image holds index {got}, its header says {expected_index}")
+        with self.swap_lock:
+            self.abort()
+            self.env.close()
+            os.replace(self.path, old)
+            os.replace(restore, self.path)
+            _fsync_dir(self.path.parent)
+            _rmtree(old)
+            self.env = open_env(self.path)
+            self.dbs = open_dbs(self.env, create=True)
+            with self.env.begin() as txn:
+                self.applied_index = self._meta_u64(txn, K_APPLIED)
+                self.applied_txn = self._meta_u64(txn, K_TXN)
+                raw = txn.get(K_NEWEST, db=self.dbs["fsm_meta"])
+                self.newest_type = raw[0] if raw else 0
+        log.info("metastore: snapshot installed", extra={"index": self.applied_index})
+        if self.on_replace is not None:
+            self.on_replace()
+
+    def sync(self) -> None:
+        self.env.sync(True)
+
+    def close(self) -> None:
+        self.abort()
+        self.env.close()
+
+    # ---- handlers: (txn, payload, stamp_ms) -> (result, touched slots) ----
+    def _noop(self, txn: Any, p: C.Noop, stamp: int) -> tuple[C.ApplyResult, set[int]]:
+        return _ok(), set()
+
+    def _get_topic(self, txn: Any, name: str) -> R.TopicRecord | None:
+        raw = txn.get(R.topic_key(name), db=self.dbs["topics"])
+        return R.TOPIC_DEC.decode(raw) if raw else None
+
+    def _put_topic(self, txn: Any, t: R.TopicRecord) -> None:
+        txn.put(R.topic_key(t.name), R.ENCODER.encode(t), db=self.dbs["topics"])
+
+    def _drop_prefix(self, txn: Any, db: str, prefix: bytes) -> None:
+        cur = txn.cursor(db=self.dbs[db])
+        if cur.set_range(prefix):
+            while cur.key().startswith(prefix):
+                if not cur.delete():
+                    break
+
+    def _create_topic(self, txn: Any, p: C.CreateTopic, stamp: int) -> tuple[C.ApplyResult, set[int]]:
+        t = p.topic
+        if t.partitions < 1:
+            return _refuse(C.Result.INVALID, "partitions must be positive"), set()
+        for part, owner in p.owners:
+            if not 0 <= part < t.partitions or not owner:
+                return _refuse(C.Result.INVALID, f"bad initial placement of partition {part}"), set()
+        if self._get_topic(txn, t.name) is not None:
+            return _refuse(C.Result.EXISTS, f'topic "{t.name}" already exists'), set()
+        clash = txn.get(R.fold_key(t.name), db=self.dbs["topic_index"])
+        if clash is not None:
+            other = clash.decode()
+            return _refuse(C.Result.EXISTS,
+                           f'topic "{t.name}" clashes with existing topic "{other}" '
+                           "(names are unique regardless of letter case)"), set()
+        # Rows an earlier topic of this name may have left behind belong to no one.
+        self._drop_prefix(txn, "assignments", R.part_prefix(t.name))
+        self._drop_prefix(txn, "schemas", R.part_prefix(t.name))
+        t.schema_version = 0
+        if p.schema is not None:
+            t.schema_version = 1
+            rec = R.SchemaRecord(topic_id=t.id, version=1, schema=p.schema, registered_ms=stamp)
+            txn.put(R.part_key(t.name, 1), R.ENCODER.encode(rec), db=self.dbs["schemas"])
+        self._put_topic(txn, t)
+        txn.put(R.fold_key(t.name), t.name.encode(), db=self.dbs["topic_index"])
+        adb = self.dbs["assignments"]
+        for part, owner in p.owners:
+            txn.put(R.part_key(t.name, part), R.ENCODER.encode(R.AssignmentRecord(owner, t.id)), db=adb)
+        return _ok(), {V.TOPICS, V.SCHEMAS, V.ASSIGNMENTS, V.name_slot(t.name)}
+
+    def _delete_topic(self, txn: Any, p: C.DeleteTopic, stamp: int) -> tuple[C.ApplyResult, set[int]]:
+        t = self._get_topic(txn, p.name)
+        if t is None:
+            return _refuse(C.Result.NOT_FOUND, f'topic "{p.name}" not found'), set()
+        txn.delete(R.topic_key(p.name), db=self.dbs["topics"])
+        txn.delete(R.fold_key(p.name), db=self.dbs["topic_index"])
+        self._drop_prefix(txn, "assignments", R.part_prefix(p.name))
+        self._drop_prefix(txn, "schemas", R.part_prefix(p.name))
+        return _ok(), {V.TOPICS, V.SCHEMAS, V.ASSIGNMENTS, V.name_slot(p.name)}
+
+    def _update_topic(self, txn: Any, p: C.UpdateTopic, stamp: int) -> tuple[C.ApplyResult, set[int]]:
+        t = self._get_topic(txn, p.name)
+        if t is None:
+            return _refuse(C.Result.NOT_FOUND, f'topic "{p.name}" not found'), set()
+        if p.partitions is not None:
+            if p.partitions < t.partitions:
+                return _refuse(C.Result.INVALID, "the partition count can only grow"), set()
+            t.partitions = p.partitions
+        if p.retention_ms is not None:
+            t.retention_ms = p.retention_ms
+        if p.max_in_flight_per_partition is not None:
+            t.max_in_flight_per_partition = p.max_in_flight_per_partition
+        if p.max_acked_ahead_per_partition is not None:
+            t.max_acked_ahead_per_partition = p.max_acked_ahead_per_partition
+        t.revision += 1
+        self._put_topic(txn, t)
+        return _ok(), {V.TOPICS, V.name_slot(t.name)}
+
+    def _put_schema(self, txn: Any, p: C.PutSchema, stamp: int) -> tuple[C.ApplyResult, set[int]]:
+        t = self._get_topic(txn, p.name)
+        if t is None:
+            return _refuse(C.Result.NOT_FOUND, f'topic "{p.name}" not found'), set()
+        if p.version != t.schema_version + 1:
+            return _refuse(C.Result.CHANGED, f"schema version {p.version} is not {t.schema_version} + 1"), set()
+        if p.version > SCHEMA_VERSION_CAP:
+            return _refuse(C.Result.INVALID, f"a topic keeps at most {SCHEMA_VERSION_CAP} schema versions"), set()
+        rec = R.SchemaRecord(topic_id=t.id, version=p.version, schema=p.schema, registered_ms=stamp)
+        txn.put(R.part_key(t.name, p.version), R.ENCODER.encode(rec), db=self.dbs["schemas"])
+        t.schema_version = p.version
+        t.revision += 1
+        self._put_topic(txn, t)
+        return _ok(), {V.TOPICS, V.SCHEMAS, V.name_slot(t.name)}
+
+    def _assign(self, txn: Any, p: C.AssignPartitions, stamp: int) -> tuple[C.ApplyResult, set[int]]:
+        t = self._get_topic(txn, p.name)
+        if t is None or t.id != p.topic_id:
+            return _refuse(C.Result.CHANGED, f'topic "{p.name}" changed since the placement was computed'), set()
+        for part, owner in p.owners:
+            if not 0 <= part < t.partitions:
+                return _refuse(C.Result.INVALID, f"partition {part} is not in topic {p.name}"), set()
+            if not owner:
+                return _refuse(C.Result.INVALID, "empty owner"), set()
+        db = self.dbs["assignments"]
+        for part, owner in p.owners:
+            txn.put(R.part_key(t.name, part), R.ENCODER.encode(R.AssignmentRecord(owner, t.id)), db=db)
+        return _ok(), {V.ASSIGNMENTS, V.name_slot(t.name)}
+
+    def _get_member(self, txn: Any, node_id: str) -> R.MemberRecord | None:
+        raw = txn.get(node_id.encode(), db=self.dbs["members"])
+        return R.MEMBER_DEC.decode(raw) if raw else None
+
+    def _register_member(self, txn: Any, p: C.RegisterMember, stamp: int) -> tuple[C.ApplyResult, set[int]]:
+        m = p.member
+        if txn.get(m.id.encode(), db=self.dbs["removed_members"]) is not None:
+            return _refuse(C.Result.REFUSED, f"member {m.id} was removed from the cluster"), set()
+        old = self._get_member(txn, m.id)
+        m.registered_ms = old.registered_ms if old else stamp
+        m.heartbeat_ms = stamp
+        m.status = "alive"
+        txn.put(m.id.encode(), R.ENCODER.encode(m), db=self.dbs["members"])
+        return _ok(), {V.MEMBERS}
+
+    def _heartbeat(self, txn: Any, p: C.Heartbeat, stamp: int) -> tuple[C.ApplyResult, set[int]]:
+        m = self._get_member(txn, p.node_id)
+        if m is None:
+            return _refuse(C.Result.NOT_FOUND, f"member {p.node_id} is not registered"), set()
+        m.heartbeat_ms = stamp
+        m.build = p.build
+        m.newest_entry_type = p.newest_entry_type
+        if p.client_addr:
+            m.client_addr = p.client_addr
+        if p.cluster_addr:
+            m.cluster_addr = p.cluster_addr
+        slots = {V.MEMBERS} if m.status != "alive" else set()
+        m.status = "alive"
+        txn.put(m.id.encode(), R.ENCODER.encode(m), db=self.dbs["members"])
+        # Heartbeats change no cached view unless a member came back to life.
+        return _ok(), slots
+
+    def _mark_dead(self, txn: Any, p: C.MarkDead, stamp: int) -> tuple[C.ApplyResult, set[int]]:
+        m = self._get_member(txn, p.node_id)
+        if m is None:
+            return _refuse(C.Result.NOT_FOUND, f"member {p.node_id} is not registered"), set()
+        m.status = "dead"
+        txn.put(m.id.encode(), R.ENCODER.encode(m), db=self.dbs["members"])
+        return _ok(), {V.MEMBERS}
+
+    def _get_user(self, txn: Any, name: str) -> R.UserRecord | None:
+        raw = txn.get(name.encode(), db=self.dbs["users"])
+        return R.USER_DEC.decode(raw) if raw else None
+
+    def _create_user(self, txn: Any, p: C.CreateUser, stamp: int) -> tuple[C.ApplyResult, set[int]]:
+        u = p.user
+        if self._get_user(txn, u.username) is not None:
+            return _refuse(C.Result.EXISTS, f'user "{u.username}" already exists'), set()
+        if u.root:
+            cur = txn.cursor(db=self.dbs["users"])
+            for _, raw in cur:
+                if R.USER_DEC.decode(raw).root:
+                    return _refuse(C.Result.EXISTS, "the root admin already exists"), set()
+        u.created_at_ms = u.updated_at_ms = stamp
+        txn.put(u.username.encode(), R.ENCODER.encode(u), db=self.dbs["users"])
+        return _ok(), {V.USERS}
+
+    def _update_grants(self, txn: Any, p: C.UpdateGrants, stamp: int) -> tuple[C.ApplyResult, set[int]]:
+        u = self._get_user(txn, p.username)
+        if u is None:
+            return _refuse(C.Result.NOT_FOUND, f'user "{p.username}" not found'), set()
+        if u.root:
+            return _refuse(C.Result.REFUSED, "the root admin's grants cannot change"), set()
+        u.grants = list(p.grants)
+        u.updated_at_ms = stamp
+        txn.put(u.username.encode(), R.ENCODER.encode(u), db=self.dbs["users"])
+        return _ok(), {V.USERS}
+
+    def _update_password(self, txn: Any, p: C.UpdatePassword, stamp: int) -> tuple[C.ApplyResult, set[int]]:
+        u = self._get_user(txn, p.username)
+        if u is None:
+            return _refuse(C.Result.NOT_FOUND, f'user "{p.username}" not found'), set()
+        u.password_hash = p.password_hash
+        u.updated_at_ms = stamp
+        txn.put(u.username.encode(), R.ENCODER.encode(u), db=self.dbs["users"])
+        return _ok(), {V.USERS}
+
+    def _delete_user(self, txn: Any, p: C.DeleteUser, stamp: int) -> tuple[C.ApplyResult, set[int]]:
+        u = self._get_user(txn, p.username)
+        if u is None:
+            return _refuse(C.Result.NOT_FOUND, f'user "{p.username}" not found'), set()
+        if u.root:
+            return _refuse(C.Result.REFUSED, "the root admin cannot be deleted"), set()
+        txn.delete(p.username.encode(), db=self.dbs["users"])
+        return _ok(), {V.USERS}
+
+
+def fsm_dir(data_dir: Path) -> Path:
+    return Path(data_dir) / "metastore" / "fsm"
+
+
+def _rmtree(p: Path) -> None:
+    if p.is_dir():
+        shutil.rmtree(p)
+    elif p.exists():
+        p.unlink()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def remove_leftovers(path: Path) -> None:
+    """Delete snapshot copies and half-written restores a crash left beside the FSM."""
+    parent = path.parent
+    if not parent.exists():
+        return
+    for p in parent.iterdir():
+        if p.name.startswith(path.name + ".snapshot-") or p.name in (path.name + ".restore", path.name + ".old"):
+            _rmtree(p)
+            log.info("metastore: removed leftover %s", p)
+

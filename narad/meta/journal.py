@@ -1,0 +1,221 @@
+"""A durable Raft log for pysyncobj (its own FileJournal never fsyncs).
+
+Same duck-typed interface as ``pysyncobj.journal.Journal`` (add, clear,
+deleteEntriesFrom/To, indexing, term/vote/commit-index storage), so the seam
+in narad.meta.raft can hand it to SyncObj. Entries are appended with plain
+writes and made durable by ``sync()`` (one fdatasync for everything appended
+since the last one): the seam calls it before a follower acknowledges
+AppendEntries and before the leader counts its own copy toward a commit.
+Term and vote are written durably (write, fsync, rename, fsync dir) before
+they are returned to Raft, as Raft requires.
+
+File ``log``: 8-byte magic, then frames ``u32 len | u32 crc32 | u64 idx |
+u64 term | command``. A torn tail (crash mid-append) is cut at open. File
+``meta``: msgpack {term, voted_for, commit_index}.
+
+Imports no narad module; only narad.meta.raft uses it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import zlib
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+log = logging.getLogger("narad.meta.journal")
+
+MAGIC = b"NRDLOG01"
+_HDR = struct.Struct(">IIQQ")  # len(idx+term+cmd), crc32(idx+term+cmd), idx, term
+_meta_enc = msgspec.msgpack.Encoder()
+_meta_dec = msgspec.msgpack.Decoder(dict[str, Any])
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_durably(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+class DurableJournal:
+    def __init__(self, directory: str | Path) -> None:
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.path = self.dir / "log"
+        self.meta_path = self.dir / "meta"
+        self._entries: list[tuple[bytes, int, int]] = []
+        self._offsets: list[int] = []  # file offset of each entry's frame
+        self._dirty = False
+        self.appended = False  # set on add(); the seam clears it
+        self._meta: dict[str, Any] = {}
+        if self.meta_path.exists():
+            try:
+                self._meta = _meta_dec.decode(self.meta_path.read_bytes())
+            except msgspec.DecodeError:
+                log.error("raft meta file %s is unreadable; starting from term 0", self.meta_path)
+        self._meta_saved_commit = self._meta.get("commit_index", 1)
+        self._fd = self._open_and_recover()
+
+    # ---- file handling ------------------------------------------------------
+    def _open_and_recover(self) -> int:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        data = b""
+        size = os.fstat(fd).st_size
+        if size:
+            data = os.pread(fd, size, 0)
+        if not data.startswith(MAGIC):
+            if data:
+                raise RuntimeError(f"{self.path} is not a narad raft log (bad magic); refusing to touch it")
+            os.write(fd, MAGIC)
+            os.fsync(fd)
+            _fsync_dir(self.dir)
+            return fd
+        pos = len(MAGIC)
+        n = len(data)
+        while pos + _HDR.size <= n:
+            length, crc, idx, term = _HDR.unpack_from(data, pos)
+            end = pos + 8 + length
+            if length < 16 or end > n:
+                break
+            body = data[pos + 8 : end]
+            if zlib.crc32(body) != crc:
+                break
+            self._entries.append((bytes(body[16:]), idx, term))
+            self._offsets.append(pos)
+            pos = end
+        if pos != n:
+            log.warning("raft log: cut a torn tail", extra={"path": str(self.path), "bytes": n - pos})
+            os.ftruncate(fd, pos)
+            os.fsync(fd)
+        os.lseek(fd, 0, os.SEEK_END)
+        return fd
+
+    def _end(self) -> int:
+        return os.lseek(self._fd, 0, os.SEEK_END)
+
+    # ---- pysyncobj Journal interface ---------------------------------------
+    def add(self, command: bytes, idx: int, term: int) -> None:
+        command = bytes(command)
+        body = struct.pack(">QQ", idx, term) + command
+        frame = struct.pack(">II", len(body), zlib.crc32(body)) + body
+        off = self._end()
+        os.write(self._fd, frame)
+        self._entries.append((command, idx, term))
+        self._offsets.append(off)
+        self._dirty = True
+        self.appended = True
+
+    def sync(self) -> None:
+        if self._dirty:
+            os.fdatasync(self._fd)
+            self._dirty = False
+
+    @property
+    def dirty(self) -> bool:
+        return self._dirty
+
+    def clear(self) -> None:
+        os.ftruncate(self._fd, len(MAGIC))
+        os.fsync(self._fd)
+        self._entries.clear()
+        self._offsets.clear()
+        self._dirty = False
+
+    def deleteEntriesFrom(self, entryFrom: int) -> None:
+        if entryFrom >= len(self._entries):
+            return
+        os.ftruncate(self._fd, self._offsets[entryFrom])
+        os.fsync(self._fd)
+        del self._entries[entryFrom:]
+        del self._offsets[entryFrom:]
+
+    def deleteEntriesTo(self, entryTo: int) -> None:
+        keep = self._entries[entryTo:]
+        tmp = self.dir / "log.compact"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        offsets = []
+        try:
+            buf = bytearray(MAGIC)
+            for command, idx, term in keep:
+                body = struct.pack(">QQ", idx, term) + command
+                offsets.append(len(buf))
+                buf += struct.pack(">II", len(body), zlib.crc32(body)) + body
+            os.write(fd, bytes(buf))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, self.path)
+        _fsync_dir(self.dir)
+        os.close(self._fd)
+        self._fd = os.open(self.path, os.O_RDWR)
+        os.lseek(self._fd, 0, os.SEEK_END)
+        self._entries = list(keep)
+        self._offsets = offsets
+        self._dirty = False
+
+    def __getitem__(self, item: Any) -> Any:
+        return self._entries[item]
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _destroy(self) -> None:
+        self.sync()
+        self._store_meta()
+        os.close(self._fd)
+
+    def flush(self) -> None:
+        self.sync()
+
+    def setRaftCommitIndex(self, raftCommitIndex: int) -> None:
+        self._meta["commit_index"] = raftCommitIndex
+
+    def getRaftCommitIndex(self) -> int:
+        return int(self._meta.get("commit_index", 1))
+
+    def setCurrentTerm(self, term: int, votedForNodeId: Any) -> None:
+        self._meta["term"] = term
+        self._meta["voted_for"] = None if votedForNodeId is None else str(votedForNodeId)
+        self._store_meta()
+
+    def getCurrentTerm(self) -> int:
+        return int(self._meta.get("term", 0))
+
+    def getVotedForNodeId(self) -> Any:
+        return self._meta.get("voted_for")
+
+    def onOneSecondTimer(self) -> None:
+        if self._meta.get("commit_index", 1) != self._meta_saved_commit:
+            self._store_meta()
+
+    def _store_meta(self) -> None:
+        write_durably(self.meta_path, _meta_enc.encode(self._meta))
+        self._meta_saved_commit = self._meta.get("commit_index", 1)
+
+    # ---- helpers for the seam ------------------------------------------------
+    def persisted_commit_index(self) -> int:
+        return int(self._meta_saved_commit)
+
+    def last_index(self) -> int:
+        return self._entries[-1][1] if self._entries else 0
+
+    def first_index(self) -> int:
+        return self._entries[0][1] if self._entries else 0

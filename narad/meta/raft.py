@@ -1,0 +1,509 @@
+"""The Raft seam: the only module that imports pysyncobj.
+
+Everything above sees a narrow interface: ``propose(bytes) -> ApplyResult``,
+``barrier()``, ``status()``, ``transfer_leadership()``, ``add_server()`` /
+``remove_server()`` and ``close()``, plus a ``StateMachine`` it drives with
+``apply(index, bytes)``, ``commit()``, ``snapshot_to(fd)`` and
+``restore_from(path)``. No pysyncobj type or pickle crosses it.
+
+What this module fixes or wraps in pysyncobj 0.3.17 (pinned in pyproject):
+* Durability: the journal is narad.meta.journal.DurableJournal (fsync), synced
+  before a follower acknowledges AppendEntries and at the start and end of
+  every tick, so nothing is counted toward a commit before it is on disk.
+* Safety: a follower truncates its log only on a term conflict (Raft 5.3);
+  pysyncobj truncated on any overlapping AppendEntries, dropping entries it had
+  already acknowledged.
+* Commit-then-answer: entries applied in a tick are committed to LMDB once, at
+  the end of the tick, and only then are waiting proposals resolved (on the
+  asyncio loop), so an answered write is visible to every local reader.
+* Never-raising apply: the state machine returns refusals as results; only
+  FailStop escapes, which stops the node instead of wedging the tick loop.
+* Deadlines: every proposal has one; pysyncobj can otherwise wait forever.
+* Snapshots are the state machine's own file copy plus a msgpack header.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import struct
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import msgspec
+import pysyncobj.syncobj as _so
+from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf, replicated
+from pysyncobj.journal import MemoryJournal
+from pysyncobj.version import VERSION as _PYSYNCOBJ_VERSION
+
+from narad.errors import FailStop, Unavailable
+from narad.meta.commands import ApplyResult
+from narad.meta.journal import DurableJournal
+
+log = logging.getLogger("narad.meta.raft")
+
+if _PYSYNCOBJ_VERSION != "0.3.17":  # pragma: no cover
+    raise ImportError("narad.meta.raft patches pysyncobj 0.3.17 internals; install exactly that release")
+
+_FOLLOWER, _CANDIDATE, _LEADER = 0, 1, 2
+ROLE_NAMES = {_FOLLOWER: "follower", _CANDIDATE: "candidate", _LEADER: "leader"}
+SNAP_MAGIC = b"NRDSNAP1"
+_U64 = struct.Struct(">Q")
+
+
+class StateMachine(Protocol):
+    applied_index: int
+
+    def apply(self, index: int, data: bytes) -> ApplyResult: ...
+    def commit(self) -> None: ...
+    def snapshot_to(self, fd: int) -> int: ...
+    def restore_from(self, path: str, offset: int, expected_index: int) -> None: ...
+
+
+class RaftUnavailable(Unavailable):
+    pass
+
+
+_REASONS = {
+    FAIL_REASON.QUEUE_FULL: "raft command queue is full",
+    FAIL_REASON.MISSING_LEADER: "no raft leader",
+    FAIL_REASON.DISCARDED: "the entry was discarded by a leader change",
+    FAIL_REASON.NOT_LEADER: "this node is not the raft leader",
+    FAIL_REASON.LEADER_CHANGED: "the raft leader changed",
+    FAIL_REASON.REQUEST_DENIED: "the raft leader refused the request",
+    FAIL_REASON.UNKNOWN_OUTCOME: "the outcome of the write is unknown",
+}
+
+
+def raft_password(secret: bytes) -> str:
+    """The pysyncobj password (Fernet key material) derived from the cluster secret."""
+    return hashlib.blake2b(secret, key=b"narad-raft-v1", digest_size=32).hexdigest()
+
+
+@dataclass
+class RaftStatus:
+    self_addr: str
+    role: str
+    term: int
+    leader: str | None
+    commit_index: int
+    applied_index: int  # what the state machine holds (committed to LMDB)
+    last_log_index: int
+    first_log_index: int
+    has_quorum: bool
+    leader_commit_index: int  # highest commit index a leader announced to us
+    last_leader_contact: float | None  # monotonic seconds; None if never
+    persisted_commit_index: int
+    peers: dict[str, bool]  # other voters -> connected
+    log_len: int
+
+
+def _create_journal(journal_file: Any = None) -> Any:
+    if journal_file is None:
+        return MemoryJournal()
+    return DurableJournal(journal_file)
+
+
+# SyncObj calls the module-level name ``createJournal``: hand it ours.
+_so.createJournal = _create_journal
+
+
+class _NaradSyncObj(SyncObj):
+    """SyncObj with narad's fixes. Private pysyncobj attributes are reached
+    through their mangled names; this is the reason for the exact pin."""
+
+    def __init__(self, seam: RaftNode, self_addr: str, peers: list[str], conf: SyncObjConf) -> None:
+        self._narad = seam
+        super().__init__(self_addr, peers, conf=conf)
+
+    @replicated
+    def _narad_apply(self, data: bytes) -> ApplyResult:
+        index = self.raftLastApplied + 1
+        return self._narad._apply(index, data)
+
+    def _onTick(self, timeToWait: float = 0.0) -> None:
+        # Entries appended during the previous poll (e.g. the no-op of a new
+        # term) must be on disk before this tick counts them toward a commit.
+        self._SyncObj__raftLog.sync()
+        super()._onTick(timeToWait)
+
+    def _SyncObj__onMessageReceived(self, node: Any, message: dict[str, Any]) -> None:
+        mtype = message.get("type")
+        if mtype == "append_entries" and message["term"] >= self._SyncObj__raftCurrentTerm:
+            self._narad.on_leader_contact(message["commit_index"])
+            if "prevLogIdx" in message:
+                self._narad_append_entries(node, message)
+                return
+        SyncObj._SyncObj__onMessageReceived(self, node, message)
+
+    def _narad_append_entries(self, node: Any, message: dict[str, Any]) -> None:
+        """pysyncobj's AppendEntries handling with Raft's conflict rule (5.3):
+        delete existing entries only from the first one whose term differs."""
+        term = message["term"]
+        if term > self._SyncObj__raftCurrentTerm:
+            self._SyncObj__transferInProgress = False
+        if not self._SyncObj__transferInProgress:
+            self._SyncObj__raftElectionDeadline = _so.monotonicTime() + self._SyncObj__generateRaftTimeout()
+        if self._SyncObj__raftLeader != node:
+            self._SyncObj__onLeaderChanged()
+        self._SyncObj__raftLeader = node
+        if term > self._SyncObj__raftCurrentTerm:
+            self._SyncObj__setCurrentTerm(term, None)
+        self._SyncObj__setState(_FOLLOWER)
+        new_entries = message.get("entries", [])
+        leader_commit = message["commit_index"]
+        self._SyncObj__leaderCommitIndex = leader_commit
+
+        transmission = message.get("transmission")
+        if transmission is not None:
+            if transmission == "start":
+                self._SyncObj__recvTransmission = message["data"]
+                self._SyncObj__sendNextNodeIdx(node, success=False, reset=False)
+                return
+            if transmission == "process":
+                self._SyncObj__recvTransmission += message["data"]
+                self._SyncObj__sendNextNodeIdx(node, success=False, reset=False)
+                return
+            if transmission == "finish":
+                self._SyncObj__recvTransmission += message["data"]
+                new_entries = [_so.pickle.loads(self._SyncObj__recvTransmission)]
+                self._SyncObj__recvTransmission = ""
+            else:
+                log.error("raft: unknown transmission type %r", transmission)
+                return
+
+        prev_idx = message["prevLogIdx"]
+        prev_term = message["prevLogTerm"]
+        prev_entries = self._SyncObj__getEntries(prev_idx)
+        if not prev_entries:
+            self._SyncObj__sendNextNodeIdx(node, success=False, reset=True)
+            return
+        if prev_entries[0][2] != prev_term:
+            self._SyncObj__sendNextNodeIdx(node, nextNodeIdx=prev_idx, success=False, reset=True)
+            return
+        existing = prev_entries[1:]
+        i = 0
+        while (
+            i < len(new_entries)
+            and i < len(existing)
+            and existing[i][1] == new_entries[i][1]
+            and existing[i][2] == new_entries[i][2]
+        ):
+            i += 1
+        log_obj = self._SyncObj__raftLog
+        conf = self._SyncObj__conf
+        if i < len(new_entries):
+            if i < len(existing):
+                conflict_idx = new_entries[i][1]
+                if conf.dynamicMembershipChange:
+                    for entry in reversed(existing[i:]):
+                        req = self._SyncObj__parseChangeClusterRequest(entry[0])
+                        if req is not None:
+                            self._SyncObj__doChangeCluster(req, reverse=True)
+                if conflict_idx <= self.raftLastApplied:
+                    log.critical("raft: a conflicting entry replaces an applied one",
+                                 extra={"index": conflict_idx, "applied": self.raftLastApplied})
+                self._SyncObj__deleteEntriesFrom(conflict_idx)
+            for entry in new_entries[i:]:
+                log_obj.add(*entry)
+            if conf.dynamicMembershipChange:
+                for entry in new_entries[i:]:
+                    req = self._SyncObj__parseChangeClusterRequest(entry[0])
+                    if req is not None:
+                        self._SyncObj__doChangeCluster(req)
+        last_new = new_entries[-1][1] if new_entries else prev_idx
+        # Raft: persist before answering.
+        log_obj.sync()
+        self._SyncObj__sendNextNodeIdx(node, nextNodeIdx=last_new + 1, success=True)
+        commit = self._SyncObj__raftCommitIndex
+        last_log = self._SyncObj__getCurrentLogIndex()
+        if commit > last_log:
+            commit = last_log
+        if leader_commit > commit:
+            commit = max(commit, min(leader_commit, last_new))
+        self._SyncObj__raftCommitIndex = commit
+        log_obj.setRaftCommitIndex(commit)
+
+
+class RaftNode:
+    def __init__(
+        self,
+        *,
+        self_addr: str,
+        peers: list[str],
+        raft_dir: Path,
+        sm: StateMachine,
+        loop: asyncio.AbstractEventLoop,
+        password: str | None,
+        bind_host: str,
+        election_timeout: tuple[float, float] = (0.3, 0.7),
+        snapshot_threshold: int = 8192,
+        on_state_change: Callable[[str], None] | None = None,
+        on_fail_stop: Callable[[FailStop], None] | None = None,
+        on_commit: Callable[[], None] | None = None,
+    ) -> None:
+        self.self_addr = self_addr
+        self.peers = [p for p in peers if p != self_addr]
+        self.raft_dir = Path(raft_dir)
+        self.raft_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        (self.raft_dir / "snapshots").mkdir(exist_ok=True, mode=0o700)
+        self.sm = sm
+        self.loop = loop
+        self.password = password
+        self.bind_host = bind_host
+        self.election_timeout = election_timeout
+        self.snapshot_threshold = snapshot_threshold
+        self.on_state_change = on_state_change
+        self.on_fail_stop = on_fail_stop
+        self.on_commit = on_commit
+        self._obj: _NaradSyncObj | None = None
+        self._completions: list[tuple[asyncio.Future[ApplyResult], ApplyResult]] = []
+        self._last_contact: float | None = None
+        self._leader_commit_seen = 0
+        self._fail: FailStop | None = None
+        self._closed = False
+        self._lock = threading.Lock()
+        self._role = "follower"
+
+    @property
+    def snapshot_file(self) -> Path:
+        return self.raft_dir / "snapshots" / "latest.snap"
+
+    def start(self) -> None:
+        lo, hi = self.election_timeout
+        ae_period = min(0.05, lo / 4)
+        conf = SyncObjConf(
+            journalFile=str(self.raft_dir),
+            fullDumpFile=str(self.snapshot_file),
+            serializer=self._serialize,
+            deserializer=self._deserialize,
+            bindAddress=f"{self.bind_host}:{self.self_addr.rsplit(':', 1)[1]}",
+            password=self.password,
+            autoTick=True,
+            autoTickPeriod=0.05,
+            appendEntriesUseBatch=False,
+            appendEntriesPeriod=ae_period,
+            appendEntriesBatchSizeBytes=4 << 20,
+            raftMinTimeout=lo,
+            raftMaxTimeout=hi,
+            leaderFallbackTimeout=max(3 * hi, 1.0),
+            connectionTimeout=max(hi, 1.0),
+            connectionRetryTime=0.25,
+            commandsWaitLeader=False,
+            dynamicMembershipChange=True,
+            logCompactionMinEntries=1 << 62,  # compaction is forced by maybe_snapshot()
+            logCompactionMinTime=1 << 40,
+            onStateChanged=self._on_state_changed,
+        )
+        self._obj = _NaradSyncObj(self, self.self_addr, self.peers, conf)
+        self._obj.addOnTickCallback(self._on_tick_end)
+
+    # ---- called on the tick thread -------------------------------------------
+    def _apply(self, index: int, data: bytes) -> ApplyResult:
+        try:
+            return self.sm.apply(index, data)
+        except FailStop as e:
+            self._raise_fail_stop(e)
+            raise
+
+    def _raise_fail_stop(self, e: FailStop) -> None:
+        with self._lock:
+            first = self._fail is None
+            self._fail = e
+        if first and self.on_fail_stop is not None:
+            self.loop.call_soon_threadsafe(self.on_fail_stop, e)
+
+    def _on_tick_end(self) -> None:
+        obj = self._obj
+        if obj is None or self._fail is not None:
+            return
+        journal = obj._SyncObj__raftLog
+        journal.sync()
+        try:
+            self.sm.commit()
+        except FailStop as e:
+            self._raise_fail_stop(e)
+            return
+        if self._completions:
+            done, self._completions = self._completions, []
+            self.loop.call_soon_threadsafe(_resolve_all, done)
+        if self.on_commit is not None:
+            self.on_commit()
+        if journal.appended:
+            journal.appended = False
+            # New entries: run the next tick now instead of after the poll
+            # timeout (a single voter commits them on its next tick).
+            notifier = getattr(obj, "_SyncObj__pipeNotifier", None)
+            if notifier is not None:
+                notifier.notify()
+
+    def _on_state_changed(self, old: int, new: int) -> None:
+        self._role = ROLE_NAMES.get(new, "follower")
+        if self.on_state_change is not None:
+            self.loop.call_soon_threadsafe(self.on_state_change, self._role)
+
+    def on_leader_contact(self, leader_commit: int) -> None:
+        self._last_contact = time.monotonic()
+        if leader_commit > self._leader_commit_seen:
+            self._leader_commit_seen = leader_commit
+
+    # ---- snapshots (tick thread) ---------------------------------------------
+    def _serialize(self, file_name: str, data: tuple[Any, Any, Any]) -> None:
+        last, before, cluster = data
+        if self.sm.applied_index != last[1]:
+            # The FSM holds more than the log handed it since start (replay is
+            # still skipping): an image labelled `last` would run past its label.
+            raise RuntimeError("state machine is ahead of the raft log; snapshot postponed")
+        header = msgspec.msgpack.encode(
+            {
+                "last": [bytes(last[0]), last[1], last[2]],
+                "before": [bytes(before[0]), before[1], before[2]],
+                "cluster": sorted(str(n.id if hasattr(n, "id") else n) for n in cluster),
+                "fsm_index": self.sm.applied_index,
+            }
+        )
+        fd = os.open(file_name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, SNAP_MAGIC + _U64.pack(len(header)) + header)
+            self.sm.snapshot_to(fd)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _deserialize(self, file_name: str) -> tuple[Any, Any, Any]:
+        with open(file_name, "rb") as fh:
+            magic = fh.read(len(SNAP_MAGIC))
+            if magic != SNAP_MAGIC:
+                raise RuntimeError(f"{file_name} is not a narad snapshot")
+            (n,) = _U64.unpack(fh.read(8))
+            header = msgspec.msgpack.decode(fh.read(n))
+            offset = fh.tell()
+        snap_index = int(header["fsm_index"])
+        if self.sm.applied_index < snap_index:
+            log.info("metastore: restoring snapshot", extra={"snapshot_index": snap_index,
+                                                             "fsm_index": self.sm.applied_index})
+            self.sm.restore_from(file_name, offset, snap_index)
+        last = tuple(header["last"])
+        before = tuple(header["before"])
+        return last, before, list(header["cluster"])
+
+    # ---- the seam's API (asyncio loop thread) --------------------------------
+    async def propose(self, data: bytes, timeout: float) -> ApplyResult:
+        """Propose an entry and wait until this node's state machine applied and
+        committed it. Raises RaftUnavailable on no leader / timeout / step-down:
+        the entry may still commit later, so callers retry with the same
+        request id (the state machine answers the first result again)."""
+        if self._fail is not None:
+            raise RaftUnavailable("metastore stopped applying raft entries")
+        if self._obj is None or self._closed:
+            raise RaftUnavailable("raft is not running")
+        fut: asyncio.Future[ApplyResult] = self.loop.create_future()
+        loop = self.loop
+
+        def cb(res: Any, err: int) -> None:  # tick thread
+            if err == FAIL_REASON.SUCCESS:
+                self._completions.append((fut, res))
+            else:
+                loop.call_soon_threadsafe(_fail_fut, fut, RaftUnavailable(_REASONS.get(err, f"raft error {err}")))
+
+        self._obj._narad_apply(data, callback=cb)
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        except TimeoutError:
+            raise RaftUnavailable(f"metadata write timed out after {timeout:g}s (no quorum?)") from None
+
+    def is_leader(self) -> bool:
+        return self._obj is not None and self._obj._isLeader()
+
+    def leader(self) -> str | None:
+        if self._obj is None:
+            return None
+        node = self._obj._getLeader()
+        return None if node is None else str(node.id)
+
+    def status(self) -> RaftStatus:
+        obj = self._obj
+        if obj is None:
+            return RaftStatus(self.self_addr, "stopped", 0, None, 0, self.sm.applied_index, 0, 0, False,
+                              0, None, 0, {}, 0)
+        st = obj.getStatus()
+        journal: DurableJournal = obj._SyncObj__raftLog
+        peers = {str(n.id): obj.isNodeConnected(n) for n in obj.otherNodes}
+        leader = st.get("leader")
+        return RaftStatus(
+            self_addr=self.self_addr,
+            role=ROLE_NAMES.get(st["state"], "follower"),
+            term=st["raft_term"],
+            leader=None if leader is None else str(getattr(leader, "id", leader)),
+            commit_index=st["commit_idx"],
+            applied_index=self.sm.applied_index,
+            last_log_index=journal.last_index(),
+            first_log_index=journal.first_index(),
+            has_quorum=st["has_quorum"],
+            leader_commit_index=max(self._leader_commit_seen, st.get("leader_commit_idx") or 0),
+            last_leader_contact=self._last_contact,
+            persisted_commit_index=journal.persisted_commit_index(),
+            peers=peers,
+            log_len=st["log_len"],
+        )
+
+    def caught_up(self, freshness: float = 5.0) -> bool:
+        """AppliedCaughtUp: a leader is known, heard from within `freshness`
+        seconds (or this node leads), and everything committed is applied."""
+        st = self.status()
+        if st.leader is None:
+            return False
+        if st.role != "leader":
+            if st.last_leader_contact is None or time.monotonic() - st.last_leader_contact > freshness:
+                return False
+            return st.applied_index >= max(st.commit_index, st.leader_commit_index)
+        return st.applied_index >= st.commit_index
+
+    def maybe_snapshot(self) -> bool:
+        """Force a log compaction if the log holds at least the threshold."""
+        obj = self._obj
+        if obj is None or len(obj._SyncObj__raftLog) < self.snapshot_threshold:
+            return False
+        obj.forceLogCompaction()
+        return True
+
+    def force_snapshot(self) -> None:
+        if self._obj is not None:
+            self._obj.forceLogCompaction()
+
+    def transfer_leadership(self, target: str | None = None) -> None:
+        if self._obj is not None and self._obj._isLeader():
+            self._obj.transferLeadership(target)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        obj = self._obj
+        if obj is not None:
+            obj.destroy()
+            # The tick thread closes the transport and the journal, then exits.
+            thread = getattr(obj, "_SyncObj__thread", None)
+            if thread is not None and thread is not threading.current_thread():
+                thread.join(timeout=5)
+        err = RaftUnavailable("raft stopped")
+        for fut, _ in self._completions:
+            self.loop.call_soon_threadsafe(_fail_fut, fut, err)
+        self._completions = []
+
+
+def _resolve_all(done: list[tuple[asyncio.Future[ApplyResult], ApplyResult]]) -> None:
+    for fut, res in done:
+        if not fut.done():
+            fut.set_result(res)
+
+
+def _fail_fut(fut: asyncio.Future[Any], err: Exception) -> None:
+    if not fut.done():
+        fut.set_exception(err)

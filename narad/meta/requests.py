@@ -1,0 +1,145 @@
+"""Requests a worker (or naradctl) sends to the supervisor's metadata
+service over local RPC (narad.ipc), and the replies. Tagged msgspec structs;
+pure data.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from narad.meta.grants import Identity
+from narad.meta.records import Grant
+
+
+class CreateTopicReq(msgspec.Struct, tag=True):
+    who: Identity
+    name: str
+    partitions: int | None = None
+    retention_ms: int | None = None
+    visibility_timeout_ms: int | None = None
+    max_in_flight_per_partition: int | None = None
+    max_acked_ahead_per_partition: int | None = None
+    schema: bytes | None = None
+
+
+class AlterTopicReq(msgspec.Struct, tag=True):
+    who: Identity
+    name: str
+    retention_ms: int | None = None
+    max_in_flight_per_partition: int | None = None
+    max_acked_ahead_per_partition: int | None = None
+    partitions: int | None = None
+    schema: bytes | None = None
+    schema_base_version: int | None = None
+
+
+class DeleteTopicReq(msgspec.Struct, tag=True):
+    who: Identity
+    name: str
+
+
+class CreateUserReq(msgspec.Struct, tag=True):
+    who: Identity
+    username: str
+    password_hash: bytes
+    grants: list[Grant] = []
+
+
+class SetGrantsReq(msgspec.Struct, tag=True):
+    who: Identity
+    username: str
+    grants: list[Grant]
+
+
+class SetPasswordReq(msgspec.Struct, tag=True):
+    who: Identity
+    username: str
+    password_hash: bytes
+    current_password_verified: bool = False
+
+
+class DeleteUserReq(msgspec.Struct, tag=True):
+    who: Identity
+    username: str
+
+
+class AuthAttemptReq(msgspec.Struct, tag=True):
+    """Ask before a bcrypt check for ``username``: is it throttled?"""
+
+    username: str
+
+
+class AuthAttemptResp(msgspec.Struct):
+    allowed: bool
+    retry_after: float = 0.0
+
+
+class AuthOutcome(msgspec.Struct, tag=True):
+    """Report a bcrypt check's outcome (a note: no reply)."""
+
+    username: str
+    ok: bool
+
+
+class StatusReq(msgspec.Struct, tag=True):
+    pass
+
+
+class Empty(msgspec.Struct):
+    pass
+
+
+class MembersReq(msgspec.Struct, tag=True):
+    pass
+
+
+class MemberView(msgspec.Struct):
+    id: str
+    addr: str
+    status: str
+    draining: bool
+    owned_partitions: int
+    outbound_moves: int
+    voter: bool
+    leader: bool
+    heartbeat_age_seconds: float
+
+
+class MembersResp(msgspec.Struct):
+    members: list[MemberView]
+
+
+class RaftView(msgspec.Struct):
+    role: str
+    term: int
+    leader: str | None
+    leader_id: str | None
+    commit_index: int
+    applied_index: int
+    last_log_index: int
+    first_log_index: int
+    persisted_commit_index: int
+    has_quorum: bool
+    leader_contact_age_seconds: float | None
+
+
+class WorkerView(msgspec.Struct):
+    index: int
+    pid: int
+    core: int | None
+    uptime_seconds: float
+    restarts: int
+    alive: bool
+
+
+class NodeStatus(msgspec.Struct):
+    node_id: str
+    build: str
+    ready: bool
+    reason: str
+    raft: RaftView
+    workers: list[WorkerView]
+    data_dir: str
+    client_port: int
+    raft_port: int
+    cluster_port: int

@@ -1,0 +1,365 @@
+"""The metadata service: every metastore write of the node goes through here.
+
+Runs in the supervisor. It re-checks each request against the local replica
+(authorization, existence, rules), stamps what apply must not compute (clock,
+incarnation ids), proposes one Raft entry per change with a request id and a
+deadline, and answers once the local FSM committed the entry, so a read on
+this node right after the answer sees the write. Leader-side checks run
+under a per-name lock and, once per Raft term, after a barrier (an election
+proves the log; only a barrier proves the state).
+
+Imports narad.meta.* and narad.errors; used by the supervisor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Callable
+
+import msgspec
+
+from narad.config import Config
+from narad.errors import BadRequest, Conflict, Forbidden, NotFound, Unavailable
+from narad.meta import commands as C
+from narad.meta import grants as G
+from narad.meta import requests as Q
+from narad.meta import schemas as S
+from narad.meta import validate as VAL
+from narad.meta.raft import RaftNode, RaftUnavailable
+from narad.meta.records import Grant, MemberRecord, TopicRecord, UserRecord
+from narad.meta.store import MetaStore
+
+log = logging.getLogger("narad.meta.service")
+audit = logging.getLogger("narad.audit")
+
+RETRY_SLEEP = 0.05
+
+
+class MetaService:
+    def __init__(
+        self,
+        cfg: Config,
+        raft: RaftNode,
+        store: MetaStore,
+        node_id: str,
+        *,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.cfg = cfg
+        self.raft = raft
+        self.store = store
+        self.node_id = node_id
+        self.clock = clock
+        self.write_timeout = cfg.seconds("cluster", "write_timeout")
+        self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self._barrier_term = -1
+        self.stopped = False
+
+    # ---- proposing -------------------------------------------------------------
+    def now_ms(self) -> int:
+        return int(self.clock() * 1000)
+
+    async def write(
+        self, payload: msgspec.Struct, *, request_id: str | None = None, deadline: float | None = None
+    ) -> C.ApplyResult:
+        """Propose one entry; retry (same request id) until it applies or the
+        deadline passes. Raises Unavailable on no leader / no quorum."""
+        if self.stopped:
+            raise Unavailable("metastore stopped applying raft entries; the node is stopping")
+        rid = request_id or uuid.uuid4().hex
+        end = deadline if deadline is not None else time.monotonic() + self.write_timeout
+        data = C.encode(payload, request_id=rid, stamp_ms=self.now_ms())
+        uncertain = False
+        last_err = "no raft leader"
+        while True:
+            remaining = end - time.monotonic()
+            if remaining <= 0:
+                msg = f"metadata write failed: {last_err}"
+                if uncertain:
+                    msg += "; the write may have landed, read it back before retrying"
+                raise Unavailable(msg, headers=[("Retry-After", "1")])
+            try:
+                return await self.raft.propose(data, min(remaining, max(1.0, self.write_timeout / 3)))
+            except RaftUnavailable as e:
+                last_err = e.message
+                if "timed out" in e.message or "unknown" in e.message or "changed" in e.message:
+                    uncertain = True
+                if self.stopped:
+                    raise Unavailable("metastore stopped applying raft entries; the node is stopping") from None
+                await asyncio.sleep(min(RETRY_SLEEP, max(0.0, end - time.monotonic())))
+
+    async def barrier(self, timeout: float = 5.0) -> int:
+        """Wait until this node's FSM applied everything committed so far."""
+        res = await self.write(C.Noop(), deadline=time.monotonic() + timeout)
+        return res.index
+
+    async def _leader_view(self) -> None:
+        """Before trusting the local replica for a decision, a leader passes a
+        barrier once per term."""
+        st = self.raft.status()
+        if st.role == "leader" and st.term != self._barrier_term:
+            await self.barrier()
+            self._barrier_term = st.term
+
+    # ---- helpers ----------------------------------------------------------------
+    def _user(self, who: G.Identity) -> UserRecord | None:
+        if who.name is None:
+            return None
+        with self.store.read() as r:
+            return r.user(who.name)
+
+    def _require_known(self, who: G.Identity) -> UserRecord | None:
+        if who.unrestricted:
+            return None
+        user = self._user(who)
+        if user is None:
+            raise Forbidden("caller unknown to the leader")
+        return user
+
+    @staticmethod
+    def _check(res: C.ApplyResult, what: str) -> None:
+        if res.code == C.Result.OK:
+            return
+        if res.code == C.Result.EXISTS:
+            raise Conflict(res.message)
+        if res.code == C.Result.NOT_FOUND:
+            raise NotFound(res.message)
+        if res.code == C.Result.CHANGED:
+            raise Conflict(f"{what} changed since it was read")
+        if res.code == C.Result.INVALID:
+            raise BadRequest(f"invalid argument: {res.message}")
+        raise Conflict(res.message or f"{what} refused")
+
+    def _topic_defaults(self) -> tuple[int, int, int, int, int]:
+        t = self.cfg.topic
+        return (t.default_partitions, t.default_retention_age_ms, t.default_visibility_timeout_ms,
+                t.default_max_in_flight_per_partition, t.default_max_acked_ahead_per_partition)
+
+    def alive_members(self) -> list[MemberRecord]:
+        with self.store.read() as r:
+            return sorted((m for m in r.members() if m.status == "alive" and not m.draining), key=lambda m: m.id)
+
+    # ---- topics -------------------------------------------------------------------
+    async def create_topic(self, req: Q.CreateTopicReq) -> TopicRecord:
+        name = VAL.topic_name(req.name)
+        d_parts, d_ret, d_vis, d_inflight, d_ahead = self._topic_defaults()
+        parts = VAL.partitions(req.partitions or d_parts, self.cfg.topic.max_partitions)
+        retention = d_ret if req.retention_ms is None else VAL.retention_ms(req.retention_ms)
+        vis = VAL.positive_or_default("visibility_timeout_ms", req.visibility_timeout_ms, d_vis)
+        inflight = VAL.positive_or_default("max_in_flight_per_partition", req.max_in_flight_per_partition, d_inflight)
+        ahead = VAL.positive_or_default("max_acked_ahead_per_partition", req.max_acked_ahead_per_partition, d_ahead)
+        if retention and vis > retention:
+            raise BadRequest("invalid argument: visibility_timeout_ms must not exceed retention_ms")
+        schema = None
+        if req.schema is not None:
+            S.parse_registrable(req.schema)
+            schema = req.schema
+        user = self._require_known(req.who)
+        if not req.who.unrestricted and not G.has_grant(user, "create", name):
+            raise Forbidden(f'create not allowed for topic name "{name}"')
+        async with self._locks[name.casefold()]:
+            await self._leader_view()
+            with self.store.read() as r:
+                if r.topic(name) is not None:
+                    raise Conflict(f'topic "{name}" already exists')
+                clash = r.topic_clash(name)
+                if clash is not None:
+                    raise Conflict(f'topic "{name}" clashes with existing topic "{clash}" '
+                                   "(names are unique regardless of letter case)")
+            rec = TopicRecord(
+                name=name, id=secrets.token_hex(8), partitions=parts, retention_ms=retention,
+                visibility_timeout_ms=vis, max_in_flight_per_partition=inflight,
+                max_acked_ahead_per_partition=ahead, created_at=int(self.clock()),
+                owner=req.who.name if req.who.security and not req.who.operator else None,
+            )
+            owners = self.placement(name, range(parts))
+            res = await self.write(C.CreateTopic(rec, schema, owners))
+            self._check(res, "topic")
+            audit.info("topic created", extra={"topic": name, "id": rec.id, "by": req.who.name, "outcome": "ok"})
+            return self._read_topic(name)
+
+    def _read_topic(self, name: str) -> TopicRecord:
+        with self.store.read() as r:
+            t = r.topic(name)
+        if t is None:
+            raise NotFound(f'topic "{name}" not found')
+        return t
+
+    def placement(self, name: str, parts: range | list[int]) -> list[tuple[int, str]]:
+        """Owners for partitions, round-robin over alive members from a random
+        start. Empty when no member is alive yet (the controller places them
+        within about a second of the first member turning alive)."""
+        members = self.alive_members()
+        if not members:
+            log.warning("topic created without immediate partition assignment",
+                        extra={"topic": name, "error": "no alive member to own new partitions"})
+            return []
+        start = secrets.randbelow(len(members))
+        return [(p, members[(start + i) % len(members)].id) for i, p in enumerate(parts)]
+
+    async def place_partitions(self, name: str, topic_id: str, parts: range | list[int]) -> bool:
+        """Propose owners for partitions that have none on record."""
+        owners = self.placement(name, parts)
+        if not owners:
+            return False
+        res = await self.write(C.AssignPartitions(name, topic_id, owners))
+        if res.code == C.Result.CHANGED:
+            return False  # the topic was deleted or recreated meanwhile
+        self._check(res, "topic")
+        return True
+
+    async def alter_topic(self, req: Q.AlterTopicReq) -> TopicRecord:
+        name = req.name
+        fields = (req.retention_ms, req.max_in_flight_per_partition, req.max_acked_ahead_per_partition,
+                  req.partitions, req.schema)
+        if all(f is None for f in fields):
+            raise BadRequest("invalid argument: nothing to change (send at least one field)")
+        if req.retention_ms is not None:
+            VAL.retention_ms(req.retention_ms)
+        for field, val in (("max_in_flight_per_partition", req.max_in_flight_per_partition),
+                           ("max_acked_ahead_per_partition", req.max_acked_ahead_per_partition)):
+            if val is not None and val < 0:
+                raise BadRequest(f"invalid argument: {field} must not be negative")
+        if req.schema_base_version is not None and req.schema is None:
+            raise BadRequest("invalid argument: schema_base_version needs schema")
+        user = self._require_known(req.who)
+        async with self._locks[name.casefold()]:
+            await self._leader_view()
+            t = self._read_topic(name)
+            if not req.who.unrestricted and not G.can_manage_topic(user, t):
+                raise Forbidden(f'only the owner of topic "{name}" or an admin may modify it')
+            _, _, _, d_inflight, d_ahead = self._topic_defaults()
+            # Field groups apply in Narad's order, each its own entry.
+            if req.retention_ms is not None:
+                if req.retention_ms and t.visibility_timeout_ms > req.retention_ms:
+                    raise BadRequest("invalid argument: retention_ms must not be below visibility_timeout_ms")
+                self._check(await self.write(C.UpdateTopic(name, retention_ms=req.retention_ms)), "topic")
+            if req.max_in_flight_per_partition is not None or req.max_acked_ahead_per_partition is not None:
+                inflight = (None if req.max_in_flight_per_partition is None
+                            else req.max_in_flight_per_partition or d_inflight)
+                ahead = (None if req.max_acked_ahead_per_partition is None
+                         else req.max_acked_ahead_per_partition or d_ahead)
+                self._check(await self.write(C.UpdateTopic(
+                    name, max_in_flight_per_partition=inflight, max_acked_ahead_per_partition=ahead)), "topic")
+            if req.partitions is not None:
+                cur = self._read_topic(name)
+                if req.partitions <= cur.partitions:
+                    raise BadRequest(f"invalid argument: partitions must be larger than the current {cur.partitions}")
+                VAL.partitions(req.partitions, self.cfg.topic.max_partitions)
+                self._check(await self.write(C.UpdateTopic(name, partitions=req.partitions)), "topic")
+                await self.place_partitions(name, cur.id, range(cur.partitions, req.partitions))
+            if req.schema is not None:
+                await self._put_schema(name, req.schema, req.schema_base_version)
+            audit.info("topic altered", extra={"topic": name, "by": req.who.name, "outcome": "ok"})
+            return self._read_topic(name)
+
+    async def _put_schema(self, name: str, raw: bytes, base_version: int | None) -> None:
+        new_doc = S.parse_registrable(raw)
+        t = self._read_topic(name)
+        if base_version is not None and base_version != t.schema_version:
+            raise Conflict(f"schema version conflict: schema_base_version {base_version} does not match "
+                           f'the current version {t.schema_version} of "{name}"')
+        if t.schema_version:
+            with self.store.read() as r:
+                cur = r.schema(name, t.schema_version)
+            old_doc = json.loads(cur.schema) if cur else True
+            if S.same_schema(old_doc, new_doc):
+                return  # identical (or annotations only): idempotent
+            S.check_compatible(old_doc, new_doc)
+        res = await self.write(C.PutSchema(name, t.schema_version + 1, raw))
+        if res.code == C.Result.INVALID:
+            raise Conflict(res.message)
+        self._check(res, "topic")
+
+    async def delete_topic(self, req: Q.DeleteTopicReq) -> None:
+        name = req.name
+        user = self._require_known(req.who)
+        async with self._locks[name.casefold()]:
+            await self._leader_view()
+            t = self._read_topic(name)
+            if not req.who.unrestricted and not G.can_manage_topic(user, t):
+                raise Forbidden(f'only the owner of topic "{name}" or an admin may modify it')
+            self._check(await self.write(C.DeleteTopic(name)), "topic")
+            audit.info("topic deleted", extra={"topic": name, "id": t.id, "by": req.who.name, "outcome": "ok"})
+
+    # ---- users ---------------------------------------------------------------------
+    def _require_admin(self, who: G.Identity) -> UserRecord | None:
+        user = self._require_known(who)
+        if not who.unrestricted and not G.is_admin(user):
+            raise Forbidden("admin privileges required")
+        return user
+
+    async def create_user(self, req: Q.CreateUserReq) -> UserRecord:
+        name = VAL.username(req.username)
+        grants = VAL.grants(req.grants)
+        caller = self._require_admin(req.who)
+        if any(g.action == "admin" for g in grants) and not req.who.operator and not (caller and caller.root) \
+                and req.who.security:
+            raise Forbidden("only the root admin may grant admin")
+        async with self._locks["user:" + name]:
+            rec = UserRecord(username=name, password_hash=req.password_hash, grants=grants)
+            self._check(await self.write(C.CreateUser(rec)), "user")
+            audit.info("user created", extra={"user": name, "by": req.who.name, "outcome": "ok"})
+            return self._read_user(name)
+
+    def _read_user(self, name: str) -> UserRecord:
+        with self.store.read() as r:
+            u = r.user(name)
+        if u is None:
+            raise NotFound(f'user "{name}" not found')
+        return u
+
+    async def set_grants(self, req: Q.SetGrantsReq) -> UserRecord:
+        grants = VAL.grants(req.grants)
+        caller = self._require_admin(req.who)
+        target = self._read_user(req.username)
+        if caller is not None and caller.username == target.username:
+            raise Forbidden("nobody can change their own grants")
+        if target.root:
+            raise Forbidden("the root admin's grants cannot change")
+        if any(g.action == "admin" for g in grants) and caller is not None and not caller.root:
+            raise Forbidden("only the root admin may grant admin")
+        async with self._locks["user:" + req.username]:
+            self._check(await self.write(C.UpdateGrants(req.username, grants)), "user")
+            audit.info("user grants set", extra={"user": req.username, "by": req.who.name, "outcome": "ok"})
+            return self._read_user(req.username)
+
+    async def set_password(self, req: Q.SetPasswordReq) -> None:
+        caller = self._require_known(req.who)
+        target = self._read_user(req.username)
+        if caller is not None:
+            self_change = caller.username == target.username
+            if not G.is_admin(caller) and not self_change:
+                raise Forbidden("only admins may change another user's password")
+            if self_change and not G.is_admin(caller) and not req.current_password_verified:
+                raise Forbidden("current_password is wrong or missing")
+            if target.root and not caller.root:
+                raise Forbidden("only the root admin may change the root admin's password")
+        async with self._locks["user:" + req.username]:
+            self._check(await self.write(C.UpdatePassword(req.username, req.password_hash)), "user")
+            audit.info("user password set", extra={"user": req.username, "by": req.who.name, "outcome": "ok"})
+
+    async def delete_user(self, req: Q.DeleteUserReq) -> None:
+        caller = self._require_admin(req.who)
+        target = self._read_user(req.username)
+        if target.root:
+            raise Forbidden("the root admin cannot be deleted")
+        if caller is not None and caller.username == target.username:
+            raise Forbidden("nobody can delete their own account")
+        async with self._locks["user:" + req.username]:
+            self._check(await self.write(C.DeleteUser(req.username)), "user")
+            audit.info("user deleted", extra={"user": req.username, "by": req.who.name, "outcome": "ok"})
+
+
+def public_user(u: UserRecord) -> UserRecord:
+    """A user record safe to send to a worker or client (no password hash)."""
+    return UserRecord(u.username, b"", list(u.grants), u.root, u.created_at_ms, u.updated_at_ms)
+
+
+__all__ = ["Grant", "MetaService", "public_user"]

@@ -1,0 +1,90 @@
+"""Input rules for metadata: topic names and fields, usernames, passwords,
+grants. Pure functions that raise narad.errors.BadRequest with a reason the
+client can act on. Used by the API handlers (early, on the receiving worker)
+and by the metadata service (again, on the leader).
+"""
+
+from __future__ import annotations
+
+import re
+
+from narad.errors import BadRequest
+from narad.meta.records import Grant
+
+NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
+USER_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+PATTERN_RE = re.compile(r"^[A-Za-z0-9._-]*\*?$")
+ACTIONS = ("produce", "consume", "create", "admin")
+MIN_RETENTION_MS = 3_600_000
+MIN_PARTITIONS = 3
+
+
+def topic_name(name: object) -> str:
+    if not isinstance(name, str) or not name:
+        raise BadRequest("invalid argument: topic name required")
+    if name in (".", "..") or not NAME_RE.match(name):
+        raise BadRequest(
+            f'invalid argument: topic name "{name[:64]}" must be 1-200 characters of A-Z a-z 0-9 . _ - '
+            "and not \".\" or \"..\""
+        )
+    return name
+
+
+def partitions(value: int, maximum: int) -> int:
+    if value < MIN_PARTITIONS or value > maximum:
+        raise BadRequest(f"invalid argument: partitions must be between {MIN_PARTITIONS} and {maximum}, got {value}")
+    return value
+
+
+def retention_ms(value: int) -> int:
+    if value < 0 or (value != 0 and value < MIN_RETENTION_MS):
+        raise BadRequest(
+            f"invalid argument: retention_ms must be 0 (forever) or at least {MIN_RETENTION_MS} (1 h), got {value}"
+        )
+    return value
+
+
+def positive_or_default(field: str, value: int | None, default: int) -> int:
+    if value is None or value == 0:
+        return default
+    if value < 0:
+        raise BadRequest(f"invalid argument: {field} must be positive, got {value}")
+    return value
+
+
+def username(name: object) -> str:
+    if not isinstance(name, str) or not name:
+        raise BadRequest("invalid argument: username required")
+    if name in (".", "..") or not USER_RE.match(name):
+        raise BadRequest("invalid argument: username must be 1-64 characters of A-Z a-z 0-9 . _ - and not . or ..")
+    return name
+
+
+def password(pw: object, field: str = "password") -> bytes:
+    if not isinstance(pw, str) or not pw:
+        raise BadRequest(f"invalid argument: {field} required")
+    raw = pw.encode()
+    if len(raw) > 72:
+        raise BadRequest(f"invalid argument: {field} must be at most 72 bytes")
+    return raw
+
+
+def grants(items: list[Grant]) -> list[Grant]:
+    out: list[Grant] = []
+    for g in items:
+        if g.action not in ACTIONS:
+            raise BadRequest(f'invalid argument: unknown grant action "{g.action}" (produce, consume, create, admin)')
+        if g.action == "admin":
+            if g.patterns:
+                raise BadRequest("invalid argument: the admin grant takes no patterns")
+        else:
+            if not g.patterns:
+                raise BadRequest(f'invalid argument: the "{g.action}" grant needs at least one topic pattern')
+            for p in g.patterns:
+                if not p or len(p) > 255 or not PATTERN_RE.match(p):
+                    raise BadRequest(
+                        f'invalid argument: grant pattern "{p[:64]}" must be a topic name or a prefix ending '
+                        "in a single *"
+                    )
+        out.append(Grant(g.action, list(g.patterns)))
+    return out

@@ -1,0 +1,2 @@
+"""The supervisor process: boot order, fork server, workers, control socket,
+controller duties and readiness. Top of the import graph."""

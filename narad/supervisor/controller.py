@@ -1,0 +1,175 @@
+"""Member duties of every node and controller duties of the Raft leader.
+
+Every node registers its member record (retried every 250 ms until it first
+succeeds) and then heartbeats every 5 s with its build and the newest entry
+type it applies. The leader additionally seeds the root admin (security on,
+no root yet), places partitions that have no owner on record, and marks a
+member dead after 30 s without a heartbeat (never before it has led for 30 s
+itself, so a new leader does not mistake its own arrival for silence).
+
+Imports narad.meta and narad.config.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import time
+from pathlib import Path
+
+import bcrypt
+
+from narad import BUILD
+from narad.meta import commands as C
+from narad.meta import versions as V
+from narad.meta.records import MemberRecord, UserRecord
+from narad.meta.service import MetaService
+
+log = logging.getLogger("narad.controller")
+
+TICK = 0.25
+HEARTBEAT_EVERY = 5.0
+DEAD_AFTER = 30.0
+PLACEMENT_EVERY = 10.0
+
+
+def admin_password(data_dir: Path) -> tuple[str, Path | None]:
+    """The root admin's password: $NARAD_ADMIN_PASSWORD, else the one kept in
+    <data_dir>/admin-password (generated once, mode 0600, never overwritten)."""
+    env = os.environ.get("NARAD_ADMIN_PASSWORD")
+    if env:
+        return env, None
+    path = data_dir / "admin-password"
+    if path.exists():
+        return path.read_text().strip(), path
+    pw = secrets.token_urlsafe(18)
+    tmp = path.with_name(".admin-password.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(pw + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.link(tmp, path)  # fails if someone created it meanwhile: never overwrite
+    os.unlink(tmp)
+    return pw, path
+
+
+class Controller:
+    def __init__(
+        self,
+        meta: MetaService,
+        *,
+        member: MemberRecord,
+        data_dir: Path,
+        security: bool,
+        versions: V.VersionTable,
+    ) -> None:
+        self.meta = meta
+        self.raft = meta.raft
+        self.store = meta.store
+        self.member = member
+        self.data_dir = data_dir
+        self.security = security
+        self.versions = versions
+        self.registered = asyncio.Event()
+        self._last_heartbeat = 0.0
+        self._leader_since: float | None = None
+        self._seeded = False
+        self._placement_key: tuple[int, int, int] | None = None
+        self._last_placement = 0.0
+        self._stop = asyncio.Event()
+
+    async def run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                await self.tick()
+            except Exception as e:  # keep the loop alive; the next tick retries
+                log.warning("controller tick failed", extra={"err": f"{type(e).__name__}: {e}"})
+            try:
+                await asyncio.wait_for(self._stop.wait(), TICK)
+            except TimeoutError:
+                pass
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    async def tick(self) -> None:
+        now = time.monotonic()
+        if not self.registered.is_set():
+            res = await self.meta.write(C.RegisterMember(self.member), deadline=now + 2.0)
+            if res.ok:
+                self.registered.set()
+                self._last_heartbeat = now
+                log.info("member registered", extra={"node": self.member.id})
+            else:
+                log.error("member registration refused", extra={"reason": res.message})
+        elif now - self._last_heartbeat >= HEARTBEAT_EVERY:
+            self._last_heartbeat = now
+            res = await self.meta.write(C.Heartbeat(self.member.id, BUILD, C.NEWEST_ENTRY_TYPE,
+                                                    self.member.client_addr, self.member.cluster_addr),
+                                        deadline=now + HEARTBEAT_EVERY)
+            if res.code == C.Result.NOT_FOUND:
+                self.registered.clear()
+        if self.raft.is_leader():
+            if self._leader_since is None:
+                self._leader_since = now
+            await self._leader_duties(now)
+        else:
+            self._leader_since = None
+            self._seeded = False
+
+    async def _leader_duties(self, now: float) -> None:
+        await self.meta._leader_view()
+        if self.security and not self._seeded:
+            await self.seed_root_admin()
+        key = (self.versions.load(V.TOPICS), self.versions.load(V.ASSIGNMENTS), self.versions.load(V.MEMBERS))
+        if key != self._placement_key or now - self._last_placement >= PLACEMENT_EVERY:
+            self._placement_key = key
+            self._last_placement = now
+            await self.place_unassigned()
+        if self._leader_since is not None and now - self._leader_since >= DEAD_AFTER:
+            await self.mark_silent_members_dead()
+
+    async def seed_root_admin(self) -> None:
+        with self.store.read() as r:
+            if r.root_user() is not None:
+                self._seeded = True
+                return
+        pw, path = admin_password(self.data_dir)
+        hashed = await asyncio.to_thread(bcrypt.hashpw, pw.encode(), bcrypt.gensalt(10))
+        res = await self.meta.write(C.CreateUser(UserRecord(username="admin", password_hash=hashed, root=True)))
+        if res.ok:
+            if path is not None:
+                log.warning("root admin created; its password is in the file named here (never logged)",
+                            extra={"user": "admin", "password_file": str(path)})
+            else:
+                log.info("root admin created from NARAD_ADMIN_PASSWORD", extra={"user": "admin"})
+        self._seeded = True
+
+    async def place_unassigned(self) -> None:
+        with self.store.read() as r:
+            topics = r.topics()
+            pending = []
+            for t in topics:
+                rows = r.assignments(t.name)
+                missing = [p for p in range(t.partitions) if p not in rows or rows[p].topic_id != t.id]
+                if missing:
+                    pending.append((t.name, t.id, missing))
+        for name, topic_id, missing in pending:
+            if await self.meta.place_partitions(name, topic_id, missing):
+                log.info("placed unassigned partitions", extra={"topic": name, "partitions": len(missing)})
+
+    async def mark_silent_members_dead(self) -> None:
+        now_ms = self.meta.now_ms()
+        with self.store.read() as r:
+            members = r.members()
+        for m in members:
+            if m.id == self.member.id or m.status != "alive":
+                continue
+            if now_ms - m.heartbeat_ms > DEAD_AFTER * 1000:
+                res = await self.meta.write(C.MarkDead(m.id))
+                if res.ok:
+                    log.warning("member marked dead", extra={"node": m.id,
+                                                             "silent_seconds": (now_ms - m.heartbeat_ms) / 1000})

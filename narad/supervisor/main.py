@@ -1,0 +1,432 @@
+"""``narad-supervisor``: the node. Its boot order is the checklist in
+``Supervisor.boot`` below; the comment on each step says why it sits there.
+
+The supervisor owns the data directory, runs the Raft node and the metastore
+FSM (the only LMDB writer), the controller duties, the naradctl control
+socket and the worker RPC socket, and keeps N workers running (forked from
+the fork server, each pinned to a core, each serving HTTP/1.1 and HTTP/3 on
+sockets the supervisor created once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+import time
+
+import uvloop
+
+from narad import BUILD, logs, metrics
+from narad.config import Config, load_config, worker_count
+from narad.errors import ConfigError, FailStop, Unavailable
+from narad.ipc import rpc
+from narad.meta import commands as C
+from narad.meta import fsm as F
+from narad.meta import requests as Q
+from narad.meta import versions as V
+from narad.meta.raft import RaftNode, raft_password
+from narad.meta.records import MemberRecord
+from narad.meta.service import MetaService
+from narad.meta.store import MetaStore
+from narad.supervisor import sdnotify, tls
+from narad.supervisor.controller import Controller
+from narad.supervisor.forkserver import ForkServer
+from narad.supervisor.services import LoginThrottle, control_service, worker_service
+from narad.supervisor.sockets import DataDirLock, make_client_sockets
+from narad.supervisor.workers import WorkerManager
+from narad.worker import main as worker_main
+
+log = logging.getLogger("narad.supervisor")
+
+READY_EVERY = 0.1
+READER_CHECK_EVERY = 5.0
+LEADER_CONTACT_FRESH = 5.0
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="narad-supervisor", description="Run a narad node.")
+    p.add_argument("--config", help="TOML config file (default: $NARAD_CONFIG or /etc/narad/narad.toml)")
+    p.add_argument("--data-dir", help="data directory (node.data_dir)")
+    p.add_argument("--port", type=int, help="client port, TCP and UDP (http.port)")
+    p.add_argument("--raft-port", type=int, help="Raft port (cluster.raft_port; default port+1)")
+    p.add_argument("--cluster-port", type=int, help="node-to-node QUIC port (cluster.cluster_port; default port+2)")
+    p.add_argument("--node-id", help="node id (node.id)")
+    p.add_argument("--workers", help='worker processes: a number or "auto" (node.workers)')
+    p.add_argument("--dev", action="store_true", help="security off, every listener on 127.0.0.1")
+    return p.parse_args(argv)
+
+
+def overrides_from(ns: argparse.Namespace) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for flag, key in (("data_dir", "node.data_dir"), ("port", "http.port"), ("raft_port", "cluster.raft_port"),
+                      ("cluster_port", "cluster.cluster_port"), ("node_id", "node.id"), ("workers", "node.workers")):
+        val = getattr(ns, flag)
+        if val is not None:
+            out[key] = str(val) if key == "node.workers" else val
+    if ns.dev:
+        out["node.dev"] = True
+    return out
+
+
+class Supervisor:
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.node_id = cfg.node_id
+        self.data_dir = cfg.data_dir
+        self.runtime_dir = cfg.runtime_dir
+        self.n_workers = worker_count(cfg)
+        self.raft_addr = f"{cfg.cluster.host}:{cfg.raft_port}"
+        self.throttle = LoginThrottle()
+        self.exit_code = 0
+        self.metrics = None
+        self._servers: list[asyncio.AbstractServer] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self._stop: asyncio.Event | None = None
+        self._ready = False
+        self._notified = False
+        self.reconcile_done = False
+        self.create_gate: asyncio.Event | None = None
+        self.startup_commit_index = 0
+
+    # ------------------------------------------------------------------------
+    # Boot checklist. Steps 1-9 run before any thread or event loop exists.
+    # ------------------------------------------------------------------------
+    def boot_process(self) -> None:
+        cfg = self.cfg
+        # 1. The data directory exists and is ours alone (exclusive flock), so two
+        #    supervisors can never write one FSM or one Raft log.
+        self.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.lock = DataDirLock(self.data_dir)
+        self.lock.acquire()
+        # 2. The runtime directory holds the control socket (naradctl), the worker
+        #    socket and the metrics files; stale ones from a crash are replaced.
+        self.runtime_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(self.runtime_dir, 0o700)
+        # 3. Metrics before forking, so every worker inherits the shared directory.
+        self.metrics = metrics.setup(self.runtime_dir / "metrics", wipe=True)
+        # 4. The QUIC certificate: configured files, or a self-signed pair made at
+        #    first start and kept in the data directory.
+        if cfg.security.tls_cert_file:
+            self.cert_file, self.key_file = cfg.security.tls_cert_file, cfg.security.tls_key_file
+        else:
+            c, k = tls.ensure_self_signed(self.data_dir / "tls", self.node_id)
+            self.cert_file, self.key_file = str(c), str(k)
+        # 5. The shared version array: unlinked and recreated (a crash leaves the
+        #    old segment in /dev/shm); workers attach to it by name, read-only.
+        self.versions = V.VersionTable.create(V.shm_name_for(str(self.data_dir)))
+        self.versions.store(V.WORKERS, self.n_workers)
+        self.versions.store(V.READY_REASON, 1)
+        # 6. The client sockets: N TCP listeners and N UDP sockets, SO_REUSEPORT,
+        #    created once and kept for the supervisor's life (a restarted worker
+        #    gets its predecessor's pair, so the reuseport group never changes).
+        self.sockets = make_client_sockets(cfg.http.host, cfg.http.port, self.n_workers, quic=cfg.http.quic)
+        # 7. The fork server, forked now: this process still has no threads, no
+        #    event loop and no LMDB environment to copy into workers.
+        self.fsm_path = F.fsm_dir(self.data_dir)
+        spec = worker_main.WorkerSpec(
+            cfg=cfg, node_id=self.node_id, sockets=self.sockets, shm_name=self.versions.name,
+            fsm_path=self.fsm_path, worker_socket=self.runtime_dir / "worker.sock",
+            metrics_dir=self.runtime_dir / "metrics", cert_file=self.cert_file, key_file=self.key_file,
+            workers=self.n_workers,
+        )
+        self.forkserver = ForkServer(lambda index, core: worker_main.run(spec, index, core))
+        self.forkserver.start(close_fds=(self.lock.fd,))
+        # 8. The FSM (LMDB writer) opens only after the fork server exists, so no
+        #    child ever inherits this environment. Leftovers of an interrupted
+        #    snapshot or restore are removed first.
+        F.remove_leftovers(self.fsm_path)
+        self.fsm = F.FSM(self.fsm_path, on_commit=self._on_fsm_commit)
+        self.fsm.on_replace = self._on_fsm_replaced
+        self.store = MetaStore(self.fsm_path, self.versions, fsm=self.fsm)
+        self.versions.store(V.APPLIED_INDEX, self.fsm.applied_index)
+        cores = sorted(os.sched_getaffinity(0)) if cfg.node.pin_workers else []
+        self.worker_cores: list[int | None] = list(cores) if cores else [None]
+        if cfg.node.pin_workers and self.n_workers > len(cores):
+            log.warning("more workers than usable cores; some share a core",
+                        extra={"workers": self.n_workers, "cores": len(cores)})
+
+    async def boot_loop(self) -> None:
+        cfg = self.cfg
+        loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        self.create_gate = asyncio.Event()
+        # 9. Signals: SIGTERM/SIGINT stop gracefully from here on.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stop.set)
+        # 10. Raft starts (its tick thread replays the log into the FSM, skipping
+        #     what the FSM already holds). The commit index persisted on this disk
+        #     is remembered: the node is not ready until its FSM reaches it.
+        secret = os.environ.get("NARAD_CLUSTER_SECRET", "").encode() or os.urandom(32)
+        self.raft = RaftNode(
+            self_addr=self.raft_addr, peers=[], raft_dir=self.data_dir / "metastore" / "raft", sm=self.fsm,
+            loop=loop, password=raft_password(secret), bind_host=cfg.cluster.host,
+            election_timeout=(cfg.seconds("cluster", "raft_election_timeout_min"),
+                              cfg.seconds("cluster", "raft_election_timeout_max")),
+            snapshot_threshold=cfg.cluster.raft_snapshot_threshold,
+            on_state_change=self._on_raft_role, on_fail_stop=self._on_fail_stop,
+        )
+        self.raft.start()
+        self.startup_commit_index = self.raft.status().persisted_commit_index
+        self.meta = MetaService(cfg, self.raft, self.store, self.node_id)
+        # 11. Local RPC: the worker socket (metadata writes, throttle) and the
+        #     naradctl control socket, both mode 0600.
+        self._servers.append(await rpc.serve_unix(str(self.runtime_dir / "worker.sock"),
+                                                  lambda: worker_service(self)))
+        self._servers.append(await rpc.serve_unix(str(cfg.control_socket), lambda: control_service(self)))
+        # 12. Workers: forked from the fork server onto their socket pair, pinned.
+        self.forkserver.attach(loop)
+        self.workers = WorkerManager(self.forkserver, self.n_workers, self.worker_cores,
+                                     on_exit=self._on_worker_exit)
+        self.workers.start_all()
+        # 13. Controller duties (member registration and heartbeats everywhere;
+        #     root admin seeding, placement and dead marking on the leader).
+        host = cfg.cluster.host if cfg.http.host in ("0.0.0.0", "::") else cfg.http.host
+        member = MemberRecord(id=self.node_id, raft_addr=self.raft_addr, client_addr=f"{host}:{cfg.http.port}",
+                              cluster_addr=f"{cfg.cluster.host}:{cfg.cluster_port}", build=BUILD,
+                              newest_entry_type=C.NEWEST_ENTRY_TYPE)
+        self.controller = Controller(self.meta, member=member, data_dir=self.data_dir,
+                                     security=cfg.security.enabled, versions=self.versions)
+        self._tasks.append(asyncio.create_task(self.controller.run()))
+        # 14. Readiness is recomputed continuously and published in shared memory.
+        self._tasks.append(asyncio.create_task(self._readiness_loop()))
+        self._tasks.append(asyncio.create_task(self._housekeeping_loop()))
+        # 15. Startup reconcile, then the create gate opens: topic creates on every
+        #     transport wait until here, and /readyz reports ready only after.
+        self._tasks.append(asyncio.create_task(self._startup_reconcile()))
+        log.info("http listening", extra={"port": cfg.http.port, "workers": self.n_workers, "node": self.node_id,
+                                          "raft": self.raft_addr, "security": cfg.security.enabled})
+
+    async def _startup_reconcile(self) -> None:
+        # The FSM must hold everything this disk knew to be committed (Felix
+        # finding: a restart is not done until the state machine is).
+        while self.fsm.applied_index < self.startup_commit_index:
+            await asyncio.sleep(0.01)
+        await self.controller.registered.wait()
+        if self.cfg.security.enabled:
+            # With security on nothing can be served before the root admin exists.
+            while True:
+                with self.store.read() as r:
+                    if r.root_user() is not None:
+                        break
+                await asyncio.sleep(0.02)
+        await self.workers.wait_started(30.0)
+        self.reconcile_done = True
+        assert self.create_gate is not None
+        self.create_gate.set()
+        log.info("startup reconcile finished", extra={"applied_index": self.fsm.applied_index})
+
+    async def wait_create_gate(self) -> None:
+        assert self.create_gate is not None
+        if self.create_gate.is_set():
+            return
+        try:
+            await asyncio.wait_for(self.create_gate.wait(), self.cfg.seconds("cluster", "write_timeout"))
+        except TimeoutError:
+            raise Unavailable("the node is still starting (startup reconcile); retry",
+                              headers=[("Retry-After", "1")]) from None
+
+    # ---- callbacks ------------------------------------------------------------
+    def _on_fsm_commit(self, touched: set[int], applied: int) -> None:
+        """Tick thread, after the LMDB commit: move the counters workers watch."""
+        if touched:
+            self.versions.bump(touched)
+        self.versions.store(V.APPLIED_INDEX, applied)
+
+    def _on_fsm_replaced(self) -> None:
+        self.versions.bump([V.EPOCH])
+        self.versions.bump_all()
+
+    def _on_raft_role(self, role: str) -> None:
+        self.versions.bump([V.RAFT])
+        log.info("raft role changed", extra={"role": role})
+
+    def _on_fail_stop(self, e: FailStop) -> None:
+        self.versions.store(V.FAIL_STOPPED, 1)
+        self.meta.stopped = True
+        self.exit_code = 1
+        assert self._stop is not None
+        self._stop.set()
+
+    def _on_worker_exit(self, pid: int) -> None:
+        with contextlib.suppress(Exception):
+            self.fsm.env.reader_check()
+
+    # ---- readiness -------------------------------------------------------------
+    def readiness(self) -> tuple[bool, int]:
+        if self.versions.load(V.FAIL_STOPPED):
+            return False, 7
+        if self.versions.load(V.SHUTDOWN):
+            return False, 8
+        st = self.raft.status()
+        if st.leader is None:
+            return False, 2
+        if st.role != "leader":
+            if st.last_leader_contact is None:
+                return False, 3
+            if time.monotonic() - st.last_leader_contact > LEADER_CONTACT_FRESH:
+                return False, 4
+        if st.applied_index < max(st.commit_index, st.leader_commit_index, self.startup_commit_index):
+            return False, 5
+        if not self.reconcile_done:
+            return False, 6
+        return True, 0
+
+    async def _readiness_loop(self) -> None:
+        while True:
+            ready, reason = self.readiness()
+            self.versions.store(V.READY_REASON, reason)
+            self.versions.store(V.READY, 1 if ready else 0)
+            if ready != self._ready:
+                self._ready = ready
+                log.info("readiness changed", extra={"ready": ready, "reason": V.READY_REASONS[reason]})
+            if ready and not self._notified:
+                self._notified = True
+                sdnotify.notify("READY=1\nSTATUS=serving")
+            await asyncio.sleep(READY_EVERY)
+
+    async def _housekeeping_loop(self) -> None:
+        m = self.metrics
+        last_check = 0.0
+        while True:
+            st = self.raft.status()
+            for role in ("leader", "follower", "candidate"):
+                m.raft_state.labels(role).set(1 if st.role == role else 0)
+            m.raft_has_leader.set(1 if st.leader else 0)
+            m.raft_term.set(st.term)
+            m.raft_commit.set(st.commit_index)
+            m.raft_applied.set(st.applied_index)
+            m.ready.set(1 if self._ready else 0)
+            with self.store.read() as r:
+                m.topics_total.set(r.topic_count())
+            now = time.monotonic()
+            if now - last_check >= READER_CHECK_EVERY:
+                last_check = now
+                with contextlib.suppress(Exception):
+                    self.fsm.env.reader_check()
+            await asyncio.sleep(1.0)
+
+    # ---- views for naradctl and /v1/cluster/members ------------------------------
+    def node_status(self) -> Q.NodeStatus:
+        st = self.raft.status()
+        ready, reason = self.readiness()
+        contact = None if st.last_leader_contact is None else round(time.monotonic() - st.last_leader_contact, 3)
+        leader_id = None
+        with self.store.read() as r:
+            for mrec in r.members():
+                if st.leader is not None and mrec.raft_addr == st.leader:
+                    leader_id = mrec.id
+        now = time.monotonic()
+        return Q.NodeStatus(
+            node_id=self.node_id, build=BUILD, ready=ready, reason=V.READY_REASONS[reason],
+            raft=Q.RaftView(role=st.role, term=st.term, leader=st.leader, leader_id=leader_id,
+                            commit_index=st.commit_index, applied_index=st.applied_index,
+                            last_log_index=st.last_log_index, first_log_index=st.first_log_index,
+                            persisted_commit_index=st.persisted_commit_index, has_quorum=st.has_quorum,
+                            leader_contact_age_seconds=contact),
+            workers=[Q.WorkerView(index=w.index, pid=w.pid, core=w.core,
+                                  uptime_seconds=round(now - w.started, 3) if w.alive else 0.0,
+                                  restarts=w.restarts, alive=w.alive) for w in self.workers.workers],
+            data_dir=str(self.data_dir), client_port=self.cfg.http.port, raft_port=self.cfg.raft_port,
+            cluster_port=self.cfg.cluster_port,
+        )
+
+    def members_view(self) -> Q.MembersResp:
+        st = self.raft.status()
+        voters = {self.raft_addr, *st.peers.keys()}
+        now_ms = self.meta.now_ms()
+        with self.store.read() as r:
+            members = r.members()
+            owned: dict[str, int] = {}
+            for _, _, a in r.all_assignments():
+                owned[a.owner] = owned.get(a.owner, 0) + 1
+        out = []
+        for mrec in sorted(members, key=lambda x: x.id):
+            out.append(Q.MemberView(
+                id=mrec.id, addr=mrec.client_addr, status=mrec.status, draining=mrec.draining,
+                owned_partitions=owned.get(mrec.id, 0), outbound_moves=0, voter=mrec.raft_addr in voters,
+                leader=st.leader is not None and mrec.raft_addr == st.leader,
+                heartbeat_age_seconds=round(max(0.0, (now_ms - mrec.heartbeat_ms) / 1000), 3),
+            ))
+        return Q.MembersResp(out)
+
+    # ---- shutdown ----------------------------------------------------------------
+    async def run_until_stopped(self) -> int:
+        assert self._stop is not None
+        await self._stop.wait()
+        await self.shutdown()
+        return self.exit_code
+
+    async def shutdown(self) -> None:
+        t0 = time.monotonic()
+        # Health first: load balancers stop sending before anything closes.
+        self.versions.store(V.SHUTDOWN, 1)
+        self.versions.store(V.READY, 0)
+        sdnotify.notify("STOPPING=1")
+        log.info("shutting down", extra={"exit_code": self.exit_code})
+        # Workers drain in-flight requests within the grace, then exit.
+        await self.workers.stop_all(self.cfg.seconds("http", "shutdown_grace"))
+        self.controller.stop()
+        for t in self._tasks:
+            t.cancel()
+        for s in self._servers:
+            s.close()
+        # Raft last: a graceful stop hands leadership over when there are peers.
+        if self.raft.is_leader() and self.raft.status().peers:
+            self.raft.transfer_leadership()
+            end = time.monotonic() + 1.0
+            while self.raft.is_leader() and time.monotonic() < end:
+                await asyncio.sleep(0.01)
+        await asyncio.to_thread(self.raft.close)
+        log.info("stopped", extra={"seconds": round(time.monotonic() - t0, 3), "exit_code": self.exit_code})
+
+    def close_process(self) -> None:
+        with contextlib.suppress(Exception):
+            self.fsm.close()
+        self.forkserver.stop()
+        for tcp, udp in self.sockets:
+            tcp.close()
+            if udp is not None:
+                udp.close()
+        self.versions.close(unlink=True)
+        for p in (self.cfg.control_socket, self.runtime_dir / "worker.sock"):
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+        self.lock.release()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = parse_args(argv)
+    try:
+        cfg = load_config(ns.config, overrides=overrides_from(ns))
+    except ConfigError as e:
+        logs.setup("supervisor")
+        logging.getLogger("narad.config").error(f"refusing to start: {e}")
+        print(f"narad-supervisor: {e}", file=sys.stderr)
+        return 2
+    logs.setup("supervisor", cfg.log.level, cfg.log.format)
+    sup = Supervisor(cfg)
+    try:
+        sup.boot_process()
+    except (RuntimeError, OSError) as e:
+        log.error(f"refusing to start: {e}")
+        print(f"narad-supervisor: {e}", file=sys.stderr)
+        return 2
+
+    async def run() -> int:
+        await sup.boot_loop()
+        return await sup.run_until_stopped()
+
+    try:
+        code = uvloop.run(run())
+    finally:
+        sup.close_process()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

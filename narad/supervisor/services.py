@@ -1,0 +1,219 @@
+"""What the supervisor answers over its Unix sockets.
+
+``worker_service``: requests from workers (metadata writes, the failed-login
+throttle, members and status views). ``control_service``: naradctl commands
+(``status``, ``topics ...``, ``users ...``, ``members``), acting as the local
+operator: the control socket is mode 0600 in the runtime directory, so
+reaching it already proves root-equivalent access to the node.
+
+Imports narad.meta, narad.ipc, narad.supervisor.workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import bcrypt
+import msgspec
+
+from narad import BUILD
+from narad.errors import BadRequest, NotFound
+from narad.ipc import rpc
+from narad.meta import requests as Q
+from narad.meta import versions as V
+from narad.meta.grants import OPERATOR
+from narad.meta.records import Grant, TopicRecord
+from narad.meta.service import public_user
+from narad.worker.main import HelloAck, WorkerHello
+
+if TYPE_CHECKING:
+    from narad.supervisor.main import Supervisor
+
+log = logging.getLogger("narad.supervisor")
+
+THROTTLE_BURST = 5
+THROTTLE_REFILL_SECONDS = 12.0
+
+
+class LoginThrottle:
+    """Per-username token bucket over failed logins, for the whole node."""
+
+    def __init__(self) -> None:
+        self._buckets: dict[str, tuple[float, float]] = {}  # user -> (tokens, last refill)
+
+    def _refill(self, user: str, now: float) -> float:
+        tokens, last = self._buckets.get(user, (THROTTLE_BURST, now))
+        tokens = min(THROTTLE_BURST, tokens + (now - last) / THROTTLE_REFILL_SECONDS)
+        self._buckets[user] = (tokens, now)
+        return tokens
+
+    def attempt(self, user: str, now: float | None = None) -> tuple[bool, float]:
+        now = time.monotonic() if now is None else now
+        tokens = self._refill(user, now)
+        if tokens >= 1:
+            return True, 0.0
+        return False, (1 - tokens) * THROTTLE_REFILL_SECONDS
+
+    def outcome(self, user: str, ok: bool, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        tokens = self._refill(user, now)
+        if not ok:
+            self._buckets[user] = (max(0.0, tokens - 1), now)
+        elif tokens >= THROTTLE_BURST:
+            self._buckets.pop(user, None)
+        if len(self._buckets) > 100_000:
+            self._buckets.clear()
+
+
+class CtlRequest(msgspec.Struct, tag=True):
+    cmd: str
+    args: dict[str, Any] = {}
+
+
+class CtlReply(msgspec.Struct):
+    data: Any
+
+
+def worker_service(sup: Supervisor) -> rpc.Service:
+    s = rpc.Service()
+    meta = sup.meta
+
+    async def hello(m: WorkerHello, conn: rpc.Connection) -> HelloAck:
+        conn.peer_info["worker"] = m.index
+        conn.peer_info["pid"] = m.pid
+        return HelloAck(sup.node_id)
+
+    async def create_topic(m: Q.CreateTopicReq, conn: rpc.Connection) -> TopicRecord:
+        await sup.wait_create_gate()
+        return await meta.create_topic(m)
+
+    async def alter_topic(m: Q.AlterTopicReq, conn: rpc.Connection) -> TopicRecord:
+        return await meta.alter_topic(m)
+
+    async def delete_topic(m: Q.DeleteTopicReq, conn: rpc.Connection) -> Q.Empty:
+        await meta.delete_topic(m)
+        return Q.Empty()
+
+    async def create_user(m: Q.CreateUserReq, conn: rpc.Connection) -> Any:
+        return public_user(await meta.create_user(m))
+
+    async def set_grants(m: Q.SetGrantsReq, conn: rpc.Connection) -> Any:
+        return public_user(await meta.set_grants(m))
+
+    async def set_password(m: Q.SetPasswordReq, conn: rpc.Connection) -> Q.Empty:
+        await meta.set_password(m)
+        return Q.Empty()
+
+    async def delete_user(m: Q.DeleteUserReq, conn: rpc.Connection) -> Q.Empty:
+        await meta.delete_user(m)
+        return Q.Empty()
+
+    async def auth_attempt(m: Q.AuthAttemptReq, conn: rpc.Connection) -> Q.AuthAttemptResp:
+        ok, retry = sup.throttle.attempt(m.username)
+        return Q.AuthAttemptResp(ok, retry)
+
+    async def auth_outcome(m: Q.AuthOutcome, conn: rpc.Connection) -> None:
+        sup.throttle.outcome(m.username, m.ok)
+        if not m.ok:
+            sup.metrics.auth_failures.labels("bad_password").inc()
+
+    async def members(m: Q.MembersReq, conn: rpc.Connection) -> Q.MembersResp:
+        return sup.members_view()
+
+    async def status(m: Q.StatusReq, conn: rpc.Connection) -> Q.NodeStatus:
+        return sup.node_status()
+
+    for typ, fn in (
+        (WorkerHello, hello), (Q.CreateTopicReq, create_topic), (Q.AlterTopicReq, alter_topic),
+        (Q.DeleteTopicReq, delete_topic), (Q.CreateUserReq, create_user), (Q.SetGrantsReq, set_grants),
+        (Q.SetPasswordReq, set_password), (Q.DeleteUserReq, delete_user), (Q.AuthAttemptReq, auth_attempt),
+        (Q.AuthOutcome, auth_outcome), (Q.MembersReq, members), (Q.StatusReq, status),
+    ):
+        s.register(typ, fn)  # type: ignore[arg-type]
+    return s
+
+
+def _topic_view(t: TopicRecord) -> dict[str, Any]:
+    from narad.api.topics import topic_json
+
+    return topic_json(t)
+
+
+def control_service(sup: Supervisor) -> rpc.Service:
+    s = rpc.Service()
+    meta = sup.meta
+
+    async def handle(m: CtlRequest, conn: rpc.Connection) -> CtlReply:
+        a = m.args
+        if m.cmd == "status":
+            return CtlReply(msgspec.to_builtins(sup.node_status()))
+        if m.cmd == "members":
+            return CtlReply(msgspec.to_builtins(sup.members_view()))
+        if m.cmd == "topics.ls":
+            with sup.store.read() as r:
+                return CtlReply([_topic_view(t) for t in r.topics()])
+        if m.cmd == "topics.describe":
+            name = str(a.get("name", ""))
+            with sup.store.read() as r:
+                t = r.topic(name)
+                if t is None:
+                    raise NotFound(f'topic "{name}" not found')
+                rows = r.assignments(name)
+                schema_version = t.schema_version
+            out = _topic_view(t)
+            out["schema_version"] = schema_version
+            out["assignments"] = {str(p): rows[p].owner for p in sorted(rows) if rows[p].topic_id == t.id}
+            return CtlReply(out)
+        if m.cmd == "topics.create":
+            await sup.wait_create_gate()
+            schema = a.get("schema")
+            rec = await meta.create_topic(Q.CreateTopicReq(
+                who=OPERATOR, name=str(a.get("name", "")), partitions=a.get("partitions"),
+                retention_ms=a.get("retention_ms"), visibility_timeout_ms=a.get("visibility_timeout_ms"),
+                max_in_flight_per_partition=a.get("max_in_flight_per_partition"),
+                max_acked_ahead_per_partition=a.get("max_acked_ahead_per_partition"),
+                schema=schema.encode() if isinstance(schema, str) else None,
+            ))
+            return CtlReply(_topic_view(rec))
+        if m.cmd == "topics.alter":
+            rec = await meta.alter_topic(Q.AlterTopicReq(
+                who=OPERATOR, name=str(a.get("name", "")), retention_ms=a.get("retention_ms"),
+                max_in_flight_per_partition=a.get("max_in_flight_per_partition"),
+                max_acked_ahead_per_partition=a.get("max_acked_ahead_per_partition"),
+                partitions=a.get("partitions"),
+            ))
+            return CtlReply(_topic_view(rec))
+        if m.cmd == "topics.rm":
+            await meta.delete_topic(Q.DeleteTopicReq(who=OPERATOR, name=str(a.get("name", ""))))
+            return CtlReply({"deleted": a.get("name")})
+        if m.cmd == "users.ls":
+            from narad.api.users import user_json
+
+            with sup.store.read() as r:
+                return CtlReply([user_json(u) for u in r.users()])
+        if m.cmd == "users.add":
+            from narad.api.users import user_json
+            from narad.meta import validate as VAL
+
+            pw = VAL.password(a.get("password"))
+            grants = [Grant(g["action"], list(g.get("patterns", []))) for g in a.get("grants", [])]
+            hashed = await asyncio.to_thread(bcrypt.hashpw, pw, bcrypt.gensalt(10))
+            rec = await meta.create_user(Q.CreateUserReq(OPERATOR, str(a.get("username", "")), hashed, grants))
+            return CtlReply(user_json(rec))
+        if m.cmd == "users.rm":
+            await meta.delete_user(Q.DeleteUserReq(OPERATOR, str(a.get("username", ""))))
+            return CtlReply({"deleted": a.get("username")})
+        raise BadRequest(f"unknown command {m.cmd!r}")
+
+    s.register(CtlRequest, handle)  # type: ignore[arg-type]
+    return s
+
+
+def ready_reason_text(code: int) -> str:
+    return V.READY_REASONS.get(code, "not ready")
+
+
+__all__ = ["BUILD", "CtlReply", "CtlRequest", "LoginThrottle", "control_service", "worker_service"]

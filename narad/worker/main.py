@@ -1,0 +1,137 @@
+"""Worker process entry point (runs in a child of the fork server).
+
+Order: die with the parent, pin to the core, reset signals, attach the
+shared version array read-only, open the FSM read-only (after fork, as LMDB
+requires), connect to the supervisor, then serve HTTP/1.1 on the inherited
+TCP listener and HTTP/3 on the inherited UDP socket until SIGTERM (drain)
+or until the supervisor goes away (exit).
+
+Imports narad.api, narad.meta, narad.ipc, narad.metrics, narad.config.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+import psutil
+import uvloop
+
+from narad import logs, metrics
+from narad.api.app import build_app
+from narad.api.auth import Authenticator
+from narad.api.context import ApiContext
+from narad.api.http1 import Http1Limits, Http1Server
+from narad.config import Config
+from narad.ipc import rpc
+from narad.meta import versions as V
+from narad.meta.store import MetaStore
+
+log = logging.getLogger("narad.worker")
+
+
+class WorkerHello(msgspec.Struct, tag=True):
+    index: int
+    pid: int
+
+
+class HelloAck(msgspec.Struct):
+    node_id: str
+
+
+@dataclass
+class WorkerSpec:
+    cfg: Config
+    node_id: str
+    sockets: list[tuple[socket.socket, socket.socket | None]]
+    shm_name: str
+    fsm_path: Path
+    worker_socket: Path
+    metrics_dir: Path
+    cert_file: str
+    key_file: str
+    workers: int
+
+
+def run(spec: WorkerSpec, index: int, core: int | None) -> int:
+    """Runs in the forked worker; returns the exit code."""
+    logs.setup(f"worker-{index}", spec.cfg.log.level, spec.cfg.log.format)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+    if core is not None:
+        try:
+            psutil.Process().cpu_affinity([core])
+        except (OSError, ValueError) as e:
+            log.warning("could not pin worker to core", extra={"core": core, "err": str(e)})
+    # Keep only this worker's sockets.
+    for i, (tcp, udp) in enumerate(spec.sockets):
+        if i != index:
+            tcp.close()
+            if udp is not None:
+                udp.close()
+    metrics.setup(spec.metrics_dir)
+    return uvloop.run(_main(spec, index, core))
+
+
+async def _main(spec: WorkerSpec, index: int, core: int | None) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    versions = V.VersionTable.attach(spec.shm_name)
+    store = MetaStore(spec.fsm_path, versions)
+    service = rpc.Service()
+    service.on_close = lambda _c: stop.set()
+    sup = await rpc.connect_unix(str(spec.worker_socket), service)
+    await sup.call(WorkerHello(index, os.getpid()), HelloAck, timeout=10)
+    cfg = spec.cfg
+    slots = max(1, 4 // max(1, spec.workers))
+    auth = Authenticator(
+        security=cfg.security.enabled,
+        users=store.user,
+        versions=versions,
+        supervisor_call=lambda req, typ: sup.call(req, typ, timeout=5.0),
+        supervisor_note=sup.notify,
+        bcrypt_slots=slots,
+    )
+    ctx = ApiContext(cfg=cfg, node_id=spec.node_id, store=store, versions=versions, sup=sup, auth=auth,
+                     worker_index=index)
+    app = build_app(ctx)
+    tcp, udp = spec.sockets[index]
+    alt_svc = f'h3=":{cfg.http.port}"; ma=86400' if udp is not None else None
+    h1 = Http1Server(app, tcp, Http1Limits(
+        read_timeout=cfg.seconds("http", "read_timeout"),
+        idle_timeout=cfg.seconds("http", "idle_timeout"),
+        max_header_bytes=cfg.http.max_header_bytes,
+        max_connections=(cfg.http.max_connections // max(1, spec.workers)) if cfg.http.max_connections else 0,
+        alt_svc=alt_svc,
+    ))
+    await h1.start()
+    h3 = None
+    if udp is not None:
+        from narad.api.http3 import Http3Limits, Http3Server
+
+        h3 = Http3Server(app, udp, spec.cert_file, spec.key_file, Http3Limits(
+            idle_timeout=cfg.seconds("http", "idle_timeout"),
+            max_header_bytes=cfg.http.max_header_bytes,
+            read_timeout=cfg.seconds("http", "read_timeout"),
+        ))
+        await h3.start()
+    log.info("worker serving", extra={"index": index, "core": core, "port": cfg.http.port})
+    await stop.wait()
+    t0 = time.monotonic()
+    grace = cfg.seconds("http", "shutdown_grace")
+    if not sup.closed:
+        await asyncio.gather(h1.drain(grace), h3.drain(grace) if h3 else asyncio.sleep(0))
+        log.info("worker drained", extra={"index": index, "seconds": round(time.monotonic() - t0, 3)})
+        sup.close()
+        return 0
+    log.error("supervisor went away; worker exiting", extra={"index": index})
+    return 3

@@ -1,0 +1,26 @@
+"""cffi build script for narad's native helpers (``narad._native``).
+
+Built at install time through ``cffi_modules`` in setup.py; the C source is
+``native/narad_native.c``. Nothing here runs at import time.
+"""
+
+from pathlib import Path
+
+from cffi import FFI
+
+ffibuilder = FFI()
+ffibuilder.cdef(
+    """
+    uint64_t atomic_load(uint64_t *b, size_t i);
+    void atomic_store(uint64_t *b, size_t i, uint64_t v);
+    uint64_t atomic_fetch_add(uint64_t *b, size_t i, uint64_t v);
+    void set_base(uint64_t *b, size_t n);
+    uint64_t load_i(size_t i);
+    int set_pdeathsig(int sig, int expected_parent);
+    """
+)
+_src = (Path(__file__).resolve().parent / "narad_native.c").read_text()
+ffibuilder.set_source("narad._native", _src, extra_compile_args=["-O2"])
+
+if __name__ == "__main__":
+    ffibuilder.compile(verbose=True)

@@ -1,0 +1,244 @@
+"""Test harness: real narad nodes as subprocesses on 127.0.0.1, real HTTP/1.1
+clients, naradctl, and waits on conditions with deadlines (never fixed sleeps).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import http.client
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ADMIN_PASSWORD = "test-admin-password-1"
+
+
+def _bindable(port: int) -> bool:
+    for kind in (socket.SOCK_STREAM, socket.SOCK_DGRAM):
+        with socket.socket(socket.AF_INET, kind) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                return False
+    return True
+
+
+def free_ports(n: int) -> list[int]:
+    """n ports free for both TCP and UDP on 127.0.0.1 (chosen at run time)."""
+    out: list[int] = []
+    while len(out) < n:
+        p = random.randint(20000, 60000)
+        if p not in out and _bindable(p):
+            out.append(p)
+    return out
+
+
+def wait_for(cond: Callable[[], Any], timeout: float = 20.0, interval: float = 0.02, what: str = "condition") -> Any:
+    end = time.monotonic() + timeout
+    last_exc: BaseException | None = None
+    while time.monotonic() < end:
+        try:
+            v = cond()
+            if v:
+                return v
+        except Exception as e:
+            last_exc = e
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}" + (f" (last error: {last_exc!r})"
+                                                                            if last_exc else ""))
+
+
+class Response:
+    def __init__(self, status: int, headers: dict[str, str], body: bytes) -> None:
+        self.status = status
+        self.headers = headers
+        self.body = body
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+    def __repr__(self) -> str:
+        return f"<Response {self.status} {self.body[:200]!r}>"
+
+
+def basic(user: str, pw: str) -> str:
+    return "Basic " + base64.b64encode(f"{user}:{pw}".encode()).decode()
+
+
+class Node:
+    def __init__(
+        self,
+        data_dir: Path,
+        *,
+        workers: int = 2,
+        security: bool = True,
+        node_id: str = "n1",
+        env: dict[str, str] | None = None,
+        args: list[str] | None = None,
+        ports: list[int] | None = None,
+    ) -> None:
+        self.data_dir = data_dir
+        self.workers = workers
+        self.security = security
+        self.node_id = node_id
+        self.port, self.raft_port, self.cluster_port = ports or free_ports(3)
+        self.extra_env = env or {}
+        self.extra_args = args or []
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log_path = data_dir.parent / f"{data_dir.name}.log"
+        self.auth = basic("admin", ADMIN_PASSWORD)
+
+    # ---- process ----------------------------------------------------------
+    def command(self) -> list[str]:
+        cmd = [sys.executable, "-m", "narad.supervisor.main", "--data-dir", str(self.data_dir),
+               "--port", str(self.port), "--raft-port", str(self.raft_port),
+               "--cluster-port", str(self.cluster_port), "--workers", str(self.workers),
+               "--node-id", self.node_id]
+        if not self.security:
+            cmd.append("--dev")
+        return cmd + self.extra_args
+
+    def env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("NARAD_")}
+        env.update({"NARAD_ADMIN_PASSWORD": ADMIN_PASSWORD, "NARAD_HTTP_HOST": "127.0.0.1",
+                    "NARAD_LOG_FORMAT": "text", "NARAD_HTTP_DEBUG_HEADERS": "true",
+                    "NARAD_CONFIG": os.devnull})
+        env.update(self.extra_env)
+        return env
+
+    def start(self, wait: bool = True) -> Node:
+        self.data_dir.parent.mkdir(parents=True, exist_ok=True)
+        logf = open(self.log_path, "ab")  # noqa: SIM115 - the child keeps it
+        self.proc = subprocess.Popen(self.command(), env=self.env(), stdout=logf, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        logf.close()
+        if wait:
+            self.wait_ready()
+        return self
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        def ready() -> bool:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"node exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
+            try:
+                return self.get("/readyz", auth=None).status == 200
+            except OSError:
+                return False
+
+        try:
+            wait_for(ready, timeout, 0.05, "the node to be ready")
+        except RuntimeError as e:
+            raise AssertionError(str(e)) from None
+        except AssertionError:
+            raise AssertionError(f"node not ready in {timeout}s:\n{self.log()[-4000:]}") from None
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill9()
+            raise AssertionError(f"node did not stop within {timeout}s:\n{self.log()[-3000:]}") from None
+
+    def kill9(self) -> None:
+        """SIGKILL every process of the node (supervisor, fork server, workers)."""
+        assert self.proc is not None
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(Exception):
+                self.stop(timeout=15)
+        if self.proc is not None and self.proc.poll() is None:
+            self.kill9()
+
+    # ---- HTTP/1.1 ---------------------------------------------------------
+    def conn(self) -> http.client.HTTPConnection:
+        return http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        headers: dict[str, str] | None = None,
+        auth: str | bool | None = True,
+        conn: http.client.HTTPConnection | None = None,
+    ) -> Response:
+        h = dict(headers or {})
+        if auth is True:
+            if self.security:
+                h["Authorization"] = self.auth
+        elif isinstance(auth, str):
+            h["Authorization"] = auth
+        data: bytes | None
+        if body is None:
+            data = None
+        elif isinstance(body, bytes):
+            data = body
+        else:
+            data = json.dumps(body).encode()
+            h.setdefault("Content-Type", "application/json")
+        if method in ("POST", "PUT", "PATCH"):
+            h.setdefault("X-Narad-Client", "tests")
+        own = conn is None
+        c = conn or self.conn()
+        try:
+            c.request(method, path, body=data, headers=h)
+            r = c.getresponse()
+            return Response(r.status, {k.lower(): v for k, v in r.getheaders()}, r.read())
+        finally:
+            if own:
+                c.close()
+
+    def get(self, path: str, **kw: Any) -> Response:
+        return self.request("GET", path, **kw)
+
+    def post(self, path: str, body: Any = None, **kw: Any) -> Response:
+        return self.request("POST", path, body, **kw)
+
+    # ---- naradctl -----------------------------------------------------------
+    def ctl(self, *args: str, check: bool = True) -> Any:
+        sock = self.data_dir / "run" / "narad.sock"
+        p = subprocess.run([sys.executable, "-m", "narad.ctl.main", "--socket", str(sock), "--json", *args],
+                           capture_output=True, text=True, timeout=60)
+        if check and p.returncode != 0:
+            raise AssertionError(f"naradctl {' '.join(args)} failed ({p.returncode}): {p.stderr}")
+        return json.loads(p.stdout) if p.returncode == 0 else p
+
+    def status(self) -> dict[str, Any]:
+        return self.ctl("status")  # type: ignore[no-any-return]
+
+    def worker_connection(self, index: int, timeout: float = 10.0) -> http.client.HTTPConnection:
+        """A keep-alive connection the kernel routed to worker `index`."""
+        def find() -> http.client.HTTPConnection | None:
+            c = self.conn()
+            c.request("GET", "/healthz")
+            r = c.getresponse()
+            r.read()
+            if r.getheader("X-Narad-Worker") == str(index):
+                return c
+            c.close()
+            return None
+
+        return wait_for(find, timeout, 0.0, f"a connection on worker {index}")  # type: ignore[no-any-return]

@@ -1,0 +1,175 @@
+"""The metastore state machine on real LMDB files: apply rules, refusals,
+idempotency, skip-on-replay, fail-stop, version slots, determinism."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+
+from narad.errors import FailStop
+from narad.meta import commands as C
+from narad.meta import versions as V
+from narad.meta.fsm import DB_NAMES, FSM
+from narad.meta.records import Grant, MemberRecord, TopicRecord, UserRecord
+from narad.meta.store import Reader
+
+
+def topic(name: str, tid: str = "00000000000000aa", parts: int = 3) -> TopicRecord:
+    return TopicRecord(name=name, id=tid, partitions=parts, retention_ms=0, visibility_timeout_ms=30000,
+                       max_in_flight_per_partition=1024, max_acked_ahead_per_partition=1024, created_at=100)
+
+
+def enc(payload: object, rid: str = "", stamp: int = 1000) -> bytes:
+    return C.encode(payload, request_id=rid, stamp_ms=stamp)  # type: ignore[arg-type]
+
+
+class Applier:
+    def __init__(self, path: Path) -> None:
+        self.touched: list[set[int]] = []
+        self.fsm = FSM(path, on_commit=lambda t, i: self.touched.append(t))
+        self.index = self.fsm.applied_index
+
+    def apply(self, payload: object, rid: str = "", stamp: int = 1000, commit: bool = True) -> C.ApplyResult:
+        self.index += 1
+        res = self.fsm.apply(self.index, enc(payload, rid, stamp))
+        if commit:
+            self.fsm.commit()
+        return res
+
+    def read(self) -> Reader:
+        txn = self.fsm.env.begin()
+        return Reader(txn, self.fsm.dbs)
+
+
+def test_create_refusals_and_case_insensitive_names(tmp_path: Path) -> None:
+    a = Applier(tmp_path / "fsm")
+    assert a.apply(C.CreateTopic(topic("orders"))).ok
+    dup = a.apply(C.CreateTopic(topic("orders", "00000000000000bb")))
+    assert dup.code == C.Result.EXISTS
+    clash = a.apply(C.CreateTopic(topic("Orders", "00000000000000cc")))
+    assert clash.code == C.Result.EXISTS and '"orders"' in clash.message
+    r = a.read()
+    assert r.topic("orders").id == "00000000000000aa"  # type: ignore[union-attr]
+    assert r.topic("Orders") is None
+    # Refused entries still count as applied: the index moved past them.
+    assert a.fsm.applied_index == 3
+
+
+def test_delete_drops_assignments_and_schemas_and_recreate_is_clean(tmp_path: Path) -> None:
+    a = Applier(tmp_path / "fsm")
+    assert a.apply(C.CreateTopic(topic("t1"), schema=b'{"type":"object"}')).ok
+    assert a.apply(C.AssignPartitions("t1", "00000000000000aa", [(0, "n1"), (1, "n1"), (2, "n1")])).ok
+    assert a.apply(C.DeleteTopic("t1")).ok
+    r = a.read()
+    assert r.topic("t1") is None and r.assignments("t1") == {} and r.schemas("t1") == []
+    assert a.apply(C.CreateTopic(topic("t1", "00000000000000ff"))).ok
+    r = a.read()
+    assert r.topic("t1").id == "00000000000000ff" and r.topic("t1").schema_version == 0  # type: ignore[union-attr]
+    # An assignment computed for the deleted incarnation is refused.
+    stale = a.apply(C.AssignPartitions("t1", "00000000000000aa", [(0, "n1")]))
+    assert stale.code == C.Result.CHANGED
+    assert a.read().assignments("t1") == {}
+
+
+def test_update_grows_only_and_schema_versions_are_sequential(tmp_path: Path) -> None:
+    a = Applier(tmp_path / "fsm")
+    a.apply(C.CreateTopic(topic("t")))
+    assert a.apply(C.UpdateTopic("t", partitions=2)).code == C.Result.INVALID
+    assert a.apply(C.UpdateTopic("t", partitions=5, retention_ms=7_200_000)).ok
+    assert a.apply(C.PutSchema("t", 2, b"true")).code == C.Result.CHANGED
+    assert a.apply(C.PutSchema("t", 1, b"true")).ok
+    t = a.read().topic("t")
+    assert t is not None and (t.partitions, t.retention_ms, t.schema_version) == (5, 7_200_000, 1)
+
+
+def test_request_id_applies_once_and_answers_the_first_result(tmp_path: Path) -> None:
+    a = Applier(tmp_path / "fsm")
+    first = a.apply(C.CreateTopic(topic("t")), rid="req-1")
+    again = a.apply(C.CreateTopic(topic("t", "00000000000000bb")), rid="req-1")
+    assert first.ok and again.ok and again.index == first.index
+    assert a.read().topic("t").id == "00000000000000aa"  # type: ignore[union-attr]
+
+
+def test_replay_skips_what_the_database_holds(tmp_path: Path) -> None:
+    a = Applier(tmp_path / "fsm")
+    a.apply(C.CreateUser(UserRecord("u", b"h")))
+    a.apply(C.UpdateGrants("u", [Grant("produce", ["x*"])]))
+    a.fsm.close()
+    b = FSM(tmp_path / "fsm")
+    assert b.applied_index == 2 and b.index_trusted
+    # Raft hands the log again from index 1: nothing is applied twice.
+    res = b.apply(1, enc(C.CreateUser(UserRecord("u", b"other"))))
+    assert res.message == "already applied"
+    b.commit()
+    with b.env.begin() as txn:
+        u = Reader(txn, b.dbs).user("u")
+    assert u is not None and u.password_hash == b"h" and u.grants == [Grant("produce", ["x*"])]
+
+
+def test_unknown_entry_type_fail_stops_and_keeps_nothing_of_the_batch(tmp_path: Path) -> None:
+    a = Applier(tmp_path / "fsm")
+    a.apply(C.CreateTopic(topic("t")), commit=False)  # in the open batch
+    with pytest.raises(FailStop) as e:
+        a.fsm.apply(a.index + 1, bytes([200]) + b"\x93\xa0\x00\x90")
+    assert e.value.index == a.index + 1 and e.value.entry_type == 200
+    a.fsm.env.close()
+    b = FSM(tmp_path / "fsm")
+    assert b.applied_index == 0  # the batch was not committed: a restart replays it
+    with b.env.begin() as txn:
+        assert Reader(txn, b.dbs).topic("t") is None
+
+
+def test_undecodable_entry_is_a_refusal_not_a_stop(tmp_path: Path) -> None:
+    a = Applier(tmp_path / "fsm")
+    a.index += 1
+    res = a.fsm.apply(a.index, bytes([C.EntryType.CREATE_TOPIC]) + b"\xff\xff")
+    a.fsm.commit()
+    assert res.code == C.Result.UNDECODABLE and a.fsm.applied_index == 1
+
+
+def test_commit_reports_touched_version_slots(tmp_path: Path) -> None:
+    a = Applier(tmp_path / "fsm")
+    a.apply(C.CreateTopic(topic("t")))
+    assert {V.TOPICS, V.name_slot("t")} <= a.touched[-1]
+    a.apply(C.CreateUser(UserRecord("u", b"h")))
+    assert a.touched[-1] == {V.USERS}
+    a.apply(C.CreateTopic(topic("t")))  # refused: touches nothing
+    assert a.touched[-1] == set()
+
+
+def test_root_admin_is_unique_and_undeletable(tmp_path: Path) -> None:
+    a = Applier(tmp_path / "fsm")
+    assert a.apply(C.CreateUser(UserRecord("admin", b"h", root=True))).ok
+    assert a.apply(C.CreateUser(UserRecord("admin2", b"h", root=True))).code == C.Result.EXISTS
+    assert a.apply(C.DeleteUser("admin")).code == C.Result.REFUSED
+    assert a.apply(C.UpdateGrants("admin", [])).code == C.Result.REFUSED
+
+
+def _digest(fsm: FSM) -> str:
+    h = hashlib.sha256()
+    with fsm.env.begin() as txn:
+        for name in DB_NAMES:
+            if name == "fsm_meta":
+                continue  # holds the LMDB transaction id, which depends on batching
+            for k, v in txn.cursor(db=fsm.dbs[name]):
+                h.update(name.encode() + b"\0" + k + b"\0" + v + b"\n")
+    return h.hexdigest()
+
+
+def test_same_script_gives_identical_databases(tmp_path: Path) -> None:
+    script: list[object] = [
+        C.CreateTopic(topic("a")), C.CreateTopic(topic("b", "00000000000000bb"), schema=b"true"),
+        C.AssignPartitions("a", "00000000000000aa", [(0, "n1"), (1, "n2"), (2, "n1")]),
+        C.RegisterMember(MemberRecord("n1", "127.0.0.1:1")), C.Heartbeat("n1", "b", 13),
+        C.MarkDead("n1"), C.CreateUser(UserRecord("u", b"h", [Grant("consume", ["a"])])),
+        C.UpdatePassword("u", b"h2"), C.UpdateTopic("a", partitions=4), C.PutSchema("b", 2, b"{}"),
+        C.DeleteTopic("b"), C.DeleteUser("u"), C.Noop(),
+    ]
+    one, two = Applier(tmp_path / "one"), Applier(tmp_path / "two")
+    for i, p in enumerate(script):
+        one.apply(p, rid=f"r{i}", stamp=1000 + i)
+        two.apply(p, rid=f"r{i}", stamp=1000 + i, commit=(i % 4 == 3))  # different batching
+    two.fsm.commit()
+    assert _digest(one.fsm) == _digest(two.fsm)

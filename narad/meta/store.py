@@ -133,8 +133,8 @@ class MetaStore:
             self.env = F.open_env(self.path, readonly=True)
             self.dbs = F.open_dbs(self.env, create=False)
         self._epoch = versions.load(V.EPOCH)
-        self._topics: dict[str, tuple[int, R.TopicRecord | None]] = {}
-        self._assign: dict[str, tuple[int, dict[int, R.AssignmentRecord]]] = {}
+        self._topics: dict[str, tuple[int, int, R.TopicRecord | None]] = {}
+        self._assign: dict[str, tuple[int, int, dict[int, R.AssignmentRecord]]] = {}
         self._users: dict[str, R.UserRecord | None] = {}
         self._users_ver = -1
 
@@ -167,27 +167,29 @@ class MetaStore:
 
     # ---- cached lookups (one atomic load when warm) -----------------------
     def topic(self, name: str) -> R.TopicRecord | None:
-        ver = self.versions.load(V.name_slot(name))
         hit = self._topics.get(name)
-        if hit is not None and hit[0] == ver:
-            return hit[1]
+        if hit is not None and self.versions.load(hit[0]) == hit[1]:
+            return hit[2]
+        slot = V.name_slot(name)
+        ver = self.versions.load(slot)
         with self.read() as r:
             rec = r.topic(name)
         if len(self._topics) > _CACHE_LIMIT:
             self._topics.clear()
-        self._topics[name] = (ver, rec)
+        self._topics[name] = (slot, ver, rec)
         return rec
 
     def assignments(self, name: str) -> dict[int, R.AssignmentRecord]:
-        ver = self.versions.load(V.name_slot(name))
         hit = self._assign.get(name)
-        if hit is not None and hit[0] == ver:
-            return hit[1]
+        if hit is not None and self.versions.load(hit[0]) == hit[1]:
+            return hit[2]
+        slot = V.name_slot(name)
+        ver = self.versions.load(slot)
         with self.read() as r:
             rows = r.assignments(name)
         if len(self._assign) > _CACHE_LIMIT:
             self._assign.clear()
-        self._assign[name] = (ver, rows)
+        self._assign[name] = (slot, ver, rows)
         return rows
 
     def user(self, name: str) -> R.UserRecord | None:

@@ -55,8 +55,6 @@ def lookup_costs(n_topics: int = 10_000, rounds: int = 200_000) -> tuple[float, 
     if pid == 0:  # a reader process, like a worker: read-only env opened after fork
         from narad.meta.store import MetaStore
 
-        V._primary_taken = False  # like a worker, this process's table keeps its base in C
-
         store = MetaStore(tmp / "fsm", V.VersionTable.attach(shm))
         names = [f"topic-{i % n_topics}" for i in range(1000)]
         for nm in names:

@@ -41,7 +41,8 @@ class OpsAPI:
         return json_response(503, {"error": f"metastore: node is not ready: {reason}"})
 
     async def metrics(self, req: Request) -> Response:
-        return Response(200, metrics.exposition(), metrics.CONTENT_TYPE)
+        snap = await self.ctx.call(metrics.NodeMetricsReq(), metrics.Snapshot, timeout=5.0)
+        return Response(200, metrics.render(snap.families), metrics.CONTENT_TYPE)
 
     async def members(self, req: Request) -> Response:
         who: G.Identity = req.identity

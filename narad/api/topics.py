@@ -155,8 +155,10 @@ class TopicsAPI:
         only = query_int(req, "partition", minimum=0)
         if only is not None and only >= t.partitions:
             raise BadRequest(f"invalid argument: partition {only} is not in topic {name}")
-        with self.ctx.store.read() as r:
-            schema = r.schema(name, t.schema_version) if t.schema_version else None
+        schema = None
+        if t.schema_version:
+            with self.ctx.store.read() as r:
+                schema = r.schema(name, t.schema_version)
         assignments = self.ctx.store.assignments(name)
         out = topic_json(t)
         out["schema_version"] = t.schema_version

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import mmap
+import os
 import zlib
 from collections.abc import Iterable
 
@@ -69,7 +70,7 @@ def shm_name_for(data_dir: str) -> str:
     return "/narad-" + hashlib.sha1(data_dir.encode()).hexdigest()[:16]
 
 
-_primary_taken = False
+_primary_pid = 0  # the process whose table keeps its base pointer in C (not inherited across fork)
 
 
 class VersionTable:
@@ -77,17 +78,17 @@ class VersionTable:
     ``attach`` (workers, read-only)."""
 
     def __init__(self, name: str, mm: mmap.mmap, writable: bool) -> None:
-        global _primary_taken
+        global _primary_pid
         self.name = name
         self._mm = mm
         self.writable = writable
         self._buf = ffi.from_buffer(mm, require_writable=False)
         self._ptr = ffi.cast("uint64_t *", self._buf)
-        if not _primary_taken:
+        if _primary_pid != os.getpid():
             # The first table of a process keeps its base pointer in C: load_i
             # then costs one call with one integer argument (~65 ns).
             lib.set_base(self._ptr, SIZE)
-            _primary_taken = True
+            _primary_pid = os.getpid()
             self._primary = True
             self.load = lib.load_i
         else:

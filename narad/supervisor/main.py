@@ -45,6 +45,7 @@ log = logging.getLogger("narad.supervisor")
 
 READY_EVERY = 0.1
 READER_CHECK_EVERY = 5.0
+METRICS_POLL_EVERY = 10.0
 LEADER_CONTACT_FRESH = 5.0
 
 
@@ -92,6 +93,9 @@ class Supervisor:
         self.reconcile_done = False
         self.create_gate: asyncio.Event | None = None
         self.startup_commit_index = 0
+        self.worker_conns: dict[int, rpc.Connection] = {}
+        self.worker_metrics: dict[int, list[metrics.Family]] = {}  # last snapshot per worker pid
+        self.retired_metrics: list[metrics.Family] = []  # counters of workers that died
 
     # ------------------------------------------------------------------------
     # Boot checklist. Steps 1-9 run before any thread or event loop exists.
@@ -107,8 +111,9 @@ class Supervisor:
         #    socket and the metrics files; stale ones from a crash are replaced.
         self.runtime_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(self.runtime_dir, 0o700)
-        # 3. Metrics before forking, so every worker inherits the shared directory.
-        self.metrics = metrics.setup(self.runtime_dir / "metrics", wipe=True)
+        # 3. This process's metrics (workers start their own after fork; the
+        #    supervisor merges them all when /metrics is scraped).
+        self.metrics = metrics.setup()
         # 4. The QUIC certificate: configured files, or a self-signed pair made at
         #    first start and kept in the data directory.
         if cfg.security.tls_cert_file:
@@ -131,7 +136,7 @@ class Supervisor:
         spec = worker_main.WorkerSpec(
             cfg=cfg, node_id=self.node_id, sockets=self.sockets, shm_name=self.versions.name,
             fsm_path=self.fsm_path, worker_socket=self.runtime_dir / "worker.sock",
-            metrics_dir=self.runtime_dir / "metrics", cert_file=self.cert_file, key_file=self.key_file,
+            cert_file=self.cert_file, key_file=self.key_file,
             workers=self.n_workers,
         )
         self.forkserver = ForkServer(lambda index, core: worker_main.run(spec, index, core))
@@ -255,6 +260,21 @@ class Supervisor:
     def _on_worker_exit(self, pid: int) -> None:
         with contextlib.suppress(Exception):
             self.fsm.env.reader_check()
+        last = self.worker_metrics.pop(pid, None)
+        if last is not None:
+            self.retired_metrics = metrics.merge([self.retired_metrics, last], only_counters=True)
+
+    async def node_metrics(self) -> list[metrics.Family]:
+        """Every process's metrics, merged (dead workers' counters included)."""
+        async def one(pid: int, conn: rpc.Connection) -> None:
+            with contextlib.suppress(Exception):
+                snap = await conn.call(metrics.SnapshotReq(), metrics.Snapshot, timeout=2.0)
+                if pid in self.worker_metrics or any(w.pid == pid and w.alive for w in self.workers.workers):
+                    self.worker_metrics[pid] = snap.families
+
+        conns = [(c.peer_info.get("pid", 0), c) for c in self.worker_conns.values() if not c.closed]
+        await asyncio.gather(*(one(pid, c) for pid, c in conns))
+        return metrics.merge([metrics.snapshot(), self.retired_metrics, *self.worker_metrics.values()])
 
     # ---- readiness -------------------------------------------------------------
     def readiness(self) -> tuple[bool, int]:
@@ -291,7 +311,7 @@ class Supervisor:
 
     async def _housekeeping_loop(self) -> None:
         m = self.metrics
-        last_check = 0.0
+        last_check = last_metrics = 0.0
         while True:
             st = self.raft.status()
             for role in ("leader", "follower", "candidate"):
@@ -304,6 +324,11 @@ class Supervisor:
             with self.store.read() as r:
                 m.topics_total.set(r.topic_count())
             now = time.monotonic()
+            if now - last_metrics >= METRICS_POLL_EVERY:
+                # Keep each worker's counters recent, so a worker that dies
+                # does not take its share of the node's totals with it.
+                last_metrics = now
+                await self.node_metrics()
             if now - last_check >= READER_CHECK_EVERY:
                 last_check = now
                 with contextlib.suppress(Exception):

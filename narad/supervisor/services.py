@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import bcrypt
 import msgspec
 
-from narad import BUILD
+from narad import BUILD, metrics
 from narad.errors import BadRequest, NotFound
 from narad.ipc import rpc
 from narad.meta import requests as Q
@@ -84,6 +84,7 @@ def worker_service(sup: Supervisor) -> rpc.Service:
     async def hello(m: WorkerHello, conn: rpc.Connection) -> HelloAck:
         conn.peer_info["worker"] = m.index
         conn.peer_info["pid"] = m.pid
+        sup.worker_conns[m.index] = conn
         return HelloAck(sup.node_id)
 
     async def create_topic(m: Q.CreateTopicReq, conn: rpc.Connection) -> TopicRecord:
@@ -126,11 +127,15 @@ def worker_service(sup: Supervisor) -> rpc.Service:
     async def status(m: Q.StatusReq, conn: rpc.Connection) -> Q.NodeStatus:
         return sup.node_status()
 
+    async def node_metrics(m: metrics.NodeMetricsReq, conn: rpc.Connection) -> metrics.Snapshot:
+        return metrics.Snapshot(await sup.node_metrics())
+
     for typ, fn in (
         (WorkerHello, hello), (Q.CreateTopicReq, create_topic), (Q.AlterTopicReq, alter_topic),
         (Q.DeleteTopicReq, delete_topic), (Q.CreateUserReq, create_user), (Q.SetGrantsReq, set_grants),
         (Q.SetPasswordReq, set_password), (Q.DeleteUserReq, delete_user), (Q.AuthAttemptReq, auth_attempt),
         (Q.AuthOutcome, auth_outcome), (Q.MembersReq, members), (Q.StatusReq, status),
+        (metrics.NodeMetricsReq, node_metrics),
     ):
         s.register(typ, fn)  # type: ignore[arg-type]
     return s

@@ -100,7 +100,6 @@ class WorkerManager:
             w.alive = False
             w.last_status = describe_status(status)
             w.exited.set()
-            metrics.mark_process_dead(pid)
             metrics.get().workers_alive.set(sum(x.alive for x in self.workers))
             if self.on_exit is not None:
                 self.on_exit(pid)

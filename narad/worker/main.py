@@ -54,7 +54,6 @@ class WorkerSpec:
     shm_name: str
     fsm_path: Path
     worker_socket: Path
-    metrics_dir: Path
     cert_file: str
     key_file: str
     workers: int
@@ -76,7 +75,7 @@ def run(spec: WorkerSpec, index: int, core: int | None) -> int:
             tcp.close()
             if udp is not None:
                 udp.close()
-    metrics.setup(spec.metrics_dir)
+    metrics.setup()
     return uvloop.run(_main(spec, index, core))
 
 
@@ -89,6 +88,11 @@ async def _main(spec: WorkerSpec, index: int, core: int | None) -> int:
     store = MetaStore(spec.fsm_path, versions)
     service = rpc.Service()
     service.on_close = lambda _c: stop.set()
+
+    async def metrics_snapshot(_m: metrics.SnapshotReq, _c: rpc.Connection) -> metrics.Snapshot:
+        return metrics.Snapshot(metrics.snapshot())
+
+    service.register(metrics.SnapshotReq, metrics_snapshot)
     sup = await rpc.connect_unix(str(spec.worker_socket), service)
     await sup.call(WorkerHello(index, os.getpid()), HelloAck, timeout=10)
     cfg = spec.cfg

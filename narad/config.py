@@ -116,6 +116,13 @@ class ClusterConfig:
 
 
 @dataclass(frozen=True)
+class StorageConfig:
+    consumer_offset_commit_interval_ms: int = _s(
+        1000, "Acks reach the page cache every 100 ms and are fsynced this often (10-60000).",
+        "NARAD_STORAGE_CONSUMER_OFFSET_COMMIT_INTERVAL_MS")
+
+
+@dataclass(frozen=True)
 class TopicConfig:
     default_partitions: int = _s(3, "Partitions of a topic created without a count.",
                                  "NARAD_TOPIC_DEFAULT_PARTITIONS")
@@ -149,6 +156,7 @@ class Config:
     node: NodeConfig = field(default_factory=NodeConfig)
     http: HttpConfig = field(default_factory=HttpConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
     topic: TopicConfig = field(default_factory=TopicConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
     log: LogConfig = field(default_factory=LogConfig)
@@ -336,6 +344,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError("topic.default_visibility_timeout_ms must be <= topic.default_retention_age_ms")
     if t.default_max_in_flight_per_partition <= 0 or t.default_max_acked_ahead_per_partition <= 0:
         raise ConfigError("topic.default_max_in_flight/acked_ahead_per_partition must be > 0")
+    if not 10 <= cfg.storage.consumer_offset_commit_interval_ms <= 60000:
+        raise ConfigError("storage.consumer_offset_commit_interval_ms must be between 10 and 60000")
     if cfg.log.level not in ("debug", "info", "warning", "error"):
         raise ConfigError(f"log.level must be debug, info, warning or error, got {cfg.log.level!r}")
     if cfg.log.format not in ("json", "text"):

@@ -166,6 +166,25 @@ class _Metrics:
         self.errors = a(Counter("narad_errors_total", "errors by area", ["component", "kind"]))
         self.snapshot_failures = a(Counter("narad_metastore_snapshot_failures_total", "failed Raft snapshots"))
         self.ready = a(Gauge("narad_ready", "1 when /readyz answers ready"))
+        self.messages_produced = a(Counter("narad_messages_produced_total", "messages committed at their owner",
+                                           ["topic"]))
+        self.messages_accepted = a(Counter("narad_messages_accepted_total", "messages made durable in the WAL (202)",
+                                           ["topic"]))
+        self.messages_consumed = a(Counter("narad_messages_consumed_total", "deliveries to queue consumers",
+                                           ["topic"]))
+        self.produce_rejections = a(Counter("narad_produce_rejections_total", "produces refused before storage",
+                                            ["topic", "reason"]))
+        self.ack_extended = a(Counter("narad_ack_extended_total", "lease extensions", ["topic"]))
+        self.nacks = a(Counter("narad_nack_total", "nacks", ["topic"]))
+        self.consume_empty = a(Counter("narad_consume_empty_total", "consumes answered with nothing", ["topic"]))
+        self.wal_failed = a(Gauge("narad_ingress_wal_failed", "1 while produce is latched off by a WAL failure"))
+        self.dispatch_backlog = a(Gauge("narad_ingress_dispatch_backlog_records",
+                                        "accepted records not yet confirmed at their owner"))
+        self.retention_deleted = a(Counter("narad_storage_retention_messages_deleted_total",
+                                           "messages deleted by retention", ["topic"]))
+        self.consumer_dropped = a(Counter("narad_consumer_dropped_messages_total",
+                                          "messages the frontier passed without an ack (retention, corruption)",
+                                          ["topic"]))
 
 
 _registry = Registry()

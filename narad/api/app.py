@@ -10,6 +10,7 @@ from __future__ import annotations
 from narad import metrics
 from narad.api.auth import guard_415
 from narad.api.context import ApiContext
+from narad.api.messages import MessagesAPI
 from narad.api.ops import OpsAPI
 from narad.api.router import Request, RoutedApp, Router
 from narad.api.topics import TopicsAPI
@@ -33,6 +34,8 @@ def build_app(ctx: ApiContext) -> RoutedApp:
     router = Router()
     TopicsAPI(ctx).register(router)
     UsersAPI(ctx).register(router)
+    if ctx.broker is not None:
+        MessagesAPI(ctx).register(router)
     OpsAPI(ctx).register(router)
     metrics_open = ctx.cfg.http.metrics_unauthenticated
 

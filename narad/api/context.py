@@ -33,6 +33,8 @@ class ApiContext:
     sup: Connection
     auth: Authenticator
     worker_index: int = 0
+    broker: Any = None  # narad.broker.broker.Broker
+    caps: Any = None  # narad.broker.caps.CapTable
     started: float = field(default_factory=time.time)
 
     @property

@@ -165,25 +165,20 @@ class TopicsAPI:
         if schema is not None:
             out["schema"] = msgspec.Raw(schema.schema)
         parts = [only] if only is not None else list(range(t.partitions))
-        out["partition_stats"] = [self._partition_stats(t, p, assignments.get(p)) for p in parts]
-        out["partial"] = False
+        live = await self.ctx.broker.stats(t, parts) if self.ctx.broker is not None else {}
+        out["partition_stats"] = [self._partition_stats(t, p, assignments.get(p), live.get(p)) for p in parts]
+        out["partial"] = any(s.get("status") == "owner_unavailable" for s in out["partition_stats"])
         return json_response(200, out)
 
-    def _partition_stats(self, t: TopicRecord, p: int, a: AssignmentRecord | None) -> dict[str, Any]:
-        stats: dict[str, Any] = {
-            "partition": p,
-            "owner_node": a.owner if a and a.topic_id == t.id else "",
-            "high_watermark": 0,
-            "next_offset": 0,
-            "oldest_offset": 0,
-            "committed_offset": -1,
-            "lag": 0,
-            "in_flight": 0,
-            "acked_ahead": 0,
-        }
-        if a is None:
-            stats["status"] = "owner_unavailable"
-            stats["owner_liveness"] = "unassigned"
+    def _partition_stats(self, t: TopicRecord, p: int, a: AssignmentRecord | None,
+                         live: dict[str, int] | None) -> dict[str, Any]:
+        stats: dict[str, Any] = {"partition": p, "owner_node": a.owner if a and a.topic_id == t.id else ""}
+        if live is not None and a is not None:
+            stats.update(live)
+            return stats
+        stats.update({"high_watermark": 0, "next_offset": 0, "oldest_offset": 0, "committed_offset": -1,
+                      "lag": 0, "in_flight": 0, "acked_ahead": 0, "status": "owner_unavailable",
+                      "owner_liveness": "unassigned" if a is None else "unreachable"})
         return stats
 
     async def alter(self, req: Request) -> Response:

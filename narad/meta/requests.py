@@ -143,3 +143,14 @@ class NodeStatus(msgspec.Struct):
     client_port: int
     raft_port: int
     cluster_port: int
+
+
+class ConfirmGoneReq(msgspec.Struct, tag=True):
+    """Before destroying data: is this topic incarnation definitely gone?"""
+
+    topic: str
+    topic_id: str
+
+
+class ConfirmGoneResp(msgspec.Struct):
+    gone: bool

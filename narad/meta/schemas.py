@@ -35,13 +35,13 @@ ANNOTATIONS = {"title", "description", "examples", "$comment", "default", "depre
                "writeOnly", "$id", "$schema", "$anchor"}
 
 
-def _depth(v: Any, d: int = 0) -> int:
-    if d > MAX_NESTING:
+def _depth(v: Any, d: int = 0, limit: int = 300) -> int:
+    if d > limit:
         return d
     if isinstance(v, dict):
-        return max([d + 1, *(_depth(x, d + 1) for x in v.values())])
+        return max([d + 1, *(_depth(x, d + 1, limit) for x in v.values())])
     if isinstance(v, list):
-        return max([d + 1, *(_depth(x, d + 1) for x in v)])
+        return max([d + 1, *(_depth(x, d + 1, limit) for x in v)])
     return d
 
 
@@ -185,3 +185,35 @@ def _compat(old: Any, new: Any, path: str) -> None:
             continue  # dropping a pure assertion only widens
         if o.get(key) != n.get(key):
             raise _Incompatible(f"{path}/{key}", f'changes "{key}", which the compatibility check cannot prove wider')
+
+
+MAX_PAYLOAD_NESTING = 256
+
+
+class PayloadValidator:
+    """Validates produced payloads against one schema version (compiled once)."""
+
+    def __init__(self, topic: str, version: int, raw: bytes) -> None:
+        doc = json.loads(raw)
+        cls = js_validators.validator_for(doc, default=js_validators.Draft202012Validator)
+        self.validator = cls(doc)
+        self.uri = f"narad://schema/{topic}/{version}#"
+
+    def check(self, payload: bytes) -> str | None:
+        """None when the payload is valid; else the reason (for a 400)."""
+        try:
+            value = json.loads(payload)
+        except (ValueError, RecursionError) as e:
+            return f"schema: payload is not a single JSON text: {e}"
+        if _depth(value) > MAX_PAYLOAD_NESTING:
+            return f"payload nests deeper than {MAX_PAYLOAD_NESTING} levels"
+        errors = []
+        for err in self.validator.iter_errors(value):
+            path = "/" + "/".join(str(p) for p in err.absolute_path)
+            errors.append(f"- at '{path}': {err.message}")
+            if len(errors) >= 5:
+                break
+        if not errors:
+            return None
+        msg = f"schema: jsonschema validation failed with '{self.uri}'\n" + "\n".join(errors)
+        return msg[:2048]

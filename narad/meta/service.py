@@ -288,6 +288,20 @@ class MetaService:
             self._check(await self.write(C.DeleteTopic(name)), "topic")
             audit.info("topic deleted", extra={"topic": name, "id": t.id, "by": req.who.name, "outcome": "ok"})
 
+    async def confirm_gone(self, name: str, topic_id: str) -> bool:
+        """Only a definite "gone" allows destroying data: on the leader, after a
+        barrier (everything committed applied) and a re-read. Anything else,
+        including not being the leader, answers False (keep the data)."""
+        if not self.raft.is_leader():
+            return False
+        try:
+            await self.barrier()
+        except Unavailable:
+            return False
+        with self.store.read() as r:
+            t = r.topic(name)
+        return t is None or t.id != topic_id
+
     # ---- users ---------------------------------------------------------------------
     def _require_admin(self, who: G.Identity) -> UserRecord | None:
         user = self._require_known(who)

@@ -22,6 +22,8 @@ import time
 import uvloop
 
 from narad import BUILD, logs, metrics
+from narad.broker.caps import CapTable
+from narad.broker.caps import shm_name_for as caps_shm_name_for
 from narad.config import Config, load_config, worker_count
 from narad.errors import ConfigError, FailStop, Unavailable
 from narad.ipc import rpc
@@ -126,6 +128,7 @@ class Supervisor:
         self.versions = V.VersionTable.create(V.shm_name_for(str(self.data_dir)))
         self.versions.store(V.WORKERS, self.n_workers)
         self.versions.store(V.READY_REASON, 1)
+        self.caps = CapTable.create(caps_shm_name_for(str(self.data_dir)), self.n_workers)
         # 6. The client sockets: N TCP listeners and N UDP sockets, SO_REUSEPORT,
         #    created once and kept for the supervisor's life (a restarted worker
         #    gets its predecessor's pair, so the reuseport group never changes).
@@ -135,6 +138,7 @@ class Supervisor:
         self.fsm_path = F.fsm_dir(self.data_dir)
         spec = worker_main.WorkerSpec(
             cfg=cfg, node_id=self.node_id, sockets=self.sockets, shm_name=self.versions.name,
+            caps_name=self.caps.name, data_dir=self.data_dir, runtime_dir=self.runtime_dir,
             fsm_path=self.fsm_path, worker_socket=self.runtime_dir / "worker.sock",
             cert_file=self.cert_file, key_file=self.key_file,
             workers=self.n_workers,
@@ -260,6 +264,9 @@ class Supervisor:
     def _on_worker_exit(self, pid: int) -> None:
         with contextlib.suppress(Exception):
             self.fsm.env.reader_check()
+        for w in self.workers.workers:
+            if w.pid == pid:
+                self.caps.zero_row(w.index)  # its in-flight counts died with it
         last = self.worker_metrics.pop(pid, None)
         if last is not None:
             self.retired_metrics = metrics.merge([self.retired_metrics, last], only_counters=True)
@@ -418,6 +425,7 @@ class Supervisor:
             if udp is not None:
                 udp.close()
         self.versions.close(unlink=True)
+        self.caps.close(unlink=True)
         for p in (self.cfg.control_socket, self.runtime_dir / "worker.sock"):
             with contextlib.suppress(FileNotFoundError):
                 p.unlink()

@@ -127,6 +127,9 @@ def worker_service(sup: Supervisor) -> rpc.Service:
     async def status(m: Q.StatusReq, conn: rpc.Connection) -> Q.NodeStatus:
         return sup.node_status()
 
+    async def confirm_gone(m: Q.ConfirmGoneReq, conn: rpc.Connection) -> Q.ConfirmGoneResp:
+        return Q.ConfirmGoneResp(await meta.confirm_gone(m.topic, m.topic_id))
+
     async def node_metrics(m: metrics.NodeMetricsReq, conn: rpc.Connection) -> metrics.Snapshot:
         return metrics.Snapshot(await sup.node_metrics())
 
@@ -135,7 +138,7 @@ def worker_service(sup: Supervisor) -> rpc.Service:
         (Q.DeleteTopicReq, delete_topic), (Q.CreateUserReq, create_user), (Q.SetGrantsReq, set_grants),
         (Q.SetPasswordReq, set_password), (Q.DeleteUserReq, delete_user), (Q.AuthAttemptReq, auth_attempt),
         (Q.AuthOutcome, auth_outcome), (Q.MembersReq, members), (Q.StatusReq, status),
-        (metrics.NodeMetricsReq, node_metrics),
+        (metrics.NodeMetricsReq, node_metrics), (Q.ConfirmGoneReq, confirm_gone),
     ):
         s.register(typ, fn)  # type: ignore[arg-type]
     return s

@@ -29,9 +29,13 @@ from narad.api.app import build_app
 from narad.api.auth import Authenticator
 from narad.api.context import ApiContext
 from narad.api.http1 import Http1Limits, Http1Server
+from narad.broker.broker import Broker
+from narad.broker.caps import CapTable
+from narad.broker.peers import PeerLinks
 from narad.config import Config
 from narad.ipc import rpc
 from narad.meta import versions as V
+from narad.meta.requests import ConfirmGoneReq, ConfirmGoneResp
 from narad.meta.store import MetaStore
 
 log = logging.getLogger("narad.worker")
@@ -52,6 +56,9 @@ class WorkerSpec:
     node_id: str
     sockets: list[tuple[socket.socket, socket.socket | None]]
     shm_name: str
+    caps_name: str
+    data_dir: Path
+    runtime_dir: Path
     fsm_path: Path
     worker_socket: Path
     cert_file: str
@@ -96,6 +103,18 @@ async def _main(spec: WorkerSpec, index: int, core: int | None) -> int:
     sup = await rpc.connect_unix(str(spec.worker_socket), service)
     await sup.call(WorkerHello(index, os.getpid()), HelloAck, timeout=10)
     cfg = spec.cfg
+    links = PeerLinks(spec.runtime_dir, index, spec.workers)
+
+    async def confirm_gone(topic: str, topic_id: str) -> bool:
+        resp = await sup.call(ConfirmGoneReq(topic, topic_id), ConfirmGoneResp, timeout=15.0)
+        return resp.gone
+
+    broker = Broker(data_dir=spec.data_dir, store=store, versions=versions, index=index, workers=spec.workers,
+                    links=links, confirm_gone=confirm_gone,
+                    offset_sync_interval=cfg.storage.consumer_offset_commit_interval_ms / 1000.0)
+    await links.serve()
+    await broker.start()
+    caps = CapTable.attach(spec.caps_name, spec.workers)
     slots = max(1, 4 // max(1, spec.workers))
     auth = Authenticator(
         security=cfg.security.enabled,
@@ -106,7 +125,7 @@ async def _main(spec: WorkerSpec, index: int, core: int | None) -> int:
         bcrypt_slots=slots,
     )
     ctx = ApiContext(cfg=cfg, node_id=spec.node_id, store=store, versions=versions, sup=sup, auth=auth,
-                     worker_index=index)
+                     worker_index=index, broker=broker, caps=caps)
     app = build_app(ctx)
     tcp, udp = spec.sockets[index]
     alt_svc = f'h3=":{cfg.http.port}"; ma=86400' if udp is not None else None
@@ -134,6 +153,8 @@ async def _main(spec: WorkerSpec, index: int, core: int | None) -> int:
     grace = cfg.seconds("http", "shutdown_grace")
     if not sup.closed:
         await asyncio.gather(h1.drain(grace), h3.drain(grace) if h3 else asyncio.sleep(0))
+        await broker.close()
+        links.close()
         log.info("worker drained", extra={"index": index, "seconds": round(time.monotonic() - t0, 3)})
         sup.close()
         return 0

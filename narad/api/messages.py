@@ -1,0 +1,510 @@
+"""Message routes: produce (single and batch), consume (lease, batch, long
+poll, replay) and ack (ack / extend / nack, single and batch).
+
+Handlers check the request (Narad's rules and status codes), then call the
+worker's broker: a produce returns 202 only after the WAL sync that covers it;
+a consume reserves before it reads; acks go to each partition's owner.
+
+Imports narad.api.{context,router}, narad.broker, narad.meta, narad.errors.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+import time
+import zlib
+from typing import Any
+
+import msgspec
+
+from narad.api.context import ApiContext
+from narad.api.router import Request, Response, Router, empty, json_response
+from narad.broker import caps as CAPS
+from narad.broker.broker import ACK, EXTEND, NACK
+from narad.broker.peers import Item
+from narad.errors import (
+    BadRequest,
+    Forbidden,
+    Gone,
+    InternalError,
+    NotFound,
+    PayloadTooLarge,
+    TooManyRequests,
+    Unavailable,
+    UnsupportedMediaType,
+)
+from narad.meta import grants as G
+from narad.meta.records import TopicRecord
+from narad.meta.schemas import PayloadValidator
+from narad.storage.frames import F_JSON, F_UTF8
+from narad.storage.wal import Entry, WALFailed
+
+MAX_MESSAGE = 1 << 20
+MAX_BATCH_MESSAGES = 1000
+MAX_BATCH_BODY = 16 << 20
+MAX_CONSUME_BATCH = 100
+MAX_ACK_BATCH = 100
+ACK_BODY_LIMIT = 64 << 10
+RESPONSE_BUDGET = 8 << 20
+GONE_HANDLE = "receipt handle no longer matches an active reservation"
+
+_raw_json = msgspec.json.Decoder(msgspec.Raw)
+_enc = msgspec.json.Encoder()
+_DUR = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
+_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+_MSG_IDX = re.compile(r"\$\.messages\[(\d+)\]")
+
+
+def parse_go_duration(text: str) -> float:
+    if text in ("0", "+0", "-0"):
+        return 0.0
+    if text.startswith("-"):
+        raise ValueError("negative")
+    s = text[1:] if text.startswith("+") else text
+    pos, total = 0, 0.0
+    for m in _DUR.finditer(s):
+        if m.start() != pos:
+            raise ValueError(text)
+        total += float(m.group(1)) * _UNITS[m.group(2)]
+        pos = m.end()
+    if pos != len(s) or pos == 0:
+        raise ValueError(text)
+    return total
+
+
+def format_go_duration(seconds: float) -> str:
+    if seconds == int(seconds):
+        return f"{int(seconds)}s"
+    return f"{round(seconds * 1000)}ms"
+
+
+def payload_flags(payload: bytes) -> int:
+    try:
+        _raw_json.decode(payload)
+        return F_JSON | F_UTF8
+    except (msgspec.DecodeError, UnicodeDecodeError):
+        pass
+    try:
+        payload.decode()
+        return F_UTF8
+    except UnicodeDecodeError:
+        return 0
+
+
+def render(topic: str, it: Item, handle: bool) -> dict[str, Any]:
+    d: dict[str, Any] = {"topic": topic, "partition": it.partition, "offset": it.offset}
+    if it.key is not None:
+        try:
+            d["key"] = it.key.decode()
+        except UnicodeDecodeError:
+            d["key"] = base64.b64encode(it.key).decode()
+            d["key_encoding"] = "base64"
+    f = it.flags
+    if f & F_JSON:
+        d["payload"] = msgspec.Raw(it.payload)
+    elif f & F_UTF8:
+        d["payload"] = it.payload.decode()
+    else:
+        d["payload"] = base64.b64encode(it.payload).decode()
+        d["payload_encoding"] = "base64"
+    d["timestamp"] = it.ts_ms // 1000
+    if handle:
+        d["receipt_handle"] = f"{it.partition}:{it.offset}:{it.nonce}"
+    return d
+
+
+class BatchMsg(msgspec.Struct, forbid_unknown_fields=True):
+    payload: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
+    payload_encoding: str | None = None
+    key: str | None = None
+    key_encoding: str | None = None
+    partition: int | None = None
+
+
+class BatchBody(msgspec.Struct, forbid_unknown_fields=True):
+    messages: list[BatchMsg] | msgspec.UnsetType = msgspec.UNSET
+
+
+class AckBody(msgspec.Struct, forbid_unknown_fields=True):
+    receipt_handles: list[str] | msgspec.UnsetType = msgspec.UNSET
+
+
+_batch_dec = msgspec.json.Decoder(BatchBody)
+_ack_dec = msgspec.json.Decoder(AckBody)
+_count_dec = msgspec.json.Decoder(dict[str, list[msgspec.Raw]])
+
+
+class MessagesAPI:
+    def __init__(self, ctx: ApiContext) -> None:
+        self.ctx = ctx
+        self.broker = ctx.broker
+        self.caps: CAPS.CapTable | None = ctx.caps
+        self._validators: dict[tuple[str, int], PayloadValidator] = {}
+        self.max_wait = ctx.cfg.seconds("http", "max_consume_wait")
+        self.consume_cap = ctx.cfg.http.max_consume_in_flight_per_identity
+        self.produce_cap = ctx.cfg.http.max_produce_in_flight_per_identity
+        self.m = ctx.broker.m
+
+    def register(self, r: Router) -> None:
+        r.add("POST", "/v1/topics/{topic}/produce", self.produce, body_limit=MAX_MESSAGE)
+        r.add("POST", "/v1/topics/{topic}/produce/batch", self.produce_batch, body_limit=MAX_BATCH_BODY)
+        r.add("GET", "/v1/topics/{topic}/consume", self.consume)
+        r.add("POST", "/v1/topics/{topic}/ack", self.ack, body_limit=ACK_BODY_LIMIT)
+
+    # ---- shared checks -----------------------------------------------------------------
+    def _topic(self, req: Request) -> TopicRecord:
+        name = req.params["topic"]
+        t = self.ctx.store.topic(name)
+        if t is None:
+            raise NotFound("topic not found")
+        return t
+
+    def _require(self, req: Request, t: TopicRecord, action: str) -> None:
+        who: G.Identity = req.identity
+        if who.unrestricted:
+            return
+        user = self.ctx.store.user(who.name or "")
+        if not G.has_grant(user, action, t.name):
+            raise Forbidden(f"{action} not allowed on this topic")
+
+    def _identity_key(self, req: Request) -> str:
+        who: G.Identity = req.identity
+        return who.name if who.name else f"ip:{req.client}"
+
+    def _validator(self, t: TopicRecord) -> PayloadValidator | None:
+        if not t.schema_version:
+            return None
+        key = (t.id, t.schema_version)
+        v = self._validators.get(key)
+        if v is None:
+            with self.ctx.store.read() as r:
+                rec = r.schema(t.name, t.schema_version)
+            if rec is None:
+                return None
+            if len(self._validators) > 1000:
+                self._validators.clear()
+            v = self._validators[key] = PayloadValidator(t.name, t.schema_version, rec.schema)
+        return v
+
+    def _single_query(self, req: Request, name: str) -> str | None:
+        vals = req.query.get(name)
+        if not vals:
+            return None
+        if len(vals) > 1:
+            raise BadRequest(f"invalid argument: {name} given more than once")
+        return vals[0]
+
+    def _partition_arg(self, req: Request, t: TopicRecord) -> int | None:
+        raw = self._single_query(req, "partition")
+        if raw is None:
+            return None
+        try:
+            p = int(raw)
+        except ValueError:
+            raise BadRequest("invalid argument: partition must be an integer") from None
+        if not 0 <= p < t.partitions:
+            raise BadRequest("invalid argument: partition out of range")
+        return p
+
+    async def _append(self, req: Request, t: TopicRecord, entries: list[Entry]) -> None:
+        ident = None
+        if self.produce_cap > 0 and self.caps is not None:
+            ident = self._identity_key(req)
+            if not self.caps.try_take(self.ctx.worker_index, CAPS.PRODUCE, ident, len(entries), self.produce_cap):
+                raise TooManyRequests(f"too many in-flight produce requests for this identity "
+                                      f"(limit {self.produce_cap} per node)")
+        try:
+            await self.broker.produce(entries)
+        except WALFailed as e:
+            self.m.wal_failed.set(1)
+            raise InternalError("produce failed") from e
+        finally:
+            if ident is not None and self.caps is not None:
+                self.caps.give_back(self.ctx.worker_index, CAPS.PRODUCE, ident, len(entries))
+        self.m.messages_accepted.labels(t.name).inc(len(entries))
+
+    # ---- produce -------------------------------------------------------------------------------
+    async def produce(self, req: Request) -> Response:
+        t = self._topic(req)
+        self._require(req, t, "produce")
+        body = req.body
+        if not body:
+            raise BadRequest("message required")
+        key_raw = self._single_query(req, "key")
+        partition = self._partition_arg(req, t)
+        key = key_raw.encode() if key_raw else None
+        v = self._validator(t)
+        if v is not None:
+            why = v.check(body)
+            if why is not None:
+                self.m.produce_rejections.labels(t.name, "schema").inc()
+                raise BadRequest(f"invalid argument: {why}")
+        if partition is None:
+            partition = self.broker.choose_partition(t, key)
+        entry = Entry(t.name, bytes.fromhex(t.id), partition, int(time.time() * 1000), payload_flags(body), key, body)
+        await self._append(req, t, [entry])
+        return Response(202, b"", None)
+
+    def _batch_error(self, e: Exception) -> BadRequest:
+        msg = str(e)
+        m = _MSG_IDX.search(msg)
+        if m:
+            idx = m.group(1)
+            msg = msg.replace(m.group(0), "$")
+            if msg.startswith("Object contains unknown field"):
+                field = msg.split("`")[1] if "`" in msg else "?"
+                return BadRequest(f'message {idx}: invalid json: unknown field "{field}"')
+            return BadRequest(f"message {idx}: invalid json: {msg}")
+        if msg.startswith("Object contains unknown field"):
+            field = msg.split("`")[1] if "`" in msg else "?"
+            return BadRequest(f'invalid json: unknown field "{field}"')
+        return BadRequest(f"invalid json: {msg}")
+
+    async def produce_batch(self, req: Request) -> Response:
+        t = self._topic(req)
+        self._require(req, t, "produce")
+        if req.query.get("key") or req.query.get("partition"):
+            raise BadRequest("invalid argument: key and partition go in each message of a batch, not the query")
+        body = req.body
+        enc = (req.headers.get("content-encoding") or "").strip().lower()
+        if enc in ("gzip", "x-gzip"):
+            try:
+                d = zlib.decompressobj(wbits=31)
+                body = d.decompress(body, MAX_BATCH_BODY + 1)
+            except zlib.error as e:
+                raise BadRequest(f"invalid gzip body: {e}") from None
+            if len(body) > MAX_BATCH_BODY or d.unconsumed_tail:
+                raise PayloadTooLarge("decoded batch body larger than 16 MiB")
+        elif enc not in ("", "identity"):
+            raise UnsupportedMediaType(f"unsupported Content-Encoding {enc!r} (gzip is supported)")
+        if not body.strip():
+            raise BadRequest("invalid json: request body required")
+        try:
+            parsed = _batch_dec.decode(body)
+        except msgspec.ValidationError as e:
+            try:
+                n = len(_count_dec.decode(body).get("messages", []))
+            except msgspec.DecodeError:
+                n = 0
+            if n > MAX_BATCH_MESSAGES:
+                raise BadRequest(f"too many messages: more than {MAX_BATCH_MESSAGES}") from None
+            raise self._batch_error(e) from None
+        except msgspec.DecodeError as e:
+            raise BadRequest(f"invalid json: {e}") from None
+        if parsed.messages is msgspec.UNSET or not parsed.messages:
+            raise BadRequest("invalid argument: messages required (1 to 1000)")
+        msgs = parsed.messages
+        if len(msgs) > MAX_BATCH_MESSAGES:
+            raise BadRequest(f"too many messages: more than {MAX_BATCH_MESSAGES}")
+        now = int(time.time() * 1000)
+        inc = bytes.fromhex(t.id)
+        prepared: list[tuple[bytes, bytes | None, int | None]] = []
+        # Pass 1: the format of every message.
+        for i, m in enumerate(msgs):
+            if m.payload is msgspec.UNSET:
+                raise BadRequest(f"message {i}: payload required")
+            raw = bytes(m.payload)  # type: ignore[arg-type]
+            if m.payload_encoding is None:
+                payload = raw
+            elif m.payload_encoding == "base64":
+                try:
+                    s = msgspec.json.decode(raw, type=str)
+                    payload = base64.b64decode(s, validate=True)
+                except (msgspec.DecodeError, binascii.Error, ValueError):
+                    raise BadRequest(f"message {i}: payload is not a base64 string") from None
+            else:
+                raise BadRequest(f'message {i}: unknown payload_encoding "{m.payload_encoding}" (base64)')
+            if not payload:
+                raise BadRequest(f"message {i}: message required")
+            if len(payload) > MAX_MESSAGE:
+                raise PayloadTooLarge(f"message {i}: message too large")
+            key: bytes | None = None
+            if m.key:
+                if m.key_encoding is None:
+                    key = m.key.encode()
+                elif m.key_encoding == "base64":
+                    try:
+                        key = base64.b64decode(m.key, validate=True)
+                    except (binascii.Error, ValueError):
+                        raise BadRequest(f"message {i}: key is not base64") from None
+                else:
+                    raise BadRequest(f'message {i}: unknown key_encoding "{m.key_encoding}" (base64)')
+                key = key or None
+            if m.partition is not None and m.partition < 0:
+                raise BadRequest(f"message {i}: invalid argument: partition out of range")
+            prepared.append((payload, key, m.partition))
+        # Pass 2: partition range and schema.
+        v = self._validator(t)
+        for i, (payload, _key, part) in enumerate(prepared):
+            if part is not None and part >= t.partitions:
+                raise BadRequest(f"message {i}: invalid argument: partition out of range")
+            if v is not None:
+                why = v.check(payload)
+                if why is not None:
+                    self.m.produce_rejections.labels(t.name, "schema").inc()
+                    raise BadRequest(f"message {i}: invalid argument: {why}")
+        entries = []
+        for payload, key, part in prepared:
+            if part is None:
+                part = self.broker.choose_partition(t, key)
+            entries.append(Entry(t.name, inc, part, now, payload_flags(payload), key, payload))
+        await self._append(req, t, entries)
+        return json_response(202, {"accepted": len(entries)})
+
+    # ---- consume --------------------------------------------------------------------------------
+    async def consume(self, req: Request) -> Response:
+        t = self._topic(req)
+        self._require(req, t, "consume")
+        headers: list[tuple[str, str]] = []
+        wait = 0.0
+        raw_wait = self._single_query(req, "wait")
+        if raw_wait is not None:
+            try:
+                wait = parse_go_duration(raw_wait)
+            except ValueError:
+                raise BadRequest(f'invalid argument: wait must be a duration such as "500ms" or "10s", '
+                                 f"got {raw_wait[:32]!r}") from None
+            if wait > self.max_wait:
+                wait = self.max_wait
+                headers.append(("X-Narad-Wait-Clamped", format_go_duration(wait)))
+        partition = self._partition_arg(req, t)
+        raw_off = self._single_query(req, "offset")
+        raw_max = self._single_query(req, "max")
+        batch = raw_max is not None
+        max_n = 1
+        if batch:
+            try:
+                max_n = int(raw_max)  # type: ignore[arg-type]
+            except ValueError:
+                raise BadRequest("invalid argument: max must be an integer from 1 to 100") from None
+            if not 1 <= max_n <= MAX_CONSUME_BATCH:
+                raise BadRequest("invalid argument: max must be an integer from 1 to 100")
+            if not req.headers.get("x-narad-client"):
+                raise BadRequest("batch consume (max) requires an X-Narad-Client header")
+        if raw_off is not None:
+            if partition is None:
+                raise BadRequest("partition required for replay-mode consume")
+            if batch:
+                raise BadRequest("invalid argument: max cannot be combined with offset")
+            try:
+                offset = int(raw_off)
+            except ValueError:
+                raise BadRequest("invalid argument: offset must be an integer") from None
+            if offset < 0:
+                raise BadRequest("invalid argument: offset must be >= 0")
+            return await self._replay(t, partition, offset)
+        ident = None
+        if self.consume_cap > 0 and self.caps is not None:
+            ident = self._identity_key(req)
+            if not self.caps.try_take(self.ctx.worker_index, CAPS.CONSUME, ident, max_n, self.consume_cap):
+                raise TooManyRequests(f"too many in-flight consume requests for this identity "
+                                      f"(limit {self.consume_cap} per node)")
+        try:
+            items = await self.broker.consume(t, max_n, wait, partition)
+        finally:
+            if ident is not None and self.caps is not None:
+                self.caps.give_back(self.ctx.worker_index, CAPS.CONSUME, ident, max_n)
+        if not items:
+            self.m.consume_empty.labels(t.name).inc()
+            return empty(204, headers)
+        if not batch:
+            return json_response(200, render(t.name, items[0], True), headers)
+        out, size, leftover = [], 0, []
+        for it in items:
+            if out and size + len(it.payload) + 256 > RESPONSE_BUDGET:
+                leftover.append(it)
+                continue
+            out.append(render(t.name, it, True))
+            size += len(it.payload) + 256
+        if leftover:
+            await self.broker.nack_items(t, leftover)
+        return json_response(200, {"messages": out}, headers)
+
+    async def _replay(self, t: TopicRecord, partition: int, offset: int) -> Response:
+        try:
+            r = await self.broker.replay(t, partition, offset)
+        except Unavailable:
+            raise
+        if r.status == 204:
+            return empty(204)
+        if r.status == 410:
+            if r.oldest >= 0:
+                raise Gone(f"offset {offset} of partition {partition} aged out of retention "
+                           f"(oldest retained: {r.oldest})")
+            raise Gone(f"offset {offset} of partition {partition} is unreadable")
+        assert r.item is not None
+        return json_response(200, render(t.name, r.item, False))
+
+    # ---- ack -----------------------------------------------------------------------------------
+    async def ack(self, req: Request) -> Response:
+        t = self._topic(req)
+        self._require(req, t, "consume")
+        ext = self._single_query(req, "extend")
+        if ext is None or ext.lower() == "false":
+            mode = ACK
+        elif ext.lower() in ("true", "1"):
+            mode = EXTEND
+        elif ext == "0":
+            mode = NACK
+        else:
+            raise BadRequest('invalid argument: extend must be "true"/"1" (extend), "0" (nack) or absent (ack)')
+        handle = self._single_query(req, "receipt_handle")
+        if handle is not None:
+            item = _parse_handle(handle)
+            if item is None:
+                raise BadRequest("invalid argument: receipt_handle is not partition:offset:nonce")
+            (status,) = await self.broker.settle(t, [item], mode)
+            if status == 204:
+                return empty(204)
+            if status == 410:
+                raise Gone(GONE_HANDLE)
+            raise Unavailable("partition owner is unavailable; retry")
+        if not req.body.strip():
+            raise BadRequest("receipt_handle required")
+        try:
+            body = _ack_dec.decode(req.body)
+        except msgspec.ValidationError as e:
+            if "Expected `array` of length <=" in str(e):
+                raise BadRequest(f"too many receipt_handles: more than {MAX_ACK_BATCH}") from None
+            raise BadRequest(f"invalid json: {e}") from None
+        except msgspec.DecodeError as e:
+            raise BadRequest(f"invalid json: {e}") from None
+        handles = body.receipt_handles
+        if handles is msgspec.UNSET or not handles:
+            raise BadRequest("receipt_handles required (1 to 100)")
+        if len(handles) > MAX_ACK_BATCH:
+            raise BadRequest(f"too many receipt_handles: more than {MAX_ACK_BATCH}")
+        results: list[dict[str, Any] | None] = [None] * len(handles)
+        parsed: list[tuple[int, int, int]] = []
+        where: list[int] = []
+        for i, h in enumerate(handles):
+            it = _parse_handle(h)
+            if it is None:
+                results[i] = {"status": 400, "error": "receipt_handle is not partition:offset:nonce"}
+            else:
+                parsed.append(it)
+                where.append(i)
+        statuses = await self.broker.settle(t, parsed, mode) if parsed else []
+        for i, s in zip(where, statuses, strict=True):
+            if s == 204:
+                results[i] = {"status": 204}
+            elif s == 410:
+                results[i] = {"status": 410, "error": GONE_HANDLE}
+            else:
+                results[i] = {"status": s, "error": "partition owner is unavailable; retry"}
+        return Response(200, _enc.encode({"results": results}), "application/json")
+
+
+def _parse_handle(h: str) -> tuple[int, int, int] | None:
+    parts = h.split(":")
+    if len(parts) != 3:
+        return None
+    try:
+        p, off, nonce = int(parts[0]), int(parts[1]), int(parts[2])
+    except ValueError:
+        return None
+    if p < 0 or off < 0 or nonce < 0:
+        return None
+    return p, off, nonce

@@ -1,0 +1,583 @@
+"""The worker's broker: produce, commit, consume, ack, replay, stats.
+
+One per worker process, on its event loop. It owns:
+
+* this worker's ingress WAL and dispatcher (every produce landing here is
+  made durable here, then committed at its partition's owner);
+* the partitions this worker owns (``routing.owner_worker``), opened lazily,
+  each with its log, lease table and offset file, and served to other
+  workers over ``peers`` (one local hop);
+* the consume waiters parked on this worker (local data wakes them at once;
+  other workers wake them through watch / ready notes, and a parked consumer
+  re-checks every second regardless);
+* the offset committer (page cache every 100 ms, fdatasync every
+  ``consumer_offset_commit_interval``), the lease-expiry sweep (1 s) and the
+  retention reaper (60 s);
+* topic-change handling: when a topic is deleted or recreated, its partitions
+  close, parked consumers are answered, and the data is removed once the
+  supervisor confirms the incarnation is gone.
+
+Imports narad.storage, narad.meta (read side), narad.broker.*, narad.errors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import shutil
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from narad import metrics
+from narad.broker import peers as P
+from narad.broker.dispatcher import Dispatcher
+from narad.broker.partition import Partition
+from narad.broker.routing import RoundRobin, key_partition, owner_worker
+from narad.errors import Conflict, NotFound, Unavailable
+from narad.meta import versions as V
+from narad.meta.records import TopicRecord
+from narad.meta.store import MetaStore
+from narad.storage.offsets import OffsetFile
+from narad.storage.partition_log import OffsetGone, PartitionLog
+from narad.storage.wal import Entry, IngressWAL
+
+log = logging.getLogger("narad.broker")
+
+COMMIT_TICK = 0.1
+SWEEP_EVERY = 1.0
+REAP_EVERY = 60.0
+TOPIC_CHECK_EVERY = 0.05
+LEVEL_EVERY = 30.0
+PARK_RECHECK = 1.0
+ACK, EXTEND, NACK = 0, 1, 2
+
+
+class Gone(Exception):
+    pass
+
+
+def topic_dir(data_dir: Path, name: str, topic_id: str) -> Path:
+    # One directory per incarnation: a recreated topic can never see old data.
+    return data_dir / "topics" / f"{name}@{topic_id}"
+
+
+class Broker:
+    def __init__(
+        self,
+        *,
+        data_dir: Path,
+        store: MetaStore,
+        versions: V.VersionTable,
+        index: int,
+        workers: int,
+        links: P.PeerLinks,
+        confirm_gone: Callable[[str, str], Awaitable[bool]],
+        offset_sync_interval: float = 1.0,
+    ) -> None:
+        self.data_dir = Path(data_dir)
+        self.store = store
+        self.versions = versions
+        self.index = index
+        self.workers = workers
+        self.links = links
+        self.confirm_gone = confirm_gone
+        self.offset_sync_interval = offset_sync_interval
+        self.io = ThreadPoolExecutor(max_workers=8, thread_name_prefix=f"io-w{index}")
+        self.wal = IngressWAL(self.data_dir / "ingress" / f"w{index}", self.io)
+        self.dispatcher = Dispatcher(self.wal, self)
+        self.partitions: dict[tuple[str, int], Partition] = {}
+        self._opening: dict[tuple[str, int], asyncio.Future[Partition]] = {}
+        self._waiters: dict[str, deque[asyncio.Future[bool]]] = {}
+        self._watchers: dict[str, set[int]] = {}
+        self._rr = RoundRobin()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._topics_ver = -1
+        self._synced: dict[tuple[str, int], float] = {}
+        self._leveled: dict[tuple[str, int], float] = {}
+        self.closing = False
+        self.m = metrics.get()
+        self._register_peer_handlers()
+
+    # ---- lifecycle ------------------------------------------------------------------
+    async def start(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(self.io, self.wal.open)
+        self.wal.on_durable = self.dispatcher.feed
+        replayed = 0
+        batch: list[Entry] = []
+        for e in self.wal.replay():
+            batch.append(e)
+            if len(batch) >= 4096:
+                self.dispatcher.feed(batch)
+                replayed += len(batch)
+                batch = []
+        if batch:
+            self.dispatcher.feed(batch)
+            replayed += len(batch)
+        if replayed:
+            log.info("ingress WAL replayed for dispatch", extra={"records": replayed, "worker": self.index})
+        self._topics_ver = self.versions.load(V.TOPICS)
+        loop = asyncio.get_running_loop()
+        for coro in (self._committer(), self._sweeper(), self._reaper(), self._topic_watch()):
+            self._tasks.append(loop.create_task(coro))
+
+    async def close(self) -> None:
+        """Graceful: stop dispatching, persist every partition's offsets and hwm."""
+        self.closing = True
+        for t in self._tasks:
+            t.cancel()
+        await self.dispatcher.close()
+        for q in self._waiters.values():
+            for f in q:
+                if not f.done():
+                    f.set_result(False)
+        for key, p in list(self.partitions.items()):
+            await self._close_partition(key, p, clean=True)
+        self.wal.close()
+        self.io.shutdown(wait=True)
+
+    # ---- routing -------------------------------------------------------------------------
+    def route(self, topic: str, partition: int) -> int:
+        return owner_worker(topic, partition, self.workers)
+
+    def choose_partition(self, topic: TopicRecord, key: bytes | None) -> int:
+        if key:
+            return key_partition(key, topic.partitions)
+        return self._rr.pick(topic.name, topic.partitions)
+
+    # ---- produce ------------------------------------------------------------------------------
+    async def produce(self, entries: list[Entry]) -> None:
+        """Durable in this worker's WAL (group commit) when this returns."""
+        fut = self.wal.append(entries)
+        await asyncio.shield(fut)
+
+    # ---- owned partitions ---------------------------------------------------------------------
+    async def partition(self, topic: TopicRecord, index: int) -> Partition:
+        key = (topic.name, index)
+        p = self.partitions.get(key)
+        if p is not None and p.topic_id == topic.id and not p.closed:
+            return p
+        if p is not None:
+            await self._retire(key, p)
+        pending = self._opening.get(key)
+        if pending is not None:
+            p = await asyncio.shield(pending)
+            if p.topic_id == topic.id:
+                return p
+        fut: asyncio.Future[Partition] = asyncio.get_running_loop().create_future()
+        self._opening[key] = fut
+        try:
+            d = topic_dir(self.data_dir, topic.name, topic.id) / f"p{index:05d}"
+            p = await asyncio.get_running_loop().run_in_executor(self.io, self._open_sync, topic, index, d)
+            p.on_visible = self._on_visible
+            p.on_released = self._on_released
+            self.partitions[key] = p
+            fut.set_result(p)
+            return p
+        except BaseException as e:
+            fut.set_exception(e)
+            fut.exception()
+            raise
+        finally:
+            self._opening.pop(key, None)
+
+    def _open_sync(self, topic: TopicRecord, index: int, d: Path) -> Partition:
+        plog = PartitionLog(d)
+        plog.open()
+        offs = OffsetFile(d)
+        frontier, ahead = offs.load()
+        p = Partition(topic.name, topic.id, index, plog, offs)
+        p.restore(frontier, ahead)
+        return p
+
+    async def _close_partition(self, key: tuple[str, int], p: Partition, *, clean: bool) -> None:
+        p.closed = True
+        self.partitions.pop(key, None)
+        frontier, ahead = p.snapshot_offsets()
+
+        def close_sync() -> None:
+            try:
+                p.offsets.close(frontier, ahead)
+            except OSError as e:
+                log.error("could not persist consumer offsets at close", extra={"topic": p.topic, "err": str(e)})
+            p.log.close(clean=clean)
+
+        await asyncio.get_running_loop().run_in_executor(self.io, close_sync)
+
+    async def _retire(self, key: tuple[str, int], p: Partition) -> None:
+        """The partition's topic incarnation is gone here: close it; remove its
+        data only once the supervisor confirms the incarnation is gone."""
+        await self._close_partition(key, p, clean=True)
+        try:
+            gone = await self.confirm_gone(p.topic, p.topic_id)
+        except Exception:
+            gone = False
+        if gone:
+            d = topic_dir(self.data_dir, p.topic, p.topic_id) / f"p{p.index:05d}"
+            await asyncio.get_running_loop().run_in_executor(self.io, _remove_partition_dir, d)
+            log.info("removed data of a deleted topic partition", extra={"topic": p.topic, "id": p.topic_id,
+                                                                        "partition": p.index})
+
+    # ---- commit (owner side) -------------------------------------------------------------------
+    async def commit_local(self, topic: str, topic_id: str, partition: int,
+                           records: list[tuple[bytes | None, int, bytes]]) -> int:
+        t = self.store.topic(topic)
+        if t is None or t.id != topic_id:
+            raise Conflict(f'topic incarnation mismatch for "{topic}": records are for {topic_id}, '
+                           f"the topic is {t.id if t else 'absent'}", code="incarnation_mismatch")
+        if not 0 <= partition < t.partitions:
+            raise Conflict(f"partition {partition} is not in topic {topic}", code="incarnation_mismatch")
+        p = await self.partition(t, partition)
+        return await p.commit(records, self.io)
+
+    async def deliver(self, topic: str, topic_id: str, partition: int, entries: list[Entry]) -> str:
+        """Dispatcher target: commit at the owner, here or one hop away."""
+        t = self.store.topic(topic)
+        if t is None or t.id != topic_id:
+            # Never discard on local absence alone: the replica may be behind.
+            if await self.confirm_gone(topic, topic_id):
+                return "gone"
+            raise Unavailable(f'topic "{topic}" incarnation {topic_id} not confirmed; holding its records')
+        records = [(e.key, e.flags, e.payload) for e in entries]
+        owner = self.route(topic, partition)
+        if owner == self.index:
+            await self.commit_local(topic, topic_id, partition, records)
+        else:
+            await self.links.call(owner, P.CommitReq(topic, topic_id, partition, records), P.CommitResp, timeout=30)
+        self.m.messages_produced.labels(topic).inc(len(entries))
+        return "ok"
+
+    # ---- wake-ups ------------------------------------------------------------------------------
+    def _on_visible(self, p: Partition, n: int) -> None:
+        self._wake(p.topic, n)
+        watchers = self._watchers.pop(p.topic, None)
+        if watchers:
+            for w in watchers:
+                self.links.notify(w, P.ReadyNote(p.topic, n))
+
+    def _on_released(self, p: Partition) -> None:
+        if self._waiters.get(p.topic):
+            self._wake(p.topic, 1)
+        watchers = self._watchers.pop(p.topic, None)
+        if watchers:
+            for w in watchers:
+                self.links.notify(w, P.ReadyNote(p.topic, 1))
+
+    def _wake(self, topic: str, n: int) -> None:
+        q = self._waiters.get(topic)
+        while q and n > 0:
+            f = q.popleft()
+            if not f.done():
+                f.set_result(True)
+                n -= 1
+        if q is not None and not q:
+            self._waiters.pop(topic, None)
+
+    # ---- consume --------------------------------------------------------------------------------
+    def _reserve_in(self, p: Partition, t: TopicRecord, max_n: int, now: float) -> list[P.Item]:
+        ds = p.reserve(now, max_n, t.visibility_timeout_ms / 1000.0, t.max_in_flight_per_partition,
+                       t.max_acked_ahead_per_partition)
+        return [P.Item(d.partition, d.offset, d.nonce, d.record[0], d.record[1], d.record[2], d.record[3])
+                for d in ds]
+
+    async def reserve_owned(self, t: TopicRecord, max_n: int, partition: int | None) -> list[P.Item]:
+        """Reserve up to max_n from the partitions of `t` this worker owns."""
+        if partition is not None:
+            parts = [partition] if self.route(t.name, partition) == self.index else []
+        else:
+            parts = [i for i in range(t.partitions) if self.route(t.name, i) == self.index]
+        if not parts:
+            return []
+        out: list[P.Item] = []
+        now = time.monotonic()
+        start = self._rr.pick("\0consume:" + t.name, len(parts))
+        for k in range(len(parts)):
+            i = parts[(start + k) % len(parts)]
+            p = self.partitions.get((t.name, i))
+            if p is None or p.topic_id != t.id:
+                p = await self.partition(t, i)
+            out.extend(self._reserve_in(p, t, max_n - len(out), now))
+            if len(out) >= max_n:
+                break
+        return out
+
+    async def consume(self, t: TopicRecord, max_n: int, wait: float, partition: int | None = None) -> list[P.Item]:
+        """Local partitions first, then the other workers (one hop each); if
+        nothing is ready, park until data arrives or `wait` runs out."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait
+        if partition is not None:
+            owners = [self.route(t.name, partition)]
+        else:
+            owners = sorted({self.route(t.name, i) for i in range(t.partitions)})
+        remote = [w for w in owners if w != self.index]
+        while True:
+            got = await self.reserve_owned(t, max_n, partition) if self.index in owners else []
+            if len(got) < max_n and remote:
+                if wait > 0 and not got:
+                    for w in remote:
+                        self.links.notify(w, P.WatchNote(t.name, self.index))
+                for w in remote:
+                    try:
+                        resp = await self.links.call(w, P.ConsumeReq(t.name, t.id, max_n - len(got), partition),
+                                                     P.ConsumeResp, timeout=2.0)
+                        got.extend(resp.items)
+                    except Exception as e:
+                        log.debug("consume probe failed", extra={"worker": w, "err": str(e)})
+                    if len(got) >= max_n:
+                        break
+            remaining = deadline - loop.time()
+            if got or remaining <= 0 or self.closing:
+                if got:
+                    self.m.messages_consumed.labels(t.name).inc(len(got))
+                return got
+            fut: asyncio.Future[bool] = loop.create_future()
+            self._waiters.setdefault(t.name, deque()).append(fut)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(fut, min(remaining, PARK_RECHECK))
+            cur = self.store.topic(t.name)
+            if cur is None or cur.id != t.id:
+                raise NotFound(f'topic "{t.name}" not found')
+
+    async def nack_items(self, t: TopicRecord, items: list[P.Item]) -> None:
+        """Give back leases a consumer will never see (it went away)."""
+        if items:
+            await self.settle(t, [(i.partition, i.offset, i.nonce) for i in items], NACK)
+
+    # ---- settle (ack / extend / nack) -------------------------------------------------------------
+    def settle_owned(self, t: TopicRecord, items: list[tuple[int, int, int]], mode: int) -> list[int]:
+        now = time.monotonic()
+        vis = t.visibility_timeout_ms / 1000.0
+        out = []
+        for part, off, nonce in items:
+            p = self.partitions.get((t.name, part))
+            if p is None or p.topic_id != t.id or p.closed:
+                out.append(410)
+                continue
+            if mode == ACK:
+                ok = p.ack(off, nonce, now)
+            elif mode == EXTEND:
+                ok = p.extend(off, nonce, now, vis)
+            else:
+                ok = p.nack(off, nonce, now)
+            out.append(204 if ok else 410)
+        if mode == EXTEND:
+            self.m.ack_extended.labels(t.name).inc(sum(1 for s in out if s == 204))
+        elif mode == NACK:
+            self.m.nacks.labels(t.name).inc(sum(1 for s in out if s == 204))
+        return out
+
+    async def settle(self, t: TopicRecord, items: list[tuple[int, int, int]], mode: int) -> list[int]:
+        """Statuses in request order: 204 settled, 410 no live lease, 503 owner unreachable."""
+        result = [410] * len(items)
+        by_owner: dict[int, list[int]] = {}
+        for i, (part, _, _) in enumerate(items):
+            if 0 <= part < t.partitions:
+                by_owner.setdefault(self.route(t.name, part), []).append(i)
+        for owner, idxs in by_owner.items():
+            sub = [items[i] for i in idxs]
+            if owner == self.index:
+                statuses = self.settle_owned(t, sub, mode)
+            else:
+                try:
+                    resp = await self.links.call(owner, P.AckReq(t.name, t.id, mode, sub), P.AckResp, timeout=2.0)
+                    statuses = resp.statuses
+                except Exception:
+                    statuses = [503] * len(sub)
+            for i, s in zip(idxs, statuses, strict=True):
+                result[i] = s
+        return result
+
+    # ---- replay and stats ----------------------------------------------------------------------------
+    async def replay_owned(self, t: TopicRecord, partition: int, offset: int) -> P.ReplayResp:
+        p = await self.partition(t, partition)
+        if offset >= p.log.hwm:
+            return P.ReplayResp(204)
+        try:
+            key, ts, flags, payload = p.log.read(offset)
+        except OffsetGone as e:
+            return P.ReplayResp(410, None, e.oldest)
+        except Exception:
+            return P.ReplayResp(410, None, -1)
+        return P.ReplayResp(200, P.Item(partition, offset, 0, key, ts, flags, payload), p.log.oldest)
+
+    async def replay(self, t: TopicRecord, partition: int, offset: int) -> P.ReplayResp:
+        owner = self.route(t.name, partition)
+        if owner == self.index:
+            return await self.replay_owned(t, partition, offset)
+        return await self.links.call(owner, P.ReplayReq(t.name, t.id, partition, offset), P.ReplayResp)
+
+    async def stats_owned(self, t: TopicRecord, parts: list[int]) -> dict[int, dict[str, int]]:
+        out = {}
+        for i in parts:
+            p = await self.partition(t, i)
+            out[i] = p.stats()
+        return out
+
+    async def stats(self, t: TopicRecord, parts: list[int]) -> dict[int, dict[str, int] | None]:
+        by_owner: dict[int, list[int]] = {}
+        for i in parts:
+            by_owner.setdefault(self.route(t.name, i), []).append(i)
+        out: dict[int, dict[str, int] | None] = {}
+        for owner, idxs in by_owner.items():
+            try:
+                if owner == self.index:
+                    out.update(await self.stats_owned(t, idxs))
+                else:
+                    resp = await self.links.call(owner, P.StatsReq(t.name, t.id, idxs), P.StatsResp, timeout=2.0)
+                    out.update(resp.stats)
+            except Exception:
+                for i in idxs:
+                    out[i] = None
+        return out
+
+    # ---- peer handlers ------------------------------------------------------------------------------
+    def _topic_for(self, name: str, topic_id: str) -> TopicRecord:
+        t = self.store.topic(name)
+        if t is None or t.id != topic_id:
+            raise Conflict(f'topic "{name}" incarnation {topic_id} is not current here', code="incarnation_mismatch")
+        return t
+
+    def _register_peer_handlers(self) -> None:
+        s = self.links.service
+
+        async def commit(m: P.CommitReq, _c: Any) -> P.CommitResp:
+            return P.CommitResp(await self.commit_local(m.topic, m.topic_id, m.partition, m.records))
+
+        async def consume(m: P.ConsumeReq, _c: Any) -> P.ConsumeResp:
+            t = self._topic_for(m.topic, m.topic_id)
+            return P.ConsumeResp(await self.reserve_owned(t, m.max, m.partition))
+
+        async def ack(m: P.AckReq, _c: Any) -> P.AckResp:
+            t = self.store.topic(m.topic)
+            if t is None or t.id != m.topic_id:
+                return P.AckResp([410] * len(m.items))
+            return P.AckResp(self.settle_owned(t, m.items, m.mode))
+
+        async def replay(m: P.ReplayReq, _c: Any) -> P.ReplayResp:
+            return await self.replay_owned(self._topic_for(m.topic, m.topic_id), m.partition, m.offset)
+
+        async def stats(m: P.StatsReq, _c: Any) -> P.StatsResp:
+            return P.StatsResp(await self.stats_owned(self._topic_for(m.topic, m.topic_id), m.partitions))
+
+        async def watch(m: P.WatchNote, _c: Any) -> None:
+            # If records are already waiting here, say so at once.
+            t = self.store.topic(m.topic)
+            if t is not None:
+                for i in range(t.partitions):
+                    p = self.partitions.get((t.name, i))
+                    if p is not None and p.available() > 0:
+                        self.links.notify(m.worker, P.ReadyNote(m.topic, p.available()))
+                        return
+            self._watchers.setdefault(m.topic, set()).add(m.worker)
+
+        async def ready(m: P.ReadyNote, _c: Any) -> None:
+            self._wake(m.topic, m.count)
+
+        for typ, fn in ((P.CommitReq, commit), (P.ConsumeReq, consume), (P.AckReq, ack), (P.ReplayReq, replay),
+                        (P.StatsReq, stats), (P.WatchNote, watch), (P.ReadyNote, ready)):
+            s.register(typ, fn)  # type: ignore[arg-type]
+
+    # ---- background work -----------------------------------------------------------------------------
+    async def _committer(self) -> None:
+        """Acks reach the page cache every 100 ms and the disk every sync interval."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(COMMIT_TICK)
+            now = time.monotonic()
+            due: list[Partition] = []
+            level: list[tuple[Partition, int]] = []
+            for key, p in list(self.partitions.items()):
+                if p.closed:
+                    continue
+                if p.dirty:
+                    p.dirty = False
+                    frontier, ahead = p.snapshot_offsets()
+                    try:
+                        p.offsets.write_window(frontier, ahead)
+                    except OSError as e:
+                        log.error("consumer offset write failed", extra={"topic": p.topic, "err": str(e)})
+                        p.dirty = True
+                        continue
+                if p.offsets.dirty_since_sync and now - self._synced.get(key, 0.0) >= self.offset_sync_interval:
+                    self._synced[key] = now
+                    due.append(p)
+                if now - self._leveled.setdefault(key, now) >= LEVEL_EVERY:
+                    self._leveled[key] = now
+                    level.append((p, p.committed))
+            if due or level:
+                await loop.run_in_executor(self.io, _writeout_all, due, level)
+
+    async def _sweeper(self) -> None:
+        while True:
+            await asyncio.sleep(SWEEP_EVERY)
+            now = time.monotonic()
+            for p in list(self.partitions.values()):
+                if p.leases and p.purge(now):
+                    self._on_released(p)
+
+    async def _reaper(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(REAP_EVERY)
+            now_ms = int(time.time() * 1000)
+            for p in list(self.partitions.values()):
+                t = self.store.topic(p.topic)
+                if t is None or t.id != p.topic_id or not t.retention_ms:
+                    continue
+                with contextlib.suppress(OSError):
+                    await loop.run_in_executor(self.io, p.log.roll_idle_active, t.retention_ms, now_ms)
+                segs = p.log.expired_segments(t.retention_ms, now_ms)
+                if segs:
+                    n, size = p.log.delete_segments(segs)
+                    self.m.retention_deleted.labels(p.topic).inc(n)
+                    log.info("retention deleted segments", extra={"topic": p.topic, "partition": p.index,
+                                                                  "records": n, "bytes": size})
+
+    async def _topic_watch(self) -> None:
+        """A deleted or recreated topic: close its partitions here and answer
+        the consumers parked on it."""
+        while True:
+            await asyncio.sleep(TOPIC_CHECK_EVERY)
+            ver = self.versions.load(V.TOPICS)
+            if ver == self._topics_ver:
+                continue
+            self._topics_ver = ver
+            for key, p in list(self.partitions.items()):
+                t = self.store.topic(p.topic)
+                if t is None or t.id != p.topic_id:
+                    await self._retire(key, p)
+            for name in list(self._waiters):
+                t = self.store.topic(name)
+                if t is None:
+                    self._wake(name, len(self._waiters.get(name, ())))
+
+    def health(self) -> dict[str, Any]:
+        return {"wal_failed": self.wal.failed is not None, "backlog": self.wal.backlog,
+                "partitions": len(self.partitions)}
+
+
+def _writeout_all(parts: list[Partition], level: list[tuple[Partition, int]]) -> None:
+    for p in parts:
+        try:
+            p.offsets.writeout()
+        except OSError as e:
+            log.error("consumer offset fsync failed; rewriting next tick", extra={"topic": p.topic, "err": str(e)})
+            p.dirty = True
+    for p, frontier in level:
+        if frontier >= 0 and not p.closed:
+            try:
+                p.offsets.level(frontier)
+            except OSError as e:
+                log.error("consumer.offset levelling failed", extra={"topic": p.topic, "err": str(e)})
+
+
+def _remove_partition_dir(d: Path) -> None:
+    shutil.rmtree(d, ignore_errors=True)
+    parent = d.parent
+    with contextlib.suppress(OSError):
+        parent.rmdir()  # the topic directory, once its last partition is gone

@@ -1,0 +1,303 @@
+"""An owned partition: its log plus the in-memory lease table.
+
+Lives in the worker that owns the partition, on its event-loop thread only.
+
+* ``committed`` is the frontier, inclusive (every offset <= it is acked;
+  starts at -1). It advances over contiguous acked offsets (and records that
+  are corrupt or aged out, which are counted as losses) and is persisted,
+  with the acks held above it, by the offset committer.
+* A lease (reservation) is ``offset -> (nonce, expiry)``; the receipt handle is
+  ``partition:offset:nonce``. A lease is taken *before* the record is read, so
+  two consumers never hold the same live copy. Ack, extend and nack need the
+  live lease's nonce; anything else is 410.
+* Caps: no new lease while ``max_in_flight`` leases are out; while
+  ``max_acked_ahead`` acks are held above the frontier, only the frontier
+  message (committed + 1) is deliverable. Acks are never refused.
+* Expired leases are found on every touch and by the worker's 1 s sweep;
+  their offsets are delivered again (lowest first).
+
+Imports narad.storage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import logging
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass
+
+from narad.storage import frames as FR
+from narad.storage.offsets import OffsetFile
+from narad.storage.partition_log import CorruptRecord, OffsetGone, PartitionLog, Record
+
+log = logging.getLogger("narad.broker.partition")
+MAX_COMBINED_BYTES = 16 << 20
+
+
+@dataclass
+class Delivery:
+    partition: int
+    offset: int
+    nonce: int
+    record: Record
+
+
+def new_nonce() -> int:
+    return int.from_bytes(os.urandom(8), "big") >> 1
+
+
+class Partition:
+    def __init__(self, topic: str, topic_id: str, index: int, plog: PartitionLog, offsets: OffsetFile) -> None:
+        self.topic = topic
+        self.topic_id = topic_id
+        self.index = index
+        self.log = plog
+        self.offsets = offsets
+        self.committed = -1
+        self.leases: dict[int, tuple[int, float]] = {}
+        self.acked_ahead: set[int] = set()
+        self._expiry: list[tuple[float, int, int]] = []
+        self._redeliver: list[int] = []
+        self.cursor = 0
+        self.dirty = False
+        self.dropped = 0  # offsets the frontier passed without an ack (retention, corruption)
+        self.corrupt_skipped = 0
+        self.closed = False
+        # Commit combining: batches queued while a commit runs go out together.
+        self._commit_queue: list[tuple[list[tuple[bytes | None, int, bytes]], asyncio.Future[int]]] = []
+        self._committing = False
+        self._task: asyncio.Task[None] | None = None
+        self.on_visible: Callable[[Partition, int], None] | None = None
+        self.on_released: Callable[[Partition], None] | None = None
+
+    def restore(self, frontier: int, ahead: list[int]) -> None:
+        hwm = self.log.hwm
+        # A persisted frontier never passes what the log holds.
+        self.committed = min(frontier, hwm - 1)
+        self.acked_ahead = {a for a in ahead if self.committed < a < hwm}
+        self._advance()
+        self.cursor = self.committed + 1
+
+    # ---- reserve ---------------------------------------------------------------------
+    def purge(self, now: float) -> int:
+        """Release expired leases; returns how many."""
+        n = 0
+        heap = self._expiry
+        while heap and heap[0][0] <= now:
+            exp, off, nonce = heapq.heappop(heap)
+            cur = self.leases.get(off)
+            if cur is not None and cur[0] == nonce and cur[1] == exp:
+                del self.leases[off]
+                heapq.heappush(self._redeliver, off)
+                n += 1
+        return n
+
+    def _deliverable(self, off: int) -> bool:
+        return off > self.committed and off not in self.leases and off not in self.acked_ahead
+
+    def _candidate(self) -> int | None:
+        red = self._redeliver
+        while red and (red[0] >= self.cursor or not self._deliverable(red[0])):
+            heapq.heappop(red)
+        if red:
+            return red[0]
+        hwm = self.log.hwm
+        c = max(self.cursor, self.committed + 1)
+        while c < hwm and not self._deliverable(c):
+            c += 1
+        self.cursor = c
+        return c if c < hwm else None
+
+    def reserve(self, now: float, max_n: int, visibility_s: float, max_in_flight: int,
+                max_acked_ahead: int) -> list[Delivery]:
+        if self.closed:
+            return []
+        self.purge(now)
+        out: list[Delivery] = []
+        while len(out) < max_n:
+            if len(self.leases) >= max_in_flight:
+                break
+            off = self._candidate()
+            if off is None:
+                break
+            if off < self.log.oldest:
+                self._skip_to_oldest()
+                continue
+            if len(self.acked_ahead) >= max_acked_ahead and off != self.committed + 1:
+                break  # at the acked-ahead cap only the frontier message goes out
+            nonce = new_nonce()
+            expiry = now + visibility_s
+            self.leases[off] = (nonce, expiry)
+            if self._redeliver and self._redeliver[0] == off:
+                heapq.heappop(self._redeliver)
+            elif off == self.cursor:
+                self.cursor = off + 1
+            try:
+                rec = self.log.read(off)
+            except OffsetGone:
+                del self.leases[off]
+                self._skip_to_oldest()
+                continue
+            except CorruptRecord:
+                del self.leases[off]
+                self._settle_unreadable(off)
+                continue
+            heapq.heappush(self._expiry, (expiry, off, nonce))
+            out.append(Delivery(self.index, off, nonce, rec))
+        return out
+
+    def _skip_to_oldest(self) -> None:
+        oldest = self.log.oldest
+        if self.committed < oldest - 1:
+            lost = oldest - 1 - self.committed - len([a for a in self.acked_ahead if a < oldest])
+            self.dropped += max(0, lost)
+            log.warning("consumer frontier fell behind retention; skipped to oldest retained offset",
+                        extra={"topic": self.topic, "partition": self.index, "oldest": oldest, "lost": lost})
+            self.committed = oldest - 1
+            self.acked_ahead = {a for a in self.acked_ahead if a >= oldest}
+            for off in [o for o in self.leases if o < oldest]:
+                del self.leases[off]
+            self._advance()
+            self.cursor = max(self.cursor, self.committed + 1)
+            self.dirty = True
+
+    def _settle_unreadable(self, off: int) -> None:
+        self.corrupt_skipped += 1
+        self.dropped += 1
+        log.error("skipped permanently-unreadable record", extra={"topic": self.topic, "partition": self.index,
+                                                                   "offset": off})
+        self._settle(off)
+
+    # ---- settle ---------------------------------------------------------------------
+    def _settle(self, off: int) -> None:
+        if off == self.committed + 1:
+            self.committed = off
+            self._advance()
+        elif off > self.committed:
+            self.acked_ahead.add(off)
+        self.dirty = True
+
+    def _advance(self) -> None:
+        ahead = self.acked_ahead
+        while self.committed + 1 in ahead:
+            ahead.discard(self.committed + 1)
+            self.committed += 1
+
+    def _lease_ok(self, off: int, nonce: int, now: float) -> bool:
+        cur = self.leases.get(off)
+        return cur is not None and cur[0] == nonce and cur[1] > now
+
+    def ack(self, off: int, nonce: int, now: float) -> bool:
+        if not self._lease_ok(off, nonce, now):
+            return False
+        del self.leases[off]
+        self._settle(off)
+        if self.on_released is not None:
+            self.on_released(self)  # a cap slot may have freed
+        return True
+
+    def extend(self, off: int, nonce: int, now: float, visibility_s: float) -> bool:
+        if not self._lease_ok(off, nonce, now):
+            return False
+        expiry = now + visibility_s
+        self.leases[off] = (nonce, expiry)
+        heapq.heappush(self._expiry, (expiry, off, nonce))
+        return True
+
+    def nack(self, off: int, nonce: int, now: float) -> bool:
+        if not self._lease_ok(off, nonce, now):
+            return False
+        del self.leases[off]
+        heapq.heappush(self._redeliver, off)
+        if self.on_released is not None:
+            self.on_released(self)
+        return True
+
+    # ---- commit (owner side) ------------------------------------------------------------
+    async def commit(self, batch: list[tuple[bytes | None, int, bytes]], executor: Executor) -> int:
+        """Append (key, flags, payload) records; returns the first offset once
+        they are durable, read back intact and visible. Batches that arrive
+        while a commit runs are combined into the next one (one frame, one
+        fsync)."""
+        if self.closed:
+            raise OSError(9, "partition closed")
+        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._commit_queue.append((batch, fut))
+        if not self._committing:
+            self._committing = True
+            self._task = asyncio.get_running_loop().create_task(self._commit_cycle(executor))
+        return await fut
+
+    async def _commit_cycle(self, executor: Executor) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while self._commit_queue and not self.closed:
+                queue: list[tuple[list[tuple[bytes | None, int, bytes]], asyncio.Future[int]]] = []
+                size = 0
+                while self._commit_queue and (not queue or size < MAX_COMBINED_BYTES):
+                    item = self._commit_queue.pop(0)
+                    queue.append(item)
+                    size += sum(len(p) for _, _, p in item[0])
+                ts = self.log.committed_at()
+                envs: list[bytes] = []
+                decoded: list[Record] = []
+                for batch, _ in queue:
+                    for key, flags, payload in batch:
+                        envs.append(FR.encode_record(key, ts, flags, payload))
+                        decoded.append((key, ts, flags, payload))
+                try:
+                    res = await loop.run_in_executor(executor, self.log.write_commit, envs)
+                except OSError as e:
+                    log.error("partition commit failed", extra={"topic": self.topic, "partition": self.index,
+                                                                "err": str(e)})
+                    for _, f in queue:
+                        if not f.done():
+                            f.set_exception(OSError(e.errno or 5, f"partition commit failed: {e}"))
+                    continue
+                base, seg, pos, fsize, rolled = res
+                self.log.publish(base, seg, pos, fsize, rolled, decoded)
+                off = base
+                for batch, f in queue:
+                    if not f.done():
+                        f.set_result(off)
+                    off += len(batch)
+                if self.on_visible is not None:
+                    self.on_visible(self, len(decoded))
+        finally:
+            self._committing = False
+            for _, f in self._commit_queue:
+                if not f.done():
+                    f.set_exception(OSError(9, "partition closed"))
+            if self.closed:
+                self._commit_queue.clear()
+
+    def next_expiry(self) -> float | None:
+        return self._expiry[0][0] if self._expiry else None
+
+    # ---- stats ------------------------------------------------------------------------
+    def stats(self) -> dict[str, int]:
+        hwm = self.log.hwm
+        return {
+            "high_watermark": hwm,
+            "next_offset": self.log.next_offset,
+            "oldest_offset": self.log.oldest,
+            "committed_offset": self.committed,
+            "lag": max(0, hwm - 1 - self.committed),
+            "in_flight": len(self.leases),
+            "acked_ahead": len(self.acked_ahead),
+        }
+
+    def available(self) -> int:
+        """Records no lease covers, above the frontier (an estimate)."""
+        return max(0, self.log.hwm - 1 - self.committed - len(self.leases) - len(self.acked_ahead))
+
+    def snapshot_offsets(self) -> tuple[int, list[int]]:
+        return self.committed, sorted(self.acked_ahead)
+
+
+def monotonic() -> float:
+    return time.monotonic()

@@ -1,0 +1,181 @@
+"""Worker-to-worker messages and the links that carry them.
+
+A request that lands on a worker which does not own the partition reaches
+the owner in one local hop over a Unix socket (``<runtime>/w<i>.sock``):
+commit a batch (dispatcher -> owner), reserve for a consumer (probe), ack /
+extend / nack, replay, partition stats, and the watch / data-ready notes that
+wake a long-poll parked on another worker. Links reconnect on demand (a
+restarted peer comes back on the same path).
+
+Imports narad.ipc.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from pathlib import Path
+from typing import Any, TypeVar
+
+import msgspec
+
+from narad.errors import Unavailable
+from narad.ipc import rpc
+
+log = logging.getLogger("narad.broker.peers")
+T = TypeVar("T")
+
+RecordTuple = tuple[bytes | None, int, bytes]  # key, flags, payload
+
+
+class CommitReq(msgspec.Struct, tag=True, array_like=True):
+    topic: str
+    topic_id: str
+    partition: int
+    records: list[RecordTuple]
+
+
+class CommitResp(msgspec.Struct, array_like=True):
+    base: int
+
+
+class Item(msgspec.Struct, array_like=True):
+    """A delivered (or replayed) record."""
+
+    partition: int
+    offset: int
+    nonce: int
+    key: bytes | None
+    ts_ms: int
+    flags: int
+    payload: bytes
+
+
+class ConsumeReq(msgspec.Struct, tag=True, array_like=True):
+    topic: str
+    topic_id: str
+    max: int
+    partition: int | None = None
+
+
+class ConsumeResp(msgspec.Struct, array_like=True):
+    items: list[Item]
+
+
+class AckReq(msgspec.Struct, tag=True, array_like=True):
+    topic: str
+    topic_id: str
+    mode: int  # 0 ack, 1 extend, 2 nack
+    items: list[tuple[int, int, int]]  # partition, offset, nonce
+
+
+class AckResp(msgspec.Struct, array_like=True):
+    statuses: list[int]
+
+
+class ReplayReq(msgspec.Struct, tag=True, array_like=True):
+    topic: str
+    topic_id: str
+    partition: int
+    offset: int
+
+
+class ReplayResp(msgspec.Struct, array_like=True):
+    status: int  # 200, 204, 410
+    item: Item | None = None
+    oldest: int = 0
+
+
+class StatsReq(msgspec.Struct, tag=True, array_like=True):
+    topic: str
+    topic_id: str
+    partitions: list[int]
+
+
+class StatsResp(msgspec.Struct, array_like=True):
+    stats: dict[int, dict[str, int]]
+
+
+class WatchNote(msgspec.Struct, tag=True, array_like=True):
+    """Tell `worker` once when records of `topic` become available here."""
+
+    topic: str
+    worker: int
+
+
+class ReadyNote(msgspec.Struct, tag=True, array_like=True):
+    topic: str
+    count: int
+
+
+class PeerLinks:
+    def __init__(self, runtime_dir: Path, index: int, workers: int) -> None:
+        self.runtime_dir = Path(runtime_dir)
+        self.index = index
+        self.workers = workers
+        self.service: rpc.Service = rpc.Service()
+        self._conns: dict[int, rpc.Connection] = {}
+        self._connecting: dict[int, asyncio.Future[rpc.Connection]] = {}
+        self._server: asyncio.AbstractServer | None = None
+
+    def path(self, i: int) -> Path:
+        return self.runtime_dir / f"w{i}.sock"
+
+    async def serve(self) -> None:
+        self._server = await rpc.serve_unix(str(self.path(self.index)), lambda: self.service)
+
+    async def conn(self, i: int, timeout: float = 2.0) -> rpc.Connection:
+        c = self._conns.get(i)
+        if c is not None and not c.closed:
+            return c
+        pending = self._connecting.get(i)
+        if pending is not None:
+            return await asyncio.shield(pending)
+        fut: asyncio.Future[rpc.Connection] = asyncio.get_running_loop().create_future()
+        self._connecting[i] = fut
+        try:
+            end = time.monotonic() + timeout
+            delay = 0.01
+            while True:
+                try:
+                    c = await rpc.connect_unix(str(self.path(i)), self.service)
+                    break
+                except (FileNotFoundError, ConnectionRefusedError, OSError) as e:
+                    if time.monotonic() + delay > end:
+                        raise Unavailable(f"worker {i} is not reachable: {e}") from None
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 0.2)
+            self._conns[i] = c
+            fut.set_result(c)
+            return c
+        except BaseException as e:
+            if not fut.done():
+                fut.set_exception(e if isinstance(e, Exception) else Unavailable("cancelled"))
+                fut.exception()
+            raise
+        finally:
+            self._connecting.pop(i, None)
+
+    async def call(self, i: int, msg: Any, resp_type: type[T], timeout: float = 5.0) -> T:
+        c = await self.conn(i)
+        return await c.call(msg, resp_type, timeout)
+
+    def notify(self, i: int, msg: Any) -> None:
+        c = self._conns.get(i)
+        if c is not None and not c.closed:
+            c.notify(msg)
+            return
+
+        async def later() -> None:
+            with contextlib.suppress(Exception):
+                (await self.conn(i)).notify(msg)
+
+        asyncio.get_running_loop().create_task(later())
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for c in self._conns.values():
+            c.close()

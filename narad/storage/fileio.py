@@ -1,0 +1,52 @@
+"""The file-I/O seam of the storage layer.
+
+Every write, sync, read and truncate the partition logs, the WAL and the
+offset files make goes through this module, so tests can make one of them
+fail (ENOSPC, EIO, a lying fsync) without mocking anything else. Production
+code never changes these functions. Imports nothing from narad.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Callable
+
+write: Callable[[int, bytes], int] = os.write
+pwrite: Callable[[int, bytes, int], int] = os.pwrite
+pread: Callable[[int, int, int], bytes] = os.pread
+fdatasync: Callable[[int], None] = os.fdatasync
+ftruncate: Callable[[int, int], None] = os.ftruncate
+
+
+def write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
+    view = memoryview(data)
+    while view:
+        n = write(fd, view)  # type: ignore[arg-type]
+        if n <= 0:
+            raise OSError(errno.EIO, "short write")
+        view = view[n:]
+
+
+def pwrite_all(fd: int, data: bytes | bytearray | memoryview, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        n = pwrite(fd, view, offset)  # type: ignore[arg-type]
+        if n <= 0:
+            raise OSError(errno.EIO, "short write")
+        view = view[n:]
+        offset += n
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def reset() -> None:
+    """Undo any test fault injection."""
+    global write, pwrite, pread, fdatasync, ftruncate
+    write, pwrite, pread, fdatasync, ftruncate = os.write, os.pwrite, os.pread, os.fdatasync, os.ftruncate

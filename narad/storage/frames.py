@@ -1,0 +1,121 @@
+"""On-disk formats of the partition log: frames and record envelopes.
+
+Frame (big-endian, 27-byte header, after Narad's storage/format.go):
+
+    0  2  magic 0xCA 0xFE (outside the CRC, so a resync scan can look for it)
+    2  1  flags: bits 0-2 codec (0 = none; the only codec written)
+    3  4  record count
+    7  8  base offset (offset of the first record)
+    15 4  payload size
+    19 4  on-disk payload size (equal without a codec)
+    23 4  CRC-32C over header bytes [2:23] and the payload
+    27 n  payload: count x (u32 length, record bytes)
+
+Record envelope: ``u8 version (3) | u8 flags | uvarint key length | key |
+u64 committed-at ms | payload``. Flags: bit0 has key, bit1 the payload is one
+valid JSON text, bit2 it is valid UTF-8 (computed once at produce time, so a
+consume renders the payload without parsing it again).
+
+Pure functions. Imports crc32c (a maintained C implementation).
+"""
+
+from __future__ import annotations
+
+import struct
+
+from crc32c import crc32c
+
+MAGIC = b"\xca\xfe"
+HEADER = struct.Struct(">2sBiqII I")
+HEADER_SIZE = 27
+MAX_FRAME_BYTES = 256 << 20
+RECORD_VERSION = 3
+F_KEY, F_JSON, F_UTF8 = 1, 2, 4
+
+_U32 = struct.Struct(">I")
+_U64 = struct.Struct(">Q")
+_CRC_HDR = struct.Struct(">BiqII")
+
+assert HEADER.size == HEADER_SIZE
+
+
+def _uvarint(n: int) -> bytes:
+    out = bytearray()
+    while n >= 0x80:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def encode_record(key: bytes | None, committed_ms: int, flags: int, payload: bytes) -> bytes:
+    if key:
+        return bytes((RECORD_VERSION, flags | F_KEY)) + _uvarint(len(key)) + key + _U64.pack(committed_ms) + payload
+    return bytes((RECORD_VERSION, flags & ~F_KEY, 0)) + _U64.pack(committed_ms) + payload
+
+
+def decode_record(rec: bytes | memoryview) -> tuple[bytes | None, int, int, bytes]:
+    """-> (key or None, committed-at ms, flags, payload)."""
+    if rec[0] != RECORD_VERSION:
+        raise ValueError(f"unknown record version {rec[0]}")
+    flags = rec[1]
+    pos, shift, klen = 2, 0, 0
+    while True:
+        b = rec[pos]
+        pos += 1
+        klen |= (b & 0x7F) << shift
+        if b < 0x80:
+            break
+        shift += 7
+    key = bytes(rec[pos : pos + klen]) if klen else None
+    pos += klen
+    (ts,) = _U64.unpack_from(rec, pos)
+    return key, ts, flags, bytes(rec[pos + 8 :])
+
+
+def encode_frame(base_offset: int, records: list[bytes]) -> bytes:
+    parts = []
+    for r in records:
+        parts.append(_U32.pack(len(r)))
+        parts.append(r)
+    payload = b"".join(parts)
+    n = len(payload)
+    crc = crc32c(payload, crc32c(_CRC_HDR.pack(0, len(records), base_offset, n, n)))
+    return HEADER.pack(MAGIC, 0, len(records), base_offset, n, n, crc) + payload
+
+
+class FrameError(ValueError):
+    pass
+
+
+def parse_header(buf: bytes | memoryview, pos: int = 0) -> tuple[int, int, int, int]:
+    """-> (record count, base offset, payload size, crc). Raises FrameError."""
+    magic, flags, count, base, usize, csize, crc = HEADER.unpack_from(buf, pos)
+    if magic != MAGIC:
+        raise FrameError("bad magic")
+    if flags & 0x07:
+        raise FrameError("unknown codec")
+    if count <= 0 or base < 0 or usize != csize or csize > MAX_FRAME_BYTES or csize < 4 * count:
+        raise FrameError("implausible header")
+    return count, base, csize, crc
+
+
+def frame_crc_ok(buf: bytes | memoryview, pos: int, count: int, base: int, size: int, crc: int) -> bool:
+    hdr = _CRC_HDR.pack(buf[pos + 2], count, base, size, size)
+    return crc32c(buf[pos + HEADER_SIZE : pos + HEADER_SIZE + size], crc32c(hdr)) == crc
+
+
+def split_records(payload: bytes | memoryview, count: int) -> list[memoryview]:
+    view = memoryview(payload)
+    out = []
+    pos = 0
+    for _ in range(count):
+        (n,) = _U32.unpack_from(view, pos)
+        pos += 4
+        if pos + n > len(view):
+            raise FrameError("record runs past the frame")
+        out.append(view[pos : pos + n])
+        pos += n
+    if pos != len(view):
+        raise FrameError("trailing bytes in frame")
+    return out

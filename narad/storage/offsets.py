@@ -1,0 +1,163 @@
+"""Consumer progress of one partition on disk: the committed frontier and the
+acks held above it, in two checksummed 4 KiB slots (``consumer.ahead``), plus
+``consumer.offset`` (8 bytes, the frontier alone, levelled at most every 30 s
+and at close).
+
+The *anchor* slot holds the newest record known durable and is never written
+while it is the anchor; writes go to the other slot (the *window*), first to
+the page cache (every ~100 ms: survives a process crash), then synced (every
+``consumer_offset_commit_interval_ms``: survives power loss), after which the
+roles flip. A torn window fails its checksum and recovery falls back to the
+anchor. Every record holds only acked values, so recovery never yields a
+frontier past a real ack; the worst case is redelivery.
+
+Slot: ``'NOFF' | u32 crc32c(rest) | u32 used | u64 seq | i64 frontier |
+u32 count | uvarint deltas`` (acked offsets above the frontier, ascending).
+Too many to fit: the lowest are kept, the rest will be redelivered.
+
+Imports narad.storage.fileio.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from pathlib import Path
+
+from crc32c import crc32c
+
+from narad.storage import fileio
+
+SLOT = 4096
+_HDR = struct.Struct(">4sII")  # magic, crc, used bytes after the header
+_BODY = struct.Struct(">QqI")  # seq, frontier, count
+MAGIC = b"NOFF"
+_I64 = struct.Struct(">q")
+
+
+def _encode(seq: int, frontier: int, ahead: list[int]) -> bytes:
+    out = bytearray()
+    prev = frontier
+    n = 0
+    room = SLOT - _HDR.size - _BODY.size
+    for off in ahead:
+        d = off - prev
+        if d <= 0:
+            continue
+        enc = bytearray()
+        while d >= 0x80:
+            enc.append((d & 0x7F) | 0x80)
+            d >>= 7
+        enc.append(d)
+        if len(out) + len(enc) > room:
+            break
+        out += enc
+        prev = off
+        n += 1
+    body = _BODY.pack(seq, frontier, n) + bytes(out)
+    return (_HDR.pack(MAGIC, crc32c(body), len(body)) + body).ljust(SLOT, b"\0")
+
+
+def _decode(slot: bytes) -> tuple[int, int, list[int]] | None:
+    if len(slot) < _HDR.size + _BODY.size:
+        return None
+    magic, crc, used = _HDR.unpack_from(slot, 0)
+    if magic != MAGIC or used > SLOT - _HDR.size:
+        return None
+    body = slot[_HDR.size : _HDR.size + used]
+    if len(body) != used or crc32c(body) != crc:
+        return None
+    seq, frontier, n = _BODY.unpack_from(body, 0)
+    pos, prev, out = _BODY.size, frontier, []
+    for _ in range(n):
+        d, shift = 0, 0
+        while True:
+            b = body[pos]
+            pos += 1
+            d |= (b & 0x7F) << shift
+            if b < 0x80:
+                break
+            shift += 7
+        prev += d
+        out.append(prev)
+    return seq, frontier, out
+
+
+class OffsetFile:
+    def __init__(self, directory: Path) -> None:
+        self.dir = Path(directory)
+        self._fd = -1
+        self._anchor = 0  # slot index of the anchor
+        self._seq = 0
+        self.dirty_since_sync = False
+
+    def load(self) -> tuple[int, list[int]]:
+        """Open (priming the file) and return (frontier, acked-ahead offsets)."""
+        path = self.dir / "consumer.ahead"
+        created = not path.exists()
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        if os.fstat(self._fd).st_size < 2 * SLOT:
+            os.ftruncate(self._fd, 2 * SLOT)
+        slots = [_decode(os.pread(self._fd, SLOT, i * SLOT)) for i in (0, 1)]
+        best = None
+        for i, s in enumerate(slots):
+            if s is not None and (best is None or s[0] > slots[best][0]):  # type: ignore[index]
+                best = i
+        frontier, ahead = -1, []
+        if best is not None:
+            self._seq, frontier, ahead = slots[best]  # type: ignore[misc]
+        level = self._read_level()
+        if level > frontier:
+            frontier = level
+            ahead = [a for a in ahead if a > frontier]
+        # Anchor on what we found: write it into slot 0 durably.
+        self._anchor = 0
+        self._seq += 1
+        fileio.pwrite_all(self._fd, _encode(self._seq, frontier, ahead), 0)
+        fileio.fdatasync(self._fd)
+        if created:
+            fileio.fsync_dir(self.dir)
+        return frontier, ahead
+
+    def _read_level(self) -> int:
+        try:
+            raw = (self.dir / "consumer.offset").read_bytes()
+        except FileNotFoundError:
+            return -1
+        return _I64.unpack(raw)[0] if len(raw) == 8 else -1
+
+    def write_window(self, frontier: int, ahead: list[int]) -> None:
+        """Page cache only (survives a process crash, not power loss)."""
+        self._seq += 1
+        fileio.pwrite_all(self._fd, _encode(self._seq, frontier, ahead), (1 - self._anchor) * SLOT)
+        self.dirty_since_sync = True
+
+    def writeout(self) -> None:
+        """Sync the window; on success it becomes the anchor. (I/O thread.)"""
+        if not self.dirty_since_sync:
+            return
+        fileio.fdatasync(self._fd)
+        self._anchor = 1 - self._anchor
+        self.dirty_since_sync = False
+
+    def level(self, frontier: int) -> None:
+        tmp = self.dir / "consumer.offset.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            fileio.write_all(fd, _I64.pack(frontier))
+            fileio.fdatasync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, self.dir / "consumer.offset")
+        fileio.fsync_dir(self.dir)
+
+    def close(self, frontier: int, ahead: list[int]) -> None:
+        if self._fd < 0:
+            return
+        try:
+            self.write_window(frontier, ahead)
+            self.writeout()
+            self.level(frontier)
+        finally:
+            os.close(self._fd)
+            self._fd = -1

@@ -1,0 +1,427 @@
+"""One partition's log: segmented append-only files of checksummed frames.
+
+Layout: ``<partition dir>/<20-digit base offset>.log`` segments (64 MiB),
+plus ``hwm`` (8 bytes, meaningful only while the log is closed). Exactly one
+worker opens a partition's log (its owner).
+
+Commit (``write_commit``, run on an I/O thread; one commit at a time per
+log): write the batch as one frame at the end of the active segment,
+fdatasync, read the frame back and check its CRC. Only then does the owner
+``publish`` it (event-loop thread): the high watermark advances and readers
+may see the records. A failed write, sync or read-back truncates the frame
+away (the WAL will commit the same records again, so a leftover would be a
+permanent duplicate); a failed fdatasync poisons the log until it is reopened
+(a later successful fsync proves nothing about the lost pages).
+
+Recovery (``open``) walks only the active segment: a torn tail is cut (and
+the cut synced); corruption followed by valid frames is skipped over, never
+truncated, and its offsets become a gap; sealed segments are only stat'ed,
+their damage surfaces at read time. The active segment is synced before its
+tail is trusted. The high watermark is min(hwm file, verified tail), or the
+verified tail when the file is empty (the file is emptied before the first
+advance after an open and written exactly at clean close).
+
+Retention deletes whole sealed segments by the age of their last write.
+Imports narad.storage.{fileio,frames}.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import os
+import struct
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from narad.storage import fileio
+from narad.storage import frames as FR
+
+log = logging.getLogger("narad.storage.log")
+
+SEGMENT_BYTES = 64 << 20
+_U64 = struct.Struct(">Q")
+FRAME_CACHE_BYTES = 4 << 20
+Record = tuple[bytes | None, int, int, bytes]  # key, committed-at ms, flags, payload
+
+
+class LogPoisoned(OSError):
+    pass
+
+
+class OffsetGone(Exception):
+    """The offset was deleted by retention."""
+
+    def __init__(self, oldest: int) -> None:
+        super().__init__(oldest)
+        self.oldest = oldest
+
+
+class CorruptRecord(Exception):
+    """The record at this offset cannot be read back intact (never served)."""
+
+
+@dataclass
+class Segment:
+    base: int
+    path: Path
+    size: int = 0
+    fd: int = -1
+    last_write_ms: int = 0
+    frame_bases: list[int] = field(default_factory=list)
+    frame_pos: list[int] = field(default_factory=list)
+    indexed: bool = False
+    end: int = 0  # next offset after this segment's last record (exclusive); for sealed: successor base
+
+    def name(self) -> str:
+        return f"{self.base:020d}.log"
+
+
+def _seg_path(d: Path, base: int) -> Path:
+    return d / f"{base:020d}.log"
+
+
+class PartitionLog:
+    def __init__(self, directory: Path, *, segment_bytes: int = SEGMENT_BYTES) -> None:
+        self.dir = Path(directory)
+        self.segment_bytes = segment_bytes
+        self.segments: list[Segment] = []
+        self.hwm = 0  # exclusive: consumers read below it
+        self.next_offset = 0  # where the next commit goes (>= hwm: a hidden tail may sit between)
+        self.poisoned: OSError | None = None
+        self._hwm_fd = -1
+        self._hwm_emptied = False
+        self._cache: OrderedDict[tuple[int, int], list[Record]] = OrderedDict()
+        self._sizes: dict[tuple[int, int], int] = {}
+        self._cache_bytes = 0
+        self._last_committed_ms = 0
+        self.closed = False
+
+    # ---- open / recovery ---------------------------------------------------------
+    def open(self) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        bases = sorted(int(p.name[:-4]) for p in self.dir.glob("*.log") if p.name[:-4].isdigit())
+        if not bases:
+            bases = [0]
+            fd = os.open(_seg_path(self.dir, 0), os.O_RDWR | os.O_CREAT, 0o600)
+            os.close(fd)
+            fileio.fsync_dir(self.dir)
+        for i, b in enumerate(bases):
+            p = _seg_path(self.dir, b)
+            st = p.stat()
+            seg = Segment(b, p, st.st_size, last_write_ms=int(st.st_mtime * 1000))
+            seg.end = bases[i + 1] if i + 1 < len(bases) else b
+            self.segments.append(seg)
+        active = self.segments[-1]
+        active.fd = os.open(active.path, os.O_RDWR)
+        # The tail may hold frames a crashed process wrote but never synced:
+        # sync before trusting it.
+        fileio.fdatasync(active.fd)
+        tail = self._scan_active(active)
+        self.next_offset = tail
+        hwm_path = self.dir / "hwm"
+        self._hwm_fd = os.open(hwm_path, os.O_RDWR | os.O_CREAT, 0o600)
+        raw = os.pread(self._hwm_fd, 8, 0)
+        self.hwm = min(_U64.unpack(raw)[0], tail) if len(raw) == 8 else tail
+        if self.hwm < tail:
+            log.warning("partition log has a hidden tail beyond its high watermark",
+                        extra={"dir": str(self.dir), "hwm": self.hwm, "tail": tail})
+
+    def _scan_active(self, seg: Segment) -> int:
+        """Index the active segment's frames; cut a torn tail. Returns the next offset."""
+        size = seg.size
+        data = os.pread(seg.fd, size, 0) if size else b""
+        pos = 0
+        next_off = seg.base
+        good_end = 0
+        bad_at = -1
+        while pos + FR.HEADER_SIZE <= size:
+            try:
+                count, base, psize, crc = FR.parse_header(data, pos)
+                end = pos + FR.HEADER_SIZE + psize
+                if end > size or not FR.frame_crc_ok(data, pos, count, base, psize, crc) or base < next_off:
+                    raise FR.FrameError("bad frame")
+            except (FR.FrameError, struct.error):
+                if bad_at < 0:
+                    bad_at = pos
+                nxt = data.find(FR.MAGIC, pos + 1)
+                if nxt < 0:
+                    break
+                pos = nxt
+                continue
+            if bad_at >= 0:
+                log.error("partition log: corrupt bytes inside the active segment; skipped, never truncated",
+                          extra={"dir": str(self.dir), "at": bad_at, "resumed_at": pos})
+                bad_at = -1
+            seg.frame_bases.append(base)
+            seg.frame_pos.append(pos)
+            next_off = base + count
+            pos = end
+            good_end = end
+        seg.indexed = True
+        if good_end < size:
+            # A torn tail: a frame that never finished, or a last frame whose bytes
+            # are all there but fail their checksum with nothing valid after it.
+            log.warning("partition log: cutting a torn tail", extra={"dir": str(self.dir), "bytes": size - good_end})
+            fileio.ftruncate(seg.fd, good_end)
+            fileio.fdatasync(seg.fd)
+            seg.size = good_end
+        seg.end = next_off
+        return next_off
+
+    # ---- commit ---------------------------------------------------------------------
+    def committed_at(self) -> int:
+        """A commit time for the next batch: never below the previous one."""
+        now = int(time.time() * 1000)
+        if now < self._last_committed_ms:
+            now = self._last_committed_ms
+        self._last_committed_ms = now
+        return now
+
+    def write_commit(self, records: list[bytes]) -> tuple[int, Segment, int, int, Segment | None]:
+        """I/O thread: write one frame with `records` at next_offset, sync, read
+        back. Returns (base offset, segment, position, frame size, the new
+        segment if this commit rolled). Raises OSError (the frame is gone)."""
+        if self.poisoned is not None:
+            raise LogPoisoned(self.poisoned.errno or 5, f"log poisoned by an earlier failed fsync: {self.poisoned}")
+        if self.closed:
+            raise OSError(9, "partition log closed")
+        base = self.next_offset
+        frame = FR.encode_frame(base, records)
+        seg = self.segments[-1]
+        rolled: Segment | None = None
+        if seg.size > 0 and seg.size + len(frame) > self.segment_bytes:
+            rolled = self._roll(base)
+            seg = rolled
+        pos = seg.size
+        try:
+            fileio.pwrite_all(seg.fd, frame, pos)
+        except OSError:
+            self._cut(seg, pos)
+            raise
+        try:
+            fileio.fdatasync(seg.fd)
+        except OSError as e:
+            self.poisoned = e
+            self._cut(seg, pos)
+            raise
+        try:
+            back = fileio.pread(seg.fd, len(frame), pos)
+            count, fbase, psize, crc = FR.parse_header(back, 0)
+            if len(back) != len(frame) or fbase != base or not FR.frame_crc_ok(back, 0, count, fbase, psize, crc):
+                raise OSError(5, "frame read back with a bad checksum")
+        except (OSError, FR.FrameError, struct.error) as e:
+            self._cut(seg, pos)
+            raise OSError(5, f"commit read-back failed: {e}") from None
+        seg.size = pos + len(frame)
+        return base, seg, pos, len(frame), rolled
+
+    def _cut(self, seg: Segment, pos: int) -> None:
+        try:
+            fileio.ftruncate(seg.fd, pos)
+            fileio.fdatasync(seg.fd)
+        except OSError as e:
+            if self.poisoned is None:
+                self.poisoned = e
+            log.error("partition log: could not cut a failed commit; log poisoned until reopened",
+                      extra={"dir": str(self.dir), "err": str(e)})
+
+    def _roll(self, base: int) -> Segment:
+        old = self.segments[-1]
+        fileio.fdatasync(old.fd)
+        path = _seg_path(self.dir, base)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fileio.fsync_dir(self.dir)
+        return Segment(base, path, 0, fd, indexed=True, end=base)
+
+    def publish(self, base: int, seg: Segment, pos: int, size: int, rolled: Segment | None,
+                decoded: list[Record]) -> None:
+        """Event-loop thread, after write_commit succeeded: make the records visible."""
+        if rolled is not None:
+            old = self.segments[-1]
+            old.end = base
+            os.close(old.fd)
+            old.fd = -1
+            self.segments.append(rolled)
+        if not self._hwm_emptied:
+            # Before the first advance after an open: an older binary or a crash
+            # must not trust a stale hwm file.
+            os.ftruncate(self._hwm_fd, 0)
+            fileio.fdatasync(self._hwm_fd)
+            self._hwm_emptied = True
+        seg.frame_bases.append(base)
+        seg.frame_pos.append(pos)
+        n = len(decoded)
+        seg.end = base + n
+        seg.last_write_ms = int(time.time() * 1000)
+        self.next_offset = base + n
+        self.hwm = base + n
+        self._cache_put((seg.base, pos), decoded, size)
+
+    # ---- reads ------------------------------------------------------------------------
+    @property
+    def oldest(self) -> int:
+        return self.segments[0].base if self.segments else 0
+
+    def _segment_for(self, offset: int) -> Segment:
+        i = bisect.bisect_right([s.base for s in self.segments], offset) - 1
+        if i < 0:
+            raise OffsetGone(self.oldest)
+        return self.segments[i]
+
+    def _index(self, seg: Segment) -> None:
+        if seg.indexed:
+            return
+        fd = os.open(seg.path, os.O_RDONLY)
+        try:
+            pos = 0
+            while pos + FR.HEADER_SIZE <= seg.size:
+                hdr = os.pread(fd, FR.HEADER_SIZE, pos)
+                try:
+                    _count, base, psize, _crc = FR.parse_header(hdr, 0)
+                except (FR.FrameError, struct.error):
+                    nxt = self._resync(fd, pos + 1, seg.size)
+                    if nxt < 0:
+                        break
+                    pos = nxt
+                    continue
+                seg.frame_bases.append(base)
+                seg.frame_pos.append(pos)
+                pos += FR.HEADER_SIZE + psize
+        finally:
+            os.close(fd)
+        seg.indexed = True
+
+    @staticmethod
+    def _resync(fd: int, start: int, size: int) -> int:
+        pos = start
+        while pos < size:
+            chunk = os.pread(fd, 1 << 16, pos)
+            i = chunk.find(FR.MAGIC)
+            if i >= 0:
+                return pos + i
+            if len(chunk) < 2:
+                return -1
+            pos += len(chunk) - 1
+        return -1
+
+    def read(self, offset: int) -> Record:
+        """The record at `offset` (< hwm). Raises OffsetGone or CorruptRecord."""
+        if offset < self.oldest:
+            raise OffsetGone(self.oldest)
+        seg = self._segment_for(offset)
+        self._index(seg)
+        i = bisect.bisect_right(seg.frame_bases, offset) - 1
+        if i < 0:
+            raise CorruptRecord(offset)
+        key = (seg.base, seg.frame_pos[i])
+        recs = self._cache.get(key)
+        if recs is None:
+            recs = self._read_frame(seg, seg.frame_pos[i], seg.frame_bases[i])
+        idx = offset - seg.frame_bases[i]
+        if idx >= len(recs):
+            raise CorruptRecord(offset)  # a gap left by corruption
+        self._cache.move_to_end(key)
+        return recs[idx]
+
+    def _read_frame(self, seg: Segment, pos: int, base: int) -> list[Record]:
+        fd = seg.fd if seg.fd >= 0 else os.open(seg.path, os.O_RDONLY)
+        try:
+            hdr = os.pread(fd, FR.HEADER_SIZE, pos)
+            count, fbase, psize, crc = FR.parse_header(hdr, 0)
+            buf = hdr + os.pread(fd, psize, pos + FR.HEADER_SIZE)
+            if fbase != base or len(buf) != FR.HEADER_SIZE + psize or not FR.frame_crc_ok(
+                    buf, 0, count, fbase, psize, crc):
+                raise CorruptRecord(base)
+            recs = [FR.decode_record(r) for r in FR.split_records(memoryview(buf)[FR.HEADER_SIZE:], count)]
+        except (FR.FrameError, struct.error, ValueError, IndexError):
+            raise CorruptRecord(base) from None
+        finally:
+            if fd != seg.fd:
+                os.close(fd)
+        self._cache_put((seg.base, pos), recs, FR.HEADER_SIZE + psize)
+        return recs
+
+    def _cache_put(self, key: tuple[int, int], recs: list[Record], size: int) -> None:
+        """Decoded frames, most recent last: tail consumers read from memory."""
+        old = self._cache.pop(key, None)
+        if old is not None:
+            self._cache_bytes -= self._sizes.pop(key, 0)
+        self._cache[key] = recs
+        self._sizes[key] = size
+        self._cache_bytes += size
+        while self._cache_bytes > FRAME_CACHE_BYTES and len(self._cache) > 1:
+            k, _ = self._cache.popitem(last=False)
+            self._cache_bytes -= self._sizes.pop(k, 0)
+
+    # ---- retention / close ------------------------------------------------------------------
+    def expired_segments(self, retention_ms: int, now_ms: int) -> list[Segment]:
+        if retention_ms <= 0:
+            return []
+        cutoff = now_ms - retention_ms
+        out = []
+        for seg in self.segments[:-1]:
+            if seg.last_write_ms < cutoff and seg.end <= self.hwm:
+                out.append(seg)
+            else:
+                break
+        return out
+
+    def roll_idle_active(self, retention_ms: int, now_ms: int) -> bool:
+        """An active segment that is old, fully committed and non-empty is sealed
+        (a new empty one takes over) so retention can delete it."""
+        seg = self.segments[-1]
+        if retention_ms <= 0 or seg.size == 0 or seg.last_write_ms >= now_ms - retention_ms:
+            return False
+        if self.next_offset != self.hwm or self.poisoned is not None:
+            return False
+        new = self._roll(self.next_offset)
+        seg.end = self.next_offset
+        os.close(seg.fd)
+        seg.fd = -1
+        self.segments.append(new)
+        return True
+
+    def delete_segments(self, segs: list[Segment]) -> tuple[int, int]:
+        """Unlink sealed segments (oldest first). Returns (records, bytes) removed."""
+        n_recs = n_bytes = 0
+        for seg in segs:
+            if seg is self.segments[-1] or seg is not self.segments[0]:
+                break
+            self.segments.pop(0)
+            for k in [k for k in self._cache if k[0] == seg.base]:
+                self._cache.pop(k)
+                self._cache_bytes -= self._sizes.pop(k, 0)
+            try:
+                seg.path.unlink()
+            except FileNotFoundError:
+                pass
+            n_recs += seg.end - seg.base
+            n_bytes += seg.size
+        if segs:
+            fileio.fsync_dir(self.dir)
+        return n_recs, n_bytes
+
+    def close(self, *, clean: bool = True) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if clean and self.poisoned is None:
+            try:
+                act = self.segments[-1]
+                if act.fd >= 0:
+                    fileio.fdatasync(act.fd)
+                fileio.pwrite_all(self._hwm_fd, _U64.pack(self.hwm), 0)
+                fileio.ftruncate(self._hwm_fd, 8)
+                fileio.fdatasync(self._hwm_fd)
+            except OSError as e:
+                log.error("partition log: could not write the hwm file at close", extra={"err": str(e)})
+        for seg in self.segments:
+            if seg.fd >= 0:
+                os.close(seg.fd)
+                seg.fd = -1
+        if self._hwm_fd >= 0:
+            os.close(self._hwm_fd)
+            self._hwm_fd = -1

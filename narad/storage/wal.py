@@ -1,0 +1,347 @@
+"""The ingress write-ahead log: what a 202 stands on.
+
+Each worker owns one WAL directory (``<data>/ingress/w<i>/``): 64 MiB
+segments named by their first sequence number, frames
+``'NWAL' | u32 length | u64 seq | u32 CRC-32C | payload`` with dense,
+strictly increasing sequence numbers, and a ``checkpoint`` file (8 bytes: the
+first sequence not yet committed at its partition's owner).
+
+Group commit: every append staged while a write+fdatasync is running joins the
+next one, so concurrent produces share one write and one sync (run on an I/O
+thread, the event loop keeps accepting). An append's future resolves with the
+true outcome of the sync that covers it; a staged record is never withdrawn.
+A write or sync failure fails every waiter of that batch and latches the WAL:
+every later append fails until restart (the region after the failure has
+unknown content). At the next start, recovery cuts the torn tail and
+everything before it is dispatched again.
+
+The checkpoint moves only when the dispatcher says so; it is overwritten in
+place at once (survives a process crash) and fdatasync'd within 250 ms.
+Segments wholly below it are deleted; a fully dispatched active segment over
+1 MiB is rotated so it can go too.
+
+Imports narad.storage.fileio.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import struct
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Executor
+from pathlib import Path
+from typing import Any
+
+from crc32c import crc32c
+
+from narad.storage import fileio
+
+log = logging.getLogger("narad.storage.wal")
+
+MAGIC = b"NWAL"
+FRAME = struct.Struct(">4sIQI")
+FRAME_HEADER = FRAME.size  # 20
+SEGMENT_BYTES = 64 << 20
+ROTATE_DISPATCHED_BYTES = 1 << 20
+MAX_RECORD = 16 << 20
+CHECKPOINT_SYNC_DELAY = 0.25
+_U64 = struct.Struct(">Q")
+
+# Record payload: u8 format | u16 topic len | topic | 8 bytes incarnation | u32 partition |
+#                 u64 accepted ms | u8 flags | u32 key len (0xFFFFFFFF: no key) | key | message
+_REC = struct.Struct(">BH")
+_REC2 = struct.Struct(">8sIQBI")
+REC_FORMAT = 2
+NO_KEY = 0xFFFFFFFF
+
+
+class WALFailed(OSError):
+    pass
+
+
+class Entry:
+    """One accepted message as the WAL and the dispatcher see it."""
+
+    __slots__ = ("flags", "incarnation", "key", "partition", "payload", "seq", "topic", "ts_ms")
+
+    def __init__(self, topic: str, incarnation: bytes, partition: int, ts_ms: int, flags: int,
+                 key: bytes | None, payload: bytes, seq: int = 0) -> None:
+        self.topic = topic
+        self.incarnation = incarnation
+        self.partition = partition
+        self.ts_ms = ts_ms
+        self.flags = flags
+        self.key = key
+        self.payload = payload
+        self.seq = seq
+
+    def encode(self) -> bytes:
+        t = self.topic.encode()
+        k = self.key
+        return b"".join((
+            _REC.pack(REC_FORMAT, len(t)), t,
+            _REC2.pack(self.incarnation, self.partition, self.ts_ms, self.flags, NO_KEY if k is None else len(k)),
+            k or b"", self.payload,
+        ))
+
+    @classmethod
+    def decode(cls, data: bytes | memoryview, seq: int) -> Entry:
+        fmt, tlen = _REC.unpack_from(data, 0)
+        if fmt != REC_FORMAT:
+            raise ValueError(f"unknown WAL record format {fmt}")
+        pos = _REC.size
+        topic = bytes(data[pos : pos + tlen]).decode()
+        pos += tlen
+        inc, part, ts, flags, klen = _REC2.unpack_from(data, pos)
+        pos += _REC2.size
+        key = None
+        if klen != NO_KEY:
+            key = bytes(data[pos : pos + klen])
+            pos += klen
+        return cls(topic, inc, part, ts, flags, key, bytes(data[pos:]), seq)
+
+
+def _seg_name(first_seq: int) -> str:
+    return f"{first_seq:020d}.wal"
+
+
+class IngressWAL:
+    def __init__(self, directory: Path, executor: Executor, *, segment_bytes: int = SEGMENT_BYTES) -> None:
+        self.dir = Path(directory)
+        self.executor = executor
+        self.segment_bytes = segment_bytes
+        self.failed: OSError | None = None
+        self.next_seq = 1
+        self.checkpoint_seq = 1  # first seq not yet done
+        self._segments: list[tuple[int, Path]] = []  # (first seq, path), ascending
+        self._fd = -1
+        self._size = 0
+        self._staging = bytearray()
+        self._staged: list[Entry] = []
+        self._waiters: list[asyncio.Future[None]] = []
+        self._flushing = False
+        self._task: asyncio.Task[None] | None = None
+        self._ckpt_fd = -1
+        self._ckpt_dirty = False
+        self._ckpt_timer: asyncio.TimerHandle | None = None
+        self.on_durable: Callable[[list[Entry]], None] | None = None
+        self.durable_seq = 0  # highest seq known on disk
+
+    # ---- open / recovery ---------------------------------------------------------------
+    def open(self) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._ckpt_fd = os.open(self.dir / "checkpoint", os.O_RDWR | os.O_CREAT, 0o600)
+        raw = os.pread(self._ckpt_fd, 8, 0)
+        self.checkpoint_seq = max(1, _U64.unpack(raw)[0]) if len(raw) == 8 else 1
+        segs = sorted((int(p.name[:-4]), p) for p in self.dir.glob("*.wal") if p.name[:-4].isdigit())
+        self._segments = segs
+        last = self.checkpoint_seq - 1
+        if segs:
+            first, path = segs[-1]
+            fd = os.open(path, os.O_RDWR)
+            fileio.fdatasync(fd)  # trust only what is on disk
+            good_end, last_in_seg = self._scan(fd, first)
+            size = os.fstat(fd).st_size
+            if good_end < size:
+                log.warning("ingress WAL: cutting a torn tail", extra={"segment": path.name, "bytes": size - good_end})
+                fileio.ftruncate(fd, good_end)
+                fileio.fdatasync(fd)
+            self._fd, self._size = fd, good_end
+            last = max(last, last_in_seg if last_in_seg >= first else first - 1)
+        else:
+            self._new_segment(self.checkpoint_seq)
+        self.next_seq = last + 1
+        self.durable_seq = last
+
+    def _scan(self, fd: int, first: int) -> tuple[int, int]:
+        """(end of the last valid frame, its seq) in a segment."""
+        size = os.fstat(fd).st_size
+        data = os.pread(fd, size, 0) if size else b""
+        pos, want, last = 0, first, first - 1
+        while pos + FRAME_HEADER <= size:
+            magic, length, seq, crc = FRAME.unpack_from(data, pos)
+            end = pos + FRAME_HEADER + length
+            if magic != MAGIC or length == 0 or length > MAX_RECORD or end > size or seq != want:
+                break
+            if crc32c(data[pos + FRAME_HEADER : end]) != crc:
+                break
+            last, want, pos = seq, seq + 1, end
+        return pos, last
+
+    def _new_segment(self, first_seq: int) -> None:
+        path = self.dir / _seg_name(first_seq)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        fileio.fsync_dir(self.dir)
+        self._segments.append((first_seq, path))
+        self._fd, self._size = fd, 0
+
+    def replay(self) -> Iterator[Entry]:
+        """Every record from the checkpoint on, in order (dispatch after a restart)."""
+        for i, (first, path) in enumerate(self._segments):
+            nxt = self._segments[i + 1][0] if i + 1 < len(self._segments) else self.next_seq
+            if nxt <= self.checkpoint_seq:
+                continue
+            with open(path, "rb") as fh:
+                data = fh.read()
+            pos, want = 0, first
+            while pos + FRAME_HEADER <= len(data) and want < self.next_seq:
+                magic, length, seq, crc = FRAME.unpack_from(data, pos)
+                end = pos + FRAME_HEADER + length
+                if magic != MAGIC or seq != want or end > len(data) or crc32c(data[pos + FRAME_HEADER : end]) != crc:
+                    log.error("ingress WAL: unreadable frame in a sealed segment; later records of it are lost",
+                              extra={"segment": path.name, "seq": want})
+                    break
+                if seq >= self.checkpoint_seq:
+                    try:
+                        yield Entry.decode(memoryview(data)[pos + FRAME_HEADER : end], seq)
+                    except (ValueError, struct.error, UnicodeDecodeError) as e:
+                        log.error("ingress WAL: undecodable record skipped", extra={"seq": seq, "err": str(e)})
+                pos, want = end, seq + 1
+
+    # ---- append (group commit) ------------------------------------------------------------
+    def append(self, entries: list[Entry]) -> asyncio.Future[None]:
+        """Stage entries (seqs assigned now) and return a future that resolves
+        when the sync covering them returned. Raises WALFailed if latched."""
+        if self.failed is not None:
+            raise WALFailed(self.failed.errno or 5, f"ingress WAL failed earlier: {self.failed}")
+        loop = asyncio.get_running_loop()
+        buf = self._staging
+        seq = self.next_seq
+        for e in entries:
+            e.seq = seq
+            data = e.encode()
+            if len(data) > MAX_RECORD:
+                raise ValueError("record too large for the WAL")
+            buf += FRAME.pack(MAGIC, len(data), seq, crc32c(data))
+            buf += data
+            seq += 1
+        self.next_seq = seq
+        self._staged.extend(entries)
+        fut: asyncio.Future[None] = loop.create_future()
+        self._waiters.append(fut)
+        if not self._flushing:
+            self._flushing = True
+            self._task = loop.create_task(self._flush_loop())
+        return fut
+
+    async def _flush_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while self._staging:
+                buf, self._staging = bytes(self._staging), bytearray()
+                staged, self._staged = self._staged, []
+                waiters, self._waiters = self._waiters, []
+                first = staged[0].seq
+                try:
+                    await loop.run_in_executor(self.executor, self._write_sync, buf, first)
+                except OSError as e:
+                    self._latch(e, waiters)
+                    return
+                self.durable_seq = staged[-1].seq
+                for w in waiters:
+                    if not w.done():
+                        w.set_result(None)
+                if self.on_durable is not None:
+                    self.on_durable(staged)
+        finally:
+            self._flushing = False
+
+    def _write_sync(self, buf: bytes, first_seq: int) -> None:
+        """I/O thread: one write and one fdatasync for the whole group."""
+        if self._size >= self.segment_bytes:
+            fileio.fdatasync(self._fd)
+            os.close(self._fd)
+            self._new_segment(first_seq)
+        fileio.write_all(self._fd, buf)
+        self._size += len(buf)
+        fileio.fdatasync(self._fd)
+
+    def _latch(self, e: OSError, waiters: list[asyncio.Future[None]]) -> None:
+        self.failed = e
+        log.error("ingress WAL write or fsync failed; produce is refused until restart",
+                  extra={"err": str(e), "errno": e.errno})
+        err = WALFailed(e.errno or 5, f"ingress WAL failed: {e}")
+        for w in waiters + self._waiters:
+            if not w.done():
+                w.set_exception(err)
+                w.exception()  # retrieved: the producer may have gone
+        self._waiters, self._staged, self._staging = [], [], bytearray()
+
+    # ---- checkpoint and reclaim ----------------------------------------------------------------
+    def set_checkpoint(self, seq: int) -> None:
+        if seq <= self.checkpoint_seq:
+            return
+        self.checkpoint_seq = seq
+        try:
+            fileio.pwrite_all(self._ckpt_fd, _U64.pack(seq), 0)
+        except OSError as e:
+            log.error("ingress WAL: could not store the checkpoint", extra={"err": str(e)})
+            return
+        self._ckpt_dirty = True
+        if self._ckpt_timer is None:
+            loop = asyncio.get_running_loop()
+            self._ckpt_timer = loop.call_later(CHECKPOINT_SYNC_DELAY, self._sync_checkpoint)
+
+    def _sync_checkpoint(self) -> None:
+        self._ckpt_timer = None
+        if not self._ckpt_dirty:
+            return
+        self._ckpt_dirty = False
+        loop = asyncio.get_running_loop()
+        fut = loop.run_in_executor(self.executor, fileio.fdatasync, self._ckpt_fd)
+        fut.add_done_callback(self._after_checkpoint_sync)
+
+    def _after_checkpoint_sync(self, fut: Any) -> None:
+        if fut.exception() is not None:
+            log.error("ingress WAL: checkpoint fsync failed", extra={"err": str(fut.exception())})
+            return
+        self.reclaim()
+
+    def reclaim(self) -> int:
+        """Delete segments wholly below the checkpoint; rotate a dispatched active one."""
+        removed = 0
+        while len(self._segments) > 1 and self._segments[1][0] <= self.checkpoint_seq:
+            _, path = self._segments.pop(0)
+            try:
+                path.unlink()
+                removed += 1
+            except FileNotFoundError:
+                pass
+        if (self.failed is None and not self._flushing and self.checkpoint_seq == self.next_seq
+                and self._size > ROTATE_DISPATCHED_BYTES):
+            os.close(self._fd)
+            old = self._segments.pop()
+            self._new_segment(self.next_seq)
+            try:
+                old[1].unlink()
+                removed += 1
+            except FileNotFoundError:
+                pass
+        if removed:
+            fileio.fsync_dir(self.dir)
+        return removed
+
+    @property
+    def backlog(self) -> int:
+        """Accepted records not yet confirmed at their owner (what a restart replays)."""
+        return self.durable_seq + 1 - self.checkpoint_seq
+
+    def close(self) -> None:
+        if self._ckpt_timer is not None:
+            self._ckpt_timer.cancel()
+            self._ckpt_timer = None
+        try:
+            fileio.fdatasync(self._ckpt_fd)
+        except OSError:
+            pass
+        for fd in (self._fd, self._ckpt_fd):
+            if fd >= 0:
+                os.close(fd)
+        self._fd = self._ckpt_fd = -1
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)

@@ -85,6 +85,7 @@ class Node:
         env: dict[str, str] | None = None,
         args: list[str] | None = None,
         ports: list[int] | None = None,
+        tmpfs_mb: int = 0,
     ) -> None:
         self.data_dir = data_dir
         self.workers = workers
@@ -96,6 +97,10 @@ class Node:
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = data_dir.parent / f"{data_dir.name}.log"
         self.auth = basic("admin", ADMIN_PASSWORD)
+        # tmpfs_mb: run the node in its own mount namespace with the data dir on a
+        # small tmpfs (disk-full tests); the runtime dir stays outside it.
+        self.tmpfs_mb = tmpfs_mb
+        self.runtime_dir = data_dir.parent / f"{data_dir.name}-run" if tmpfs_mb else data_dir / "run"
 
     # ---- process ----------------------------------------------------------
     def command(self) -> list[str]:
@@ -105,18 +110,27 @@ class Node:
                "--node-id", self.node_id]
         if not self.security:
             cmd.append("--dev")
-        return cmd + self.extra_args
+        cmd += self.extra_args
+        if self.tmpfs_mb:
+            ns = ["unshare", "--mount"] if os.geteuid() == 0 else ["unshare", "--user", "--map-root-user", "--mount"]
+            script = f'mount -t tmpfs -o size={self.tmpfs_mb}m tmpfs "{self.data_dir}" && exec "$@"'
+            cmd = [*ns, "sh", "-c", script, "sh", *cmd]
+        return cmd
 
     def env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("NARAD_")}
         env.update({"NARAD_ADMIN_PASSWORD": ADMIN_PASSWORD, "NARAD_HTTP_HOST": "127.0.0.1",
                     "NARAD_LOG_FORMAT": "text", "NARAD_HTTP_DEBUG_HEADERS": "true",
                     "NARAD_CONFIG": os.devnull})
+        if self.tmpfs_mb:
+            env["NARAD_RUNTIME_DIR"] = str(self.runtime_dir)
         env.update(self.extra_env)
         return env
 
     def start(self, wait: bool = True) -> Node:
         self.data_dir.parent.mkdir(parents=True, exist_ok=True)
+        if self.tmpfs_mb:
+            self.data_dir.mkdir(parents=True, exist_ok=True)
         logf = open(self.log_path, "ab")  # noqa: SIM115 - the child keeps it
         self.proc = subprocess.Popen(self.command(), env=self.env(), stdout=logf, stderr=subprocess.STDOUT,
                                      start_new_session=True)
@@ -219,7 +233,7 @@ class Node:
 
     # ---- naradctl -----------------------------------------------------------
     def ctl(self, *args: str, check: bool = True) -> Any:
-        sock = self.data_dir / "run" / "narad.sock"
+        sock = self.runtime_dir / "narad.sock"
         p = subprocess.run([sys.executable, "-m", "narad.ctl.main", "--socket", str(sock), "--json", *args],
                            capture_output=True, text=True, timeout=60)
         if check and p.returncode != 0:

@@ -332,7 +332,8 @@ class _Conn(asyncio.Protocol):
         qs = raw[i + 1:].decode("latin-1") if raw.isascii() else raw[i + 1:].decode("utf-8", "replace")
         if "#" in qs:
             qs = qs.partition("#")[0]
-        self._query = parse_qs(qs, keep_blank_values=True)
+        # surrogateescape keeps non-UTF-8 bytes (binary keys) recoverable: .encode("utf-8", "surrogateescape")
+        self._query = parse_qs(qs, keep_blank_values=True, errors="surrogateescape")
 
     def _too_large(self) -> Response:
         if self._limit_status == 400:

@@ -325,7 +325,8 @@ class _H3Protocol(QuicConnectionProtocol):
         chunks = st.chunks
         body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         st.chunks = []
-        query = parse_qs(st.query, keep_blank_values=True) if st.query else {}
+        # surrogateescape keeps non-UTF-8 bytes (binary keys) recoverable
+        query = parse_qs(st.query, keep_blank_values=True, errors="surrogateescape") if st.query else {}
         req = Request(st.method, st.path, query, st.headers, body, client=_peer_ip(self._addr), transport="h3")
         st.phase = _HANDLING
         st.task = self._loop.create_task(self._run(st, req))

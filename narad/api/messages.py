@@ -234,7 +234,7 @@ class MessagesAPI:
             raise BadRequest("message required")
         key_raw = self._single_query(req, "key")
         partition = self._partition_arg(req, t)
-        key = key_raw.encode() if key_raw else None
+        key = key_raw.encode("utf-8", "surrogateescape") if key_raw else None
         v = self._validator(t)
         if v is not None:
             why = v.check(body)

@@ -31,7 +31,7 @@ GENERAL_BODY_LIMIT = 1 << 20  # 1 MiB
 class Request:
     method: str  # upper case, as sent ("HEAD" is routed to the GET handler)
     path: str  # percent-decoded path, without the query string
-    query: dict[str, list[str]]  # parsed query string, values in order
+    query: dict[str, list[str]]  # parsed query string, values in order; non-UTF-8 bytes as surrogateescape
     headers: dict[str, str]  # lower-case names; repeated headers joined with ", "
     body: bytes = b""
     client: str = ""  # peer IP address

@@ -59,6 +59,10 @@ class OffsetGone(Exception):
         self.oldest = oldest
 
 
+class NotVisible(LookupError):
+    """The offset is at or above the high watermark: not readable (yet)."""
+
+
 class CorruptRecord(Exception):
     """The record at this offset cannot be read back intact (never served)."""
 
@@ -308,7 +312,9 @@ class PartitionLog:
         return -1
 
     def read(self, offset: int) -> Record:
-        """The record at `offset` (< hwm). Raises OffsetGone or CorruptRecord."""
+        """The record at `offset` (< hwm). Raises OffsetGone, CorruptRecord or NotVisible."""
+        if offset >= self.hwm:
+            raise NotVisible(offset)
         if offset < self.oldest:
             raise OffsetGone(self.oldest)
         seg = self._segment_for(offset)

@@ -1,0 +1,778 @@
+"""Message-path benchmarks for one node on loopback, 1 KiB messages. Prints:
+
+(a) single produce latency p50/p99 at low load: one client, one keep-alive
+    connection, sequential requests;
+(b) produce-only throughput (msgs/s) with the single API and with the batch
+    API (``--batch`` messages per request), each with 1 node worker and with N;
+(c) full produce -> consume -> ack throughput with the single API (produce one,
+    consume one, ack one) and with the batch APIs (batch produce, batch consume
+    ``max=100``, batch ack), 1 and N workers. Only messages that were produced,
+    consumed and acked (204) count. After the timed window the topic is drained
+    and every produced message must have been consumed at least once;
+    duplicates (a message consumed more than once), missing and unexpected
+    messages are reported;
+(d) for every run: the client's CPU (process CPU seconds / wall, summed over
+    the client processes, in % of one core), the server's CPU (summed over the
+    node's processes with psutil) and the server CPU per message in µs.
+
+Each scenario starts a fresh node (tests.harness.Node) in a temp dir, creates
+a 6-partition topic, runs, verifies and stops the node. The load generator is
+raw asyncio on uvloop: keep-alive HTTP/1.1 connections as asyncio Protocols,
+responses parsed by httptools, requests pre-rendered as bytes, no pipelining
+(one request in flight per connection, many connections). ``--procs 2``
+spreads the connections over two client processes.
+
+Usage:
+    .venv/bin/python loadtest/bench.py [--seconds S] [--workers N] [--quick]
+        [--procs P] [--conns C] [--batch-conns C] [--only REGEX]
+        [--profile DIR]            # py-spy the node's workers during the flow runs
+    .venv/bin/python loadtest/bench.py --summarise DIR/*.txt   # py-spy raw -> top frames
+
+The load generator shares this machine's cores with the node, so the numbers
+are a floor for what the server alone can do; the CPU columns say how much
+of the machine each side used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from array import array
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httptools
+import msgspec
+import psutil
+import uvloop
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.harness import Node  # noqa: E402
+
+TOPIC = "bench"
+PARTITIONS = 6
+MSG_SIZE = 1024
+CONSUME_WAIT = "1s"
+CONSUME_MAX = 100
+DRAIN_TIMEOUT = 20.0
+
+# A message is one JSON object of exactly MSG_SIZE bytes whose first field is a
+# 16-hex-digit id: (client global index << 32) | sequence number.
+_ID_HEAD = b'{"id":"'
+_ID_LEN = 16
+_PAD_HEAD = b'","pad":"'
+_TAIL = b'"}'
+_PAD = b"x" * (MSG_SIZE - len(_ID_HEAD) - _ID_LEN - len(_PAD_HEAD) - len(_TAIL))
+_MSG_TAIL = _PAD_HEAD + _PAD + _TAIL
+
+
+def payload(mid: int) -> bytes:
+    return _ID_HEAD + b"%016x" % mid + _MSG_TAIL
+
+
+def id_of(raw: msgspec.Raw | bytes) -> int:
+    mv = memoryview(raw)
+    if mv[:7] != _ID_HEAD:
+        raise BenchFailure(f"consumed a payload that is not a bench message: {bytes(mv[:120])!r}")
+    return int(bytes(mv[7:23]), 16)
+
+
+class BenchFailure(Exception):
+    """A request got an answer the benchmark does not accept (message says which)."""
+
+
+# ---- a minimal HTTP/1.1 client -------------------------------------------------------------------
+
+
+class HttpConn(asyncio.Protocol):
+    """One keep-alive HTTP/1.1 connection; one request in flight at a time."""
+
+    def __init__(self) -> None:
+        self._parser = httptools.HttpResponseParser(self)
+        self._transport: asyncio.Transport | None = None
+        self._waiter: asyncio.Future[tuple[int, bytes]] | None = None
+        self._body: list[bytes] = []
+        self._lost: BaseException | None = None
+        self._loop = asyncio.get_running_loop()
+
+    @classmethod
+    async def open(cls, port: int) -> HttpConn:
+        _, proto = await asyncio.get_running_loop().create_connection(cls, "127.0.0.1", port)
+        return proto
+
+    # asyncio.Protocol
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError as e:
+            self._fail(BenchFailure(f"unparseable HTTP response: {e}"))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._lost = exc or ConnectionResetError("connection closed by the server")
+        self._fail(self._lost)
+
+    # httptools callbacks
+    def on_message_begin(self) -> None:
+        self._body = []
+
+    def on_body(self, body: bytes) -> None:
+        self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        w, self._waiter = self._waiter, None
+        if w is not None and not w.done():
+            w.set_result((self._parser.get_status_code(), b"".join(self._body)))
+
+    def _fail(self, exc: BaseException) -> None:
+        w, self._waiter = self._waiter, None
+        if w is not None and not w.done():
+            w.set_exception(exc)
+
+    async def request(self, data: bytes) -> tuple[int, bytes]:
+        if self._lost is not None:
+            raise BenchFailure(f"{_line(data)}: connection already closed ({self._lost!r})")
+        assert self._transport is not None
+        w = self._waiter = self._loop.create_future()
+        self._transport.write(data)
+        try:
+            return await w
+        except (OSError, BenchFailure) as e:
+            raise BenchFailure(f"{_line(data)}: no response ({e!r})") from None
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+
+
+def _line(req: bytes) -> str:
+    return req.split(b"\r\n", 1)[0].decode("latin-1")
+
+
+def expect(status: int, want: int, req: bytes, body: bytes) -> None:
+    if status != want:
+        raise BenchFailure(f"{_line(req)} -> {status} (want {want}), body {body[:800]!r}")
+
+
+class Requests:
+    """Pre-rendered request bytes for one topic on one node."""
+
+    def __init__(self, port: int, auth: str, topic: str = TOPIC) -> None:
+        common = f"Host: 127.0.0.1:{port}\r\nAuthorization: {auth}\r\nX-Narad-Client: narad-bench\r\n"
+        base = f"/v1/topics/{topic}"
+        self.produce_head = (f"POST {base}/produce HTTP/1.1\r\n{common}Content-Type: application/json\r\n"
+                             f"Content-Length: {MSG_SIZE}\r\n\r\n").encode()
+        self.batch_head = (f"POST {base}/produce/batch HTTP/1.1\r\n{common}Content-Type: application/json\r\n"
+                           f"Content-Length: ").encode()
+        self.consume_one = f"GET {base}/consume?wait={CONSUME_WAIT} HTTP/1.1\r\n{common}\r\n".encode()
+        self.consume_many = (f"GET {base}/consume?wait={CONSUME_WAIT}&max={CONSUME_MAX} HTTP/1.1\r\n"
+                             f"{common}\r\n").encode()
+        self.consume_now = f"GET {base}/consume?wait=0s&max={CONSUME_MAX} HTTP/1.1\r\n{common}\r\n".encode()
+        self.ack_one_head = f"POST {base}/ack?receipt_handle=".encode()
+        self.ack_one_tail = f" HTTP/1.1\r\n{common}Content-Length: 0\r\n\r\n".encode()
+        self.ack_many_head = (f"POST {base}/ack HTTP/1.1\r\n{common}Content-Type: application/json\r\n"
+                              f"Content-Length: ").encode()
+        self.describe = f"GET {base} HTTP/1.1\r\n{common}\r\n".encode()
+
+    def produce(self, mid: int) -> bytes:
+        return self.produce_head + payload(mid)
+
+    def produce_batch(self, first: int, n: int) -> bytes:
+        body = b'{"messages":[' + b",".join([b'{"payload":' + payload(first + i) + b"}" for i in range(n)]) + b"]}"
+        return self.batch_head + b"%d\r\n\r\n" % len(body) + body
+
+    def ack_one(self, handle: str) -> bytes:
+        return self.ack_one_head + handle.encode() + self.ack_one_tail
+
+    def ack_many(self, handles: list[str]) -> bytes:
+        body = _enc.encode({"receipt_handles": handles})
+        return self.ack_many_head + b"%d\r\n\r\n" % len(body) + body
+
+
+class _Msg(msgspec.Struct):
+    payload: msgspec.Raw
+    receipt_handle: str = ""
+
+
+class _Batch(msgspec.Struct):
+    messages: list[_Msg]
+
+
+class _Result(msgspec.Struct):
+    status: int
+
+
+class _Results(msgspec.Struct):
+    results: list[_Result]
+
+
+class _Accepted(msgspec.Struct):
+    accepted: int
+
+
+_enc = msgspec.json.Encoder()
+_msg_dec = msgspec.json.Decoder(_Msg)
+_batch_dec = msgspec.json.Decoder(_Batch)
+_results_dec = msgspec.json.Decoder(_Results)
+_accepted_dec = msgspec.json.Decoder(_Accepted)
+
+
+# ---- scenarios and the per-process load loop ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    mode: str  # latency | produce | produce_batch | flow | flow_batch
+    workers: int  # node workers
+    procs: int  # client processes
+    conns: int  # connections per client process
+    seconds: float
+    count: int = 0  # latency mode: sequential requests
+    batch: int = 100
+
+
+@dataclass
+class Stats:
+    """What one client process measured (pickled back to the parent)."""
+
+    t0: float = 0.0
+    t1: float = 0.0
+    cpu: float = 0.0
+    requests: int = 0
+    produced: int = 0
+    consumed: int = 0
+    acked: int = 0
+    empty: int = 0
+    ack_bad: Counter[int] = field(default_factory=Counter)
+    ack_bad_example: str = ""
+    lat: array = field(default_factory=lambda: array("d"))  # produce request latencies, seconds
+    produced_ids: array = field(default_factory=lambda: array("Q"))
+    consumed_ids: array = field(default_factory=lambda: array("Q"))
+    failure: str = ""
+
+
+class Load:
+    def __init__(self, sc: Scenario, reqs: Requests, st: Stats, deadline: float) -> None:
+        self.sc, self.r, self.st, self.deadline = sc, reqs, st, deadline
+
+    async def latency(self, c: HttpConn, gid: int) -> None:
+        r, st = self.r, self.st
+        for seq in range(100):  # warm-up, not recorded
+            req = r.produce((gid << 32) | (1 << 31) | seq)
+            s, b = await c.request(req)
+            expect(s, 202, req, b)
+        for seq in range(self.sc.count):
+            req = r.produce((gid << 32) | seq)
+            t = time.perf_counter()
+            s, b = await c.request(req)
+            st.lat.append(time.perf_counter() - t)
+            expect(s, 202, req, b)
+        st.requests += self.sc.count + 100
+        st.produced += self.sc.count + 100
+
+    async def produce(self, c: HttpConn, gid: int) -> None:
+        r, st, seq = self.r, self.st, 0
+        while time.monotonic() < self.deadline:
+            req = r.produce((gid << 32) | seq)
+            t = time.perf_counter()
+            s, b = await c.request(req)
+            st.lat.append(time.perf_counter() - t)
+            expect(s, 202, req, b)
+            seq += 1
+        st.requests += seq
+        st.produced += seq
+
+    async def _batch(self, c: HttpConn, first: int, n: int) -> None:
+        req = self.r.produce_batch(first, n)
+        t = time.perf_counter()
+        s, b = await c.request(req)
+        self.st.lat.append(time.perf_counter() - t)
+        expect(s, 202, req, b)
+        got = _accepted_dec.decode(b).accepted
+        if got != n:
+            raise BenchFailure(f"{_line(req)} -> 202 accepted {got}, sent {n}")
+        self.st.requests += 1
+        self.st.produced += n
+
+    async def produce_batch(self, c: HttpConn, gid: int) -> None:
+        seq, n = 0, self.sc.batch
+        while time.monotonic() < self.deadline:
+            await self._batch(c, (gid << 32) | seq, n)
+            seq += n
+
+    async def flow(self, c: HttpConn, gid: int) -> None:
+        r, st, seq = self.r, self.st, 0
+        while time.monotonic() < self.deadline:
+            mid = (gid << 32) | seq
+            seq += 1
+            req = r.produce(mid)
+            t = time.perf_counter()
+            s, b = await c.request(req)
+            st.lat.append(time.perf_counter() - t)
+            expect(s, 202, req, b)
+            st.produced += 1
+            st.produced_ids.append(mid)
+            s, b = await c.request(r.consume_one)
+            st.requests += 2
+            if s == 204:
+                st.empty += 1
+                continue
+            expect(s, 200, r.consume_one, b)
+            m = _msg_dec.decode(b)
+            st.consumed += 1
+            st.consumed_ids.append(id_of(m.payload))
+            req = r.ack_one(m.receipt_handle)
+            s, b = await c.request(req)
+            st.requests += 1
+            if s == 204:
+                st.acked += 1
+            elif s == 410:
+                st.ack_bad[s] += 1
+                st.ack_bad_example = st.ack_bad_example or f"{_line(req)} -> {s} {b[:300]!r}"
+            else:
+                expect(s, 204, req, b)
+
+    async def flow_batch(self, c: HttpConn, gid: int) -> None:
+        r, st, seq, n = self.r, self.st, 0, self.sc.batch
+        while time.monotonic() < self.deadline:
+            first = (gid << 32) | seq
+            await self._batch(c, first, n)
+            st.produced_ids.extend(range(first, first + n))
+            seq += n
+            got = 0
+            while got < n:
+                got_now = await consume_and_ack(c, r, st, r.consume_many)
+                if got_now == 0:
+                    st.empty += 1
+                    break
+                got += got_now
+
+
+async def consume_and_ack(c: HttpConn, r: Requests, st: Stats, req: bytes) -> int:
+    """One batch consume and one batch ack of what it returned; returns the number of messages."""
+    s, b = await c.request(req)
+    st.requests += 1
+    if s == 204:
+        return 0
+    expect(s, 200, req, b)
+    msgs = _batch_dec.decode(b).messages
+    if not msgs:
+        raise BenchFailure(f"{_line(req)} -> 200 with an empty messages list")
+    st.consumed += len(msgs)
+    st.consumed_ids.extend([id_of(m.payload) for m in msgs])
+    ack = r.ack_many([m.receipt_handle for m in msgs])
+    s, b = await c.request(ack)
+    st.requests += 1
+    expect(s, 200, ack, b)
+    res = _results_dec.decode(b).results
+    if len(res) != len(msgs):
+        raise BenchFailure(f"{_line(ack)} -> {len(res)} results for {len(msgs)} handles: {b[:300]!r}")
+    for x in res:
+        if x.status == 204:
+            st.acked += 1
+        elif x.status == 410:
+            st.ack_bad[410] += 1
+            st.ack_bad_example = st.ack_bad_example or f"{_line(ack)} -> 200, a result {b[:300]!r}"
+        else:
+            raise BenchFailure(f"{_line(ack)} -> 200 with result status {x.status}: {b[:600]!r}")
+    return len(msgs)
+
+
+async def _client(sc: Scenario, port: int, auth: str, index: int, barrier: Any) -> Stats:
+    st = Stats()
+    reqs = Requests(port, auth)
+    conns: list[HttpConn] = []
+    try:
+        for _ in range(sc.conns):
+            c = await HttpConn.open(port)
+            conns.append(c)
+            s, b = await c.request(reqs.describe)  # warms the connection, auth and the topic cache
+            expect(s, 200, reqs.describe, b)
+    except (BenchFailure, OSError) as e:
+        barrier.abort()
+        st.failure = f"client {index} setup: {e}"
+        return st
+    barrier.wait(timeout=120)
+    st.t0 = time.monotonic()
+    cpu0 = time.process_time()
+    load = Load(sc, reqs, st, st.t0 + sc.seconds)
+    fn = getattr(load, sc.mode)
+    try:
+        async with asyncio.TaskGroup() as tg:
+            for i, c in enumerate(conns):
+                tg.create_task(fn(c, index * 1000 + i))
+    except* BenchFailure as eg:
+        st.failure = str(eg.exceptions[0])
+    st.t1 = time.monotonic()
+    st.cpu = time.process_time() - cpu0
+    for c in conns:
+        c.close()
+    return st
+
+
+def _client_main(sc: Scenario, port: int, auth: str, index: int, barrier: Any,
+                 out: multiprocessing.connection.Connection) -> None:
+    try:
+        st = uvloop.run(_client(sc, port, auth, index, barrier))
+    except BaseException as e:  # report anything, the parent prints it
+        st = Stats(failure=f"client {index} crashed: {e!r}")
+    out.send(st)
+    out.close()
+
+
+# ---- verification (parent side) -------------------------------------------------------------------
+
+
+@dataclass
+class Check:
+    text: str = "ok"
+    failed: bool = False
+
+
+async def _drain(port: int, auth: str, produced: set[int], consumed: Counter[int]) -> Check:
+    """Consume (and ack) until every produced id was seen; then look for anything left over."""
+    reqs = Requests(port, auth)
+    st = Stats()
+    missing = produced - consumed.keys()
+    before = len(missing)
+    conns = [await HttpConn.open(port) for _ in range(4)]
+    end = time.monotonic() + DRAIN_TIMEOUT
+
+    async def one(c: HttpConn) -> None:
+        while missing and time.monotonic() < end:
+            n0 = len(st.consumed_ids)
+            await consume_and_ack(c, reqs, st, reqs.consume_many)
+            for mid in st.consumed_ids[n0:]:
+                missing.discard(mid)
+
+    await asyncio.gather(*(one(c) for c in conns))
+    extra = 0
+    if not missing:  # anything still ready is a message nobody produced (or a lost ack)
+        while await consume_and_ack(conns[0], reqs, st, reqs.consume_now):
+            pass
+    for c in conns:
+        c.close()
+    consumed.update(st.consumed_ids)
+    extra = len(consumed.keys() - produced)
+    dups = sum(n - 1 for n in consumed.values() if n > 1)
+    parts = [f"all {len(produced):,} consumed" if not missing else f"MISSING {len(missing):,} of {len(produced):,}",
+             f"{before:,} drained after the window", f"dups {dups}"]
+    if extra:
+        parts.append(f"UNEXPECTED {extra}")
+    if st.ack_bad:
+        parts.append(f"drain acks not 204: {dict(st.ack_bad)}")
+    return Check("; ".join(parts), failed=bool(missing or extra or dups))
+
+
+def _hwm_check(node: Node, produced: int) -> Check:
+    """Produce-only: the partitions' high watermarks must add up to what was accepted."""
+    total = -1
+    end = time.monotonic() + 15
+    while time.monotonic() < end:
+        r = node.get(f"/v1/topics/{TOPIC}")
+        if r.status != 200:
+            return Check(f"GET /v1/topics/{TOPIC} -> {r.status} {r.body[:300]!r}", True)
+        total = sum(p["high_watermark"] for p in r.json()["partition_stats"])
+        if total == produced:
+            return Check(f"hwm sum = {total:,} accepted")
+        time.sleep(0.1)
+    return Check(f"hwm sum {total:,} != {produced:,} accepted (after 15 s)", True)
+
+
+# ---- running one scenario -------------------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    sc: Scenario
+    wall: float = 0.0
+    msgs: int = 0
+    produced: int = 0
+    requests: int = 0
+    p50: float = math.nan
+    p99: float = math.nan
+    client_cpu: float = 0.0
+    server_cpu: float = 0.0
+    check: Check = field(default_factory=Check)
+    failure: str = ""
+    profiles: list[Path] = field(default_factory=list)
+
+
+def _node_procs(node: Node) -> list[psutil.Process]:
+    assert node.proc is not None
+    root = psutil.Process(node.proc.pid)
+    return [root, *root.children(recursive=True)]
+
+
+def _cpu(procs: list[psutil.Process]) -> float:
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += t.user + t.system
+    return total
+
+
+def worker_pids(node: Node) -> dict[int, int]:
+    """worker index -> pid, from the node's log ("worker-0[1234] narad.worker: worker serving")."""
+    found = re.findall(r"worker-(\d+)\[(\d+)\] narad\.worker: worker serving", node.log())
+    return {int(i): int(p) for i, p in found}
+
+
+def _pct(values: list[float], p: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(len(s) * p))] if s else math.nan
+
+
+def run(sc: Scenario, profile_dir: Path | None) -> Result:
+    res = Result(sc)
+    tmp = Path(tempfile.mkdtemp(prefix="narad-bench-"))
+    node = Node(tmp / "data", workers=sc.workers)
+    spies: list[subprocess.Popen[bytes]] = []
+    try:
+        node.start()
+        r = node.post("/v1/topics", {"name": TOPIC, "partitions": PARTITIONS})
+        if r.status != 201:
+            raise BenchFailure(f"POST /v1/topics -> {r.status} {r.body[:300]!r}")
+        procs = _node_procs(node)
+        ctx = mp.get_context("fork")
+        barrier = ctx.Barrier(sc.procs + 1)
+        pipes, children = [], []
+        for i in range(sc.procs):
+            rd, wr = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_client_main, args=(sc, node.port, node.auth, i, barrier, wr), daemon=True)
+            p.start()
+            wr.close()
+            pipes.append(rd)
+            children.append(p)
+        try:
+            barrier.wait(timeout=120)
+        except Exception:  # a client failed its setup; its Stats says why
+            pass
+        cpu0 = _cpu(procs)
+        if profile_dir is not None:
+            spies, res.profiles = _start_spies(node, sc, profile_dir)
+        stats: list[Stats] = []
+        for rd in pipes:
+            if not rd.poll(sc.seconds + 300):
+                raise BenchFailure("a client process gave no result within the run time + 300 s")
+            stats.append(rd.recv())
+        cpu1 = _cpu(procs)
+        for p in children:
+            p.join(10)
+        for spy in spies:
+            spy.wait(60)
+        failures = [s.failure for s in stats if s.failure]
+        if failures:
+            raise BenchFailure(failures[0])
+        res.wall = max(s.t1 for s in stats) - min(s.t0 for s in stats)
+        res.server_cpu = cpu1 - cpu0
+        res.client_cpu = sum(s.cpu for s in stats)
+        res.requests = sum(s.requests for s in stats)
+        res.produced = sum(s.produced for s in stats)
+        lat = [x for s in stats for x in s.lat]
+        res.p50, res.p99 = _pct(lat, 0.5), _pct(lat, 0.99)
+        if sc.mode.startswith("flow"):
+            res.msgs = sum(s.acked for s in stats)
+            produced = {x for s in stats for x in s.produced_ids}
+            consumed: Counter[int] = Counter()
+            for s in stats:
+                consumed.update(s.consumed_ids)
+            res.check = uvloop.run(_drain(node.port, node.auth, produced, consumed))
+            bad = sum((s.ack_bad for s in stats), Counter())
+            if bad:
+                ex = next(s.ack_bad_example for s in stats if s.ack_bad_example)
+                res.check.text += f"; acks not 204 in the window: {dict(bad)} e.g. {ex}"
+                res.check.failed = True
+            empty = sum(s.empty for s in stats)
+            if empty:
+                res.check.text += f"; {empty} consumes found nothing in {CONSUME_WAIT}"
+        else:
+            res.msgs = res.produced
+            if sc.mode != "latency":
+                res.check = _hwm_check(node, res.produced)
+        if res.check.failed:
+            res.check.text += "\nnode log tail:\n" + _tail(node)
+    except (BenchFailure, AssertionError, OSError) as e:
+        res.failure = f"{e}\nnode log tail:\n{_tail(node)}"
+    finally:
+        for spy in spies:
+            if spy.poll() is None:
+                spy.kill()
+        node.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return res
+
+
+def _tail(node: Node, lines: int = 40) -> str:
+    return "\n".join("    " + ln for ln in node.log().splitlines()[-lines:])
+
+
+# ---- py-spy ------------------------------------------------------------------------------------------
+
+
+def _py_spy() -> str:
+    exe = Path(sys.executable).with_name("py-spy")
+    if exe.exists():
+        return str(exe)
+    found = shutil.which("py-spy")
+    if found is None:
+        raise SystemExit("py-spy not found: .venv/bin/pip install py-spy")
+    return found
+
+
+def _start_spies(node: Node, sc: Scenario, out: Path) -> tuple[list[subprocess.Popen[bytes]], list[Path]]:
+    if not sc.mode.startswith("flow"):
+        return [], []
+    out.mkdir(parents=True, exist_ok=True)
+    spies, files = [], []
+    for idx, pid in sorted(worker_pids(node).items()):
+        f = out / f"{sc.name.replace(' ', '_')}-w{sc.workers}-worker{idx}.txt"
+        cmd = [_py_spy(), "record", "--format", "raw", "--rate", "250", "--nonblocking", "--idle",
+               "--duration", str(max(1, int(sc.seconds))), "--pid", str(pid), "--output", str(f)]
+        spies.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        files.append(f)
+    return spies, files
+
+
+_IDLE = ("select (selectors.py", "run_once (uvloop", "_run_once (asyncio", "wait (threading.py",
+         "_worker (concurrent/futures/thread.py")
+
+
+def summarise(path: Path, top: int = 20) -> str:
+    """Top frames of a py-spy raw (collapsed stacks) file: self and inclusive, % of samples."""
+    self_t: Counter[str] = Counter()
+    incl: Counter[str] = Counter()
+    total = idle = 0
+    for line in path.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        if not stack or not n.isdigit():
+            continue
+        k = int(n)
+        frames = [re.sub(r":\d+\)$", ")", f) for f in stack.split(";")]
+        total += k
+        leaf = frames[-1]
+        if any(leaf.startswith(p) for p in _IDLE) or "idle" in leaf:
+            idle += k
+        self_t[leaf] += k
+        for f in set(frames):
+            incl[f] += k
+    if not total:
+        return f"{path.name}: no samples"
+    busy = total - idle
+    out = [f"{path.name}: {total} samples, idle (waiting in the loop/threads) {idle * 100 / total:.0f}%, "
+           f"busy {busy * 100 / total:.0f}%",
+           "  self time (% of all samples):"]
+    out += [f"    {n * 100 / total:5.1f}%  {f}" for f, n in self_t.most_common(top)]
+    out.append("  inclusive (% of all samples):")
+    out += [f"    {n * 100 / total:5.1f}%  {f}" for f, n in incl.most_common(top + 10)]
+    return "\n".join(out)
+
+
+# ---- main ------------------------------------------------------------------------------------------------
+
+
+def scenarios(args: argparse.Namespace) -> list[Scenario]:
+    s, out = args.seconds, []
+    workers = sorted({1, args.workers})
+    for w in workers:
+        out.append(Scenario("latency single", "latency", w, 1, 1, s, count=args.latency_count))
+    for w in workers:
+        out.append(Scenario("produce single", "produce", w, args.procs, args.conns, s))
+        out.append(Scenario(f"produce batch{args.batch}", "produce_batch", w, args.procs, args.batch_conns, s,
+                            batch=args.batch))
+    for w in workers:
+        out.append(Scenario("flow single", "flow", w, args.procs, args.conns, s))
+        out.append(Scenario(f"flow batch{args.batch}", "flow_batch", w, args.procs, args.batch_conns, s,
+                            batch=args.batch))
+    if args.only:
+        out = [x for x in out if re.search(args.only, f"{x.name} w{x.workers}")]
+    return out
+
+
+HEADER = (f"{'scenario':<18}{'wk':>3}{'conns':>7}{'msgs':>10}{'secs':>6}{'msgs/s':>10}{'req/s':>9}"
+          f"{'p50 ms':>8}{'p99 ms':>8}{'cli CPU':>8}{'srv CPU':>8}{'srv µs/msg':>11}  check")
+
+
+def row(r: Result) -> str:
+    sc = r.sc
+    conns = f"{sc.procs}x{sc.conns}"
+    if r.failure:
+        return f"{sc.name:<18}{sc.workers:>3}{conns:>7}  FAILED (see below)"
+    rate = r.msgs / r.wall if r.wall else 0.0
+    rps = r.requests / r.wall if r.wall else 0.0
+    us = r.server_cpu / r.msgs * 1e6 if r.msgs else math.nan
+    check = r.check.text.split("\n", 1)[0]
+    return (f"{sc.name:<18}{sc.workers:>3}{conns:>7}{r.msgs:>10,}{r.wall:>6.1f}{rate:>10,.0f}{rps:>9,.0f}"
+            f"{r.p50 * 1e3:>8.2f}{r.p99 * 1e3:>8.2f}{r.client_cpu / r.wall * 100:>7.0f}%"
+            f"{r.server_cpu / r.wall * 100:>7.0f}%{us:>11.0f}  {check}")
+
+
+def main() -> None:
+    cpus = len(os.sched_getaffinity(0))
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    ap.add_argument("--seconds", type=float, default=5.0, help="timed window per throughput run")
+    ap.add_argument("--workers", type=int, default=cpus, help="N: node workers for the multi-worker runs")
+    ap.add_argument("--quick", action="store_true", help="2 s runs, 500 latency samples")
+    ap.add_argument("--procs", type=int, default=1, help="client processes")
+    ap.add_argument("--conns", type=int, default=16, help="connections per client process, single-API runs")
+    ap.add_argument("--batch-conns", type=int, default=4, help="connections per client process, batch runs")
+    ap.add_argument("--batch", type=int, default=100, help="messages per batch produce")
+    ap.add_argument("--latency-count", type=int, default=2000)
+    ap.add_argument("--only", help="regex on '<scenario> w<workers>', e.g. 'flow' or 'batch.*w2'")
+    ap.add_argument("--profile", type=Path, metavar="DIR",
+                    help="py-spy (raw format) every node worker during the flow runs, write DIR/*.txt, summarise")
+    ap.add_argument("--summarise", type=Path, nargs="+", metavar="FILE", help="summarise py-spy raw files and exit")
+    args = ap.parse_args()
+    if args.summarise:
+        for f in args.summarise:
+            print(summarise(f))
+        return
+    if args.quick:
+        args.seconds = min(args.seconds, 2.0)
+        args.latency_count = min(args.latency_count, 500)
+    print(f"# narad message benchmark: {cpus} CPUs, {MSG_SIZE} B messages, topic with {PARTITIONS} partitions, "
+          f"{time.strftime('%Y-%m-%d %H:%M')}")
+    print(f"# client: uvloop + httptools, keep-alive HTTP/1.1, {args.procs} process(es); conns = procs x conns; "
+          f"batch = {args.batch} msgs/request, consume max={CONSUME_MAX} wait={CONSUME_WAIT}")
+    print("# msgs = produced (produce runs) or produced+consumed+acked (flow runs); p50/p99 = produce request "
+          "latency; CPU in % of one core")
+    print(HEADER)
+    results = []
+    for sc in scenarios(args):
+        r = run(sc, args.profile)
+        results.append(r)
+        print(row(r), flush=True)
+    problems = [r for r in results if r.failure or r.check.failed]
+    for r in problems:
+        print(f"\n## {r.sc.name}, {r.sc.workers} worker(s): {'FAILED' if r.failure else 'check failed'}")
+        print(r.failure or r.check.text)
+    for r in results:
+        for f in r.profiles:
+            print()
+            print(summarise(f) if f.exists() else f"{f}: py-spy wrote nothing")
+    if problems:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -274,7 +274,8 @@ def test_produce_rules(node: Node) -> None:
     r = node.request("POST", "/v1/topics/rules/produce", b"x",
                      headers={"Content-Type": "text/plain", "X-Narad-Client": ""})
     assert r.status == 415
-    node.post("/v1/users", {"username": "reader", "password": "r", "grants": [{"action": "consume", "patterns": ["*"]}]})
+    node.post("/v1/users", {"username": "reader", "password": "r",
+                            "grants": [{"action": "consume", "patterns": ["*"]}]})
     r = node.request("POST", "/v1/topics/rules/produce", b'{"id":1}', headers=OCTET, auth=basic("reader", "r"))
     assert r.status == 403 and r.json()["error"] == "produce not allowed on this topic"
     assert consume(node, "rules").status == 200  # the reader's grant is consume

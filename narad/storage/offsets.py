@@ -96,8 +96,11 @@ class OffsetFile:
         path = self.dir / "consumer.ahead"
         created = not path.exists()
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        if os.fstat(self._fd).st_size < 2 * SLOT:
-            os.ftruncate(self._fd, 2 * SLOT)
+        size = os.fstat(self._fd).st_size
+        if size < 2 * SLOT:
+            # Real zeros, not a sparse hole: later in-place writes must never need
+            # new blocks (acks keep persisting on a full disk).
+            fileio.pwrite_all(self._fd, bytes(2 * SLOT - size), size)
         slots = [_decode(os.pread(self._fd, SLOT, i * SLOT)) for i in (0, 1)]
         best = None
         for i, s in enumerate(slots):

@@ -177,6 +177,7 @@ class _Metrics:
         self.ack_extended = a(Counter("narad_ack_extended_total", "lease extensions", ["topic"]))
         self.nacks = a(Counter("narad_nack_total", "nacks", ["topic"]))
         self.consume_empty = a(Counter("narad_consume_empty_total", "consumes answered with nothing", ["topic"]))
+        self.consume_waiters = a(Gauge("narad_consume_waiters", "long polls parked, waiting for records"))
         self.wal_failed = a(Gauge("narad_ingress_wal_failed", "1 while produce is latched off by a WAL failure"))
         self.dispatch_backlog = a(Gauge("narad_ingress_dispatch_backlog_records",
                                         "accepted records not yet confirmed at their owner"))

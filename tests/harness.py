@@ -231,6 +231,19 @@ class Node:
     def post(self, path: str, body: Any = None, **kw: Any) -> Response:
         return self.request("POST", path, body, **kw)
 
+    def metric(self, name: str) -> float:
+        """The node-wide value of a label-less metric (summed over labels)."""
+        total, found = 0.0, False
+        for line in self.get("/metrics").body.decode().splitlines():
+            if line.startswith(name + " ") or line.startswith(name + "{"):
+                total += float(line.rsplit(" ", 1)[1])
+                found = True
+        return total if found else float("nan")
+
+    def wait_parked(self, n: int, timeout: float = 10.0) -> None:
+        """Wait until n long polls are parked on the node."""
+        wait_for(lambda: self.metric("narad_consume_waiters") >= n, timeout, 0.02, f"{n} parked long polls")
+
     # ---- naradctl -----------------------------------------------------------
     def ctl(self, *args: str, check: bool = True) -> Any:
         sock = self.runtime_dir / "narad.sock"

@@ -160,13 +160,6 @@ def _fill(path: Path) -> int:
     return written
 
 
-def _metric(node: Node, name: str) -> float:
-    for line in node.get("/metrics").body.decode().splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            return float(line.rsplit(" ", 1)[1])
-    return float("nan")
-
-
 def test_disk_full_answers_500_loses_nothing_and_consume_keeps_working(tmp_path: Path) -> None:
     n = Node(tmp_path / "data", workers=1, tmpfs_mb=48).start()
     try:
@@ -193,7 +186,7 @@ def test_disk_full_answers_500_loses_nothing_and_consume_keeps_working(tmp_path:
         assert statuses[-1] == 500, "a full disk must refuse produce"
         # Latched: even a tiny message is refused until restart.
         assert n.request("POST", "/v1/topics/full/produce", b"tiny:", headers=OCTET, conn=c).status == 500
-        assert _metric(n, "narad_ingress_wal_failed") == 1.0
+        assert n.metric("narad_ingress_wal_failed") == 1.0
         # Consume and ack keep working for everything committed.
         got = drain_ids(n, "full", {f"early-{i}" for i in range(50)}, timeout=30)
         assert {f"early-{i}" for i in range(50)} <= set(got)

@@ -143,7 +143,7 @@ def test_long_poll_wakes_on_produce_on_the_same_and_another_worker(node: Node) -
         out: dict[str, Any] = {}
         t = threading.Thread(target=_parked_consume, args=(node, "wake", "10s", c, out))
         t.start()
-        time.sleep(0.3)  # let it park (the produce must happen after it waits)
+        node.wait_parked(1)  # the produce must happen while it waits
         t_produce = time.monotonic()
         for p in range(6):  # one message on every partition: owners on both workers
             assert produce(node, "wake", b"ping", f"?partition={p}").status == 202
@@ -323,7 +323,7 @@ def test_topic_delete_answers_parked_long_polls_and_recreate_starts_empty(node: 
     out: dict[str, Any] = {}
     waiter = threading.Thread(target=_parked_consume, args=(node, "doomed-wait", "10s", node.conn(), out))
     waiter.start()
-    time.sleep(0.3)
+    node.wait_parked(1)
     assert node.request("DELETE", "/v1/topics/doomed-wait").status == 204
     waiter.join(15)
     assert out["status"] in (204, 404) and out["seconds"] < 5
@@ -416,7 +416,7 @@ def test_per_identity_consume_cap(tmp_path: Path) -> None:
         threads = [threading.Thread(target=_parked_consume, args=(n, "capped", "3s", n.conn(), o)) for o in outs]
         for t in threads:
             t.start()
-        time.sleep(0.5)  # both long polls parked
+        n.wait_parked(2)
         r = consume(n, "capped")
         assert r.status == 429 and "limit 2 per node" in r.json()["error"]
         for t in threads:

@@ -412,6 +412,11 @@ class _Conn(asyncio.Protocol):
         self._task = None
         if self._lost:
             self._srv._orphans.discard(self)  # the client went away: drop the response
+            if resp.on_dropped is not None:
+                try:
+                    resp.on_dropped()
+                except Exception:
+                    log.exception("on_dropped hook failed")
             return
         close = keep == 0 or self._srv._draining or (self._eof and not self._queue)
         try:

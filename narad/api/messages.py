@@ -10,6 +10,7 @@ Imports narad.api.{context,router}, narad.broker, narad.meta, narad.errors.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import re
@@ -146,6 +147,7 @@ class MessagesAPI:
         self.consume_cap = ctx.cfg.http.max_consume_in_flight_per_identity
         self.produce_cap = ctx.cfg.http.max_produce_in_flight_per_identity
         self.m = ctx.broker.m
+        self._background: set[asyncio.Task[None]] = set()
 
     def register(self, r: Router) -> None:
         r.add("POST", "/v1/topics/{topic}/produce", self.produce, body_limit=MAX_MESSAGE)
@@ -410,7 +412,9 @@ class MessagesAPI:
             self.m.consume_empty.labels(t.name).inc()
             return empty(204, headers)
         if not batch:
-            return json_response(200, render(t.name, items[0], True), headers)
+            resp = json_response(200, render(t.name, items[0], True), headers)
+            resp.on_dropped = self._giver(t, items)
+            return resp
         out, size, leftover = [], 0, []
         for it in items:
             if out and size + len(it.payload) + 256 > RESPONSE_BUDGET:
@@ -420,7 +424,18 @@ class MessagesAPI:
             size += len(it.payload) + 256
         if leftover:
             await self.broker.nack_items(t, leftover)
-        return json_response(200, {"messages": out}, headers)
+            items = [it for it in items if it not in leftover]
+        resp = json_response(200, {"messages": out}, headers)
+        resp.on_dropped = self._giver(t, items)
+        return resp
+
+    def _giver(self, t: TopicRecord, items: list[Item]) -> Any:
+        """A hook that nacks leases whose response never reached the client."""
+        def give_back() -> None:
+            task = asyncio.get_running_loop().create_task(self.broker.nack_items(t, items))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+        return give_back
 
     async def _replay(self, t: TopicRecord, partition: int, offset: int) -> Response:
         try:

@@ -54,6 +54,9 @@ class Response:
     body: bytes = b""
     content_type: str | None = "application/json"
     headers: list[tuple[str, str]] = field(default_factory=list)
+    # Called by a transport that drops the response because the client went away
+    # (a consume gives its leases back at once instead of after the visibility timeout).
+    on_dropped: Callable[[], None] | None = None
 
 
 class App(Protocol):

@@ -337,8 +337,12 @@ class Broker:
                 return got
             fut: asyncio.Future[bool] = loop.create_future()
             self._waiters.setdefault(t.name, deque()).append(fut)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(fut, min(remaining, PARK_RECHECK))
+            self.m.consume_waiters.inc()
+            try:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(fut, min(remaining, PARK_RECHECK))
+            finally:
+                self.m.consume_waiters.dec()
             cur = self.store.topic(t.name)
             if cur is None or cur.id != t.id:
                 raise NotFound(f'topic "{t.name}" not found')
@@ -513,12 +517,20 @@ class Broker:
                 await loop.run_in_executor(self.io, _writeout_all, due, level)
 
     async def _sweeper(self) -> None:
+        """Expired leases come back within a second; gauges stay current."""
+        dropped_seen: dict[tuple[str, int, str], int] = {}
         while True:
             await asyncio.sleep(SWEEP_EVERY)
             now = time.monotonic()
-            for p in list(self.partitions.values()):
+            for key, p in list(self.partitions.items()):
                 if p.leases and p.purge(now):
                     self._on_released(p)
+                k = (key[0], key[1], p.topic_id)
+                if p.dropped != dropped_seen.get(k, 0):
+                    self.m.consumer_dropped.labels(p.topic).inc(p.dropped - dropped_seen.get(k, 0))
+                    dropped_seen[k] = p.dropped
+            self.m.dispatch_backlog.set(self.wal.backlog)
+            self.m.wal_failed.set(1 if self.wal.failed is not None else 0)
 
     async def _reaper(self) -> None:
         loop = asyncio.get_running_loop()

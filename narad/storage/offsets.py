@@ -110,14 +110,24 @@ class OffsetFile:
         if best is not None:
             self._seq, frontier, ahead = slots[best]  # type: ignore[misc]
         level = self._read_level()
-        if level > frontier:
+        raised = level > frontier
+        if raised:
             frontier = level
             ahead = [a for a in ahead if a > frontier]
-        # Anchor on what we found: write it into slot 0 durably.
-        self._anchor = 0
-        self._seq += 1
-        fileio.pwrite_all(self._fd, _encode(self._seq, frontier, ahead), 0)
-        fileio.fdatasync(self._fd)
+        if best is not None and not raised:
+            # The newest valid slot becomes the anchor as it is: made durable
+            # (a crashed process may have left it in the page cache only), never
+            # rewritten in place (a torn rewrite would lose the only good copy).
+            self._anchor = best
+            fileio.fdatasync(self._fd)
+        else:
+            # Nothing valid yet, or consumer.offset is ahead of the slots: a new
+            # record, into the slot that is not the newest valid one, then anchored.
+            self._anchor = 0 if best is None else 1 - best
+            self._seq += 1
+            fileio.pwrite_all(self._fd, _encode(self._seq, frontier, ahead), self._anchor * SLOT)
+            fileio.fdatasync(self._fd)
+        self.dirty_since_sync = False
         if created:
             fileio.fsync_dir(self.dir)
         return frontier, ahead
@@ -132,6 +142,9 @@ class OffsetFile:
     def write_window(self, frontier: int, ahead: list[int]) -> None:
         """Page cache only (survives a process crash, not power loss)."""
         self._seq += 1
+        # Until the whole record is in, the window holds nothing worth anchoring:
+        # a failed (possibly torn) write must not be synced and made the anchor.
+        self.dirty_since_sync = False
         fileio.pwrite_all(self._fd, _encode(self._seq, frontier, ahead), (1 - self._anchor) * SLOT)
         self.dirty_since_sync = True
 

@@ -31,6 +31,7 @@ import bisect
 import logging
 import os
 import struct
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -102,6 +103,9 @@ class PartitionLog:
         self._cache_bytes = 0
         self._last_committed_ms = 0
         self.closed = False
+        # write_commit, roll_idle_active and close run on I/O threads (several):
+        # one at a time, so a roll or a close never lands inside a commit.
+        self._io_lock = threading.Lock()
 
     # ---- open / recovery ---------------------------------------------------------
     def open(self) -> None:
@@ -188,10 +192,25 @@ class PartitionLog:
         """I/O thread: write one frame with `records` at next_offset, sync, read
         back. Returns (base offset, segment, position, frame size, the new
         segment if this commit rolled). Raises OSError (the frame is gone)."""
+        with self._io_lock:
+            return self._write_commit(records)
+
+    def _write_commit(self, records: list[bytes]) -> tuple[int, Segment, int, int, Segment | None]:
         if self.poisoned is not None:
             raise LogPoisoned(self.poisoned.errno or 5, f"log poisoned by an earlier failed fsync: {self.poisoned}")
         if self.closed:
             raise OSError(9, "partition log closed")
+        if not self._hwm_emptied:
+            # Before the first advance after an open, the hwm file is emptied
+            # (a crash or an older binary must not trust a stale value). Part of
+            # the commit: if it fails, nothing is written.
+            fileio.ftruncate(self._hwm_fd, 0)
+            try:
+                fileio.fdatasync(self._hwm_fd)
+            except OSError as e:
+                self.poisoned = e
+                raise
+            self._hwm_emptied = True
         base = self.next_offset
         frame = FR.encode_frame(base, records)
         seg = self.segments[-1]
@@ -201,25 +220,33 @@ class PartitionLog:
             seg = rolled
         pos = seg.size
         try:
-            fileio.pwrite_all(seg.fd, frame, pos)
+            try:
+                fileio.pwrite_all(seg.fd, frame, pos)
+            except OSError:
+                self._cut(seg, pos)
+                raise
+            try:
+                fileio.fdatasync(seg.fd)
+            except OSError as e:
+                self.poisoned = e
+                self._cut(seg, pos)
+                raise
+            try:
+                back = fileio.pread(seg.fd, len(frame), pos)
+                count, fbase, psize, crc = FR.parse_header(back, 0)
+                if len(back) != len(frame) or fbase != base or not FR.frame_crc_ok(back, 0, count, fbase, psize, crc):
+                    raise OSError(5, "frame read back with a bad checksum")
+            except (OSError, FR.FrameError, struct.error) as e:
+                self._cut(seg, pos)
+                raise OSError(5, f"commit read-back failed: {e}") from None
         except OSError:
-            self._cut(seg, pos)
+            if rolled is not None:
+                self._drop_rolled(rolled)
             raise
-        try:
-            fileio.fdatasync(seg.fd)
-        except OSError as e:
-            self.poisoned = e
-            self._cut(seg, pos)
-            raise
-        try:
-            back = fileio.pread(seg.fd, len(frame), pos)
-            count, fbase, psize, crc = FR.parse_header(back, 0)
-            if len(back) != len(frame) or fbase != base or not FR.frame_crc_ok(back, 0, count, fbase, psize, crc):
-                raise OSError(5, "frame read back with a bad checksum")
-        except (OSError, FR.FrameError, struct.error) as e:
-            self._cut(seg, pos)
-            raise OSError(5, f"commit read-back failed: {e}") from None
         seg.size = pos + len(frame)
+        # The next commit goes after this frame even before publish() ran (a
+        # hidden tail until then; an idle-segment roll must not land in it).
+        self.next_offset = base + len(records)
         return base, seg, pos, len(frame), rolled
 
     def _cut(self, seg: Segment, pos: int) -> None:
@@ -234,11 +261,34 @@ class PartitionLog:
 
     def _roll(self, base: int) -> Segment:
         old = self.segments[-1]
-        fileio.fdatasync(old.fd)
+        try:
+            fileio.fdatasync(old.fd)
+        except OSError as e:
+            self.poisoned = e
+            raise
         path = _seg_path(self.dir, base)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            # Left by a failed commit whose cleanup failed: empty and unknown
+            # to the log, so it can be taken over.
+            fd = os.open(path, os.O_RDWR)
+            if os.fstat(fd).st_size != 0 or any(s.path == path for s in self.segments):
+                os.close(fd)
+                raise
         fileio.fsync_dir(self.dir)
-        return Segment(base, path, 0, fd, indexed=True, end=base)
+        return Segment(base, path, 0, fd, last_write_ms=int(time.time() * 1000), indexed=True, end=base)
+
+    def _drop_rolled(self, seg: Segment) -> None:
+        """A commit that rolled failed: the new segment never becomes part of the log."""
+        os.close(seg.fd)
+        seg.fd = -1
+        try:
+            seg.path.unlink()
+            fileio.fsync_dir(self.dir)
+        except OSError as e:
+            log.error("partition log: could not remove the segment of a failed commit",
+                      extra={"dir": str(self.dir), "err": str(e)})
 
     def publish(self, base: int, seg: Segment, pos: int, size: int, rolled: Segment | None,
                 decoded: list[Record]) -> None:
@@ -246,15 +296,13 @@ class PartitionLog:
         if rolled is not None:
             old = self.segments[-1]
             old.end = base
-            os.close(old.fd)
-            old.fd = -1
+            if old.fd >= 0:
+                os.close(old.fd)
+                old.fd = -1
+            if self.closed:  # closed in the meantime: its fds are gone
+                os.close(rolled.fd)
+                rolled.fd = -1
             self.segments.append(rolled)
-        if not self._hwm_emptied:
-            # Before the first advance after an open: an older binary or a crash
-            # must not trust a stale hwm file.
-            os.ftruncate(self._hwm_fd, 0)
-            fileio.fdatasync(self._hwm_fd)
-            self._hwm_emptied = True
         seg.frame_bases.append(base)
         seg.frame_pos.append(pos)
         n = len(decoded)
@@ -378,17 +426,18 @@ class PartitionLog:
     def roll_idle_active(self, retention_ms: int, now_ms: int) -> bool:
         """An active segment that is old, fully committed and non-empty is sealed
         (a new empty one takes over) so retention can delete it."""
-        seg = self.segments[-1]
-        if retention_ms <= 0 or seg.size == 0 or seg.last_write_ms >= now_ms - retention_ms:
-            return False
-        if self.next_offset != self.hwm or self.poisoned is not None:
-            return False
-        new = self._roll(self.next_offset)
-        seg.end = self.next_offset
-        os.close(seg.fd)
-        seg.fd = -1
-        self.segments.append(new)
-        return True
+        with self._io_lock:
+            seg = self.segments[-1]
+            if retention_ms <= 0 or seg.size == 0 or seg.last_write_ms >= now_ms - retention_ms:
+                return False
+            if self.next_offset != self.hwm or self.poisoned is not None or self.closed:
+                return False
+            new = self._roll(self.next_offset)
+            seg.end = self.next_offset
+            # seg.fd stays open: readers on the event loop may be using it right
+            # now; it is closed when the segment is deleted or the log closed.
+            self.segments.append(new)
+            return True
 
     def delete_segments(self, segs: list[Segment]) -> tuple[int, int]:
         """Unlink sealed segments (oldest first). Returns (records, bytes) removed."""
@@ -397,6 +446,9 @@ class PartitionLog:
             if seg is self.segments[-1] or seg is not self.segments[0]:
                 break
             self.segments.pop(0)
+            if seg.fd >= 0:
+                os.close(seg.fd)
+                seg.fd = -1
             for k in [k for k in self._cache if k[0] == seg.base]:
                 self._cache.pop(k)
                 self._cache_bytes -= self._sizes.pop(k, 0)
@@ -411,6 +463,10 @@ class PartitionLog:
         return n_recs, n_bytes
 
     def close(self, *, clean: bool = True) -> None:
+        with self._io_lock:  # never under a commit in flight
+            self._close(clean)
+
+    def _close(self, clean: bool) -> None:
         if self.closed:
             return
         self.closed = True

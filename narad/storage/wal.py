@@ -149,8 +149,19 @@ class IngressWAL:
                 log.warning("ingress WAL: cutting a torn tail", extra={"segment": path.name, "bytes": size - good_end})
                 fileio.ftruncate(fd, good_end)
                 fileio.fdatasync(fd)
+            # Appends use the file position: start them at the end of what is kept
+            # (a fresh fd is at 0, which would overwrite the segment's first frames).
+            os.lseek(fd, good_end, os.SEEK_SET)
             self._fd, self._size = fd, good_end
-            last = max(last, last_in_seg if last_in_seg >= first else first - 1)
+            last = max(last, last_in_seg)
+            if last != last_in_seg:
+                # The checkpoint is ahead of this segment's last record (its tail
+                # was lost): sequence numbers must stay dense within a segment,
+                # so later appends go to a new one named by the next seq.
+                log.warning("ingress WAL: checkpoint ahead of the log; starting a new segment",
+                            extra={"segment": path.name, "last": last_in_seg, "checkpoint": self.checkpoint_seq})
+                os.close(fd)
+                self._new_segment(last + 1)
         else:
             self._new_segment(self.checkpoint_seq)
         self.next_seq = last + 1
@@ -208,19 +219,27 @@ class IngressWAL:
         if self.failed is not None:
             raise WALFailed(self.failed.errno or 5, f"ingress WAL failed earlier: {self.failed}")
         loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        if not entries:
+            if self._staging:
+                self._waiters.append(fut)  # resolves with what is staged before it
+            else:
+                fut.set_result(None)
+            return fut
+        # Encode and check everything before staging anything: a refused batch
+        # must leave no frame behind (its seqs would be handed out again).
+        datas = [e.encode() for e in entries]
+        if any(len(d) > MAX_RECORD for d in datas):
+            raise ValueError("record too large for the WAL")
         buf = self._staging
         seq = self.next_seq
-        for e in entries:
+        for e, data in zip(entries, datas, strict=True):
             e.seq = seq
-            data = e.encode()
-            if len(data) > MAX_RECORD:
-                raise ValueError("record too large for the WAL")
             buf += FRAME.pack(MAGIC, len(data), seq, crc32c(data))
             buf += data
             seq += 1
         self.next_seq = seq
         self._staged.extend(entries)
-        fut: asyncio.Future[None] = loop.create_future()
         self._waiters.append(fut)
         if not self._flushing:
             self._flushing = True
@@ -245,7 +264,12 @@ class IngressWAL:
                     if not w.done():
                         w.set_result(None)
                 if self.on_durable is not None:
-                    self.on_durable(staged)
+                    try:
+                        self.on_durable(staged)
+                    except Exception:
+                        # A listener's bug must not stop the group commit (waiters
+                        # staged meanwhile would never resolve).
+                        log.exception("ingress WAL: on_durable callback failed")
         finally:
             self._flushing = False
 

@@ -124,13 +124,18 @@ class PartitionLog:
             self.segments.append(seg)
         active = self.segments[-1]
         active.fd = os.open(active.path, os.O_RDWR)
-        # The tail may hold frames a crashed process wrote but never synced:
-        # sync before trusting it.
-        fileio.fdatasync(active.fd)
-        tail = self._scan_active(active)
+        try:
+            # The tail may hold frames a crashed process wrote but never synced:
+            # sync before trusting it.
+            fileio.fdatasync(active.fd)
+            tail = self._scan_active(active)
+            self._hwm_fd = os.open(self.dir / "hwm", os.O_RDWR | os.O_CREAT, 0o600)
+        except BaseException:
+            os.close(active.fd)
+            active.fd = -1
+            self.segments = []
+            raise
         self.next_offset = tail
-        hwm_path = self.dir / "hwm"
-        self._hwm_fd = os.open(hwm_path, os.O_RDWR | os.O_CREAT, 0o600)
         raw = os.pread(self._hwm_fd, 8, 0)
         self.hwm = min(_U64.unpack(raw)[0], tail) if len(raw) == 8 else tail
         if self.hwm < tail:
@@ -276,8 +281,13 @@ class PartitionLog:
             if os.fstat(fd).st_size != 0 or any(s.path == path for s in self.segments):
                 os.close(fd)
                 raise
-        fileio.fsync_dir(self.dir)
-        return Segment(base, path, 0, fd, last_write_ms=int(time.time() * 1000), indexed=True, end=base)
+        seg = Segment(base, path, 0, fd, last_write_ms=int(time.time() * 1000), indexed=True, end=base)
+        try:
+            fileio.fsync_dir(self.dir)
+        except OSError:
+            self._drop_rolled(seg)
+            raise
+        return seg
 
     def _drop_rolled(self, seg: Segment) -> None:
         """A commit that rolled failed: the new segment never becomes part of the log."""
@@ -287,6 +297,10 @@ class PartitionLog:
             seg.path.unlink()
             fileio.fsync_dir(self.dir)
         except OSError as e:
+            # Left behind (or back after a crash), its name would cut off whatever
+            # the old segment takes next: no more commits until a reopen.
+            if self.poisoned is None:
+                self.poisoned = e
             log.error("partition log: could not remove the segment of a failed commit",
                       extra={"dir": str(self.dir), "err": str(e)})
 
@@ -324,27 +338,55 @@ class PartitionLog:
         return self.segments[i]
 
     def _index(self, seg: Segment) -> None:
+        """Build a sealed segment's frame index from its headers. A header is
+        trusted as is only when it continues the offsets densely and the next
+        header agrees with it; anything else (a gap, a jump, a damaged header)
+        is checked against the frame's CRC first, so one flipped bit in a header
+        costs that frame, never the rest of the segment."""
         if seg.indexed:
             return
         fd = os.open(seg.path, os.O_RDONLY)
         try:
-            pos = 0
-            while pos + FR.HEADER_SIZE <= seg.size:
-                hdr = os.pread(fd, FR.HEADER_SIZE, pos)
-                try:
-                    _count, base, psize, _crc = FR.parse_header(hdr, 0)
-                except (FR.FrameError, struct.error):
-                    nxt = self._resync(fd, pos + 1, seg.size)
-                    if nxt < 0:
+            size = seg.size
+            pos, expect = 0, seg.base
+            peeked: tuple[int, tuple[int, int, int, int] | None] = (-1, None)
+            while pos + FR.HEADER_SIZE <= size:
+                hdr = peeked[1] if peeked[0] == pos else self._header_at(fd, pos)
+                good = False
+                if hdr is not None:
+                    count, base, psize, _crc = hdr
+                    end = pos + FR.HEADER_SIZE + psize
+                    if end <= size and base >= expect:
+                        nxt = self._header_at(fd, end) if end + FR.HEADER_SIZE <= size else None
+                        peeked = (end, nxt)
+                        consistent = end == size or (nxt is not None and nxt[1] == base + count)
+                        good = (base == expect and consistent) or self._frame_at_ok(fd, pos, hdr)
+                if not good:
+                    nxt_pos = self._resync(fd, pos + 1, size)
+                    if nxt_pos < 0:
                         break
-                    pos = nxt
+                    pos = nxt_pos
                     continue
                 seg.frame_bases.append(base)
                 seg.frame_pos.append(pos)
-                pos += FR.HEADER_SIZE + psize
+                expect = base + count
+                pos = end
         finally:
             os.close(fd)
         seg.indexed = True
+
+    @staticmethod
+    def _header_at(fd: int, pos: int) -> tuple[int, int, int, int] | None:
+        try:
+            return FR.parse_header(os.pread(fd, FR.HEADER_SIZE, pos), 0)
+        except (FR.FrameError, struct.error):
+            return None
+
+    @staticmethod
+    def _frame_at_ok(fd: int, pos: int, hdr: tuple[int, int, int, int]) -> bool:
+        count, base, psize, crc = hdr
+        buf = os.pread(fd, FR.HEADER_SIZE + psize, pos)
+        return len(buf) == FR.HEADER_SIZE + psize and FR.frame_crc_ok(buf, 0, count, base, psize, crc)
 
     @staticmethod
     def _resync(fd: int, start: int, size: int) -> int:

@@ -185,7 +185,14 @@ class IngressWAL:
     def _new_segment(self, first_seq: int) -> None:
         path = self.dir / _seg_name(first_seq)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        fileio.fsync_dir(self.dir)
+        try:
+            fileio.fsync_dir(self.dir)
+        except OSError:
+            # A stale empty segment named past records still appended to the old
+            # one would hide them at the next start: take it away again.
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise
         self._segments.append((first_seq, path))
         self._fd, self._size = fd, 0
 
@@ -277,8 +284,9 @@ class IngressWAL:
         """I/O thread: one write and one fdatasync for the whole group."""
         if self._size >= self.segment_bytes:
             fileio.fdatasync(self._fd)
-            os.close(self._fd)
-            self._new_segment(first_seq)
+            old = self._fd
+            self._new_segment(first_seq)  # replaces self._fd only once it exists
+            os.close(old)
         fileio.write_all(self._fd, buf)
         self._size += len(buf)
         fileio.fdatasync(self._fd)
@@ -336,14 +344,24 @@ class IngressWAL:
                 pass
         if (self.failed is None and not self._flushing and self.checkpoint_seq == self.next_seq
                 and self._size > ROTATE_DISPATCHED_BYTES):
-            os.close(self._fd)
-            old = self._segments.pop()
-            self._new_segment(self.next_seq)
+            old_fd, old = self._fd, self._segments.pop()
             try:
-                old[1].unlink()
-                removed += 1
-            except FileNotFoundError:
-                pass
+                self._new_segment(self.next_seq)
+            except OSError as e:
+                # self._fd must never be left pointing at a closed (and maybe
+                # reused) descriptor: the old segment stays. But a new file named
+                # next_seq may be left (or come back after a crash: the directory
+                # was not synced), and its name would hide whatever is appended to
+                # the old one: a disk failure like any other, latch.
+                self._segments.append(old)
+                self._latch(e, [])
+            else:
+                os.close(old_fd)
+                try:
+                    old[1].unlink()
+                    removed += 1
+                except FileNotFoundError:
+                    pass
         if removed:
             fileio.fsync_dir(self.dir)
         return removed

@@ -1,0 +1,499 @@
+"""Ingress WAL on real files: group commit under asyncio, replay from the
+checkpoint after reopen, torn tails, the failure latch (write and fsync
+faults through the fileio seam), checkpoint persistence, reclaim/rotation
+and the record encoding."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from narad.storage import fileio
+from narad.storage import wal as W
+from narad.storage.wal import Entry, IngressWAL, WALFailed
+
+INC = bytes.fromhex("0123456789abcdef")
+
+
+@pytest.fixture(autouse=True)
+def _reset_seam() -> Iterator[None]:
+    yield
+    fileio.reset()
+
+
+@pytest.fixture
+def pool() -> Iterator[ThreadPoolExecutor]:
+    ex = ThreadPoolExecutor(max_workers=4)
+    yield ex
+    ex.shutdown(wait=True)
+
+
+def entry(i: int) -> Entry:
+    return Entry(f"topic-{i % 3}", INC, i % 5, 1_700_000_000_000 + i, i % 8,
+                 None if i % 4 == 0 else f"key-{i}".encode(), f"payload {i}".encode() * (1 + i % 4))
+
+
+def same(a: Entry, b: Entry) -> bool:
+    return (a.topic, a.incarnation, a.partition, a.ts_ms, a.flags, a.key, a.payload) == (
+        b.topic, b.incarnation, b.partition, b.ts_ms, b.flags, b.key, b.payload)
+
+
+def opened(d: Path, pool: ThreadPoolExecutor, **kw: int) -> IngressWAL:
+    w = IngressWAL(d, pool, **kw)
+    w.open()
+    return w
+
+
+def count_syncs() -> list[int]:
+    real = fileio.fdatasync
+    n = [0]
+
+    def counting(fd: int) -> None:
+        n[0] += 1
+        time.sleep(0.002)  # a disk that takes a moment: appends pile up meanwhile
+        real(fd)
+
+    fileio.fdatasync = counting
+    return n
+
+
+async def append_one_by_one(w: IngressWAL, ids: range) -> None:
+    for i in ids:
+        await w.append([entry(i)])
+
+
+def segments(d: Path) -> list[str]:
+    return sorted(p.name for p in d.glob("*.wal"))
+
+
+# ---- group commit -------------------------------------------------------------------------------
+
+
+def test_concurrent_appends_share_syncs(tmp_path: Path, pool: ThreadPoolExecutor) -> None:
+    w = opened(tmp_path, pool)
+    syncs = count_syncs()
+    seen: list[int] = []
+    w.on_durable = lambda es: seen.extend(e.seq for e in es)
+
+    async def producer(p: int) -> list[int]:
+        out = []
+        for j in range(5):
+            e = entry(p * 5 + j)
+            await w.append([e])
+            assert w.durable_seq >= e.seq
+            out.append(e.seq)
+        return out
+
+    async def main() -> list[list[int]]:
+        return await asyncio.gather(*(producer(p) for p in range(40)))
+
+    per_producer = asyncio.run(main())
+    assert sorted(s for seqs in per_producer for s in seqs) == list(range(1, 201))
+    for seqs in per_producer:
+        assert seqs == sorted(seqs)
+    assert seen == list(range(1, 201))  # announced once each, in order
+    assert w.durable_seq == 200 and w.next_seq == 201
+    assert 0 < syncs[0] < 100, syncs[0]
+    w.close()
+    again = opened(tmp_path, pool)
+    assert [e.seq for e in again.replay()] == list(range(1, 201))
+    again.close()
+
+
+def test_one_batch_of_many_entries(tmp_path: Path, pool: ThreadPoolExecutor) -> None:
+    w = opened(tmp_path, pool)
+    syncs = count_syncs()
+    batch = [entry(i) for i in range(50)]
+
+    async def main() -> None:
+        await w.append(batch)
+
+    asyncio.run(main())
+    assert [e.seq for e in batch] == list(range(1, 51))
+    assert syncs[0] == 1
+    w.close()
+    again = opened(tmp_path, pool)
+    got = list(again.replay())
+    assert len(got) == 50 and all(same(a, b) for a, b in zip(got, batch, strict=True))
+    again.close()
+
+
+def test_empty_append_resolves(tmp_path: Path, pool: ThreadPoolExecutor) -> None:
+    w = opened(tmp_path, pool)
+
+    async def main() -> None:
+        await asyncio.wait_for(w.append([]), 2)
+        f1 = w.append([entry(1)])
+        f2 = w.append([])
+        await asyncio.wait_for(asyncio.gather(f1, f2), 2)
+
+    asyncio.run(main())
+    assert w.next_seq == 2
+    w.close()
+
+
+def test_oversized_record_stages_nothing(tmp_path: Path, pool: ThreadPoolExecutor,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(W, "MAX_RECORD", 200)
+    w = opened(tmp_path, pool)
+    big = Entry("t", INC, 0, 1, 0, None, b"x" * 300)
+
+    async def main() -> None:
+        await w.append([entry(1)])
+        with pytest.raises(ValueError):
+            w.append([entry(2), big])
+        await w.append([entry(3)])
+
+    asyncio.run(main())
+    assert w.next_seq == 3
+    w.close()
+    again = opened(tmp_path, pool)
+    got = list(again.replay())
+    assert [e.seq for e in got] == [1, 2]
+    assert same(got[1], entry(3))
+    assert again.next_seq == 3
+    again.close()
+
+
+def test_failing_on_durable_callback_does_not_strand_waiters(tmp_path: Path, pool: ThreadPoolExecutor) -> None:
+    w = opened(tmp_path, pool)
+
+    def boom(_: list[Entry]) -> None:
+        raise RuntimeError("listener bug")
+
+    w.on_durable = boom
+
+    async def main() -> None:
+        f1 = w.append([entry(1)])
+        await asyncio.sleep(0)
+        f2 = w.append([entry(2)])  # staged while the first sync runs
+        await asyncio.wait_for(asyncio.gather(f1, f2), 2)
+
+    asyncio.run(main())
+    assert w.durable_seq == 2
+    w.close()
+
+
+# ---- reopen and replay ---------------------------------------------------------------------------------
+
+
+def test_replay_from_checkpoint_after_reopen(tmp_path: Path, pool: ThreadPoolExecutor) -> None:
+    w = opened(tmp_path, pool)
+    asyncio.run(append_one_by_one(w, range(1, 31)))
+
+    async def ckpt() -> None:
+        w.set_checkpoint(11)
+        w.set_checkpoint(5)  # never moves back
+
+    asyncio.run(ckpt())
+    assert w.checkpoint_seq == 11 and w.backlog == 20
+    w.close()
+    again = opened(tmp_path, pool)
+    assert again.checkpoint_seq == 11 and again.next_seq == 31
+    got = list(again.replay())
+    assert [e.seq for e in got] == list(range(11, 31))
+    assert all(same(e, entry(e.seq)) for e in got)
+    # Appends after a reopen continue the same segment at the right place.
+    asyncio.run(append_one_by_one(again, range(31, 41)))
+    again.close()
+    third = opened(tmp_path, pool)
+    got = list(third.replay())
+    assert [e.seq for e in got] == list(range(11, 41))
+    assert all(same(e, entry(e.seq)) for e in got)
+    assert len(segments(tmp_path)) == 1
+    third.close()
+
+
+def test_checkpoint_is_synced_and_survives_reopen(tmp_path: Path, pool: ThreadPoolExecutor,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(W, "CHECKPOINT_SYNC_DELAY", 0.01)
+    w = opened(tmp_path, pool)
+    syncs = count_syncs()
+
+    async def main() -> None:
+        await append_one_by_one(w, range(1, 6))
+        before = syncs[0]
+        w.set_checkpoint(4)
+        await asyncio.sleep(0.2)
+        assert syncs[0] == before + 1  # the delayed checkpoint fsync ran
+
+    asyncio.run(main())
+    assert (tmp_path / "checkpoint").read_bytes() == (4).to_bytes(8, "big")
+    w.close()
+    again = opened(tmp_path, pool)
+    assert again.checkpoint_seq == 4
+    assert [e.seq for e in again.replay()] == [4, 5]
+    again.close()
+
+
+def test_checkpoint_ahead_of_the_log_keeps_appends_replayable(tmp_path: Path, pool: ThreadPoolExecutor) -> None:
+    w = opened(tmp_path, pool)
+    asyncio.run(append_one_by_one(w, range(1, 6)))
+    w.close()
+    (tmp_path / "checkpoint").write_bytes((9).to_bytes(8, "big"))  # e.g. the log's tail was lost
+    again = opened(tmp_path, pool)
+    assert again.next_seq == 9
+    asyncio.run(append_one_by_one(again, range(9, 12)))
+    again.close()
+    third = opened(tmp_path, pool)
+    assert [e.seq for e in third.replay()] == [9, 10, 11]
+    assert third.next_seq == 12
+    third.close()
+
+
+@pytest.mark.parametrize("damage", ["truncate", "zeroes", "garbage", "bad_crc"])
+def test_torn_tail_is_cut_on_open(tmp_path: Path, pool: ThreadPoolExecutor, damage: str) -> None:
+    w = opened(tmp_path, pool)
+    asyncio.run(append_one_by_one(w, range(1, 11)))
+    w.close()
+    seg = tmp_path / segments(tmp_path)[-1]
+    size = seg.stat().st_size
+    last = len(entry(10).encode()) + W.FRAME_HEADER
+    if damage == "truncate":
+        os.truncate(seg, size - 7)
+        keep, good = 9, size - last
+    elif damage == "bad_crc":
+        with open(seg, "r+b") as fh:
+            fh.seek(size - 1)
+            b = fh.read(1)
+            fh.seek(size - 1)
+            fh.write(bytes([b[0] ^ 1]))
+        keep, good = 9, size - last
+    else:
+        with open(seg, "ab") as fh:
+            fh.write(b"\0" * 100 if damage == "zeroes" else W.MAGIC + os.urandom(60))
+        keep, good = 10, size
+    again = opened(tmp_path, pool)
+    assert seg.stat().st_size == good
+    assert again.next_seq == keep + 1 and again.durable_seq == keep
+    assert [e.seq for e in again.replay()] == list(range(1, keep + 1))
+    asyncio.run(append_one_by_one(again, range(keep + 1, keep + 4)))
+    again.close()
+    third = opened(tmp_path, pool)
+    got = list(third.replay())
+    assert [e.seq for e in got] == list(range(1, keep + 4))
+    assert all(same(e, entry(e.seq)) for e in got)
+    third.close()
+
+
+# ---- the failure latch ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fault", ["write", "partial_write", "fdatasync"])
+def test_failure_fails_the_batch_and_latches(tmp_path: Path, pool: ThreadPoolExecutor, fault: str) -> None:
+    w = opened(tmp_path, pool)
+    asyncio.run(append_one_by_one(w, range(1, 6)))  # durable before the failure
+    gate = threading.Event()
+    real_write, real_sync = fileio.write, fileio.fdatasync
+
+    def bad_write(fd: int, data: bytes) -> int:
+        gate.wait(2)
+        if fault == "partial_write":
+            return real_write(fd, bytes(data[: len(data) // 2]))  # then the retry of the rest fails
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def failing_write(fd: int, data: bytes) -> int:
+        fileio.write = lambda fd, data: (_ for _ in ()).throw(OSError(errno.EIO, "I/O error"))
+        return bad_write(fd, data)
+
+    def bad_sync(fd: int) -> None:
+        gate.wait(2)
+        raise OSError(errno.EIO, "Input/output error")
+
+    if fault == "fdatasync":
+        fileio.fdatasync = bad_sync
+    else:
+        fileio.write = failing_write
+
+    async def main() -> list[BaseException | None]:
+        first = [w.append([entry(i)]) for i in range(6, 9)]  # one group
+        await asyncio.sleep(0.05)
+        second = [w.append([entry(i)]) for i in range(9, 11)]  # staged behind it
+        gate.set()
+        res = await asyncio.gather(*first, *second, return_exceptions=True)
+        with pytest.raises(WALFailed):
+            w.append([entry(11)])
+        return res  # type: ignore[return-value]
+
+    results = asyncio.run(main())
+    assert all(isinstance(r, WALFailed) for r in results), results
+    assert w.failed is not None
+    assert w.durable_seq == 5
+    fileio.write, fileio.fdatasync = real_write, real_sync
+    w.close()
+    fileio.reset()
+    again = opened(tmp_path, pool)
+    got = [e.seq for e in again.replay()]
+    # Everything acked before the failure is back; of the failed batch at most a
+    # prefix (a 500 may still be delivered), never a gap.
+    assert got[:5] == [1, 2, 3, 4, 5]
+    assert got == list(range(1, len(got) + 1)) and len(got) <= 8
+    if fault == "write":  # nothing of the batch reached the file
+        assert got == [1, 2, 3, 4, 5]
+    assert again.failed is None
+    n = again.next_seq
+    asyncio.run(append_one_by_one(again, range(n, n + 2)))
+    again.close()
+    third = opened(tmp_path, pool)
+    assert [e.seq for e in third.replay()] == list(range(1, n + 2))
+    third.close()
+
+
+# ---- checkpoint, reclaim, rotation ----------------------------------------------------------------------------
+
+
+def test_reclaim_deletes_segments_below_the_checkpoint(tmp_path: Path, pool: ThreadPoolExecutor) -> None:
+    w = opened(tmp_path, pool, segment_bytes=300)
+    asyncio.run(append_one_by_one(w, range(1, 41)))
+    firsts = [int(n[:-4]) for n in segments(tmp_path)]
+    assert len(firsts) >= 5 and firsts[0] == 1
+    cut = firsts[3] + 1  # inside the fourth segment
+
+    async def ckpt() -> None:
+        w.set_checkpoint(cut)
+
+    asyncio.run(ckpt())
+    assert w.reclaim() == 3
+    assert [int(n[:-4]) for n in segments(tmp_path)] == firsts[3:]
+    assert w.reclaim() == 0
+    w.close()
+    again = opened(tmp_path, pool, segment_bytes=300)
+    got = list(again.replay())
+    assert [e.seq for e in got] == list(range(cut, 41))
+    assert all(same(e, entry(e.seq)) for e in got)
+    again.close()
+
+
+def test_reclaim_after_checkpoint_sync(tmp_path: Path, pool: ThreadPoolExecutor,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(W, "CHECKPOINT_SYNC_DELAY", 0.01)
+    w = opened(tmp_path, pool, segment_bytes=300)
+
+    async def main() -> None:
+        await append_one_by_one(w, range(1, 31))
+        w.set_checkpoint(31)
+        await asyncio.sleep(0.2)
+
+    asyncio.run(main())
+    assert segments(tmp_path) == [f"{int(segments(tmp_path)[0][:-4]):020d}.wal"]
+    w.close()
+
+
+def test_rotates_a_dispatched_active_segment(tmp_path: Path, pool: ThreadPoolExecutor,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(W, "ROTATE_DISPATCHED_BYTES", 500)
+    w = opened(tmp_path, pool)
+    asyncio.run(append_one_by_one(w, range(1, 21)))
+    assert segments(tmp_path) == [f"{1:020d}.wal"]
+
+    async def ckpt(seq: int) -> None:
+        w.set_checkpoint(seq)
+
+    asyncio.run(ckpt(20))  # one record still owed: nothing rotates
+    assert w.reclaim() == 0
+    asyncio.run(ckpt(21))
+    assert w.reclaim() == 1
+    assert segments(tmp_path) == [f"{21:020d}.wal"]
+    assert w.reclaim() == 0  # the new active segment is small
+    asyncio.run(append_one_by_one(w, range(21, 24)))
+    w.close()
+    again = opened(tmp_path, pool)
+    assert again.checkpoint_seq == 21 and again.next_seq == 24
+    assert [e.seq for e in again.replay()] == [21, 22, 23]
+    again.close()
+
+
+def test_failed_rotation_latches_and_keeps_the_records(tmp_path: Path, pool: ThreadPoolExecutor,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(W, "ROTATE_DISPATCHED_BYTES", 100)
+    w = opened(tmp_path, pool)
+    asyncio.run(append_one_by_one(w, range(1, 11)))
+
+    def no_dir_sync(path: object) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(fileio, "fsync_dir", no_dir_sync)
+
+    async def main() -> None:
+        w.set_checkpoint(11)
+        assert w.reclaim() == 0
+        with pytest.raises(WALFailed):
+            w.append([entry(11)])
+
+    asyncio.run(main())
+    monkeypatch.undo()
+    assert w.failed is not None and segments(tmp_path) == [f"{1:020d}.wal"]
+    w.close()
+    again = opened(tmp_path, pool)
+    assert again.checkpoint_seq == 11 and again.next_seq == 11
+    asyncio.run(append_one_by_one(again, range(11, 14)))
+    again.close()
+    third = opened(tmp_path, pool)
+    assert [e.seq for e in third.replay()] == [11, 12, 13]
+    third.close()
+
+
+def test_rotated_and_empty_segment_reopens_at_next_seq(tmp_path: Path, pool: ThreadPoolExecutor,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(W, "ROTATE_DISPATCHED_BYTES", 100)
+    w = opened(tmp_path, pool)
+    asyncio.run(append_one_by_one(w, range(1, 11)))
+
+    async def ckpt() -> None:
+        w.set_checkpoint(11)
+
+    asyncio.run(ckpt())
+    assert w.reclaim() == 1
+    w.close()
+    (tmp_path / "checkpoint").write_bytes((3).to_bytes(8, "big"))  # the checkpoint sync was lost
+    again = opened(tmp_path, pool)
+    assert again.next_seq == 11 and list(again.replay()) == []
+    asyncio.run(append_one_by_one(again, range(11, 13)))
+    again.close()
+    third = opened(tmp_path, pool)
+    assert [e.seq for e in third.replay()] == [11, 12]
+    third.close()
+
+
+# ---- record encoding ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("key", [None, b"", b"k", b"\x00\xff\x80binary\n", "ключ".encode()])
+def test_entry_round_trip(key: bytes | None) -> None:
+    e = Entry("tópico/ü", INC, 7, 1_712_345_678_901, 6, key, b"\x00payload\xff")
+    data = e.encode()
+    d = Entry.decode(data, 42)
+    assert d.seq == 42 and same(d, e)
+    assert (d.key is None) == (key is None)
+    assert Entry.decode(memoryview(data), 1).key == key
+    empty = Entry("t", INC, 0, 0, 0, key, b"")
+    assert Entry.decode(empty.encode(), 1).payload == b""
+
+
+def test_entry_rejects_unknown_format() -> None:
+    data = bytearray(entry(1).encode())
+    data[0] = 9
+    with pytest.raises(ValueError):
+        Entry.decode(bytes(data), 1)
+
+
+def test_keys_survive_the_wal(tmp_path: Path, pool: ThreadPoolExecutor) -> None:
+    keys: list[bytes | None] = [None, b"", b"\x00\x01", b"plain"]
+    w = opened(tmp_path, pool)
+
+    async def main() -> None:
+        await w.append([Entry("t", INC, 0, 1, 0, k, b"p") for k in keys])
+
+    asyncio.run(main())
+    w.close()
+    again = opened(tmp_path, pool)
+    assert [e.key for e in again.replay()] == keys
+    again.close()

@@ -137,6 +137,7 @@ class Broker:
                     f.set_result(False)
         for key, p in list(self.partitions.items()):
             await self._close_partition(key, p, clean=True)
+        await self.wal.drain()
         self.wal.close()
         self.io.shutdown(wait=True)
 
@@ -195,8 +196,8 @@ class Broker:
         return p
 
     async def _close_partition(self, key: tuple[str, int], p: Partition, *, clean: bool) -> None:
-        p.closed = True
         self.partitions.pop(key, None)
+        await p.quiesce()  # a commit in flight publishes before the hwm file is written
         frontier, ahead = p.snapshot_offsets()
 
         def close_sync() -> None:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from narad.storage import frames as FR
 from narad.storage.offsets import OffsetFile
-from narad.storage.partition_log import CorruptRecord, OffsetGone, PartitionLog, Record
+from narad.storage.partition_log import CorruptRecord, LogClosed, NotVisible, OffsetGone, PartitionLog, Record
 
 log = logging.getLogger("narad.broker.partition")
 MAX_COMBINED_BYTES = 16 << 20
@@ -146,6 +146,11 @@ class Partition:
                 del self.leases[off]
                 self._settle_unreadable(off)
                 continue
+            except (LogClosed, NotVisible):
+                # Closing (delete, recreate, shutdown): give the lease back, never
+                # mistake the retired log for a gap.
+                del self.leases[off]
+                break
             heapq.heappush(self._expiry, (expiry, off, nonce))
             out.append(Delivery(self.index, off, nonce, rec))
         return out
@@ -259,7 +264,16 @@ class Partition:
                             f.set_exception(OSError(e.errno or 5, f"partition commit failed: {e}"))
                     continue
                 base, seg, pos, fsize, rolled = res
-                self.log.publish(base, seg, pos, fsize, rolled, decoded)
+                try:
+                    self.log.publish(base, seg, pos, fsize, rolled, decoded)
+                except Exception as e:  # the frame is durable; the log state is not to be trusted
+                    log.exception("partition publish failed; closing the partition",
+                                  extra={"topic": self.topic, "partition": self.index})
+                    self.closed = True
+                    for _, f in queue:
+                        if not f.done():
+                            f.set_exception(OSError(5, f"partition publish failed: {e}"))
+                    break
                 off = base
                 for batch, f in queue:
                     if not f.done():
@@ -274,6 +288,17 @@ class Partition:
                     f.set_exception(OSError(9, "partition closed"))
             if self.closed:
                 self._commit_queue.clear()
+
+    async def quiesce(self) -> None:
+        """Stop taking commits and wait for the one in flight (before closing)."""
+        self.closed = True
+        task = self._task
+        if task is not None and not task.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(task), 30)
+            except (TimeoutError, Exception):
+                log.error("partition commit still running at close", extra={"topic": self.topic,
+                                                                           "partition": self.index})
 
     def next_expiry(self) -> float | None:
         return self._expiry[0][0] if self._expiry else None

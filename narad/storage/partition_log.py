@@ -64,6 +64,10 @@ class NotVisible(LookupError):
     """The offset is at or above the high watermark: not readable (yet)."""
 
 
+class LogClosed(Exception):
+    """The log was closed (topic deleted or recreated, shutdown): retry elsewhere."""
+
+
 class CorruptRecord(Exception):
     """The record at this offset cannot be read back intact (never served)."""
 
@@ -402,7 +406,10 @@ class PartitionLog:
         return -1
 
     def read(self, offset: int) -> Record:
-        """The record at `offset` (< hwm). Raises OffsetGone, CorruptRecord or NotVisible."""
+        """The record at `offset` (< hwm). Raises OffsetGone, CorruptRecord or NotVisible
+        (and LogClosed once closed: a retired log never looks like a gap)."""
+        if self.closed:
+            raise LogClosed(offset)
         if offset >= self.hwm:
             raise NotVisible(offset)
         if offset < self.oldest:

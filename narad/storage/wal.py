@@ -371,6 +371,15 @@ class IngressWAL:
         """Accepted records not yet confirmed at their owner (what a restart replays)."""
         return self.durable_seq + 1 - self.checkpoint_seq
 
+    async def drain(self) -> None:
+        """Wait for the group commit in flight (call before close)."""
+        task = self._task
+        if task is not None and not task.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(task), 30)
+            except (TimeoutError, Exception):
+                log.error("ingress WAL: flush still running at close")
+
     def close(self) -> None:
         if self._ckpt_timer is not None:
             self._ckpt_timer.cancel()

@@ -302,12 +302,13 @@ class MessagesAPI:
             raise BadRequest(f"too many messages: more than {MAX_BATCH_MESSAGES}")
         now = int(time.time() * 1000)
         inc = bytes.fromhex(t.id)
-        prepared: list[tuple[bytes, bytes | None, int | None]] = []
+        prepared: list[tuple[bytes, bytes | None, int | None, int]] = []
         # Pass 1: the format of every message.
         for i, m in enumerate(msgs):
             if m.payload is msgspec.UNSET:
                 raise BadRequest(f"message {i}: payload required")
             raw = bytes(m.payload)  # type: ignore[arg-type]
+            flags = F_JSON | F_UTF8  # a value taken from a JSON document is one valid JSON text
             if m.payload_encoding is None:
                 payload = raw
             elif m.payload_encoding == "base64":
@@ -316,6 +317,7 @@ class MessagesAPI:
                     payload = base64.b64decode(s, validate=True)
                 except (msgspec.DecodeError, binascii.Error, ValueError):
                     raise BadRequest(f"message {i}: payload is not a base64 string") from None
+                flags = payload_flags(payload)
             else:
                 raise BadRequest(f'message {i}: unknown payload_encoding "{m.payload_encoding}" (base64)')
             if not payload:
@@ -336,10 +338,10 @@ class MessagesAPI:
                 key = key or None
             if m.partition is not None and m.partition < 0:
                 raise BadRequest(f"message {i}: invalid argument: partition out of range")
-            prepared.append((payload, key, m.partition))
+            prepared.append((payload, key, m.partition, flags))
         # Pass 2: partition range and schema.
         v = self._validator(t)
-        for i, (payload, _key, part) in enumerate(prepared):
+        for i, (payload, _key, part, _flags) in enumerate(prepared):
             if part is not None and part >= t.partitions:
                 raise BadRequest(f"message {i}: invalid argument: partition out of range")
             if v is not None:
@@ -348,10 +350,10 @@ class MessagesAPI:
                     self.m.produce_rejections.labels(t.name, "schema").inc()
                     raise BadRequest(f"message {i}: invalid argument: {why}")
         entries = []
-        for payload, key, part in prepared:
+        for payload, key, part, flags in prepared:
             if part is None:
                 part = self.broker.choose_partition(t, key)
-            entries.append(Entry(t.name, inc, part, now, payload_flags(payload), key, payload))
+            entries.append(Entry(t.name, inc, part, now, flags, key, payload))
         await self._append(req, t, entries)
         return json_response(202, {"accepted": len(entries)})
 

@@ -103,6 +103,9 @@ class Router:
     def __init__(self) -> None:
         self._routes: list[_Route] = []
         self._exact: dict[tuple[str, str], _Route] = {}
+        # (method, path) -> matched route: a transport asks for the body limit and
+        # the router for the handler, and paths repeat (one per topic and action).
+        self._cache: dict[tuple[str, str], tuple[_Route, dict[str, str]]] = {}
 
     def add(
         self, method: str, pattern: str, handler: Handler, *, body_limit: int = GENERAL_BODY_LIMIT,
@@ -118,6 +121,16 @@ class Router:
         """Find the route; raises NotFound (unknown path) or MethodNotAllowed."""
         if method == "HEAD":
             method = "GET"
+        cached = self._cache.get((method, path))
+        if cached is not None:
+            return cached
+        found = self._match(method, path)
+        if len(self._cache) >= 10_000:
+            self._cache.clear()
+        self._cache[(method, path)] = found
+        return found
+
+    def _match(self, method: str, path: str) -> tuple[_Route, dict[str, str]]:
         hit = self._exact.get((method, path))
         if hit is not None:
             return hit, {}
@@ -188,7 +201,7 @@ class RoutedApp:
             if self.before is not None:
                 await self.before(req)
             route, params = self.router.match(req.method, req.path)
-            req.params = params
+            req.params = dict(params)
             req.route = f"{route.method} {route.pattern}"
             resp = await route.handler(req)
         except NaradError as e:

@@ -95,6 +95,8 @@ class Broker:
         self._waiters: dict[str, deque[asyncio.Future[bool]]] = {}
         self._watchers: dict[str, set[int]] = {}
         self._rr = RoundRobin()
+        self._route_cache: dict[tuple[str, int], int] = {}
+        self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]  # set in start()
         self._tasks: list[asyncio.Task[None]] = []
         self._topics_ver = -1
         self._synced: dict[tuple[str, int], float] = {}
@@ -105,7 +107,8 @@ class Broker:
 
     # ---- lifecycle ------------------------------------------------------------------
     async def start(self) -> None:
-        await asyncio.get_running_loop().run_in_executor(self.io, self.wal.open)
+        self.loop = asyncio.get_running_loop()
+        await self.loop.run_in_executor(self.io, self.wal.open)
         self.wal.on_durable = self.dispatcher.feed
         replayed = 0
         batch: list[Entry] = []
@@ -121,7 +124,7 @@ class Broker:
         if replayed:
             log.info("ingress WAL replayed for dispatch", extra={"records": replayed, "worker": self.index})
         self._topics_ver = self.versions.load(V.TOPICS)
-        loop = asyncio.get_running_loop()
+        loop = self.loop
         for coro in (self._committer(), self._sweeper(), self._reaper(), self._topic_watch()):
             self._tasks.append(loop.create_task(coro))
 
@@ -143,7 +146,13 @@ class Broker:
 
     # ---- routing -------------------------------------------------------------------------
     def route(self, topic: str, partition: int) -> int:
-        return owner_worker(topic, partition, self.workers)
+        key = (topic, partition)
+        w = self._route_cache.get(key)
+        if w is None:
+            if len(self._route_cache) > 100_000:
+                self._route_cache.clear()
+            w = self._route_cache[key] = owner_worker(topic, partition, self.workers)
+        return w
 
     def choose_partition(self, topic: TopicRecord, key: bytes | None) -> int:
         if key:
@@ -169,13 +178,14 @@ class Broker:
             p = await asyncio.shield(pending)
             if p.topic_id == topic.id:
                 return p
-        fut: asyncio.Future[Partition] = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[Partition] = self.loop.create_future()
         self._opening[key] = fut
         try:
             d = topic_dir(self.data_dir, topic.name, topic.id) / f"p{index:05d}"
-            p = await asyncio.get_running_loop().run_in_executor(self.io, self._open_sync, topic, index, d)
+            p = await self.loop.run_in_executor(self.io, self._open_sync, topic, index, d)
             p.on_visible = self._on_visible
             p.on_released = self._on_released
+            p.loop = self.loop
             self.partitions[key] = p
             fut.set_result(p)
             return p
@@ -207,7 +217,7 @@ class Broker:
                 log.error("could not persist consumer offsets at close", extra={"topic": p.topic, "err": str(e)})
             p.log.close(clean=clean)
 
-        await asyncio.get_running_loop().run_in_executor(self.io, close_sync)
+        await self.loop.run_in_executor(self.io, close_sync)
 
     async def _retire(self, key: tuple[str, int], p: Partition) -> None:
         """The partition's topic incarnation is gone here: close it; remove its
@@ -219,7 +229,7 @@ class Broker:
             gone = False
         if gone:
             d = topic_dir(self.data_dir, p.topic, p.topic_id) / f"p{p.index:05d}"
-            await asyncio.get_running_loop().run_in_executor(self.io, _remove_partition_dir, d)
+            await self.loop.run_in_executor(self.io, _remove_partition_dir, d)
             log.info("removed data of a deleted topic partition", extra={"topic": p.topic, "id": p.topic_id,
                                                                         "partition": p.index})
 
@@ -309,7 +319,7 @@ class Broker:
     async def consume(self, t: TopicRecord, max_n: int, wait: float, partition: int | None = None) -> list[P.Item]:
         """Local partitions first, then the other workers (one hop each); if
         nothing is ready, park until data arrives or `wait` runs out."""
-        loop = asyncio.get_running_loop()
+        loop = self.loop
         deadline = loop.time() + wait
         if partition is not None:
             owners = [self.route(t.name, partition)]
@@ -339,10 +349,11 @@ class Broker:
             fut: asyncio.Future[bool] = loop.create_future()
             self._waiters.setdefault(t.name, deque()).append(fut)
             self.m.consume_waiters.inc()
+            timer = loop.call_later(min(remaining, PARK_RECHECK), _wake_false, fut)
             try:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(fut, min(remaining, PARK_RECHECK))
+                await fut
             finally:
+                timer.cancel()
                 self.m.consume_waiters.dec()
             cur = self.store.topic(t.name)
             if cur is None or cur.id != t.id:
@@ -490,7 +501,7 @@ class Broker:
     # ---- background work -----------------------------------------------------------------------------
     async def _committer(self) -> None:
         """Acks reach the page cache every 100 ms and the disk every sync interval."""
-        loop = asyncio.get_running_loop()
+        loop = self.loop
         while True:
             await asyncio.sleep(COMMIT_TICK)
             now = time.monotonic()
@@ -534,7 +545,7 @@ class Broker:
             self.m.wal_failed.set(1 if self.wal.failed is not None else 0)
 
     async def _reaper(self) -> None:
-        loop = asyncio.get_running_loop()
+        loop = self.loop
         while True:
             await asyncio.sleep(REAP_EVERY)
             now_ms = int(time.time() * 1000)
@@ -572,6 +583,11 @@ class Broker:
     def health(self) -> dict[str, Any]:
         return {"wal_failed": self.wal.failed is not None, "backlog": self.wal.backlog,
                 "partitions": len(self.partitions)}
+
+
+def _wake_false(fut: asyncio.Future[bool]) -> None:
+    if not fut.done():
+        fut.set_result(False)
 
 
 def _writeout_all(parts: list[Partition], level: list[tuple[Partition, int]]) -> None:

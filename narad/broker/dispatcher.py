@@ -72,6 +72,12 @@ class Dispatcher:
         self.discarded = 0
         self.committed = 0
         self.closed = False
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def _loop(self) -> asyncio.AbstractEventLoop:
+        if self.loop is None:
+            self.loop = asyncio.get_running_loop()
+        return self.loop
 
     def feed(self, entries: list[Entry]) -> None:
         if not entries:
@@ -118,11 +124,11 @@ class Dispatcher:
             groups = [d.groups.popleft() for _ in range(n)]
             d.inflight = True
             self._inflight += 1
-            t = asyncio.get_running_loop().create_task(self._commit(key, d, batch, groups))
+            t = self._loop().create_task(self._commit(key, d, batch, groups))
             self._tasks.add(t)
             t.add_done_callback(self._tasks.discard)
         if soonest is not None and self._timer is None:
-            loop = asyncio.get_running_loop()
+            loop = self._loop()
             self._timer = loop.call_later(max(0.0, soonest - now), self._on_timer)
 
     def _on_timer(self) -> None:

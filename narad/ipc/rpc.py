@@ -86,7 +86,8 @@ class Connection(asyncio.Protocol):
         self._buf = bytearray()
         self._pending: dict[int, asyncio.Future[msgspec.Raw]] = {}
         self._ids = itertools.count(1)
-        self._closed = asyncio.get_running_loop().create_future()
+        self._loop = asyncio.get_running_loop()
+        self._closed = self._loop.create_future()
         self._tasks: set[asyncio.Task[None]] = set()
         self.peer_info: dict[str, Any] = {}
 
@@ -155,7 +156,7 @@ class Connection(asyncio.Protocol):
             if kind == REQ:
                 self._send_error(rid, 400, f"unsupported request {type(msg).__name__}")
             return
-        task = asyncio.ensure_future(self._serve(kind, rid, handler, msg))
+        task = self._loop.create_task(self._serve(kind, rid, handler, msg))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -196,16 +197,18 @@ class Connection(asyncio.Protocol):
         if self.transport is None or self.transport.is_closing():
             raise ConnectionLost("local peer process is not connected")
         rid = next(self._ids)
-        fut: asyncio.Future[msgspec.Raw] = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[msgspec.Raw] = self._loop.create_future()
         self._pending[rid] = fut
         self._write(encode_frame(REQ, rid, _enc.encode(msg)))
+        timer = None
+        if timeout is not None:
+            timer = self._loop.call_later(timeout, _expire, fut, f"local call {type(msg).__name__} timed out "
+                                                                 f"after {timeout:g}s")
         try:
-            if timeout is None:
-                return await fut
-            return await asyncio.wait_for(fut, timeout)
-        except TimeoutError:
-            raise GatewayTimeout(f"local call {type(msg).__name__} timed out after {timeout:g}s") from None
+            return await fut
         finally:
+            if timer is not None:
+                timer.cancel()
             self._pending.pop(rid, None)
 
     def notify(self, msg: Any) -> None:
@@ -221,6 +224,11 @@ class Connection(asyncio.Protocol):
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
+
+
+def _expire(fut: asyncio.Future[msgspec.Raw], message: str) -> None:
+    if not fut.done():
+        fut.set_exception(GatewayTimeout(message))
 
 
 async def serve_unix(path: str, service_factory: Callable[[], Service], mode: int = 0o600) -> asyncio.Server:

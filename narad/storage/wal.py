@@ -128,6 +128,7 @@ class IngressWAL:
         self._ckpt_dirty = False
         self._ckpt_timer: asyncio.TimerHandle | None = None
         self.on_durable: Callable[[list[Entry]], None] | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
         self.durable_seq = 0  # highest seq known on disk
 
     # ---- open / recovery ---------------------------------------------------------------
@@ -225,7 +226,7 @@ class IngressWAL:
         when the sync covering them returned. Raises WALFailed if latched."""
         if self.failed is not None:
             raise WALFailed(self.failed.errno or 5, f"ingress WAL failed earlier: {self.failed}")
-        loop = asyncio.get_running_loop()
+        loop = self._get_loop()
         fut: asyncio.Future[None] = loop.create_future()
         if not entries:
             if self._staging:
@@ -254,7 +255,7 @@ class IngressWAL:
         return fut
 
     async def _flush_loop(self) -> None:
-        loop = asyncio.get_running_loop()
+        loop = self._get_loop()
         try:
             while self._staging:
                 buf, self._staging = bytes(self._staging), bytearray()
@@ -314,7 +315,7 @@ class IngressWAL:
             return
         self._ckpt_dirty = True
         if self._ckpt_timer is None:
-            loop = asyncio.get_running_loop()
+            loop = self._get_loop()
             self._ckpt_timer = loop.call_later(CHECKPOINT_SYNC_DELAY, self._sync_checkpoint)
 
     def _sync_checkpoint(self) -> None:
@@ -322,7 +323,7 @@ class IngressWAL:
         if not self._ckpt_dirty:
             return
         self._ckpt_dirty = False
-        loop = asyncio.get_running_loop()
+        loop = self._get_loop()
         fut = loop.run_in_executor(self.executor, fileio.fdatasync, self._ckpt_fd)
         fut.add_done_callback(self._after_checkpoint_sync)
 
@@ -365,6 +366,13 @@ class IngressWAL:
         if removed:
             fileio.fsync_dir(self.dir)
         return removed
+
+    def _get_loop(self) -> asyncio.AbstractEventLoop:
+        # Cached: get_running_loop() costs a getpid() syscall per call on 3.11.
+        loop = self.loop
+        if loop is None or loop.is_closed():
+            loop = self.loop = asyncio.get_running_loop()
+        return loop
 
     @property
     def backlog(self) -> int:

@@ -12,6 +12,7 @@ Imports narad.api, narad.meta, narad.ipc, narad.metrics, narad.config.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -147,6 +148,13 @@ async def _main(spec: WorkerSpec, index: int, core: int | None) -> int:
             read_timeout=cfg.seconds("http", "read_timeout"),
         ))
         await h3.start()
+    # Everything allocated so far lives as long as the worker: keep it out of
+    # every collection, and collect the young generation less often (request
+    # handling allocates a lot of short-lived objects; gen-0 passes showed up
+    # at ~5% of worker CPU).
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(20_000, 20, 20)
     log.info("worker serving", extra={"index": index, "core": core, "port": cfg.http.port})
     await stop.wait()
     t0 = time.monotonic()

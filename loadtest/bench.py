@@ -1,42 +1,57 @@
 """Message-path benchmarks for one node on loopback, 1 KiB messages. Prints:
 
 (a) single produce latency p50/p99 at low load: one client, one keep-alive
-    connection, sequential requests;
+    connection, sequential requests (100 warm-up requests not counted);
 (b) produce-only throughput (msgs/s) with the single API and with the batch
     API (``--batch`` messages per request), each with 1 node worker and with N;
-(c) full produce -> consume -> ack throughput with the single API (produce one,
-    consume one, ack one) and with the batch APIs (batch produce, batch consume
-    ``max=100``, batch ack), 1 and N workers. Only messages that were produced,
-    consumed and acked (204) count. After the timed window the topic is drained
-    and every produced message must have been consumed at least once;
-    duplicates (a message consumed more than once), missing and unexpected
-    messages are reported;
+    afterwards the partitions' high watermarks must add up to what got 202;
+(c) full produce -> consume -> ack throughput with the single API (each
+    connection loops: produce one, consume one with wait=1s, ack it) and with
+    the batch APIs (each connection loops: batch produce, batch consume
+    ``max=100`` + batch ack, more consumes while this process's backlog is over
+    one batch per connection), 1 and N workers. msgs counts messages that were
+    produced, consumed and acked (204) in the window. Afterwards the topic is
+    drained and every produced message must have been consumed at least once;
+    duplicates (consumed more than once), missing and unexpected messages and
+    acks that did not get 204 are reported;
 (d) for every run: the client's CPU (process CPU seconds / wall, summed over
-    the client processes, in % of one core), the server's CPU (summed over the
-    node's processes with psutil) and the server CPU per message in µs.
+    the client processes), the server's CPU (summed over the node's processes
+    with psutil; split per process, with the kernel's share, below the table),
+    the rest of the machine's CPU (other jobs make a run noisy) and the server
+    CPU per message in µs. CPU figures are in % of one core.
 
 Each scenario starts a fresh node (tests.harness.Node) in a temp dir, creates
-a 6-partition topic, runs, verifies and stops the node. The load generator is
-raw asyncio on uvloop: keep-alive HTTP/1.1 connections as asyncio Protocols,
-responses parsed by httptools, requests pre-rendered as bytes, no pipelining
-(one request in flight per connection, many connections). ``--procs 2``
-spreads the connections over two client processes.
+a 6-partition topic, runs, verifies and stops the node. A failing request
+stops the scenario and is reported as request line, status and body, with the
+node's log tail. The load generator is raw asyncio on uvloop: keep-alive
+HTTP/1.1 connections as asyncio Protocols, responses parsed by httptools,
+requests pre-rendered as bytes, one request in flight per connection, many
+connections. ``--procs 2`` spreads the connections over two client processes.
 
 Usage:
     .venv/bin/python loadtest/bench.py [--seconds S] [--workers N] [--quick]
         [--procs P] [--conns C] [--batch-conns C] [--only REGEX]
-        [--profile DIR]            # py-spy the node's workers during the flow runs
-    .venv/bin/python loadtest/bench.py --summarise DIR/*.txt   # py-spy raw -> top frames
+        [--profile DIR [--profile-runs REGEX] [--profile-rate HZ]]
+    .venv/bin/python loadtest/bench.py --summarise DIR/*.txt
+
+--profile runs py-spy (raw format, every thread, idle ones included, native
+frames) on each node worker during the runs --profile-runs selects (default:
+the flow runs), writes DIR/<run>-worker<i>.txt and prints a summary: thread
+states (idle / GIL wait / fsync / CPU) and, over the CPU samples, self time by
+file, function and line and inclusive time by function. Native unwinding
+costs CPU on the same cores: at the default 50 Hz a run loses about a third of
+its throughput, so profile with longer runs and read the table from a run
+without --profile.
 
 The load generator shares this machine's cores with the node, so the numbers
-are a floor for what the server alone can do; the CPU columns say how much
-of the machine each side used.
+are a floor for what the server alone can do.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
 import multiprocessing as mp
 import multiprocessing.connection
@@ -68,7 +83,9 @@ PARTITIONS = 6
 MSG_SIZE = 1024
 CONSUME_WAIT = "1s"
 CONSUME_MAX = 100
+CONSUME_CAP = 1024  # the node's default http.max_consume_in_flight_per_identity (a batch consume counts as max)
 DRAIN_TIMEOUT = 20.0
+SPY_RATE = 50  # py-spy samples/s per process (--profile-rate); every thread is sampled each time
 
 # A message is one JSON object of exactly MSG_SIZE bytes whose first field is a
 # 16-hex-digit id: (client global index << 32) | sequence number.
@@ -263,6 +280,7 @@ class Stats:
     ack_bad: Counter[int] = field(default_factory=Counter)
     ack_bad_example: str = ""
     lat: array = field(default_factory=lambda: array("d"))  # produce request latencies, seconds
+    clat: array = field(default_factory=lambda: array("d"))  # consume request latencies, seconds
     produced_ids: array = field(default_factory=lambda: array("Q"))
     consumed_ids: array = field(default_factory=lambda: array("Q"))
     failure: str = ""
@@ -271,6 +289,7 @@ class Stats:
 class Load:
     def __init__(self, sc: Scenario, reqs: Requests, st: Stats, deadline: float) -> None:
         self.sc, self.r, self.st, self.deadline = sc, reqs, st, deadline
+        self.backlog = 0  # flow_batch: messages produced by this process and not yet consumed by it
 
     async def latency(self, c: HttpConn, gid: int) -> None:
         r, st = self.r, self.st
@@ -329,7 +348,9 @@ class Load:
             expect(s, 202, req, b)
             st.produced += 1
             st.produced_ids.append(mid)
+            t = time.perf_counter()
             s, b = await c.request(r.consume_one)
+            st.clat.append(time.perf_counter() - t)
             st.requests += 2
             if s == 204:
                 st.empty += 1
@@ -350,24 +371,31 @@ class Load:
                 expect(s, 204, req, b)
 
     async def flow_batch(self, c: HttpConn, gid: int) -> None:
+        """Batch produce, then batch consume + batch ack once; consume more while this process's backlog
+        (produced - consumed, any connection's messages) exceeds one batch per connection."""
         r, st, seq, n = self.r, self.st, 0, self.sc.batch
+        limit = n * self.sc.conns
         while time.monotonic() < self.deadline:
             first = (gid << 32) | seq
             await self._batch(c, first, n)
             st.produced_ids.extend(range(first, first + n))
             seq += n
-            got = 0
-            while got < n:
-                got_now = await consume_and_ack(c, r, st, r.consume_many)
-                if got_now == 0:
+            self.backlog += n
+            while True:
+                got = await consume_and_ack(c, r, st, r.consume_many)
+                self.backlog -= got
+                if got == 0:
                     st.empty += 1
                     break
-                got += got_now
+                if self.backlog <= limit or time.monotonic() >= self.deadline:
+                    break
 
 
 async def consume_and_ack(c: HttpConn, r: Requests, st: Stats, req: bytes) -> int:
     """One batch consume and one batch ack of what it returned; returns the number of messages."""
+    t = time.perf_counter()
     s, b = await c.request(req)
+    st.clat.append(time.perf_counter() - t)
     st.requests += 1
     if s == 204:
         return 0
@@ -510,6 +538,9 @@ class Result:
     p99: float = math.nan
     client_cpu: float = 0.0
     server_cpu: float = 0.0
+    cpu_split: dict[str, float] = field(default_factory=dict)  # supervisor / workerN / other -> CPU seconds
+    server_sys: float = 0.0  # the system (kernel) part of server_cpu
+    other_cpu: float = 0.0  # everything else on the machine (other users' jobs make a run noisy)
     check: Check = field(default_factory=Check)
     failure: str = ""
     profiles: list[Path] = field(default_factory=list)
@@ -521,15 +552,21 @@ def _node_procs(node: Node) -> list[psutil.Process]:
     return [root, *root.children(recursive=True)]
 
 
-def _cpu(procs: list[psutil.Process]) -> float:
-    total = 0.0
+def _cpu(procs: list[psutil.Process]) -> dict[int, tuple[float, float]]:
+    """pid -> (user, system) CPU seconds so far."""
+    out = {}
     for p in procs:
         try:
             t = p.cpu_times()
         except psutil.NoSuchProcess:
             continue
-        total += t.user + t.system
-    return total
+        out[p.pid] = (t.user, t.system)
+    return out
+
+
+def _machine_busy() -> float:
+    t = psutil.cpu_times()
+    return sum(t) - t.idle - getattr(t, "iowait", 0.0)
 
 
 def worker_pids(node: Node) -> dict[int, int]:
@@ -543,7 +580,7 @@ def _pct(values: list[float], p: float) -> float:
     return s[min(len(s) - 1, int(len(s) * p))] if s else math.nan
 
 
-def run(sc: Scenario, profile_dir: Path | None) -> Result:
+def run(sc: Scenario, profile_dir: Path | None, profile_which: str = "flow", profile_rate: int = SPY_RATE) -> Result:
     res = Result(sc)
     tmp = Path(tempfile.mkdtemp(prefix="narad-bench-"))
     node = Node(tmp / "data", workers=sc.workers)
@@ -568,15 +605,15 @@ def run(sc: Scenario, profile_dir: Path | None) -> Result:
             barrier.wait(timeout=120)
         except Exception:  # a client failed its setup; its Stats says why
             pass
-        cpu0 = _cpu(procs)
+        cpu0, busy0 = _cpu(procs), _machine_busy()
         if profile_dir is not None:
-            spies, res.profiles = _start_spies(node, sc, profile_dir)
+            spies, res.profiles = _start_spies(node, sc, profile_dir, profile_which, profile_rate)
         stats: list[Stats] = []
         for rd in pipes:
             if not rd.poll(sc.seconds + 300):
                 raise BenchFailure("a client process gave no result within the run time + 300 s")
             stats.append(rd.recv())
-        cpu1 = _cpu(procs)
+        cpu1, busy1 = _cpu(procs), _machine_busy()
         for p in children:
             p.join(10)
         for spy in spies:
@@ -585,8 +622,17 @@ def run(sc: Scenario, profile_dir: Path | None) -> Result:
         if failures:
             raise BenchFailure(failures[0])
         res.wall = max(s.t1 for s in stats) - min(s.t0 for s in stats)
-        res.server_cpu = cpu1 - cpu0
+        names = {pid: f"worker{i}" for i, pid in worker_pids(node).items()}
+        names[procs[0].pid] = "supervisor"
+        split: Counter[str] = Counter()
+        for pid, (u, sy) in cpu1.items():
+            u0, s0 = cpu0.get(pid, (0.0, 0.0))
+            split[names.get(pid, "other")] += u - u0 + sy - s0
+            res.server_sys += sy - s0
+        res.cpu_split = dict(split)
+        res.server_cpu = sum(split.values())
         res.client_cpu = sum(s.cpu for s in stats)
+        res.other_cpu = max(0.0, busy1 - busy0 - res.server_cpu - res.client_cpu)
         res.requests = sum(s.requests for s in stats)
         res.produced = sum(s.produced for s in stats)
         lat = [x for s in stats for x in s.lat]
@@ -603,6 +649,9 @@ def run(sc: Scenario, profile_dir: Path | None) -> Result:
                 ex = next(s.ack_bad_example for s in stats if s.ack_bad_example)
                 res.check.text += f"; acks not 204 in the window: {dict(bad)} e.g. {ex}"
                 res.check.failed = True
+            clat = [x for s in stats for x in s.clat]
+            res.check.text += (f"; consume p50 {_pct(clat, 0.5) * 1e3:.1f} p99 {_pct(clat, 0.99) * 1e3:.1f} "
+                               f"max {max(clat, default=math.nan) * 1e3:.0f} ms")
             empty = sum(s.empty for s in stats)
             if empty:
                 res.check.text += f"; {empty} consumes found nothing in {CONSUME_WAIT}"
@@ -640,51 +689,130 @@ def _py_spy() -> str:
     return found
 
 
-def _start_spies(node: Node, sc: Scenario, out: Path) -> tuple[list[subprocess.Popen[bytes]], list[Path]]:
-    if not sc.mode.startswith("flow"):
+_BOILERPLATE = ("_run_module_as_main (", "_run_code (", "<module> (narad/supervisor/main.py", "main (narad/supervisor/",
+                "Supervisor.boot_process", "ForkServer.start (", "_serve (narad/supervisor/forkserver.py",
+                "run (narad/worker/main.py", "run (uvloop/", "Runner.run (asyncio/", "Thread._bootstrap",
+                "Thread.run (threading.py", "_worker (concurrent/futures/thread.py", "_WorkItem.run (concurrent/")
+
+
+def _start_spies(node: Node, sc: Scenario, out: Path, which: str,
+                 rate: int) -> tuple[list[subprocess.Popen[bytes]], list[Path]]:
+    """py-spy every worker of the node for the timed window: raw collapsed stacks of every thread, idle ones
+    included, with native frames (so epoll waits, GIL waits and fdatasync can be told apart from CPU work)."""
+    if not re.search(which, f"{sc.name} w{sc.workers}"):
         return [], []
     out.mkdir(parents=True, exist_ok=True)
     spies, files = [], []
+    duration = max(1, int(sc.seconds))
     for idx, pid in sorted(worker_pids(node).items()):
         f = out / f"{sc.name.replace(' ', '_')}-w{sc.workers}-worker{idx}.txt"
-        cmd = [_py_spy(), "record", "--format", "raw", "--rate", "250", "--nonblocking", "--idle",
-               "--duration", str(max(1, int(sc.seconds))), "--pid", str(pid), "--output", str(f)]
+        f.with_suffix(".json").write_text(json.dumps({"scenario": sc.name, "node_workers": sc.workers, "worker": idx,
+                                                      "pid": pid, "rate": rate, "duration": duration}))
+        cmd = [_py_spy(), "record", "--format", "raw", "--threads", "--idle", "--native", "--rate", str(rate),
+               "--duration", str(duration), "--pid", str(pid), "--output", str(f)]
         spies.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         files.append(f)
     return spies, files
 
 
-_IDLE = ("select (selectors.py", "run_once (uvloop", "_run_once (asyncio", "wait (threading.py",
-         "_worker (concurrent/futures/thread.py")
+def _is_py(frame: str) -> bool:
+    m = re.search(r"\(([^()]*)\)$", frame)
+    loc = m.group(1) if m else ""
+    return ".py:" in loc or loc.endswith(".py") or loc.startswith("<frozen")
+
+
+def _fn(frame: str) -> str:
+    """'func (path/file.py:123)' -> 'func (path/file.py)'."""
+    return re.sub(r":\d+\)$", ")", frame)
+
+
+def _file(frame: str) -> str:
+    m = re.search(r"\(([^():]+)(?::\d+)?\)$", frame)
+    return m.group(1) if m else frame
+
+
+def _state(frames: list[str]) -> str:
+    """What a sampled thread was doing: idle, waiting for the GIL, in fdatasync/fsync, or running (CPU)."""
+    names = [f.split(" (", 1)[0] for f in frames[-4:]]
+    leaf = names[-1]
+    if "epoll_wait" in names or ("uv__io_poll" in names and leaf.startswith(("0x", "epoll"))):
+        return "idle"
+    if "PyThread_acquire_lock_timed" in names and any(n.startswith("_queue_SimpleQueue_get") for n in names):
+        return "idle"  # an executor thread waiting for work
+    if "pthread_cond_timedwait" in names or "take_gil" in names:
+        # CPython 3.11 waits for the GIL in take_gil -> pthread_cond_timedwait; a thread with no Python
+        # frame at all (a C library's own thread) waiting on a condition variable is just idle
+        return "gil wait" if any(_is_py(f) for f in frames) else "idle"
+    if leaf in ("fdatasync", "fsync") or "os_fdatasync" in names[-2:] or "os_fsync" in names[-2:]:
+        return "fsync"
+    if "PyThread_acquire_lock_timed" in names or "sem_clockwait" in names or "sem_timedwait" in names:
+        return "lock wait"
+    return "cpu"
 
 
 def summarise(path: Path, top: int = 20) -> str:
-    """Top frames of a py-spy raw (collapsed stacks) file: self and inclusive, % of samples."""
-    self_t: Counter[str] = Counter()
+    """Where a py-spy raw file (--threads --idle --native) spends its samples: per thread kind the share of
+    idle / GIL wait / fsync / lock wait / CPU; then, over the CPU samples only, self time by file, by Python
+    function (native frames folded into their Python caller) and by line, and inclusive time by function."""
+    meta_path = path.with_suffix(".json")
+    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+    states: dict[str, Counter[str]] = {}
+    threads: dict[str, set[str]] = {}
+    by_file: Counter[str] = Counter()
+    by_fn: Counter[str] = Counter()
+    by_line: Counter[str] = Counter()
     incl: Counter[str] = Counter()
-    total = idle = 0
+    cpu = 0
     for line in path.read_text().splitlines():
         stack, _, n = line.rpartition(" ")
         if not stack or not n.isdigit():
             continue
         k = int(n)
-        frames = [re.sub(r":\d+\)$", ")", f) for f in stack.split(";")]
-        total += k
-        leaf = frames[-1]
-        if any(leaf.startswith(p) for p in _IDLE) or "idle" in leaf:
-            idle += k
-        self_t[leaf] += k
-        for f in set(frames):
-            incl[f] += k
-    if not total:
-        return f"{path.name}: no samples"
-    busy = total - idle
-    out = [f"{path.name}: {total} samples, idle (waiting in the loop/threads) {idle * 100 / total:.0f}%, "
-           f"busy {busy * 100 / total:.0f}%",
-           "  self time (% of all samples):"]
-    out += [f"    {n * 100 / total:5.1f}%  {f}" for f, n in self_t.most_common(top)]
-    out.append("  inclusive (% of all samples):")
-    out += [f"    {n * 100 / total:5.1f}%  {f}" for f, n in incl.most_common(top + 10)]
+        frames = stack.split(";")
+        tid = ""
+        if frames[0].startswith(("thread (", "process ")):
+            tid, frames = frames[0], frames[1:]
+        if not frames:
+            continue
+        kind = ("event loop" if "MainThread" in tid or any(f.startswith("Runner.run (asyncio/") for f in frames)
+                else "executor" if any(f.startswith("_worker (concurrent/") for f in frames) else "other threads")
+        st = _state(frames)
+        states.setdefault(kind, Counter())[st] += k
+        threads.setdefault(kind, set()).add(tid)
+        if st != "cpu":
+            continue
+        cpu += k
+        py_at = [i for i, f in enumerate(frames) if _is_py(f)]
+        below = frames[py_at[-1] + 1:] if py_at else frames
+        named = [f.split(" (", 1)[0] for f in below if not f.startswith("0x")]
+        tag = f" -> [{' > '.join(named[-2:])}]" if named else (" -> [libc]" if below else "")
+        owner = frames[py_at[-1]] if py_at else "[no Python frame]"
+        if owner.startswith("Runner.run (asyncio/"):
+            owner = "uvloop C code (under Runner.run)"
+        by_line[owner + tag] += k
+        by_fn[_fn(owner)] += k
+        by_file["uvloop (C)" if owner.startswith("uvloop C") else _file(owner)] += k
+        for f in {_fn(frames[i]) for i in py_at}:
+            if not f.startswith(_BOILERPLATE):
+                incl[f] += k
+    head = f"{path.name}"
+    if meta:
+        head += f" (pid {meta['pid']}, {meta['duration']} s at {meta['rate']} Hz per thread)"
+    out = [head, "  thread states (% of that kind's samples):"]
+    for kind, c in sorted(states.items(), key=lambda kv: -sum(kv[1].values())):
+        tot = sum(c.values())
+        shares = ", ".join(f"{s_} {v * 100 / tot:.0f}%" for s_, v in c.most_common())
+        out.append(f"    {kind} ({len(threads[kind])} thread(s)): {shares}")
+    if not cpu:
+        return "\n".join([*out, "  no CPU samples"])
+    out.append(f"  CPU samples: {cpu}; self time by file (% of CPU samples):")
+    out += [f"    {n * 100 / cpu:5.1f}%  {f}" for f, n in by_file.most_common(12)]
+    out.append("  self time by Python function (native callees folded in):")
+    out += [f"    {n * 100 / cpu:5.1f}%  {f}" for f, n in by_fn.most_common(top)]
+    out.append("  self time by line (-> [native leaf]):")
+    out += [f"    {n * 100 / cpu:5.1f}%  {f}" for f, n in by_line.most_common(15)]
+    out.append("  inclusive by Python function (start-up frames left out):")
+    out += [f"    {n * 100 / cpu:5.1f}%  {f}" for f, n in incl.most_common(top + 5)]
     return "\n".join(out)
 
 
@@ -706,11 +834,17 @@ def scenarios(args: argparse.Namespace) -> list[Scenario]:
                             batch=args.batch))
     if args.only:
         out = [x for x in out if re.search(args.only, f"{x.name} w{x.workers}")]
+    in_flight = args.procs * args.batch_conns * CONSUME_MAX
+    if any(x.mode == "flow_batch" for x in out) and in_flight > CONSUME_CAP:
+        raise SystemExit(f"--procs x --batch-conns x max={CONSUME_MAX} = {in_flight} concurrent batch-consume slots: "
+                         f"over the node's per-identity consume cap ({CONSUME_CAP}, "
+                         f"http.max_consume_in_flight_per_identity; a batch consume counts as its max), so the "
+                         f"flow batch runs would get 429s. Use at most {CONSUME_CAP // CONSUME_MAX} connections.")
     return out
 
 
 HEADER = (f"{'scenario':<18}{'wk':>3}{'conns':>7}{'msgs':>10}{'secs':>6}{'msgs/s':>10}{'req/s':>9}"
-          f"{'p50 ms':>8}{'p99 ms':>8}{'cli CPU':>8}{'srv CPU':>8}{'srv µs/msg':>11}  check")
+          f"{'p50 ms':>8}{'p99 ms':>8}{'cli CPU':>8}{'srv CPU':>8}{'oth CPU':>8}{'srv µs/msg':>11}  check")
 
 
 def row(r: Result) -> str:
@@ -724,7 +858,19 @@ def row(r: Result) -> str:
     check = r.check.text.split("\n", 1)[0]
     return (f"{sc.name:<18}{sc.workers:>3}{conns:>7}{r.msgs:>10,}{r.wall:>6.1f}{rate:>10,.0f}{rps:>9,.0f}"
             f"{r.p50 * 1e3:>8.2f}{r.p99 * 1e3:>8.2f}{r.client_cpu / r.wall * 100:>7.0f}%"
-            f"{r.server_cpu / r.wall * 100:>7.0f}%{us:>11.0f}  {check}")
+            f"{r.server_cpu / r.wall * 100:>7.0f}%{r.other_cpu / r.wall * 100:>7.0f}%{us:>11.0f}  {check}")
+
+
+def code_version() -> str:
+    """The commit the node runs from, and whether narad/ has uncommitted changes (the node runs the work tree)."""
+    try:
+        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "narad"], capture_output=True,
+                               text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (head or "unknown") + (" + uncommitted changes in narad/" if dirty else "")
 
 
 def main() -> None:
@@ -734,13 +880,18 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=cpus, help="N: node workers for the multi-worker runs")
     ap.add_argument("--quick", action="store_true", help="2 s runs, 500 latency samples")
     ap.add_argument("--procs", type=int, default=1, help="client processes")
-    ap.add_argument("--conns", type=int, default=16, help="connections per client process, single-API runs")
-    ap.add_argument("--batch-conns", type=int, default=4, help="connections per client process, batch runs")
+    ap.add_argument("--conns", type=int, default=64, help="connections per client process, single-API runs")
+    ap.add_argument("--batch-conns", type=int, default=8, help="connections per client process, batch runs")
     ap.add_argument("--batch", type=int, default=100, help="messages per batch produce")
     ap.add_argument("--latency-count", type=int, default=2000)
     ap.add_argument("--only", help="regex on '<scenario> w<workers>', e.g. 'flow' or 'batch.*w2'")
     ap.add_argument("--profile", type=Path, metavar="DIR",
-                    help="py-spy (raw format) every node worker during the flow runs, write DIR/*.txt, summarise")
+                    help="py-spy (raw format) every node worker during the runs --profile-runs picks, write "
+                         "DIR/*.txt, summarise")
+    ap.add_argument("--profile-rate", type=int, default=SPY_RATE,
+                    help="py-spy samples/s; native unwinding of every thread costs CPU on the same cores")
+    ap.add_argument("--profile-runs", default="flow", metavar="REGEX",
+                    help="which runs --profile records: regex on '<scenario> w<workers>' (default: flow)")
     ap.add_argument("--summarise", type=Path, nargs="+", metavar="FILE", help="summarise py-spy raw files and exit")
     args = ap.parse_args()
     if args.summarise:
@@ -750,18 +901,26 @@ def main() -> None:
     if args.quick:
         args.seconds = min(args.seconds, 2.0)
         args.latency_count = min(args.latency_count, 500)
+    todo = scenarios(args)
     print(f"# narad message benchmark: {cpus} CPUs, {MSG_SIZE} B messages, topic with {PARTITIONS} partitions, "
-          f"{time.strftime('%Y-%m-%d %H:%M')}")
+          f"{time.strftime('%Y-%m-%d %H:%M')}, code {code_version()}")
     print(f"# client: uvloop + httptools, keep-alive HTTP/1.1, {args.procs} process(es); conns = procs x conns; "
           f"batch = {args.batch} msgs/request, consume max={CONSUME_MAX} wait={CONSUME_WAIT}")
     print("# msgs = produced (produce runs) or produced+consumed+acked (flow runs); p50/p99 = produce request "
-          "latency; CPU in % of one core")
+          "latency;\n# CPU in % of one core: cli = load generator, srv = the node's processes, oth = the rest of the "
+          "machine (noise)")
     print(HEADER)
     results = []
-    for sc in scenarios(args):
-        r = run(sc, args.profile)
+    for sc in todo:
+        r = run(sc, args.profile, args.profile_runs, args.profile_rate)
         results.append(r)
         print(row(r), flush=True)
+    print("\n# server CPU by process (% of one core; other = fork server) and the kernel's share of it:")
+    for r in results:
+        if r.wall and r.cpu_split:
+            split = ", ".join(f"{k} {v / r.wall * 100:.0f}%" for k, v in sorted(r.cpu_split.items()) if v >= 0.005)
+            sys_share = r.server_sys / r.server_cpu * 100 if r.server_cpu else 0.0
+            print(f"#   {r.sc.name:<18} w{r.sc.workers}: {split}; system time {sys_share:.0f}% of it")
     problems = [r for r in results if r.failure or r.check.failed]
     for r in problems:
         print(f"\n## {r.sc.name}, {r.sc.workers} worker(s): {'FAILED' if r.failure else 'check failed'}")

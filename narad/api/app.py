@@ -23,11 +23,17 @@ OPEN_PATHS = frozenset(("/healthz", "/readyz"))
 class _Observer:
     def __init__(self) -> None:
         self.m = metrics.get()
+        self._children: dict[tuple[str, str, int], tuple[object, object]] = {}
 
     def observe(self, route: str, method: str, status: int, seconds: float, bytes_in: int, bytes_out: int) -> None:
-        m = self.m
-        m.http_requests.labels(route, method, str(status)).inc()
-        m.http_duration.labels(route, method).observe(seconds)
+        key = (route, method, status)
+        pair = self._children.get(key)
+        if pair is None:
+            m = self.m
+            pair = self._children[key] = (m.http_requests.labels(route, method, str(status)),
+                                          m.http_duration.labels(route, method))
+        pair[0].inc()  # type: ignore[attr-defined]
+        pair[1].observe(seconds)  # type: ignore[attr-defined]
 
 
 def build_app(ctx: ApiContext) -> RoutedApp:

@@ -91,25 +91,30 @@ class Authenticator:
         self.call = supervisor_call
         self.note = supervisor_note
         self._sem = asyncio.Semaphore(max(1, bcrypt_slots))
-        self._cache: dict[bytes, str] = {}
+        self._cache: dict[bytes, Identity] = {}
         self._cache_ver = -1
         self._inflight: dict[bytes, asyncio.Future[bool]] = {}
 
     async def identify(self, req: Request) -> Identity:
         if not self.security:
             return Identity(None, security=False)
-        creds = parse_basic(req.headers.get("authorization"))
-        if creds is None:
+        header = req.headers.get("authorization")
+        if not header:
             raise Unauthorized()
-        name, pw = creds
-        key = hashlib.sha256(name.encode() + b"\0" + pw.encode()).digest()
+        # Keyed by a digest of the whole header: a hit needs no base64 parse, and
+        # no plain credentials are kept in memory.
+        key = hashlib.sha256(header.encode("utf-8", "surrogateescape")).digest()
         ver = self.versions.load(V.USERS)
         if ver != self._cache_ver:
             self._cache.clear()
             self._cache_ver = ver
         hit = self._cache.get(key)
         if hit is not None:
-            return Identity(hit)
+            return hit
+        creds = parse_basic(header)
+        if creds is None:
+            raise Unauthorized()
+        name, pw = creds
         try:
             user = self.users(name)
         except Exception as e:  # the local user store is unreadable
@@ -122,9 +127,10 @@ class Authenticator:
             raise Unauthorized()
         if len(self._cache) > _CACHE_LIMIT:
             self._cache.clear()
+        ident = Identity(name)
         if self.versions.load(V.USERS) == ver:
-            self._cache[key] = name
-        return Identity(name)
+            self._cache[key] = ident
+        return ident
 
     async def _verify(self, key: bytes, name: str, pw: bytes, hashed: bytes) -> bool:
         fut = self._inflight.get(key)

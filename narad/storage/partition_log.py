@@ -103,6 +103,7 @@ class PartitionLog:
         self._hwm_fd = -1
         self._hwm_emptied = False
         self._cache: OrderedDict[tuple[int, int], list[Record]] = OrderedDict()
+        self._last_frame: tuple[int, int, list[Record]] | None = None
         self._sizes: dict[tuple[int, int], int] = {}
         self._cache_bytes = 0
         self._last_committed_ms = 0
@@ -336,6 +337,9 @@ class PartitionLog:
         return self.segments[0].base if self.segments else 0
 
     def _segment_for(self, offset: int) -> Segment:
+        last = self.segments[-1]
+        if offset >= last.base:
+            return last  # the tail: where nearly every read lands
         i = bisect.bisect_right([s.base for s in self.segments], offset) - 1
         if i < 0:
             raise OffsetGone(self.oldest)
@@ -414,6 +418,9 @@ class PartitionLog:
             raise NotVisible(offset)
         if offset < self.oldest:
             raise OffsetGone(self.oldest)
+        lf = self._last_frame
+        if lf is not None and lf[0] <= offset < lf[1]:
+            return lf[2][offset - lf[0]]  # consecutive reads of one frame
         seg = self._segment_for(offset)
         self._index(seg)
         i = bisect.bisect_right(seg.frame_bases, offset) - 1
@@ -423,10 +430,12 @@ class PartitionLog:
         recs = self._cache.get(key)
         if recs is None:
             recs = self._read_frame(seg, seg.frame_pos[i], seg.frame_bases[i])
-        idx = offset - seg.frame_bases[i]
+        fbase = seg.frame_bases[i]
+        idx = offset - fbase
         if idx >= len(recs):
             raise CorruptRecord(offset)  # a gap left by corruption
         self._cache.move_to_end(key)
+        self._last_frame = (fbase, fbase + len(recs), recs)
         return recs[idx]
 
     def _read_frame(self, seg: Segment, pos: int, base: int) -> list[Record]:
@@ -490,6 +499,7 @@ class PartitionLog:
 
     def delete_segments(self, segs: list[Segment]) -> tuple[int, int]:
         """Unlink sealed segments (oldest first). Returns (records, bytes) removed."""
+        self._last_frame = None
         n_recs = n_bytes = 0
         for seg in segs:
             if seg is self.segments[-1] or seg is not self.segments[0]:

@@ -180,9 +180,10 @@ class Broker:
 
     # ---- produce ------------------------------------------------------------------------------
     async def produce(self, entries: list[Entry]) -> None:
-        """Durable in this worker's WAL (group commit) when this returns."""
-        fut = self.wal.append(entries)
-        await asyncio.shield(fut)
+        """Durable in this worker's WAL (group commit) when this returns. If the
+        caller is cancelled the staged records still become durable and are
+        dispatched (cancelling the future only drops the answer)."""
+        await self.wal.append(entries)
 
     # ---- owned partitions ---------------------------------------------------------------------
     async def partition(self, topic: TopicRecord, index: int) -> Partition:

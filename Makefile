@@ -28,6 +28,8 @@ test: install lint
 bench: install
 	command -v wrk >/dev/null || (apt-get install -y wrk || sudo apt-get install -y wrk)
 	$(BIN)/python loadtest/bench_meta.py
+	$(BIN)/python loadtest/bench_hop.py
+	$(BIN)/python loadtest/bench.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info narad/_native*.so

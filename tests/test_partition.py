@@ -1,0 +1,63 @@
+"""Lease table rules of one partition, driven directly (real log files, no
+HTTP): reserve-before-read, nonce checks, caps, expiry, and a consumer
+frontier that falls behind retention."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from narad.broker.partition import Partition
+from narad.storage.offsets import OffsetFile
+from narad.storage.partition_log import PartitionLog
+
+
+def _partition(tmp: Path, n: int, segment_bytes: int = 64 << 20) -> Partition:
+    plog = PartitionLog(tmp, segment_bytes=segment_bytes)
+    plog.open()
+    offs = OffsetFile(tmp)
+    p = Partition("t", "00" * 8, 0, plog, offs)
+    p.restore(*offs.load())
+    with ThreadPoolExecutor(1) as ex:
+        async def fill() -> None:
+            p.loop = asyncio.get_running_loop()
+            for i in range(n):
+                await p.commit([(None, 0, f"m{i}".encode())], ex)
+
+        asyncio.run(fill())
+    return p
+
+
+def test_reserve_ack_extend_nack_and_expiry(tmp_path: Path) -> None:
+    p = _partition(tmp_path, 3)
+    d = p.reserve(100.0, 2, 30.0, 1024, 1024)
+    assert [x.offset for x in d] == [0, 1] and d[0].nonce != d[1].nonce
+    assert not p.ack(0, d[0].nonce + 1, 100.0)  # wrong nonce: 410
+    assert p.extend(0, d[0].nonce, 120.0, 30.0)  # now expires at 150
+    assert p.nack(1, d[1].nonce, 101.0)
+    again = p.reserve(101.0, 5, 30.0, 1024, 1024)
+    assert [x.offset for x in again] == [1, 2]  # the nacked one first
+    assert not p.ack(1, d[1].nonce, 102.0)  # the old handle is gone
+    # Expiry: offset 0 was extended to 150, offsets 1 and 2 expire at 131.
+    assert p.reserve(140.0, 5, 30.0, 1024, 1024)[0].offset in (1, 2)
+    assert all(x.offset != 0 for x in p.reserve(140.0, 5, 30.0, 1024, 1024))
+    late = p.reserve(151.0, 5, 30.0, 1024, 1024)
+    assert 0 in {x.offset for x in late}
+    for x in late:
+        assert p.ack(x.offset, x.nonce, 151.5)
+
+
+def test_frontier_jumps_past_offsets_deleted_by_retention(tmp_path: Path) -> None:
+    p = _partition(tmp_path, 40, segment_bytes=256)  # many small segments
+    assert len(p.log.segments) > 3
+    sealed = p.log.segments[:-1]
+    for s in sealed:
+        s.last_write_ms = 0  # written long ago
+    gone = p.log.expired_segments(3_600_000, 10 * 3_600_000)
+    assert gone and p.log.delete_segments(gone)[0] > 0
+    oldest = p.log.oldest
+    assert oldest > 0
+    got = p.reserve(1.0, 1, 30.0, 1024, 1024)
+    assert got[0].offset == oldest  # never the deleted ones
+    assert p.committed == oldest - 1 and p.dropped == oldest

@@ -285,6 +285,8 @@ def test_in_flight_and_acked_ahead_caps(node: Node) -> None:
     mk(node, "inflight", partitions=3, max_in_flight_per_partition=2)
     for _ in range(3):
         assert produce(node, "inflight", b"m", "?partition=0").status == 202
+    # 202 means durable in the WAL; visible once committed at the owner.
+    wait_for(lambda: node.get("/v1/topics/inflight?partition=0").json()["partition_stats"][0]["high_watermark"] == 3)
     a = consume(node, "inflight", "?partition=0&wait=2s").json()
     b = consume(node, "inflight", "?partition=0").json()
     assert consume(node, "inflight", "?partition=0").status == 204  # cap of 2 leases reached

@@ -100,9 +100,11 @@ class ClusterConfig:
                    "NARAD_CLUSTER_HOST")
     raft_port: int = _s(0, "Raft TCP port (0 = client port + 1).", "NARAD_CLUSTER_RAFT_PORT")
     cluster_port: int = _s(0, "Node-to-node QUIC port (0 = client port + 2).", "NARAD_CLUSTER_PORT")
-    peers: list[str] = _s([], "Raft voters as id@host:raft_port (empty: a single node).", "NARAD_CLUSTER_PEERS")
-    initial_members: list[str] = _s([], "Node ids allowed to bootstrap the cluster.",
+    peers: list[str] = _s([], "Cluster nodes as id@host:raft_port (empty: a single node).", "NARAD_CLUSTER_PEERS")
+    initial_members: list[str] = _s([], "Node ids that bootstrap the cluster together; any other node only joins.",
                                     "NARAD_CLUSTER_INITIAL_MEMBERS")
+    max_voters: int = _s(5, "Raft voters at most; later joiners become non-voting replicas.",
+                         "NARAD_CLUSTER_MAX_VOTERS")
     write_timeout: str = _s("10s", "Deadline of a metadata write, elections and forwarding included.",
                             "NARAD_CLUSTER_WRITE_TIMEOUT", "duration")
     raft_snapshot_threshold: int = _s(8192, "Compact the Raft log into a snapshot after this many entries.",
@@ -140,6 +142,8 @@ class TopicConfig:
 @dataclass(frozen=True)
 class SecurityConfig:
     enabled: bool = _s(True, "HTTP Basic auth and grants on every /v1 route.", "NARAD_SECURITY_ENABLED")
+    allow_insecure_cluster: bool = _s(False, "Allow a multi-node cluster with security off (no node RPC secret).",
+                                      "NARAD_SECURITY_ALLOW_INSECURE_CLUSTER")
     tls_cert_file: str = _s("", "PEM certificate for HTTP/3 (empty: self-signed, kept in <data_dir>/tls).",
                             "NARAD_SECURITY_TLS_CERT_FILE")
     tls_key_file: str = _s("", "PEM private key for tls_cert_file.", "NARAD_SECURITY_TLS_KEY_FILE")
@@ -177,6 +181,19 @@ class Config:
     @property
     def control_socket(self) -> Path:
         return self.runtime_dir / "narad.sock"
+
+    @property
+    def peer_map(self) -> dict[str, str]:
+        """node id -> Raft address, from cluster.peers."""
+        out = {}
+        for p in self.cluster.peers:
+            nid, _, addr = p.partition("@")
+            out[nid] = addr
+        return out
+
+    @property
+    def clustered(self) -> bool:
+        return bool(self.cluster.peers)
 
     @property
     def raft_port(self) -> int:
@@ -352,6 +369,24 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"log.format must be json or text, got {cfg.log.format!r}")
     if bool(cfg.security.tls_cert_file) != bool(cfg.security.tls_key_file):
         raise ConfigError("security.tls_cert_file and security.tls_key_file must be set together")
+    for p in cfg.cluster.peers:
+        nid, at, addr = p.partition("@")
+        host, colon, port = addr.rpartition(":")
+        if not at or not nid or not colon or not host or not port.isdigit():
+            raise ConfigError(f"cluster.peers entry {p!r} must look like id@host:raft_port")
+    peers = cfg.peer_map
+    if len(peers) != len(cfg.cluster.peers):
+        raise ConfigError("cluster.peers names a node id twice")
+    for m in cfg.cluster.initial_members:
+        if m not in peers:
+            raise ConfigError(f"cluster.initial_members names {m!r}, which is not in cluster.peers")
+    if cfg.cluster.peers and cfg.node_id in peers and cfg.node_id in cfg.cluster.initial_members:
+        mine = f"{cfg.cluster.host}:{cfg.raft_port}"
+        if peers[cfg.node_id] != mine:
+            raise ConfigError(f"cluster.peers gives this node ({cfg.node_id}) the Raft address "
+                              f"{peers[cfg.node_id]}, but it listens on {mine} (cluster.host, cluster.raft_port)")
+    if cfg.cluster.max_voters < 1:
+        raise ConfigError("cluster.max_voters must be >= 1")
     if cfg.cluster.raft_snapshot_threshold < 16:
         raise ConfigError("cluster.raft_snapshot_threshold must be >= 16")
     lo = cfg.seconds("cluster", "raft_election_timeout_min")

@@ -269,3 +269,62 @@ class Node:
             return None
 
         return wait_for(find, timeout, 0.0, f"a connection on worker {index}")  # type: ignore[no-any-return]
+
+
+CLUSTER_SECRET = "test-cluster-secret-0123456789abcdef-xyz"
+
+
+class Cluster:
+    """Real narad nodes on 127.0.0.1 forming one cluster. Nodes n1..n<initial>
+    bootstrap together; the rest join later (join-only)."""
+
+    def __init__(self, tmp: Path, n: int, *, initial: int | None = None, workers: int = 1,
+                 env: dict[str, str] | None = None) -> None:
+        self.tmp = tmp
+        initial = n if initial is None else initial
+        self.ids = [f"n{i + 1}" for i in range(n)]
+        self.ports = {nid: free_ports(3) for nid in self.ids}
+        peers = ",".join(f"{nid}@127.0.0.1:{self.ports[nid][1]}" for nid in self.ids)
+        members = ",".join(self.ids[:initial])
+        base_env = {"NARAD_CLUSTER_SECRET": CLUSTER_SECRET, **(env or {})}
+        self.nodes: dict[str, Node] = {
+            nid: Node(tmp / nid / "data", workers=workers, node_id=nid, ports=self.ports[nid], env=dict(base_env),
+                      args=["--peers", peers, "--initial-members", members])
+            for nid in self.ids
+        }
+        self.initial = self.ids[:initial]
+
+    def __getitem__(self, nid: str) -> Node:
+        return self.nodes[nid]
+
+    def start(self, ids: list[str] | None = None, wait: bool = True) -> Cluster:
+        ids = ids or self.initial
+        for nid in ids:
+            self.nodes[nid].start(wait=False)
+        if wait:
+            for nid in ids:
+                self.nodes[nid].wait_ready(60)
+        return self
+
+    def leader(self, among: list[str] | None = None) -> str:
+        def find() -> str | None:
+            for nid in among or self.ids:
+                n = self.nodes[nid]
+                if n.proc is None or n.proc.poll() is not None:
+                    continue
+                try:
+                    st = n.status()
+                except Exception:
+                    continue
+                if st["raft"]["role"] == "leader":
+                    return nid
+            return None
+
+        return wait_for(find, 30, 0.05, "a raft leader")  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        for n in self.nodes.values():
+            try:
+                n.close()
+            except Exception:
+                pass

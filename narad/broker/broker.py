@@ -78,6 +78,8 @@ class Broker:
         links: P.PeerLinks,
         confirm_gone: Callable[[str, str], Awaitable[bool]],
         offset_sync_interval: float = 1.0,
+        remote: P.Remote | None = None,
+        node_id: str = "local",
     ) -> None:
         self.data_dir = Path(data_dir)
         self.store = store
@@ -85,6 +87,8 @@ class Broker:
         self.index = index
         self.workers = workers
         self.links = links
+        self.remote: P.Remote = remote or P.SingleNode(node_id)
+        self.node_id = self.remote.node_id
         self.confirm_gone = confirm_gone
         self.offset_sync_interval = offset_sync_interval
         self.io = ThreadPoolExecutor(max_workers=8, thread_name_prefix=f"io-w{index}")
@@ -93,10 +97,10 @@ class Broker:
         self.partitions: dict[tuple[str, int], Partition] = {}
         self._opening: dict[tuple[str, int], asyncio.Future[Partition]] = {}
         self._waiters: dict[str, deque[asyncio.Future[bool]]] = {}
-        self._watchers: dict[str, set[int]] = {}
+        self._watchers: dict[str, set[tuple[str, int]]] = {}  # topic -> {(node, worker)}
         self._rr = RoundRobin()
         self._route_cache: dict[tuple[str, int], int] = {}
-        self._owned_cache: dict[tuple[str, int], list[int]] = {}
+        self._owned_cache: dict[Any, list[int]] = {}
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]  # set in start()
         self._tasks: list[asyncio.Task[None]] = []
         self._topics_ver = -1
@@ -155,23 +159,38 @@ class Broker:
             w = self._route_cache[key] = owner_worker(topic, partition, self.workers)
         return w
 
+    def where(self, t: TopicRecord, partition: int) -> tuple[str | None, int]:
+        """(owner node, owner worker on this node or -1). Node None: unassigned."""
+        node = self.remote.owner_node(t, partition)
+        if node == self.node_id:
+            return node, self.route(t.name, partition)
+        return node, -1
+
     def owned(self, t: TopicRecord) -> list[int]:
-        """The partitions of `t` this worker owns (cached per topic and count)."""
-        key = (t.name, t.partitions)
+        """The partitions of `t` this worker owns: assigned to this node and
+        mapped to this worker (cached per topic record and assignments)."""
+        # The topic's name slot moves with its record and its assignments.
+        key = (t.name, t.partitions, t.id, self.versions.load(V.name_slot(t.name)))
         parts = self._owned_cache.get(key)
         if parts is None:
             if len(self._owned_cache) > 10_000:
                 self._owned_cache.clear()
-            parts = self._owned_cache[key] = [i for i in range(t.partitions) if self.route(t.name, i) == self.index]
+            parts = self._owned_cache[key] = [i for i in range(t.partitions)
+                                              if self.where(t, i) == (self.node_id, self.index)]
         return parts
 
-    def owners(self, t: TopicRecord) -> list[int]:
-        """The workers owning at least one partition of `t` (cached)."""
-        key = (t.name, -t.partitions)
-        ws = self._owned_cache.get(key)
-        if ws is None:
-            ws = self._owned_cache[key] = sorted({self.route(t.name, i) for i in range(t.partitions)})
-        return ws
+    def owners(self, t: TopicRecord, partition: int | None = None) -> tuple[list[int], list[str]]:
+        """(workers of this node, other nodes) owning partitions of `t`."""
+        parts = [partition] if partition is not None else range(t.partitions)
+        workers: set[int] = set()
+        nodes: set[str] = set()
+        for i in parts:
+            node, w = self.where(t, i)
+            if node == self.node_id:
+                workers.add(w)
+            elif node is not None:
+                nodes.add(node)
+        return sorted(workers), sorted(nodes)
 
     def choose_partition(self, topic: TopicRecord, key: bytes | None) -> int:
         if key:
@@ -274,29 +293,48 @@ class Broker:
                 return "gone"
             raise Unavailable(f'topic "{topic}" incarnation {topic_id} not confirmed; holding its records')
         records = [(e.key, e.flags, e.payload) for e in entries]
-        owner = self.route(topic, partition)
-        if owner == self.index:
+        node, worker = self.where(t, partition)
+        if node is None:
+            raise Unavailable(f"partition {partition} of {topic} has no owner yet")
+        if node != self.node_id:
+            await self.remote.call(node, P.CommitReq(topic, topic_id, partition, records), P.CommitResp, timeout=30)
+        elif worker == self.index:
             await self.commit_local(topic, topic_id, partition, records)
         else:
-            await self.links.call(owner, P.CommitReq(topic, topic_id, partition, records), P.CommitResp, timeout=30)
+            await self.links.call(worker, P.CommitReq(topic, topic_id, partition, records), P.CommitResp, timeout=30)
         self.m.messages_produced.labels(topic).inc(len(entries))
         return "ok"
+
+    def partition_count(self, topic: str, topic_id: str) -> int:
+        t = self.store.topic(topic)
+        return t.partitions if t is not None and t.id == topic_id else 0
+
+    def owner_alive(self, topic: str, topic_id: str, partition: int) -> bool:
+        t = self.store.topic(topic)
+        if t is None or t.id != topic_id:
+            return True  # not ours to judge: deliver() holds it until confirmed gone
+        node = self.remote.owner_node(t, partition)
+        return node is not None and self.remote.node_alive(node)
 
     # ---- wake-ups ------------------------------------------------------------------------------
     def _on_visible(self, p: Partition, n: int) -> None:
         self._wake(p.topic, n)
-        watchers = self._watchers.pop(p.topic, None)
-        if watchers:
-            for w in watchers:
-                self.links.notify(w, P.ReadyNote(p.topic, n))
+        self._tell_watchers(p.topic, n)
 
     def _on_released(self, p: Partition) -> None:
         if self._waiters.get(p.topic):
             self._wake(p.topic, 1)
-        watchers = self._watchers.pop(p.topic, None)
-        if watchers:
-            for w in watchers:
-                self.links.notify(w, P.ReadyNote(p.topic, 1))
+        self._tell_watchers(p.topic, 1)
+
+    def _tell_watchers(self, topic: str, n: int) -> None:
+        watchers = self._watchers.pop(topic, None)
+        if not watchers:
+            return
+        for node, w in watchers:
+            if node in ("", self.node_id):
+                self.links.notify(w, P.ReadyNote(topic, n, w))
+            else:
+                self.remote.notify(node, P.ReadyNote(topic, n, w))
 
     def _wake(self, topic: str, n: int) -> None:
         q = self._waiters.get(topic)
@@ -318,7 +356,7 @@ class Broker:
     async def reserve_owned(self, t: TopicRecord, max_n: int, partition: int | None) -> list[P.Item]:
         """Reserve up to max_n from the partitions of `t` this worker owns."""
         if partition is not None:
-            parts = [partition] if self.route(t.name, partition) == self.index else []
+            parts = [partition] if self.where(t, partition) == (self.node_id, self.index) else []
         else:
             parts = self.owned(t)
         if not parts:
@@ -337,19 +375,28 @@ class Broker:
         return out
 
     async def consume(self, t: TopicRecord, max_n: int, wait: float, partition: int | None = None) -> list[P.Item]:
-        """Local partitions first, then the other workers (one hop each); if
-        nothing is ready, park until data arrives or `wait` runs out."""
+        """This worker's partitions first, then this node's other workers (one
+        hop each), then the other nodes' owners (a probe each). If nothing is
+        ready, leave delivery tokens (watches: they reserve nothing) with the
+        owners and park until one fires or `wait` runs out."""
         loop = self.loop
         deadline = loop.time() + wait
-        owners = [self.route(t.name, partition)] if partition is not None else self.owners(t)
-        remote = [w for w in owners if w != self.index]
+        if partition is not None:
+            node, _ = self.where(t, partition)
+            if node is None or (node != self.node_id and not self.remote.node_alive(node)):
+                raise Unavailable("partition owner is down; retry later")
+        first = True
         while True:
-            got = await self.reserve_owned(t, max_n, partition) if self.index in owners else []
-            if len(got) < max_n and remote:
-                if wait > 0 and not got:
-                    for w in remote:
+            workers, nodes = self.owners(t, partition)
+            peers = [w for w in workers if w != self.index]
+            got = await self.reserve_owned(t, max_n, partition) if self.index in workers else []
+            if len(got) < max_n and (peers or nodes):
+                if wait > 0 and not got and first:
+                    for w in peers:
                         self.links.notify(w, P.WatchNote(t.name, self.index))
-                for w in remote:
+                    for n in nodes:
+                        self.remote.notify(n, P.WatchNote(t.name, self.index, self.node_id))
+                for w in peers:
                     try:
                         resp = await self.links.call(w, P.ConsumeReq(t.name, t.id, max_n - len(got), partition),
                                                      P.ConsumeResp, timeout=2.0)
@@ -358,6 +405,18 @@ class Broker:
                         log.debug("consume probe failed", extra={"worker": w, "err": str(e)})
                     if len(got) >= max_n:
                         break
+                for n in nodes:
+                    if len(got) >= max_n:
+                        break
+                    if not self.remote.node_alive(n):
+                        continue
+                    try:
+                        resp = await self.remote.call(n, P.ConsumeReq(t.name, t.id, max_n - len(got), partition,
+                                                                      P.NODE), P.ConsumeResp, timeout=0.5)
+                        got.extend(resp.items)
+                    except Exception as e:
+                        log.debug("consume probe of a node failed", extra={"node": n, "err": str(e)})
+            first = False
             remaining = deadline - loop.time()
             if got or remaining <= 0 or self.closing:
                 if got:
@@ -405,24 +464,42 @@ class Broker:
         return out
 
     async def settle(self, t: TopicRecord, items: list[tuple[int, int, int]], mode: int) -> list[int]:
-        """Statuses in request order: 204 settled, 410 no live lease, 503 owner unreachable."""
+        """Statuses in request order: 204 settled, 410 no live lease, 503 owner
+        down or unknown, 502 a forwarded call got no answer."""
         result = [410] * len(items)
-        by_owner: dict[int, list[int]] = {}
+        groups: dict[tuple[str | None, int], list[int]] = {}
         for i, (part, _, _) in enumerate(items):
             if 0 <= part < t.partitions:
-                by_owner.setdefault(self.route(t.name, part), []).append(i)
-        for owner, idxs in by_owner.items():
+                groups.setdefault(self.where(t, part), []).append(i)
+
+        async def one(loc: tuple[str | None, int], idxs: list[int]) -> None:
+            node, worker = loc
             sub = [items[i] for i in idxs]
-            if owner == self.index:
+            if node is None:
+                statuses = [503] * len(sub)
+            elif node == self.node_id and worker == self.index:
                 statuses = self.settle_owned(t, sub, mode)
-            else:
+            elif node == self.node_id:
                 try:
-                    resp = await self.links.call(owner, P.AckReq(t.name, t.id, mode, sub), P.AckResp, timeout=2.0)
+                    resp = await self.links.call(worker, P.AckReq(t.name, t.id, mode, sub), P.AckResp, timeout=2.0)
                     statuses = resp.statuses
                 except Exception:
                     statuses = [503] * len(sub)
-            for i, s in zip(idxs, statuses, strict=True):
-                result[i] = s
+            elif not self.remote.node_alive(node):
+                statuses = [503] * len(sub)
+            else:
+                try:
+                    resp = await self.remote.call(node, P.AckReq(t.name, t.id, mode, sub, P.NODE), P.AckResp,
+                                                  timeout=2.0)
+                    statuses = resp.statuses
+                except Unavailable:
+                    statuses = [503] * len(sub)
+                except Exception:
+                    statuses = [502] * len(sub)
+            for i, st in zip(idxs, statuses, strict=True):
+                result[i] = st
+
+        await asyncio.gather(*(one(loc, idxs) for loc, idxs in groups.items()))
         return result
 
     # ---- replay and stats ----------------------------------------------------------------------------
@@ -439,10 +516,15 @@ class Broker:
         return P.ReplayResp(200, P.Item(partition, offset, 0, key, ts, flags, payload), p.log.oldest)
 
     async def replay(self, t: TopicRecord, partition: int, offset: int) -> P.ReplayResp:
-        owner = self.route(t.name, partition)
-        if owner == self.index:
+        node, worker = self.where(t, partition)
+        req = P.ReplayReq(t.name, t.id, partition, offset)
+        if node is None or (node != self.node_id and not self.remote.node_alive(node)):
+            raise Unavailable("partition owner is down; retry later")
+        if node != self.node_id:
+            return await self.remote.call(node, req, P.ReplayResp, timeout=5.0)
+        if worker == self.index:
             return await self.replay_owned(t, partition, offset)
-        return await self.links.call(owner, P.ReplayReq(t.name, t.id, partition, offset), P.ReplayResp)
+        return await self.links.call(worker, req, P.ReplayResp)
 
     async def stats_owned(self, t: TopicRecord, parts: list[int]) -> dict[int, dict[str, int]]:
         out = {}
@@ -452,20 +534,30 @@ class Broker:
         return out
 
     async def stats(self, t: TopicRecord, parts: list[int]) -> dict[int, dict[str, int] | None]:
-        by_owner: dict[int, list[int]] = {}
+        """Partition stats from each owner; an owner that is down or slow (2 s)
+        leaves its partitions None (the caller renders a placeholder)."""
+        groups: dict[tuple[str | None, int], list[int]] = {}
         for i in parts:
-            by_owner.setdefault(self.route(t.name, i), []).append(i)
+            groups.setdefault(self.where(t, i), []).append(i)
         out: dict[int, dict[str, int] | None] = {}
-        for owner, idxs in by_owner.items():
+
+        async def one(loc: tuple[str | None, int], idxs: list[int]) -> None:
+            node, worker = loc
+            req = P.StatsReq(t.name, t.id, idxs)
             try:
-                if owner == self.index:
+                if node is None:
+                    raise Unavailable("unassigned")
+                if node == self.node_id and worker == self.index:
                     out.update(await self.stats_owned(t, idxs))
+                elif node == self.node_id:
+                    out.update((await self.links.call(worker, req, P.StatsResp, timeout=2.0)).stats)
                 else:
-                    resp = await self.links.call(owner, P.StatsReq(t.name, t.id, idxs), P.StatsResp, timeout=2.0)
-                    out.update(resp.stats)
+                    out.update((await self.remote.call(node, req, P.StatsResp, timeout=2.0)).stats)
             except Exception:
                 for i in idxs:
                     out[i] = None
+
+        await asyncio.gather(*(one(loc, idxs) for loc, idxs in groups.items()))
         return out
 
     # ---- peer handlers ------------------------------------------------------------------------------
@@ -476,40 +568,82 @@ class Broker:
         return t
 
     def _register_peer_handlers(self) -> None:
+        """Requests from this node's other workers (scope WORKER) and from other
+        nodes (scope NODE, landing on any worker of this node)."""
         s = self.links.service
 
         async def commit(m: P.CommitReq, _c: Any) -> P.CommitResp:
+            w = self.route(m.topic, m.partition)
+            if w != self.index:
+                return await self.links.call(w, m, P.CommitResp, timeout=30)
             return P.CommitResp(await self.commit_local(m.topic, m.topic_id, m.partition, m.records))
 
         async def consume(m: P.ConsumeReq, _c: Any) -> P.ConsumeResp:
             t = self._topic_for(m.topic, m.topic_id)
-            return P.ConsumeResp(await self.reserve_owned(t, m.max, m.partition))
+            items = await self.reserve_owned(t, m.max, m.partition)
+            if m.scope == P.NODE and len(items) < m.max:
+                workers, _ = self.owners(t, m.partition)
+                for w in workers:
+                    if w == self.index or len(items) >= m.max:
+                        continue
+                    sub = P.ConsumeReq(m.topic, m.topic_id, m.max - len(items), m.partition)
+                    with contextlib.suppress(Exception):
+                        items.extend((await self.links.call(w, sub, P.ConsumeResp, timeout=2.0)).items)
+            return P.ConsumeResp(items)
 
         async def ack(m: P.AckReq, _c: Any) -> P.AckResp:
             t = self.store.topic(m.topic)
             if t is None or t.id != m.topic_id:
                 return P.AckResp([410] * len(m.items))
-            return P.AckResp(self.settle_owned(t, m.items, m.mode))
+            if m.scope == P.WORKER:
+                return P.AckResp(self.settle_owned(t, m.items, m.mode))
+            return P.AckResp(await self.settle(t, m.items, m.mode))
 
         async def replay(m: P.ReplayReq, _c: Any) -> P.ReplayResp:
-            return await self.replay_owned(self._topic_for(m.topic, m.topic_id), m.partition, m.offset)
+            t = self._topic_for(m.topic, m.topic_id)
+            w = self.route(m.topic, m.partition)
+            if w != self.index:
+                return await self.links.call(w, m, P.ReplayResp)
+            return await self.replay_owned(t, m.partition, m.offset)
 
         async def stats(m: P.StatsReq, _c: Any) -> P.StatsResp:
-            return P.StatsResp(await self.stats_owned(self._topic_for(m.topic, m.topic_id), m.partitions))
+            t = self._topic_for(m.topic, m.topic_id)
+            mine = [i for i in m.partitions if self.route(m.topic, i) == self.index]
+            out = await self.stats_owned(t, mine)
+            others: dict[int, list[int]] = {}
+            for i in m.partitions:
+                w = self.route(m.topic, i)
+                if w != self.index:
+                    others.setdefault(w, []).append(i)
+            for w, idxs in others.items():
+                out.update((await self.links.call(w, P.StatsReq(m.topic, m.topic_id, idxs), P.StatsResp,
+                                                  timeout=2.0)).stats)
+            return P.StatsResp(out)
 
         async def watch(m: P.WatchNote, _c: Any) -> None:
-            # If records are already waiting here, say so at once.
             t = self.store.topic(m.topic)
+            if t is not None and m.node not in ("", self.node_id) and not m.relayed:
+                # A token from another node: every worker of this node owning a
+                # partition of the topic must know it.
+                workers, _ = self.owners(t)
+                for w in workers:
+                    if w != self.index:
+                        self.links.notify(w, P.WatchNote(m.topic, m.worker, m.node, True))
+            # If records are already waiting here, say so at once.
             if t is not None:
-                for i in range(t.partitions):
+                for i in self.owned(t):
                     p = self.partitions.get((t.name, i))
                     if p is not None and p.available() > 0:
-                        self.links.notify(m.worker, P.ReadyNote(m.topic, p.available()))
+                        self._watchers.setdefault(m.topic, set()).add((m.node, m.worker))
+                        self._tell_watchers(m.topic, p.available())
                         return
-            self._watchers.setdefault(m.topic, set()).add(m.worker)
+            self._watchers.setdefault(m.topic, set()).add((m.node, m.worker))
 
         async def ready(m: P.ReadyNote, _c: Any) -> None:
-            self._wake(m.topic, m.count)
+            if m.worker in (-1, self.index):
+                self._wake(m.topic, m.count)
+            else:
+                self.links.notify(m.worker, m)
 
         for typ, fn in ((P.CommitReq, commit), (P.ConsumeReq, consume), (P.AckReq, ack), (P.ReplayReq, replay),
                         (P.StatsReq, stats), (P.WatchNote, watch), (P.ReadyNote, ready)):

@@ -11,7 +11,10 @@ record; the WAL stores it and reclaims segments below it.
 
 A failing destination keeps its records (in order) and is retried every
 second; nothing is discarded because the local replica lacks a topic: absence
-must be confirmed by the supervisor (barrier + re-read on the leader).
+must be confirmed by the supervisor (barrier + re-read on the leader). After
+3 s of continuous failure, or at once when the owner is marked dead, queued
+records reroute to the next partition upward (wrapping) whose owner is alive
+and which is not failing itself. A commit in flight is never rerouted.
 
 Imports narad.storage.wal; talks to the broker through a small interface.
 """
@@ -30,6 +33,7 @@ from narad.storage.wal import Entry, IngressWAL
 log = logging.getLogger("narad.broker.dispatcher")
 
 MAX_IN_FLIGHT = 16
+REROUTE_AFTER = 3.0
 BATCH_RECORDS = 4096
 BATCH_BYTES = 8 << 20
 RETRY_AFTER = 1.0
@@ -39,6 +43,14 @@ class Target(Protocol):
     async def deliver(self, topic: str, topic_id: str, partition: int, entries: list[Entry]) -> str:
         """Commit at the owner. Returns "ok", "gone" (incarnation confirmed
         deleted: discard) or raises to retry later."""
+        ...
+
+    def partition_count(self, topic: str, topic_id: str) -> int:
+        """Partitions of this incarnation (0 if unknown here)."""
+        ...
+
+    def owner_alive(self, topic: str, topic_id: str, partition: int) -> bool:
+        """False when the partition's owner is marked dead (or unassigned)."""
         ...
 
 
@@ -51,13 +63,14 @@ class _Group:
 
 
 class _Dest:
-    __slots__ = ("entries", "groups", "inflight", "retry_at")
+    __slots__ = ("entries", "failing_since", "groups", "inflight", "retry_at")
 
     def __init__(self) -> None:
         self.entries: deque[Entry] = deque()
         self.groups: deque[_Group] = deque()
         self.inflight = False
         self.retry_at = 0.0
+        self.failing_since = 0.0
 
 
 class Dispatcher:
@@ -71,6 +84,7 @@ class Dispatcher:
         self._timer: asyncio.TimerHandle | None = None
         self.discarded = 0
         self.committed = 0
+        self.rerouted = 0
         self.closed = False
         self.loop: asyncio.AbstractEventLoop | None = None
 
@@ -111,6 +125,10 @@ class Dispatcher:
             if not d.entries:
                 del self._dests[key]
                 continue
+            dead = not self.target.owner_alive(key[0], key[1].hex(), key[2])
+            failing = d.failing_since and now - d.failing_since >= REROUTE_AFTER
+            if (dead or failing) and self._reroute(key, d):
+                continue  # a dead or failing owner: its records go to a live sibling
             if d.retry_at > now:
                 soonest = d.retry_at if soonest is None else min(soonest, d.retry_at)
                 continue
@@ -149,6 +167,7 @@ class Dispatcher:
             d.inflight = False
             self._inflight -= 1
         if outcome in ("ok", "gone"):
+            d.failing_since = 0.0
             if outcome == "gone":
                 self.discarded += len(batch)
                 log.warning("discarded WAL records of a deleted topic incarnation (leader-confirmed)",
@@ -162,8 +181,44 @@ class Dispatcher:
             # Keep order: the batch goes back in front of whatever queued since.
             d.entries.extendleft(reversed(batch))
             d.groups.extendleft(reversed(groups))
-            d.retry_at = time.monotonic() + RETRY_AFTER
+            now = time.monotonic()
+            d.failing_since = d.failing_since or now
+            d.retry_at = now + RETRY_AFTER
         self._pump()
+
+    def _reroute(self, key: tuple[str, bytes, int], d: _Dest) -> bool:
+        """Move what is queued for a failing or dead destination to the next
+        live sibling partition, keeping one record behind as the probe that
+        brings traffic back when the owner recovers. False when there is none."""
+        topic, inc, part = key
+        if len(d.entries) <= 1:
+            return False
+        n = self.target.partition_count(topic, inc.hex())
+        for k in range(1, n):
+            q = (part + k) % n
+            qkey = (topic, inc, q)
+            other = self._dests.get(qkey)
+            if other is not None and other.failing_since:
+                continue
+            if not self.target.owner_alive(topic, inc.hex(), q):
+                continue
+            if other is None:
+                other = self._dests[qkey] = _Dest()
+            probe, probe_group = d.entries.popleft(), d.groups.popleft()
+            moved = len(d.entries)
+            while d.entries:
+                e = d.entries.popleft()
+                e.partition = q
+                other.entries.append(e)
+                other.groups.append(d.groups.popleft())
+            d.entries.append(probe)
+            d.groups.append(probe_group)
+            if moved:
+                self.rerouted += moved
+                log.warning("rerouted records from a failing partition owner", extra={
+                    "topic": topic, "from_partition": part, "to_partition": q, "records": moved})
+            return True
+        return False
 
     def _advance(self) -> None:
         front = self._front

@@ -17,7 +17,7 @@ import contextlib
 import logging
 import time
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 
@@ -53,11 +53,15 @@ class Item(msgspec.Struct, array_like=True):
     payload: bytes
 
 
+WORKER, NODE = 0, 1  # scope of a request: the receiving worker only, or every worker of its node
+
+
 class ConsumeReq(msgspec.Struct, tag=True, array_like=True):
     topic: str
     topic_id: str
     max: int
     partition: int | None = None
+    scope: int = WORKER
 
 
 class ConsumeResp(msgspec.Struct, array_like=True):
@@ -69,6 +73,7 @@ class AckReq(msgspec.Struct, tag=True, array_like=True):
     topic_id: str
     mode: int  # 0 ack, 1 extend, 2 nack
     items: list[tuple[int, int, int]]  # partition, offset, nonce
+    scope: int = WORKER
 
 
 class AckResp(msgspec.Struct, array_like=True):
@@ -99,15 +104,55 @@ class StatsResp(msgspec.Struct, array_like=True):
 
 
 class WatchNote(msgspec.Struct, tag=True, array_like=True):
-    """Tell `worker` once when records of `topic` become available here."""
+    """Tell (`node`, `worker`) once when records of `topic` become available
+    here. A delivery token: it reserves nothing; only the claim that follows
+    (a ConsumeReq) does."""
 
     topic: str
     worker: int
+    node: str = ""  # "" = the sender's node is this node
+    relayed: bool = False  # already passed on to this node's other workers
 
 
 class ReadyNote(msgspec.Struct, tag=True, array_like=True):
     topic: str
     count: int
+    worker: int = -1  # the parked worker to wake (-1: whoever receives it)
+
+
+class Remote(Protocol):
+    """Other nodes, as the broker sees them (implemented by narad.cluster)."""
+
+    node_id: str
+
+    def owner_node(self, topic: Any, partition: int) -> str | None:
+        """The node owning the partition (assignments), None when unassigned."""
+        ...
+
+    def node_alive(self, node_id: str) -> bool: ...
+
+    async def call(self, node_id: str, msg: Any, resp_type: type[T], timeout: float) -> T: ...
+
+    def notify(self, node_id: str, msg: Any) -> None: ...
+
+
+class SingleNode:
+    """The Remote of a node without peers: every partition is ours."""
+
+    def __init__(self, node_id: str) -> None:
+        self.node_id = node_id
+
+    def owner_node(self, topic: Any, partition: int) -> str | None:
+        return self.node_id
+
+    def node_alive(self, node_id: str) -> bool:
+        return node_id == self.node_id
+
+    async def call(self, node_id: str, msg: Any, resp_type: type[T], timeout: float) -> T:
+        raise Unavailable(f"node {node_id} is not part of this cluster")
+
+    def notify(self, node_id: str, msg: Any) -> None:
+        pass
 
 
 class PeerLinks:

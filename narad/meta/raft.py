@@ -118,9 +118,21 @@ class _NaradSyncObj(SyncObj):
     """SyncObj with narad's fixes. Private pysyncobj attributes are reached
     through their mangled names; this is the reason for the exact pin."""
 
-    def __init__(self, seam: RaftNode, self_addr: str, peers: list[str], conf: SyncObjConf) -> None:
+    def __init__(self, seam: RaftNode, self_addr: str | None, peers: list[str], conf: SyncObjConf) -> None:
         self._narad = seam
         super().__init__(self_addr, peers, conf=conf)
+        # JoinCluster arrives on the Raft port as a pysyncobj utility message
+        # (authenticated by the Raft password), before the joiner runs Raft.
+        self._SyncObj__transport.setOnUtilityMessageCallback("narad_join", self._narad_join)
+
+    def _narad_join(self, args: list[Any], callback: Any) -> None:
+        """Tick thread: answer a joiner (see RaftNode.join_policy)."""
+        try:
+            req = msgspec.msgpack.decode(args[0]) if args and isinstance(args[0], bytes) else {}
+        except msgspec.DecodeError:
+            callback(msgspec.msgpack.encode({"status": 400, "error": "undecodable join request"}), None)
+            return
+        self._narad._handle_join(req, callback)
 
     @replicated
     def _narad_apply(self, data: bytes) -> ApplyResult:
@@ -262,6 +274,11 @@ class RaftNode:
         self.on_state_change = on_state_change
         self.on_fail_stop = on_fail_stop
         self.on_commit = on_commit
+        self.readonly = False
+        # Leader side of JoinCluster: (request dict) -> (status, extra) or None to add the joiner.
+        self.join_policy: Callable[[dict[str, Any]], tuple[int, dict[str, Any]] | None] | None = None
+        self.max_voters = 5
+        self._known_config: tuple[str, ...] = ()
         self._obj: _NaradSyncObj | None = None
         self._completions: list[tuple[asyncio.Future[ApplyResult], ApplyResult]] = []
         self._last_contact: float | None = None
@@ -275,7 +292,12 @@ class RaftNode:
     def snapshot_file(self) -> Path:
         return self.raft_dir / "snapshots" / "latest.snap"
 
-    def start(self) -> None:
+    def start(self, peers: list[str] | None = None, *, readonly: bool = False) -> None:
+        """Start Raft with these other voters (default: the constructor's). A
+        read-only node replicates and applies but never votes or leads."""
+        if peers is not None:
+            self.peers = [p for p in peers if p != self.self_addr]
+        self.readonly = readonly
         lo, hi = self.election_timeout
         ae_period = min(0.05, lo / 4)
         conf = SyncObjConf(
@@ -301,7 +323,10 @@ class RaftNode:
             logCompactionMinTime=1 << 40,
             onStateChanged=self._on_state_changed,
         )
-        self._obj = _NaradSyncObj(self, self.self_addr, self.peers, conf)
+        if readonly:
+            conf.bindAddress = None
+        self._obj = _NaradSyncObj(self, None if readonly else self.self_addr, self.peers, conf)
+        self.save_cluster_file()
         self._obj.addOnTickCallback(self._on_tick_end)
 
     # ---- called on the tick thread -------------------------------------------
@@ -335,6 +360,11 @@ class RaftNode:
             self.loop.call_soon_threadsafe(_resolve_all, done)
         if self.on_commit is not None:
             self.on_commit()
+        if len(obj.otherNodes) + (0 if self.readonly else 1) != len(self._known_config):
+            try:
+                self.save_cluster_file()
+            except OSError as e:
+                log.error("could not store the Raft configuration", extra={"err": str(e)})
         if journal.appended:
             journal.appended = False
             # New entries: run the next tick now instead of after the poll
@@ -342,6 +372,99 @@ class RaftNode:
             notifier = getattr(obj, "_SyncObj__pipeNotifier", None)
             if notifier is not None:
                 notifier.notify()
+
+    # ---- membership (tick thread for the handlers) -----------------------------------
+    @property
+    def cluster_file(self) -> Path:
+        return self.raft_dir / "cluster.json"
+
+    def voters(self) -> list[str]:
+        """Every Raft voter (this node included unless it is read-only)."""
+        obj = self._obj
+        if obj is None:
+            return sorted(self.peers + ([] if self.readonly else [self.self_addr]))
+        others = [str(n.id) for n in obj.otherNodes]
+        return sorted(others + ([] if self.readonly else [self.self_addr]))
+
+    def save_cluster_file(self) -> None:
+        """Remember the voter set and our role: a restart rejoins with it."""
+        cfg = tuple(self.voters())
+        if cfg == self._known_config:
+            return
+        self._known_config = cfg
+        data = msgspec.json.encode({"voters": list(cfg), "readonly": self.readonly, "self": self.self_addr})
+        tmp = self.cluster_file.with_suffix(".tmp")
+        tmp.write_bytes(data)
+        with open(tmp, "rb+") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, self.cluster_file)
+
+    def load_cluster_file(self) -> dict[str, Any] | None:
+        try:
+            return msgspec.json.decode(self.cluster_file.read_bytes())  # type: ignore[no-any-return]
+        except (FileNotFoundError, msgspec.DecodeError):
+            return None
+
+    def _handle_join(self, req: dict[str, Any], callback: Any) -> None:
+        obj = self._obj
+
+        def answer(status: int, **extra: Any) -> None:
+            callback(msgspec.msgpack.encode({"status": status, **extra}), None)
+
+        if obj is None:
+            answer(503, error="raft is not running")
+            return
+        if not obj._isLeader():
+            leader = obj._getLeader()
+            answer(421, leader=None if leader is None else str(leader.id), error="not the leader")
+            return
+        addr = str(req.get("raft_addr", ""))
+        if self.join_policy is not None:
+            verdict = self.join_policy(req)
+            if verdict is not None:
+                status, extra = verdict
+                answer(status, **extra)
+                return
+        voters = self.voters()
+        if addr in voters:
+            answer(200, voters=voters, voter=True)
+            return
+        if req.get("readonly") or len(voters) >= self.max_voters or not addr:
+            answer(200, voters=voters, voter=False)
+            return
+
+        def added(res: Any, err: int) -> None:
+            if err == FAIL_REASON.SUCCESS:
+                answer(200, voters=sorted({*voters, addr}), voter=True)
+            else:
+                answer(503, error=f"adding the voter failed: {_REASONS.get(err, err)} (retry)")
+
+        obj.addNodeToCluster(addr, callback=added)
+
+    def request_join(self, peer: str, req: dict[str, Any], timeout: float = 2.0) -> dict[str, Any]:
+        """Joiner side (blocking; run in a thread): ask the node at `peer` (a
+        Raft address) to admit us. Returns the decoded answer."""
+        from pysyncobj.utility import TcpUtility, UtilityException
+
+        util = TcpUtility(self.password, timeout=timeout)
+        try:
+            res = util.executeCommand(peer, ["narad_join", msgspec.msgpack.encode(req)])
+        except UtilityException as e:
+            return {"status": 0, "error": f"cannot reach {peer}: {e}"}
+        if not isinstance(res, bytes):
+            return {"status": 0, "error": f"unexpected answer from {peer}: {res!r:.100}"}
+        return msgspec.msgpack.decode(res)  # type: ignore[no-any-return]
+
+    def remove_server(self, addr: str, done: Callable[[bool, str], None]) -> None:
+        obj = self._obj
+        if obj is None:
+            done(False, "raft is not running")
+            return
+
+        def cb(res: Any, err: int) -> None:
+            self.loop.call_soon_threadsafe(done, err == FAIL_REASON.SUCCESS, _REASONS.get(err, str(err)))
+
+        obj.removeNodeFromCluster(addr, callback=cb)
 
     def _on_state_changed(self, old: int, new: int) -> None:
         self._role = ROLE_NAMES.get(new, "follower")

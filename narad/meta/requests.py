@@ -8,7 +8,7 @@ from __future__ import annotations
 import msgspec
 
 from narad.meta.grants import Identity
-from narad.meta.records import Grant
+from narad.meta.records import Grant, MemberRecord
 
 
 class CreateTopicReq(msgspec.Struct, tag=True):
@@ -154,3 +154,38 @@ class ConfirmGoneReq(msgspec.Struct, tag=True):
 
 class ConfirmGoneResp(msgspec.Struct):
     gone: bool
+
+
+class RegisterReq(msgspec.Struct, tag=True):
+    """A node registers (or refreshes) its member record; the leader stamps it."""
+
+    member: MemberRecord
+
+
+class HeartbeatReq(msgspec.Struct, tag=True):
+    node_id: str
+    build: str
+    newest_entry_type: int
+    client_addr: str = ""
+    cluster_addr: str = ""
+
+
+class ForwardReq(msgspec.Struct, tag=True, array_like=True):
+    """A metadata request forwarded to the Raft leader (node RPC)."""
+
+    origin: str
+    request_id: str  # a retry after a lost answer gets the first answer, not a second run
+    request: msgspec.Raw  # one of the tagged requests above, msgpack
+
+
+class Forwarded(msgspec.Struct, tag=True):
+    """The same, handed by the worker that received it to its supervisor."""
+
+    origin: str
+    request_id: str
+    request: msgspec.Raw
+
+
+class ForwardResp(msgspec.Struct):
+    value: msgspec.Raw  # the leader's answer, msgpack
+    index: int  # the Raft index the caller's replica must reach before answering

@@ -14,6 +14,7 @@ Imports narad.meta.* and narad.errors; used by the supervisor.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import logging
 import secrets
@@ -37,6 +38,10 @@ from narad.meta.store import MetaStore
 
 log = logging.getLogger("narad.meta.service")
 audit = logging.getLogger("narad.audit")
+
+# The Raft index of the last entry this task proposed: a node that forwarded the
+# request waits until its own replica reaches it before answering.
+last_index: contextvars.ContextVar[int] = contextvars.ContextVar("narad_last_index", default=0)
 
 RETRY_SLEEP = 0.05
 
@@ -85,7 +90,10 @@ class MetaService:
                     msg += "; the write may have landed, read it back before retrying"
                 raise Unavailable(msg, headers=[("Retry-After", "1")])
             try:
-                return await self.raft.propose(data, min(remaining, max(1.0, self.write_timeout / 3)))
+                res = await self.raft.propose(data, min(remaining, max(1.0, self.write_timeout / 3)))
+                if res.index > last_index.get():
+                    last_index.set(res.index)
+                return res
             except RaftUnavailable as e:
                 last_err = e.message
                 if "timed out" in e.message or "unknown" in e.message or "changed" in e.message:
@@ -369,6 +377,54 @@ class MetaService:
         async with self._locks["user:" + req.username]:
             self._check(await self.write(C.DeleteUser(req.username)), "user")
             audit.info("user deleted", extra={"user": req.username, "by": req.who.name, "outcome": "ok"})
+
+
+    # ---- members -------------------------------------------------------------------
+    async def register_member(self, req: Q.RegisterReq) -> Q.Empty:
+        res = await self.write(C.RegisterMember(req.member))
+        if not res.ok:
+            raise Conflict(f"member registration refused: {res.message}")
+        return Q.Empty()
+
+    async def heartbeat(self, req: Q.HeartbeatReq) -> Q.Empty:
+        res = await self.write(C.Heartbeat(req.node_id, req.build, req.newest_entry_type, req.client_addr,
+                                           req.cluster_addr))
+        if res.code == C.Result.NOT_FOUND:
+            raise NotFound(f"member {req.node_id} is not registered")
+        return Q.Empty()
+
+    # ---- one entry point for every request (local or forwarded) ---------------------------
+    async def dispatch(self, req: msgspec.Struct) -> msgspec.Struct:
+        """Run a metadata request on this node (the leader). The Raft index it
+        reached is left in ``last_index``."""
+        if isinstance(req, Q.CreateTopicReq):
+            return await self.create_topic(req)
+        if isinstance(req, Q.AlterTopicReq):
+            return await self.alter_topic(req)
+        if isinstance(req, Q.DeleteTopicReq):
+            await self.delete_topic(req)
+            return Q.Empty()
+        if isinstance(req, Q.CreateUserReq):
+            return public_user(await self.create_user(req))
+        if isinstance(req, Q.SetGrantsReq):
+            return public_user(await self.set_grants(req))
+        if isinstance(req, Q.SetPasswordReq):
+            await self.set_password(req)
+            return Q.Empty()
+        if isinstance(req, Q.DeleteUserReq):
+            await self.delete_user(req)
+            return Q.Empty()
+        if isinstance(req, Q.RegisterReq):
+            return await self.register_member(req)
+        if isinstance(req, Q.HeartbeatReq):
+            return await self.heartbeat(req)
+        if isinstance(req, Q.ConfirmGoneReq):
+            return Q.ConfirmGoneResp(await self.confirm_gone(req.topic, req.topic_id))
+        raise BadRequest(f"unsupported metadata request {type(req).__name__}")
+
+
+FORWARDABLE = (Q.CreateTopicReq, Q.AlterTopicReq, Q.DeleteTopicReq, Q.CreateUserReq, Q.SetGrantsReq,
+               Q.SetPasswordReq, Q.DeleteUserReq, Q.RegisterReq, Q.HeartbeatReq, Q.ConfirmGoneReq)
 
 
 def public_user(u: UserRecord) -> UserRecord:

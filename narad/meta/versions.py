@@ -65,6 +65,7 @@ READY_REASONS = {
     6: "startup reconcile has not finished",
     7: "metastore stopped applying raft entries",
     8: "shutting down",
+    9: "not admitted to the cluster yet",
 }
 
 

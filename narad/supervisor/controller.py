@@ -18,11 +18,14 @@ import os
 import secrets
 import time
 from pathlib import Path
+from typing import Any
 
 import bcrypt
 
 from narad import BUILD
+from narad.errors import NaradError, NotFound
 from narad.meta import commands as C
+from narad.meta import requests as Q
 from narad.meta import versions as V
 from narad.meta.records import MemberRecord, UserRecord
 from narad.meta.service import MetaService
@@ -60,6 +63,7 @@ class Controller:
     def __init__(
         self,
         meta: MetaService,
+        router: Any,
         *,
         member: MemberRecord,
         data_dir: Path,
@@ -67,6 +71,7 @@ class Controller:
         versions: V.VersionTable,
     ) -> None:
         self.meta = meta
+        self.router = router
         self.raft = meta.raft
         self.store = meta.store
         self.member = member
@@ -97,21 +102,28 @@ class Controller:
 
     async def tick(self) -> None:
         now = time.monotonic()
+        if self.raft.status().role == "stopped":
+            return  # not admitted yet (join-only node)
         if not self.registered.is_set():
-            res = await self.meta.write(C.RegisterMember(self.member), deadline=now + 2.0)
-            if res.ok:
+            # Retried every tick (250 ms) until it first succeeds; the leader stamps it.
+            try:
+                await asyncio.wait_for(self.router.execute(Q.RegisterReq(self.member)), 2.0)
+            except (NaradError, TimeoutError) as e:
+                log.debug("member registration not done yet", extra={"err": str(e)})
+            else:
                 self.registered.set()
                 self._last_heartbeat = now
                 log.info("member registered", extra={"node": self.member.id})
-            else:
-                log.error("member registration refused", extra={"reason": res.message})
         elif now - self._last_heartbeat >= HEARTBEAT_EVERY:
             self._last_heartbeat = now
-            res = await self.meta.write(C.Heartbeat(self.member.id, BUILD, C.NEWEST_ENTRY_TYPE,
-                                                    self.member.client_addr, self.member.cluster_addr),
-                                        deadline=now + HEARTBEAT_EVERY)
-            if res.code == C.Result.NOT_FOUND:
+            try:
+                await asyncio.wait_for(self.router.execute(Q.HeartbeatReq(
+                    self.member.id, BUILD, C.NEWEST_ENTRY_TYPE, self.member.client_addr,
+                    self.member.cluster_addr)), HEARTBEAT_EVERY)
+            except NotFound:
                 self.registered.clear()
+            except (NaradError, TimeoutError) as e:
+                log.warning("heartbeat failed", extra={"err": str(e)})
         if self.raft.is_leader():
             if self._leader_since is None:
                 self._leader_since = now

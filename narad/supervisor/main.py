@@ -24,6 +24,7 @@ import uvloop
 from narad import BUILD, logs, metrics
 from narad.broker.caps import CapTable
 from narad.broker.caps import shm_name_for as caps_shm_name_for
+from narad.cluster.transport import NodeRpcClient
 from narad.config import Config, load_config, worker_count
 from narad.errors import ConfigError, FailStop, Unavailable
 from narad.ipc import rpc
@@ -38,8 +39,9 @@ from narad.meta.store import MetaStore
 from narad.supervisor import sdnotify, tls
 from narad.supervisor.controller import Controller
 from narad.supervisor.forkserver import ForkServer
+from narad.supervisor.metadata import MetadataRouter
 from narad.supervisor.services import LoginThrottle, control_service, worker_service
-from narad.supervisor.sockets import DataDirLock, make_client_sockets
+from narad.supervisor.sockets import DataDirLock, make_client_sockets, make_udp_sockets
 from narad.supervisor.workers import WorkerManager
 from narad.worker import main as worker_main
 
@@ -47,6 +49,7 @@ log = logging.getLogger("narad.supervisor")
 
 READY_EVERY = 0.1
 READER_CHECK_EVERY = 5.0
+JOIN_EVERY = 2.0
 METRICS_POLL_EVERY = 10.0
 LEADER_CONTACT_FRESH = 5.0
 
@@ -60,6 +63,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cluster-port", type=int, help="node-to-node QUIC port (cluster.cluster_port; default port+2)")
     p.add_argument("--node-id", help="node id (node.id)")
     p.add_argument("--workers", help='worker processes: a number or "auto" (node.workers)')
+    p.add_argument("--peers", help="cluster nodes as id@host:raft_port,... (cluster.peers)")
+    p.add_argument("--initial-members", help="node ids that bootstrap the cluster: id,id,... (cluster.initial_members)")
     p.add_argument("--dev", action="store_true", help="security off, every listener on 127.0.0.1")
     return p.parse_args(argv)
 
@@ -67,7 +72,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def overrides_from(ns: argparse.Namespace) -> dict[str, object]:
     out: dict[str, object] = {}
     for flag, key in (("data_dir", "node.data_dir"), ("port", "http.port"), ("raft_port", "cluster.raft_port"),
-                      ("cluster_port", "cluster.cluster_port"), ("node_id", "node.id"), ("workers", "node.workers")):
+                      ("cluster_port", "cluster.cluster_port"), ("node_id", "node.id"), ("workers", "node.workers"),
+                      ("peers", "cluster.peers"), ("initial_members", "cluster.initial_members")):
         val = getattr(ns, flag)
         if val is not None:
             out[key] = str(val) if key == "node.workers" else val
@@ -95,6 +101,8 @@ class Supervisor:
         self.reconcile_done = False
         self.create_gate: asyncio.Event | None = None
         self.startup_commit_index = 0
+        self.admitted = asyncio.Event()
+        self.raft_mode = "single"
         self.worker_conns: dict[int, rpc.Connection] = {}
         self.worker_metrics: dict[int, list[metrics.Family]] = {}  # last snapshot per worker pid
         self.retired_metrics: list[metrics.Family] = []  # counters of workers that died
@@ -104,6 +112,23 @@ class Supervisor:
     # ------------------------------------------------------------------------
     def boot_process(self) -> None:
         cfg = self.cfg
+        # 0. The node RPC secret: a cluster with security on refuses to start
+        #    without one (env only, never in a file); a lone node makes its own.
+        env_secret = os.environ.get("NARAD_CLUSTER_SECRET", "")
+        if cfg.clustered:
+            if cfg.security.enabled and not env_secret:
+                raise RuntimeError("a multi-node cluster with security on needs NARAD_CLUSTER_SECRET "
+                                   "(the same value on every node)")
+            if not cfg.security.enabled and not cfg.security.allow_insecure_cluster:
+                raise RuntimeError("a multi-node cluster with security off needs "
+                                   "security.allow_insecure_cluster = true")
+        if env_secret:
+            self.secret = env_secret.encode()
+        elif cfg.clustered:
+            log.warning("node RPC plane is unauthenticated (security off, no NARAD_CLUSTER_SECRET)")
+            self.secret = b"narad-insecure-cluster"
+        else:
+            self.secret = os.urandom(32)
         # 1. The data directory exists and is ours alone (exclusive flock), so two
         #    supervisors can never write one FSM or one Raft log.
         self.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -133,6 +158,8 @@ class Supervisor:
         #    created once and kept for the supervisor's life (a restarted worker
         #    gets its predecessor's pair, so the reuseport group never changes).
         self.sockets = make_client_sockets(cfg.http.host, cfg.http.port, self.n_workers, quic=cfg.http.quic)
+        #    The same for the node RPC port (QUIC over UDP): one socket per worker.
+        self.cluster_sockets = make_udp_sockets(cfg.cluster.host, cfg.cluster_port, self.n_workers)
         # 7. The fork server, forked now: this process still has no threads, no
         #    event loop and no LMDB environment to copy into workers.
         self.fsm_path = F.fsm_dir(self.data_dir)
@@ -140,6 +167,7 @@ class Supervisor:
             cfg=cfg, node_id=self.node_id, sockets=self.sockets, shm_name=self.versions.name,
             caps_name=self.caps.name, data_dir=self.data_dir, runtime_dir=self.runtime_dir,
             fsm_path=self.fsm_path, worker_socket=self.runtime_dir / "worker.sock",
+            cluster_sockets=self.cluster_sockets, secret=self.secret,
             cert_file=self.cert_file, key_file=self.key_file,
             workers=self.n_workers,
         )
@@ -170,18 +198,30 @@ class Supervisor:
         # 10. Raft starts (its tick thread replays the log into the FSM, skipping
         #     what the FSM already holds). The commit index persisted on this disk
         #     is remembered: the node is not ready until its FSM reaches it.
-        secret = os.environ.get("NARAD_CLUSTER_SECRET", "").encode() or os.urandom(32)
         self.raft = RaftNode(
             self_addr=self.raft_addr, peers=[], raft_dir=self.data_dir / "metastore" / "raft", sm=self.fsm,
-            loop=loop, password=raft_password(secret), bind_host=cfg.cluster.host,
+            loop=loop, password=raft_password(self.secret), bind_host=cfg.cluster.host,
             election_timeout=(cfg.seconds("cluster", "raft_election_timeout_min"),
                               cfg.seconds("cluster", "raft_election_timeout_max")),
             snapshot_threshold=cfg.cluster.raft_snapshot_threshold,
             on_state_change=self._on_raft_role, on_fail_stop=self._on_fail_stop,
         )
-        self.raft.start()
-        self.startup_commit_index = self.raft.status().persisted_commit_index
+        self.raft.max_voters = cfg.cluster.max_voters
+        self.raft.join_policy = self._join_policy
         self.meta = MetaService(cfg, self.raft, self.store, self.node_id)
+        self.rpc_client = NodeRpcClient(self.secret)
+        self.router = MetadataRouter(node_id=self.node_id, meta=self.meta, raft=self.raft, store=self.store,
+                                     applied=lambda: self.fsm.applied_index, client=self.rpc_client,
+                                     write_timeout=cfg.seconds("cluster", "write_timeout"))
+        #     How this node enters Raft: alone; as an initial member bootstrapping
+        #     the same voter set as its peers; with the configuration it had
+        #     before a restart; or join-only (admitted by the leader first, never
+        #     bootstrapping a cluster of its own).
+        self.raft_mode = self._raft_mode()
+        if self.raft_mode == "join":
+            self._tasks.append(asyncio.create_task(self._join_loop()))
+        else:
+            self._start_raft()
         # 11. Local RPC: the worker socket (metadata writes, throttle) and the
         #     naradctl control socket, both mode 0600.
         self._servers.append(await rpc.serve_unix(str(self.runtime_dir / "worker.sock"),
@@ -198,7 +238,8 @@ class Supervisor:
         member = MemberRecord(id=self.node_id, raft_addr=self.raft_addr, client_addr=f"{host}:{cfg.http.port}",
                               cluster_addr=f"{cfg.cluster.host}:{cfg.cluster_port}", build=BUILD,
                               newest_entry_type=C.NEWEST_ENTRY_TYPE)
-        self.controller = Controller(self.meta, member=member, data_dir=self.data_dir,
+        self.member = member
+        self.controller = Controller(self.meta, self.router, member=member, data_dir=self.data_dir,
                                      security=cfg.security.enabled, versions=self.versions)
         self._tasks.append(asyncio.create_task(self.controller.run()))
         # 14. Readiness is recomputed continuously and published in shared memory.
@@ -210,7 +251,81 @@ class Supervisor:
         log.info("http listening", extra={"port": cfg.http.port, "workers": self.n_workers, "node": self.node_id,
                                           "raft": self.raft_addr, "security": cfg.security.enabled})
 
+    # ---- entering Raft ---------------------------------------------------------------
+    def _raft_mode(self) -> str:
+        if not self.cfg.clustered:
+            return "single"
+        if self.raft.load_cluster_file() is not None:
+            return "rejoin"
+        if self.node_id in self.cfg.cluster.initial_members:
+            return "bootstrap"
+        return "join"
+
+    def _start_raft(self, voters: list[str] | None = None, readonly: bool = False) -> None:
+        if voters is None:
+            if self.raft_mode == "rejoin":
+                saved = self.raft.load_cluster_file() or {}
+                voters, readonly = list(saved.get("voters", [])), bool(saved.get("readonly"))
+            elif self.raft_mode == "bootstrap":
+                peers = self.cfg.peer_map
+                voters = [peers[m] for m in self.cfg.cluster.initial_members]
+            else:
+                voters = []
+        self.raft.start(voters, readonly=readonly)
+        self.startup_commit_index = self.raft.status().persisted_commit_index
+        self.admitted.set()
+        log.info("raft started", extra={"mode": self.raft_mode, "voters": voters, "readonly": readonly})
+
+    async def _join_loop(self) -> None:
+        """Join-only: ask the configured peers every 2 s until the leader admits
+        this node. Until then the node is not ready and Raft does not run."""
+        req = {"node_id": self.node_id, "raft_addr": self.raft_addr, "build": BUILD,
+               "newest_entry_type": C.NEWEST_ENTRY_TYPE}
+        peers = [addr for nid, addr in self.cfg.peer_map.items() if nid != self.node_id]
+        last_refusal = 0.0
+        while True:
+            for addr in peers:
+                ans = await asyncio.to_thread(self.raft.request_join, addr, req)
+                hops = 0
+                while ans.get("status") == 421 and ans.get("leader") and hops < 4:
+                    hops += 1
+                    ans = await asyncio.to_thread(self.raft.request_join, ans["leader"], req)
+                status = ans.get("status")
+                if status == 200:
+                    voters = list(ans.get("voters", []))
+                    readonly = not ans.get("voter", False)
+                    log.info("admitted to the cluster", extra={"voters": voters, "voter": not readonly})
+                    self._start_raft(voters, readonly=readonly)
+                    return
+                if status == 409 and time.monotonic() - last_refusal > 60:
+                    last_refusal = time.monotonic()
+                    log.error("cluster join refused", extra={"code": ans.get("code"), "error": ans.get("error")})
+            await asyncio.sleep(JOIN_EVERY)
+
+    def _join_policy(self, req: dict[str, object]) -> tuple[int, dict[str, object]] | None:
+        """Leader, tick thread: refuse a joiner older than the cluster (it would
+        skip entries the cluster already uses) or one that was removed."""
+        node_id = str(req.get("node_id", ""))
+        newest = int(req.get("newest_entry_type", 0) or 0)  # type: ignore[call-overload]
+        with self.fsm.env.begin() as txn:
+            from narad.meta.store import Reader
+
+            r = Reader(txn, self.fsm.dbs)
+            if txn.get(node_id.encode(), db=self.fsm.dbs["removed_members"]) is not None:
+                return 409, {"code": "removed", "error": f"node {node_id} was removed from the cluster"}
+            members = [m for m in r.members() if m.id != node_id]
+            known = self.raft.voters()
+            if str(req.get("raft_addr")) in known:
+                return None  # already a server: never refused (its heartbeats hold new types back)
+            floor = max([self.fsm.newest_type, *[m.newest_entry_type for m in members]], default=0)
+            if (members and all(newest < m.newest_entry_type for m in members)) or newest < self.fsm.newest_type:
+                return 409, {"code": "older_release",
+                             "error": f"node {node_id} applies entry types up to {newest}; the cluster uses "
+                                      f"{floor}: upgrade it first"}
+        return None
+
     async def _startup_reconcile(self) -> None:
+        await self.admitted.wait()
         # The FSM must hold everything this disk knew to be committed (Felix
         # finding: a restart is not done until the state machine is).
         while self.fsm.applied_index < self.startup_commit_index:
@@ -289,6 +404,8 @@ class Supervisor:
             return False, 7
         if self.versions.load(V.SHUTDOWN):
             return False, 8
+        if not self.admitted.is_set():
+            return False, 9
         st = self.raft.status()
         if st.leader is None:
             return False, 2
@@ -369,7 +486,7 @@ class Supervisor:
 
     def members_view(self) -> Q.MembersResp:
         st = self.raft.status()
-        voters = {self.raft_addr, *st.peers.keys()}
+        voters = set(self.raft.voters())
         now_ms = self.meta.now_ms()
         with self.store.read() as r:
             members = r.members()
@@ -409,10 +526,14 @@ class Supervisor:
             s.close()
         # Raft last: a graceful stop hands leadership over when there are peers.
         if self.raft.is_leader() and self.raft.status().peers:
+            t_transfer = time.monotonic()
             self.raft.transfer_leadership()
-            end = time.monotonic() + 1.0
+            end = time.monotonic() + 2.0
             while self.raft.is_leader() and time.monotonic() < end:
-                await asyncio.sleep(0.01)
+                await asyncio.sleep(0.005)
+            log.info("leadership handed over" if not self.raft.is_leader() else "leadership transfer timed out",
+                     extra={"seconds": round(time.monotonic() - t_transfer, 3)})
+        await self.rpc_client.close()
         await asyncio.to_thread(self.raft.close)
         log.info("stopped", extra={"seconds": round(time.monotonic() - t0, 3), "exit_code": self.exit_code})
 
@@ -424,6 +545,8 @@ class Supervisor:
             tcp.close()
             if udp is not None:
                 udp.close()
+        for s in self.cluster_sockets:
+            s.close()
         self.versions.close(unlink=True)
         self.caps.close(unlink=True)
         for p in (self.cfg.control_socket, self.runtime_dir / "worker.sock"):

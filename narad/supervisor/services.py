@@ -26,7 +26,6 @@ from narad.meta import requests as Q
 from narad.meta import versions as V
 from narad.meta.grants import OPERATOR
 from narad.meta.records import Grant, TopicRecord
-from narad.meta.service import public_user
 from narad.worker.main import HelloAck, WorkerHello
 
 if TYPE_CHECKING:
@@ -79,7 +78,6 @@ class CtlReply(msgspec.Struct):
 
 def worker_service(sup: Supervisor) -> rpc.Service:
     s = rpc.Service()
-    meta = sup.meta
 
     async def hello(m: WorkerHello, conn: rpc.Connection) -> HelloAck:
         conn.peer_info["worker"] = m.index
@@ -87,30 +85,19 @@ def worker_service(sup: Supervisor) -> rpc.Service:
         sup.worker_conns[m.index] = conn
         return HelloAck(sup.node_id)
 
+    router = sup.router
+
     async def create_topic(m: Q.CreateTopicReq, conn: rpc.Connection) -> TopicRecord:
         await sup.wait_create_gate()
-        return await meta.create_topic(m)
+        return await router.execute(m)  # type: ignore[no-any-return]
 
-    async def alter_topic(m: Q.AlterTopicReq, conn: rpc.Connection) -> TopicRecord:
-        return await meta.alter_topic(m)
+    async def write(m: Any, conn: rpc.Connection) -> Any:
+        return await router.execute(m)
 
-    async def delete_topic(m: Q.DeleteTopicReq, conn: rpc.Connection) -> Q.Empty:
-        await meta.delete_topic(m)
-        return Q.Empty()
-
-    async def create_user(m: Q.CreateUserReq, conn: rpc.Connection) -> Any:
-        return public_user(await meta.create_user(m))
-
-    async def set_grants(m: Q.SetGrantsReq, conn: rpc.Connection) -> Any:
-        return public_user(await meta.set_grants(m))
-
-    async def set_password(m: Q.SetPasswordReq, conn: rpc.Connection) -> Q.Empty:
-        await meta.set_password(m)
-        return Q.Empty()
-
-    async def delete_user(m: Q.DeleteUserReq, conn: rpc.Connection) -> Q.Empty:
-        await meta.delete_user(m)
-        return Q.Empty()
+    async def forward(m: Q.Forwarded, conn: rpc.Connection) -> Q.ForwardResp:
+        if _is_create(m):
+            await sup.wait_create_gate()
+        return await router.serve_forward(m)
 
     async def auth_attempt(m: Q.AuthAttemptReq, conn: rpc.Connection) -> Q.AuthAttemptResp:
         ok, retry = sup.throttle.attempt(m.username)
@@ -128,20 +115,27 @@ def worker_service(sup: Supervisor) -> rpc.Service:
         return sup.node_status()
 
     async def confirm_gone(m: Q.ConfirmGoneReq, conn: rpc.Connection) -> Q.ConfirmGoneResp:
-        return Q.ConfirmGoneResp(await meta.confirm_gone(m.topic, m.topic_id))
+        return await router.execute(m)  # type: ignore[no-any-return]
 
     async def node_metrics(m: metrics.NodeMetricsReq, conn: rpc.Connection) -> metrics.Snapshot:
         return metrics.Snapshot(await sup.node_metrics())
 
     for typ, fn in (
-        (WorkerHello, hello), (Q.CreateTopicReq, create_topic), (Q.AlterTopicReq, alter_topic),
-        (Q.DeleteTopicReq, delete_topic), (Q.CreateUserReq, create_user), (Q.SetGrantsReq, set_grants),
-        (Q.SetPasswordReq, set_password), (Q.DeleteUserReq, delete_user), (Q.AuthAttemptReq, auth_attempt),
+        (WorkerHello, hello), (Q.CreateTopicReq, create_topic), (Q.AlterTopicReq, write),
+        (Q.DeleteTopicReq, write), (Q.CreateUserReq, write), (Q.SetGrantsReq, write),
+        (Q.SetPasswordReq, write), (Q.DeleteUserReq, write), (Q.Forwarded, forward), (Q.AuthAttemptReq, auth_attempt),
         (Q.AuthOutcome, auth_outcome), (Q.MembersReq, members), (Q.StatusReq, status),
         (metrics.NodeMetricsReq, node_metrics), (Q.ConfirmGoneReq, confirm_gone),
     ):
         s.register(typ, fn)  # type: ignore[arg-type]
     return s
+
+
+def _is_create(m: Q.Forwarded) -> bool:
+    try:
+        return msgspec.msgpack.decode(m.request, type=dict).get("type") == "CreateTopicReq"
+    except (msgspec.DecodeError, AttributeError):
+        return False
 
 
 def _topic_view(t: TopicRecord) -> dict[str, Any]:
@@ -152,7 +146,7 @@ def _topic_view(t: TopicRecord) -> dict[str, Any]:
 
 def control_service(sup: Supervisor) -> rpc.Service:
     s = rpc.Service()
-    meta = sup.meta
+    router = sup.router
 
     async def handle(m: CtlRequest, conn: rpc.Connection) -> CtlReply:
         a = m.args
@@ -178,7 +172,7 @@ def control_service(sup: Supervisor) -> rpc.Service:
         if m.cmd == "topics.create":
             await sup.wait_create_gate()
             schema = a.get("schema")
-            rec = await meta.create_topic(Q.CreateTopicReq(
+            rec = await router.execute(Q.CreateTopicReq(
                 who=OPERATOR, name=str(a.get("name", "")), partitions=a.get("partitions"),
                 retention_ms=a.get("retention_ms"), visibility_timeout_ms=a.get("visibility_timeout_ms"),
                 max_in_flight_per_partition=a.get("max_in_flight_per_partition"),
@@ -187,7 +181,7 @@ def control_service(sup: Supervisor) -> rpc.Service:
             ))
             return CtlReply(_topic_view(rec))
         if m.cmd == "topics.alter":
-            rec = await meta.alter_topic(Q.AlterTopicReq(
+            rec = await router.execute(Q.AlterTopicReq(
                 who=OPERATOR, name=str(a.get("name", "")), retention_ms=a.get("retention_ms"),
                 max_in_flight_per_partition=a.get("max_in_flight_per_partition"),
                 max_acked_ahead_per_partition=a.get("max_acked_ahead_per_partition"),
@@ -195,7 +189,7 @@ def control_service(sup: Supervisor) -> rpc.Service:
             ))
             return CtlReply(_topic_view(rec))
         if m.cmd == "topics.rm":
-            await meta.delete_topic(Q.DeleteTopicReq(who=OPERATOR, name=str(a.get("name", ""))))
+            await router.execute(Q.DeleteTopicReq(who=OPERATOR, name=str(a.get("name", ""))))
             return CtlReply({"deleted": a.get("name")})
         if m.cmd == "users.ls":
             from narad.api.users import user_json
@@ -209,10 +203,10 @@ def control_service(sup: Supervisor) -> rpc.Service:
             pw = VAL.password(a.get("password"))
             grants = [Grant(g["action"], list(g.get("patterns", []))) for g in a.get("grants", [])]
             hashed = await asyncio.to_thread(bcrypt.hashpw, pw, bcrypt.gensalt(10))
-            rec = await meta.create_user(Q.CreateUserReq(OPERATOR, str(a.get("username", "")), hashed, grants))
+            rec = await router.execute(Q.CreateUserReq(OPERATOR, str(a.get("username", "")), hashed, grants))
             return CtlReply(user_json(rec))
         if m.cmd == "users.rm":
-            await meta.delete_user(Q.DeleteUserReq(OPERATOR, str(a.get("username", ""))))
+            await router.execute(Q.DeleteUserReq(OPERATOR, str(a.get("username", ""))))
             return CtlReply({"deleted": a.get("username")})
         raise BadRequest(f"unknown command {m.cmd!r}")
 

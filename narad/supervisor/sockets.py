@@ -46,6 +46,24 @@ def make_client_sockets(host: str, port: int, count: int, *, quic: bool) -> list
     return out
 
 
+def make_udp_sockets(host: str, port: int, count: int) -> list[socket.socket]:
+    """N SO_REUSEPORT UDP sockets on one port (the node RPC port), kept for life."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    out: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            s = socket.socket(family, socket.SOCK_DGRAM)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            s.bind((host, port))
+            s.set_inheritable(True)
+            out.append(s)
+    except OSError:
+        for s in out:
+            s.close()
+        raise
+    return out
+
+
 class DataDirLock:
     """An exclusive flock on <data_dir>/LOCK: one supervisor per data directory."""
 

@@ -33,10 +33,12 @@ from narad.api.http1 import Http1Limits, Http1Server
 from narad.broker.broker import Broker
 from narad.broker.caps import CapTable
 from narad.broker.peers import PeerLinks
+from narad.cluster.remote import ClusterRemote
+from narad.cluster.transport import NodeRpcClient, NodeRpcServer
 from narad.config import Config
 from narad.ipc import rpc
 from narad.meta import versions as V
-from narad.meta.requests import ConfirmGoneReq, ConfirmGoneResp
+from narad.meta.requests import ConfirmGoneReq, ConfirmGoneResp, Forwarded, ForwardReq, ForwardResp
 from narad.meta.store import MetaStore
 
 log = logging.getLogger("narad.worker")
@@ -65,6 +67,8 @@ class WorkerSpec:
     cert_file: str
     key_file: str
     workers: int
+    cluster_sockets: list[socket.socket]
+    secret: bytes
 
 
 def run(spec: WorkerSpec, index: int, core: int | None) -> int:
@@ -83,6 +87,9 @@ def run(spec: WorkerSpec, index: int, core: int | None) -> int:
             tcp.close()
             if udp is not None:
                 udp.close()
+    for i, s in enumerate(spec.cluster_sockets):
+        if i != index:
+            s.close()
     metrics.setup()
     return uvloop.run(_main(spec, index, core))
 
@@ -110,10 +117,23 @@ async def _main(spec: WorkerSpec, index: int, core: int | None) -> int:
         resp = await sup.call(ConfirmGoneReq(topic, topic_id), ConfirmGoneResp, timeout=15.0)
         return resp.gone
 
+    rpc_client = NodeRpcClient(spec.secret)
+    remote = ClusterRemote(spec.node_id, store, rpc_client) if cfg.clustered else None
     broker = Broker(data_dir=spec.data_dir, store=store, versions=versions, index=index, workers=spec.workers,
                     links=links, confirm_gone=confirm_gone,
-                    offset_sync_interval=cfg.storage.consumer_offset_commit_interval_ms / 1000.0)
+                    offset_sync_interval=cfg.storage.consumer_offset_commit_interval_ms / 1000.0,
+                    remote=remote, node_id=spec.node_id)
     await links.serve()
+
+    # Node RPC (QUIC on the cluster port): the broker's handlers serve other
+    # nodes too; forwarded metadata writes go on to this node's supervisor.
+    async def forward(m: ForwardReq, _c: object) -> ForwardResp:
+        return await sup.call(Forwarded(m.origin, m.request_id, m.request), ForwardResp,
+                              timeout=cfg.seconds("cluster", "write_timeout") + 5.0)
+
+    links.service.register(ForwardReq, forward)  # type: ignore[arg-type]
+    node_rpc = NodeRpcServer(spec.cluster_sockets[index], spec.secret, links.service)
+    await node_rpc.start()
     await broker.start()
     caps = CapTable.attach(spec.caps_name, spec.workers)
     slots = max(1, 4 // max(1, spec.workers))
@@ -161,7 +181,9 @@ async def _main(spec: WorkerSpec, index: int, core: int | None) -> int:
     grace = cfg.seconds("http", "shutdown_grace")
     if not sup.closed:
         await asyncio.gather(h1.drain(grace), h3.drain(grace) if h3 else asyncio.sleep(0))
+        await node_rpc.close()
         await broker.close()
+        await rpc_client.close()
         links.close()
         log.info("worker drained", extra={"index": index, "seconds": round(time.monotonic() - t0, 3)})
         sup.close()

@@ -102,15 +102,29 @@ class MetadataRouter:
                 await asyncio.sleep(min(RETRY_SLEEP, remaining))
                 continue
             fwd = Q.ForwardReq(self.node_id, rid, msgspec.Raw(_enc.encode(req)))
+            leader = self.raft.leader()
+            call = asyncio.ensure_future(self.client.call(addr, fwd, Q.ForwardResp,
+                                                          timeout=min(HOP_TIMEOUT, remaining)))
             try:
-                resp = await self.client.call(addr, fwd, Q.ForwardResp, timeout=min(HOP_TIMEOUT, remaining))
+                # A leader that died does not answer: when Raft elects another,
+                # stop waiting for the old one and go to the new one.
+                while not call.done():
+                    await asyncio.wait((call,), timeout=0.05)
+                    if not call.done() and self.raft.leader() != leader:
+                        call.cancel()
+                        raise Unavailable("the leader changed while the write was in flight")
+                resp = call.result()
+            except asyncio.CancelledError:
+                if not call.done():
+                    call.cancel()
+                raise
             except Misdirected:
                 last_err = "the leader changed"
                 await asyncio.sleep(min(RETRY_SLEEP, max(0.0, end - time.monotonic())))
                 continue
             except (Unavailable, BadGateway, GatewayTimeout) as e:
                 last_err = e.message
-                uncertain = uncertain or not isinstance(e, Unavailable)
+                uncertain = uncertain or not isinstance(e, Unavailable) or "in flight" in e.message
                 await asyncio.sleep(min(RETRY_SLEEP, max(0.0, end - time.monotonic())))
                 continue
             await self.wait_applied(resp.index, APPLY_WAIT)

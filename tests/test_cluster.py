@@ -1,0 +1,250 @@
+"""A cluster of real nodes on 127.0.0.1: one Raft group, metadata written at
+any node (forwarded to the leader, read-your-writes where it was written),
+produce at any node committed at the owner over node RPC, consume and ack at
+any node, joiners, non-voters, node and leader crashes, quorum loss."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.harness import Cluster, Node, wait_for
+
+OCTET = {"Content-Type": "application/octet-stream"}
+JSON = {"Content-Type": "application/json"}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    c = Cluster(tmp_path_factory.mktemp("c3"), 4, initial=3).start()
+    yield c
+    c.close()
+
+
+def produce(n: Node, topic: str, body: bytes, query: str = "") -> int:
+    return n.request("POST", f"/v1/topics/{topic}/produce{query}", body, headers=OCTET).status
+
+
+def drain(n: Node, topic: str, want: int, timeout: float = 30.0, ack_at: Node | None = None) -> list[dict[str, Any]]:
+    got: list[dict[str, Any]] = []
+    end = time.monotonic() + timeout
+    ack_node = ack_at or n
+    while len(got) < want and time.monotonic() < end:
+        r = n.request("GET", f"/v1/topics/{topic}/consume?wait=1s&max=100", headers={"X-Narad-Client": "t"})
+        if r.status == 204:
+            continue
+        assert r.status == 200, r
+        msgs = r.json()["messages"]
+        got += msgs
+        a = ack_node.request("POST", f"/v1/topics/{topic}/ack",
+                             json.dumps({"receipt_handles": [m["receipt_handle"] for m in msgs]}).encode(),
+                             headers=JSON)
+        assert a.status == 200 and all(x["status"] == 204 for x in a.json()["results"]), a
+    return got
+
+
+def test_members_view_and_one_leader(cluster: Cluster) -> None:
+    leader = cluster.leader()
+    members = cluster[leader].get("/v1/cluster/members").json()["members"]
+    assert [m["id"] for m in members] == ["n1", "n2", "n3"]
+    assert sum(m["leader"] for m in members) == 1 and all(m["voter"] and m["status"] == "alive" for m in members)
+    assert next(m for m in members if m["leader"])["id"] == leader
+    for nid in cluster.initial:  # every node answers the same view from its own replica
+        view = cluster[nid].ctl("members")["members"]
+        assert [m["id"] for m in view] == ["n1", "n2", "n3"]
+
+
+def test_topic_created_at_a_follower_is_readable_there_at_once_and_everywhere_soon(cluster: Cluster) -> None:
+    leader = cluster.leader()
+    follower = next(n for n in cluster.initial if n != leader)
+    r = cluster[follower].post("/v1/topics", {"name": "everywhere", "partitions": 6})
+    assert r.status == 201, r
+    assert cluster[follower].get("/v1/topics/everywhere").json()["id"] == r.json()["id"]  # in the 201's wake
+    for nid in cluster.initial:
+        wait_for(lambda nid=nid: cluster[nid].get("/v1/topics/everywhere").status == 200, 10)
+    owners = [p["owner_node"] for p in cluster[leader].get("/v1/topics/everywhere").json()["partition_stats"]]
+    assert sorted(set(owners)) == ["n1", "n2", "n3"]  # round-robin over the alive members
+    dup = cluster[cluster.initial[2]].post("/v1/topics", {"name": "EVERYWHERE"})
+    assert dup.status == 409
+
+
+def test_produce_anywhere_consume_and_ack_elsewhere(cluster: Cluster) -> None:
+    a, b, c = cluster.initial
+    assert cluster[a].post("/v1/topics", {"name": "crossing", "partitions": 6}).status == 201
+    wait_for(lambda: cluster[b].get("/v1/topics/crossing").status == 200)
+    stats = cluster[a].get("/v1/topics/crossing").json()["partition_stats"]
+    on_c = [p["partition"] for p in stats if p["owner_node"] == c]
+    assert on_c
+    for i in range(20):
+        assert produce(cluster[a], "crossing", f"to-c-{i}".encode(), f"?partition={on_c[0]}") == 202
+    got = drain(cluster[b], "crossing", 20, ack_at=cluster[b])
+    assert sorted(m["payload"] for m in got) == sorted(f"to-c-{i}" for i in range(20))
+    assert {m["partition"] for m in got} == {on_c[0]}
+    st = cluster[c].get(f"/v1/topics/crossing?partition={on_c[0]}").json()["partition_stats"][0]
+    assert st["high_watermark"] == 20 and st["committed_offset"] == 19  # acked at b, settled at the owner c
+    # A pinned consume and a replay reach the owner too.
+    assert produce(cluster[a], "crossing", b"pinned", f"?partition={on_c[0]}") == 202
+    m = cluster[b].request("GET", f"/v1/topics/crossing/consume?partition={on_c[0]}&wait=3s").json()
+    assert m["payload"] == "pinned"
+    rep = cluster[a].get(f"/v1/topics/crossing/consume?partition={on_c[0]}&offset=0").json()
+    assert rep["payload"] == "to-c-0" or rep["offset"] == 0
+
+
+def test_long_poll_on_one_node_wakes_for_a_produce_on_another(cluster: Cluster) -> None:
+    import threading
+
+    a, b, _ = cluster.initial
+    assert cluster[a].post("/v1/topics", {"name": "wake-remote", "partitions": 3}).status == 201
+    wait_for(lambda: cluster[b].get("/v1/topics/wake-remote").status == 200)
+    out: dict[str, Any] = {}
+
+    def park() -> None:
+        t0 = time.monotonic()
+        r = cluster[b].request("GET", "/v1/topics/wake-remote/consume?wait=10s")
+        out["status"], out["seconds"] = r.status, time.monotonic() - t0
+
+    t = threading.Thread(target=park)
+    t.start()
+    cluster[b].wait_parked(1)
+    stats = cluster[a].get("/v1/topics/wake-remote").json()["partition_stats"]
+    not_b = next(p["partition"] for p in stats if p["owner_node"] != b)
+    assert produce(cluster[a], "wake-remote", b"hello", f"?partition={not_b}") == 202
+    t.join(15)
+    assert out["status"] == 200 and out["seconds"] < 5, out
+
+
+def test_a_joiner_gets_partitions_of_new_topics(cluster: Cluster) -> None:
+    n4 = cluster["n4"]
+    n4.start(wait=False)
+    n4.wait_ready(60)
+    leader = cluster.leader()
+    wait_for(lambda: any(m["id"] == "n4" and m["status"] == "alive"
+                         for m in cluster[leader].get("/v1/cluster/members").json()["members"]), 20)
+    assert n4.status()["raft"]["role"] == "follower"
+    r = n4.post("/v1/topics", {"name": "after-join", "partitions": 8})
+    assert r.status == 201
+    owners = {p["owner_node"] for p in n4.get("/v1/topics/after-join").json()["partition_stats"]}
+    assert "n4" in owners and owners <= {"n1", "n2", "n3", "n4"}
+    assert n4.get("/v1/topics/everywhere").status == 200  # and it holds the history
+    for i in range(8):
+        assert produce(cluster["n1"], "after-join", f"j{i}".encode(), f"?partition={i}") == 202
+    assert len(drain(n4, "after-join", 8)) == 8
+
+
+def test_follower_kill9_catches_up_and_serves(cluster: Cluster) -> None:
+    leader = cluster.leader(cluster.initial)
+    victim = next(n for n in cluster.initial if n != leader)
+    cluster[victim].kill9()
+    for i in range(5):
+        assert cluster[leader].post("/v1/topics", {"name": f"while-down-{i}"}).status == 201
+    cluster[victim].start()
+    for i in range(5):
+        assert cluster[victim].get(f"/v1/topics/while-down-{i}").status == 200
+    assert cluster[victim].status()["raft"]["role"] == "follower"
+    assert cluster[victim].post("/v1/topics", {"name": "from-restarted"}).status == 201
+
+
+def test_leader_kill9_elects_a_new_leader_and_writes_resume(cluster: Cluster) -> None:
+    old = cluster.leader()
+    if old not in cluster.initial:
+        pytest.skip("the joiner leads; the initial members are what this test kills")
+    survivor = next(n for n in cluster.initial if n != old)
+    t0 = time.monotonic()
+    cluster[old].kill9()
+    first_ok = None
+    while time.monotonic() - t0 < 30:
+        r = cluster[survivor].post("/v1/topics", {"name": f"after-leader-kill-{int((time.monotonic() - t0) * 1000)}"})
+        if r.status == 201:
+            first_ok = time.monotonic() - t0
+            break
+        assert r.status == 503, r
+    assert first_ok is not None, "metadata writes never resumed"
+    print(f"\nmetadata write gap after a leader kill -9: {first_ok:.3f} s")
+    new = cluster.leader([n for n in cluster.ids if n != old])
+    assert new != old
+    cluster[old].start()
+    assert cluster[old].status()["raft"]["role"] == "follower"
+
+
+def test_quorum_loss_answers_503_in_time_while_live_owners_keep_serving(cluster: Cluster) -> None:
+    a, b, c = cluster.initial
+    assert cluster[a].post("/v1/topics", {"name": "quorum", "partitions": 6}).status == 201
+    wait_for(lambda: all(cluster[n].get("/v1/topics/quorum").status == 200 for n in (a, b, c)))
+    stats = cluster[a].get("/v1/topics/quorum").json()["partition_stats"]
+    on_a = [p["partition"] for p in stats if p["owner_node"] == a]
+    cluster[b].kill9()
+    cluster[c].kill9()
+    t0 = time.monotonic()
+    r = cluster[a].post("/v1/topics", {"name": "no-quorum"})
+    took = time.monotonic() - t0
+    assert r.status == 503 and took < 15, (r, took)
+    print(f"\nmetadata write without quorum answered {r.status} after {took:.2f} s")
+    # The data plane of live owners keeps working.
+    for i in range(5):
+        assert produce(cluster[a], "quorum", f"q{i}".encode(), f"?partition={on_a[0]}") == 202
+    got = drain(cluster[a], "quorum", 5, timeout=20)
+    assert sorted(m["payload"] for m in got) == [f"q{i}" for i in range(5)]
+    cluster[b].start(wait=False)
+    cluster[c].start(wait=False)
+    for n in (a, b, c):
+        cluster[n].wait_ready(60)
+    assert cluster[a].post("/v1/topics", {"name": "quorum-back"}).status == 201
+
+
+def test_join_only_node_without_peers_stays_unready_and_never_bootstraps(tmp_path: Path) -> None:
+    from tests.harness import CLUSTER_SECRET, free_ports
+
+    ports = free_ports(3)
+    dead_peer = free_ports(1)[0]
+    n = Node(tmp_path / "data", workers=1, node_id="lonely", ports=ports, env={"NARAD_CLUSTER_SECRET": CLUSTER_SECRET},
+             args=["--peers", f"n1@127.0.0.1:{dead_peer},lonely@127.0.0.1:{ports[1]}", "--initial-members", "n1"])
+    n.start(wait=False)
+    try:
+        wait_for(lambda: n.get("/readyz", auth=None).status == 503, 30)
+        end = time.monotonic() + 6  # three join rounds
+        while time.monotonic() < end:
+            r = n.get("/readyz", auth=None)
+            assert r.status == 503 and "not admitted" in r.json()["error"]
+            time.sleep(0.5)
+        st = n.status()
+        assert st["raft"]["role"] == "stopped" and st["raft"]["term"] == 0  # never ran an election
+    finally:
+        n.close()
+
+
+def test_secured_cluster_refuses_to_start_without_a_secret(tmp_path: Path) -> None:
+    from tests.harness import free_ports
+
+    ports = free_ports(3)
+    n = Node(tmp_path / "data", workers=1, node_id="n1", ports=ports,
+             args=["--peers", f"n1@127.0.0.1:{ports[1]},n2@127.0.0.1:1", "--initial-members", "n1,n2"])
+    n.start(wait=False)
+    assert n.proc is not None and n.proc.wait(30) == 2
+    assert "NARAD_CLUSTER_SECRET" in n.log()
+
+
+def test_five_nodes_with_non_voters(tmp_path: Path) -> None:
+    c = Cluster(tmp_path, 5, initial=3, env={"NARAD_CLUSTER_MAX_VOTERS": "3"})
+    try:
+        c.start()
+        c.start(["n4", "n5"])
+        leader = c.leader()
+        members = {m["id"]: m for m in c[leader].get("/v1/cluster/members").json()["members"]}
+        wait_for(lambda: len(c[leader].get("/v1/cluster/members").json()["members"]) == 5, 20)
+        members = {m["id"]: m for m in c[leader].get("/v1/cluster/members").json()["members"]}
+        assert [members[n]["voter"] for n in c.ids] == [True, True, True, False, False]
+        assert c["n5"].status()["raft"]["role"] == "follower"
+        r = c["n5"].post("/v1/topics", {"name": "five", "partitions": 10})  # written at a non-voter
+        assert r.status == 201
+        owners = {p["owner_node"] for p in c["n5"].get("/v1/topics/five").json()["partition_stats"]}
+        assert owners == {"n1", "n2", "n3", "n4", "n5"}
+        for i in range(10):
+            assert produce(c["n4"], "five", f"f{i}".encode(), f"?partition={i}") == 202
+        assert len(drain(c["n2"], "five", 10)) == 10
+    finally:
+        c.close()

@@ -13,6 +13,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 
 _STD_ATTRS = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime"}
 
@@ -70,3 +71,33 @@ def setup(role: str, level: str = "info", fmt: str = "json") -> None:
     root.setLevel(level.upper())
     # pysyncobj logs every reconnect attempt at warning; keep its errors only.
     logging.getLogger("pysyncobj").setLevel(logging.ERROR)
+    # aioquic logs every handshake and stream reset at info: keep its warnings
+    # (NARAD_QUIC_LOG=info brings them back when debugging the node transport).
+    logging.getLogger("quic").setLevel(os.environ.get("NARAD_QUIC_LOG", "warning").upper())
+
+
+_dumpers: list[Callable[[], str]] = []
+
+
+def add_dumper(fn: Callable[[], str]) -> None:
+    """Register a state summary that the SIGUSR1 dump includes."""
+    _dumpers.append(fn)
+
+
+def dump_tasks(loop: object) -> None:
+    """SIGUSR1 diagnostics: log the stack of every asyncio task of ``loop``
+    (what each pending request is waiting on)."""
+    import asyncio
+    import io
+
+    tasks = asyncio.all_tasks(loop)  # type: ignore[arg-type]
+    out = io.StringIO()
+    for t in tasks:
+        out.write(f"--- {t.get_name()} {t.get_coro()!r}\n")
+        t.print_stack(limit=12, file=out)
+    for fn in _dumpers:
+        try:
+            out.write(fn() + "\n")
+        except Exception as e:  # diagnostics never take the process down
+            out.write(f"(dumper {fn!r} failed: {e})\n")
+    logging.getLogger("narad.diagnostics").warning("%d asyncio tasks\n%s", len(tasks), out.getvalue())

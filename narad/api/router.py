@@ -12,6 +12,7 @@ Imports narad.errors only; handlers register themselves from narad.api.app.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -20,7 +21,7 @@ from typing import Any, Protocol
 
 import msgspec
 
-from narad.errors import InternalError, MethodNotAllowed, NaradError, NotFound
+from narad.errors import InternalError, MethodNotAllowed, NaradError, NotFound, Unavailable
 
 log = logging.getLogger("narad.api")
 
@@ -210,6 +211,13 @@ class RoutedApp:
             resp = error_response(e)
             if e.status == 404 and e.message == "404 page not found":
                 resp = Response(404, b"404 page not found\n", "text/plain; charset=utf-8")
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is None or task.cancelling():
+                raise  # this request was cancelled (shutdown, client gone)
+            # An operation the handler awaited was cancelled under it: answer, do not hang.
+            log.error("handler: an operation it waited on was cancelled", extra={"route": req.route})
+            resp = error_response(Unavailable("the operation was cancelled on this node; retry"))
         except Exception as e:  # a bug: answer 500, keep serving
             log.exception("handler failed", extra={"route": req.route, "method": req.method})
             resp = error_response(InternalError(f"internal error: {type(e).__name__}"))

@@ -210,30 +210,39 @@ class Broker:
         p = self.partitions.get(key)
         if p is not None and p.topic_id == topic.id and not p.closed:
             return p
-        if p is not None:
-            await self._retire(key, p)
-        pending = self._opening.get(key)
-        if pending is not None:
+        for _ in range(3):
+            pending = self._opening.get(key)
+            if pending is None or pending.done():
+                break
+            # The open runs in its own task: a caller that gives up (its request was
+            # cancelled) never cancels it under the others waiting on it.
             p = await asyncio.shield(pending)
-            if p.topic_id == topic.id:
+            if p.topic_id == topic.id and not p.closed:
                 return p
-        fut: asyncio.Future[Partition] = self.loop.create_future()
-        self._opening[key] = fut
-        try:
-            d = topic_dir(self.data_dir, topic.name, topic.id) / f"p{index:05d}"
-            p = await self.loop.run_in_executor(self.io, self._open_sync, topic, index, d)
-            p.on_visible = self._on_visible
-            p.on_released = self._on_released
-            p.loop = self.loop
-            self.partitions[key] = p
-            fut.set_result(p)
+        p = self.partitions.get(key)
+        if p is not None and p.topic_id == topic.id and not p.closed:
             return p
-        except BaseException as e:
-            fut.set_exception(e)
-            fut.exception()
-            raise
-        finally:
-            self._opening.pop(key, None)
+        task = self.loop.create_task(self._open(key, p, topic, index))
+        self._opening[key] = task
+        task.add_done_callback(lambda t, key=key: self._opened(key, t))
+        return await asyncio.shield(task)
+
+    def _opened(self, key: tuple[str, int], task: asyncio.Task[Partition]) -> None:
+        if self._opening.get(key) is task:
+            del self._opening[key]
+        if not task.cancelled():
+            task.exception()  # retrieved: every waiter got it
+
+    async def _open(self, key: tuple[str, int], old: Partition | None, topic: TopicRecord, index: int) -> Partition:
+        if old is not None:
+            await self._retire(key, old)
+        d = topic_dir(self.data_dir, topic.name, topic.id) / f"p{index:05d}"
+        p = await self.loop.run_in_executor(self.io, self._open_sync, topic, index, d)
+        p.on_visible = self._on_visible
+        p.on_released = self._on_released
+        p.loop = self.loop
+        self.partitions[key] = p
+        return p
 
     def _open_sync(self, topic: TopicRecord, index: int, d: Path) -> Partition:
         plog = PartitionLog(d)

@@ -294,6 +294,21 @@ def _set_stream_limits(quic: QuicConnection, bidi: int, uni: int) -> None:
         log.debug("aioquic internals changed: stream limits left at their defaults")
 
 
+def _quic_state(quic: QuicConnection) -> str:
+    """aioquic internals for diagnostics (best effort)."""
+    try:
+        streams = []
+        for sid, st in list(quic._streams.items())[:12]:
+            snd, rcv = st.sender, st.receiver
+            streams.append(f"{sid}(snd fin={snd.is_finished} pending={snd.buffer_is_empty is False} "
+                           f"rcv fin={rcv.is_finished} hi={rcv.highest_offset})")
+        return (f"state={quic._state.name} streams={len(quic._streams)} "
+                f"max_data local={quic._local_max_data.value} remote={quic._remote_max_data} "
+                f"used={quic._remote_max_data_used} [{' '.join(streams)}]")
+    except Exception as e:
+        return f"? ({e})"
+
+
 def _fmt_addr(addr: Any) -> str:
     if not addr:
         return "?"
@@ -664,7 +679,14 @@ class _ServerConn(_Base):
         except NaradError as e:
             out = _encode_error(rid, e.status, e.message, e.code, e.extra)
         except asyncio.CancelledError:
-            raise  # the stream is gone: nothing to answer
+            task = asyncio.current_task()
+            if task is None or task.cancelling():
+                raise  # the stream is gone: nothing to answer
+            # Something the handler awaited was cancelled, not this request: it must
+            # still be answered, or the caller waits out its whole deadline.
+            log.error("cluster handler %s: an operation it waited on was cancelled (peer %s, request %d)",
+                      type(msg).__name__, _fmt_addr(peer.addr), rid)
+            out = _encode_error(rid, 503, "the operation was cancelled on the serving node; retry")
         except Exception as e:
             log.exception("cluster handler %s failed (peer %s, request %d)", type(msg).__name__,
                           _fmt_addr(peer.addr), rid)
@@ -835,6 +857,17 @@ class NodeRpcServer:
     def peer_ekms(self) -> list[bytes]:
         """Test and diagnostics hook: the EKM of every live connection."""
         return [c.ekm for c in self._conns if c.ekm is not None]
+
+    def describe(self) -> str:
+        """Diagnostics: every inbound connection and its request streams."""
+        lines = [f"node rpc server {_fmt_addr(self.address)}: {len(self._conns)} connections, "
+                 f"{len(self._tasks)} handlers running, closing={self._closing}"]
+        for c in list(self._conns):
+            streams = ", ".join(f"{sid}:phase{st.phase}{'+task' if st.task else ''}{'+fin' if st.fin else ''}"
+                                for sid, st in list(c._streams.items())[:20])
+            lines.append(f"  from {_fmt_addr(c._addr)} dead={c.dead} authed={c._authed} streams=[{streams}] "
+                         f"quic={_quic_state(c._quic)}")
+        return "\n".join(lines)
 
     async def start(self) -> None:
         if self._transport is not None:
@@ -1177,6 +1210,21 @@ class NodeRpcClient:
     @property
     def connections(self) -> int:
         return sum(1 for p in self._peers.values() if p.conn is not None and not p.conn.dead)
+
+    def describe(self) -> str:
+        """Diagnostics: every peer connection and the calls waiting on it."""
+        lines = [f"node rpc client: {len(self._peers)} peers"]
+        for addr, p in list(self._peers.items()):
+            c = p.conn
+            if c is None:
+                lines.append(f"  to {_fmt_addr(addr)}: no connection dialing={p.dialing is not None} "
+                             f"last_error={p.last_error!r}")
+                continue
+            now = c._loop.time()
+            calls = ", ".join(f"{sid}" for sid in list(c.calls)[:20])
+            lines.append(f"  to {_fmt_addr(addr)}: dead={c.dead} usable={c.usable} quiet={now - c._last_rx:.1f}s "
+                         f"rx={c._rx} calls=[{calls}] quic={_quic_state(c._quic)}")
+        return "\n".join(lines)
 
     def connection_ekm(self, addr: tuple[str, int]) -> bytes | None:
         """Test and diagnostics hook: the EKM of our live connection to ``addr``."""

@@ -174,5 +174,10 @@ class MetadataRouter:
             fut.set_exception(err)
             fut.exception()
             raise err from None
+        except BaseException:  # cancelled: a duplicate waiting on it must not hang
+            if not fut.done():
+                fut.set_exception(Unavailable("the forwarded request was cancelled at the leader; retry"))
+                fut.exception()
+            raise
         finally:
             self._running.pop(m.request_id, None)

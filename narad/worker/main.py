@@ -99,6 +99,7 @@ async def _main(spec: WorkerSpec, index: int, core: int | None) -> int:
     stop = asyncio.Event()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     loop.add_signal_handler(signal.SIGINT, stop.set)
+    loop.add_signal_handler(signal.SIGUSR1, logs.dump_tasks, loop)  # diagnostics: where requests wait
     versions = V.VersionTable.attach(spec.shm_name)
     store = MetaStore(spec.fsm_path, versions)
     service = rpc.Service()
@@ -134,6 +135,8 @@ async def _main(spec: WorkerSpec, index: int, core: int | None) -> int:
     links.service.register(ForwardReq, forward)  # type: ignore[arg-type]
     node_rpc = NodeRpcServer(spec.cluster_sockets[index], spec.secret, links.service)
     await node_rpc.start()
+    logs.add_dumper(node_rpc.describe)
+    logs.add_dumper(rpc_client.describe)
     await broker.start()
     caps = CapTable.attach(spec.caps_name, spec.workers)
     slots = max(1, 4 // max(1, spec.workers))

@@ -107,6 +107,10 @@ class ClusterConfig:
                          "NARAD_CLUSTER_MAX_VOTERS")
     write_timeout: str = _s("10s", "Deadline of a metadata write, elections and forwarding included.",
                             "NARAD_CLUSTER_WRITE_TIMEOUT", "duration")
+    heartbeat_interval: str = _s("5s", "How often a member heartbeats to the leader (build, newest entry type).",
+                                 "NARAD_CLUSTER_HEARTBEAT_INTERVAL", "duration")
+    member_dead_after: str = _s("30s", "A member silent this long is marked dead by the leader (its partitions "
+                                "are not reassigned).", "NARAD_CLUSTER_MEMBER_DEAD_AFTER", "duration")
     raft_snapshot_threshold: int = _s(8192, "Compact the Raft log into a snapshot after this many entries.",
                                       "NARAD_CLUSTER_RAFT_SNAPSHOT_THRESHOLD")
     raft_snapshot_interval: str = _s("120s", "How often the snapshot threshold is checked.",
@@ -385,6 +389,12 @@ def validate(cfg: Config) -> None:
         if peers[cfg.node_id] != mine:
             raise ConfigError(f"cluster.peers gives this node ({cfg.node_id}) the Raft address "
                               f"{peers[cfg.node_id]}, but it listens on {mine} (cluster.host, cluster.raft_port)")
+    hb, dead = cfg.seconds("cluster", "heartbeat_interval"), cfg.seconds("cluster", "member_dead_after")
+    if not 0.1 <= hb <= 60:
+        raise ConfigError("cluster.heartbeat_interval must be between 100ms and 60s")
+    if dead < 3 * hb:
+        raise ConfigError(f"cluster.member_dead_after ({cfg.cluster.member_dead_after}) must be at least three "
+                          f"heartbeat intervals ({cfg.cluster.heartbeat_interval})")
     if cfg.cluster.max_voters < 1:
         raise ConfigError("cluster.max_voters must be >= 1")
     if cfg.cluster.raft_snapshot_threshold < 16:

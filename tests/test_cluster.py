@@ -248,3 +248,86 @@ def test_five_nodes_with_non_voters(tmp_path: Path) -> None:
         assert len(drain(c["n2"], "five", 10)) == 10
     finally:
         c.close()
+
+
+def _join(raft_addr: str, req: dict[str, Any]) -> dict[str, Any]:
+    """Ask a node to admit a joiner, the way a join-only node does (pysyncobj utility message)."""
+    import msgspec
+    from pysyncobj.utility import TcpUtility
+
+    from narad.meta.raft import raft_password
+    from tests.harness import CLUSTER_SECRET
+
+    res = TcpUtility(raft_password(CLUSTER_SECRET.encode()), timeout=5).executeCommand(
+        raft_addr, ["narad_join", msgspec.msgpack.encode(req)])
+    return msgspec.msgpack.decode(res)  # type: ignore[no-any-return]
+
+
+def test_join_requests_follow_the_leader_and_older_releases_are_refused(cluster: Cluster) -> None:
+    from narad.meta.commands import NEWEST_ENTRY_TYPE
+
+    leader = cluster.leader()
+    follower = next(n for n in cluster.initial if n != leader)
+    req = {"node_id": "old", "raft_addr": "127.0.0.1:9", "build": "narad-py/0.0.1", "newest_entry_type": 1}
+    ans = _join(f"127.0.0.1:{cluster[follower].raft_port}", req)
+    assert ans["status"] == 421 and ans["leader"] == f"127.0.0.1:{cluster[leader].raft_port}", ans
+    ans = _join(ans["leader"], req)
+    assert ans["status"] == 409 and ans["code"] == "older_release", ans
+    assert str(NEWEST_ENTRY_TYPE) in ans["error"]
+    voters = [m["id"] for m in cluster[leader].get("/v1/cluster/members").json()["members"] if m["voter"]]
+    assert "old" not in voters
+
+
+def test_silent_member_is_marked_dead_its_partitions_reroute_and_it_comes_back(tmp_path: Path) -> None:
+    """Short timings (heartbeat 250 ms, dead after 2 s) so the controller's rules show in seconds."""
+    c = Cluster(tmp_path, 3, env={"NARAD_CLUSTER_HEARTBEAT_INTERVAL": "250ms",
+                                  "NARAD_CLUSTER_MEMBER_DEAD_AFTER": "2s"})
+    try:
+        c.start()
+        leader = c.leader()
+        a, b = (n for n in c.initial if n != leader)
+        assert c[leader].post("/v1/topics", {"name": "dead", "partitions": 3}).status == 201
+        wait_for(lambda: all(c[n].get("/v1/topics/dead").status == 200 for n in c.initial))
+        stats = c[leader].get("/v1/topics/dead").json()["partition_stats"]
+        on_b = next(p["partition"] for p in stats if p["owner_node"] == b)
+        c[b].kill9()
+        t0 = time.monotonic()
+
+        def status_of(nid: str, at: str) -> str:
+            rows = c[at].get("/v1/cluster/members").json()["members"]
+            return str(next(m["status"] for m in rows if m["id"] == nid))
+
+        wait_for(lambda: status_of(b, leader) == "dead", 20, 0.05, f"{b} marked dead")
+        print(f"\nsilent member marked dead after {time.monotonic() - t0:.2f} s (member_dead_after 2 s)")
+        wait_for(lambda: status_of(b, a) == "dead", 10)
+        # Not reassigned: the dead member still owns its partitions on record.
+        stats = c[a].get("/v1/topics/dead").json()["partition_stats"]
+        assert next(p["owner_node"] for p in stats if p["partition"] == on_b) == b
+        # A produce pinned to the dead owner's partition is accepted (WAL) and rerouted at once
+        # (no 3 s grace for a dead owner) to a live sibling, where it is consumed.
+        assert produce(c[a], "dead", b"to-the-dead", f"?partition={on_b}") == 202
+        got = drain(c[a], "dead", 1, timeout=15)
+        assert [m["payload"] for m in got] == ["to-the-dead"]
+        # The member comes back: alive again, with its heartbeat.
+        c[b].start()
+        wait_for(lambda: status_of(b, leader) == "alive", 20, 0.05, f"{b} alive again")
+        # Graceful leader stop: leadership is handed to another voter first; measure the write gap.
+        leader = c.leader()
+        writer = c[next(n for n in c.initial if n != leader)]
+        c[leader].proc.send_signal(15)  # type: ignore[union-attr]
+        t1 = time.monotonic()
+        first_ok = None
+        i = 0
+        while time.monotonic() - t1 < 30:
+            i += 1
+            r = writer.post("/v1/topics", {"name": f"after-handover-{i}"})
+            if r.status == 201:
+                first_ok = time.monotonic() - t1
+                break
+            assert r.status == 503, r
+        assert first_ok is not None
+        assert c[leader].proc.wait(30) == 0  # type: ignore[union-attr]
+        assert "leadership handed over" in c[leader].log()
+        print(f"metadata write gap while the leader stopped gracefully: {first_ok:.3f} s")
+    finally:
+        c.close()

@@ -103,6 +103,7 @@ class Broker:
         self._owned_cache: dict[Any, list[int]] = {}
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]  # set in start()
         self._tasks: list[asyncio.Task[None]] = []
+        self._late: set[asyncio.Task[Any]] = set()  # consume probes answered after we stopped waiting
         self._topics_ver = -1
         self._synced: dict[tuple[str, int], float] = {}
         self._leveled: dict[tuple[str, int], float] = {}
@@ -136,7 +137,7 @@ class Broker:
     async def close(self) -> None:
         """Graceful: stop dispatching, persist every partition's offsets and hwm."""
         self.closing = True
-        for t in self._tasks:
+        for t in [*self._tasks, *self._late]:
             t.cancel()
         await self.dispatcher.close()
         for q in self._waiters.values():
@@ -406,12 +407,9 @@ class Broker:
                     for n in nodes:
                         self.remote.notify(n, P.WatchNote(t.name, self.index, self.node_id))
                 for w in peers:
-                    try:
-                        resp = await self.links.call(w, P.ConsumeReq(t.name, t.id, max_n - len(got), partition),
-                                                     P.ConsumeResp, timeout=2.0)
-                        got.extend(resp.items)
-                    except Exception as e:
-                        log.debug("consume probe failed", extra={"worker": w, "err": str(e)})
+                    req = P.ConsumeReq(t.name, t.id, max_n - len(got), partition)
+                    got.extend(await self._reserve_at(t, self.links.call(w, req, P.ConsumeResp, timeout=10.0),
+                                                      2.0, f"worker {w}"))
                     if len(got) >= max_n:
                         break
                 for n in nodes:
@@ -419,12 +417,9 @@ class Broker:
                         break
                     if not self.remote.node_alive(n):
                         continue
-                    try:
-                        resp = await self.remote.call(n, P.ConsumeReq(t.name, t.id, max_n - len(got), partition,
-                                                                      P.NODE), P.ConsumeResp, timeout=0.5)
-                        got.extend(resp.items)
-                    except Exception as e:
-                        log.debug("consume probe of a node failed", extra={"node": n, "err": str(e)})
+                    req = P.ConsumeReq(t.name, t.id, max_n - len(got), partition, P.NODE)
+                    got.extend(await self._reserve_at(t, self.remote.call(n, req, P.ConsumeResp, timeout=10.0),
+                                                      0.5, f"node {n}"))
             first = False
             remaining = deadline - loop.time()
             if got or remaining <= 0 or self.closing:
@@ -443,6 +438,37 @@ class Broker:
             cur = self.store.topic(t.name)
             if cur is None or cur.id != t.id:
                 raise NotFound(f'topic "{t.name}" not found')
+
+    async def _reserve_at(self, t: TopicRecord, call: Awaitable[P.ConsumeResp], wait: float,
+                          where: str) -> list[P.Item]:
+        """A consume probe at another owner, waited for at most `wait` seconds. The call is
+        not cancelled when we stop waiting (the owner may have reserved records already):
+        whatever it returns late is given back at once (nack), so no lease is orphaned
+        until its visibility timeout."""
+        task = self.loop.create_task(call)  # type: ignore[arg-type]
+        done, _ = await asyncio.wait({task}, timeout=wait)
+        if task in done:
+            try:
+                return task.result().items
+            except Exception as e:
+                log.debug("consume probe failed", extra={"at": where, "err": str(e)})
+                return []
+
+        def late(tk: asyncio.Task[P.ConsumeResp]) -> None:
+            if tk.cancelled() or tk.exception() is not None:
+                return
+            items = tk.result().items
+            if items:
+                log.info("consume probe answered late; its leases are given back",
+                         extra={"at": where, "records": len(items)})
+                back = self.loop.create_task(self.nack_items(t, items))
+                self._late.add(back)
+                back.add_done_callback(self._late.discard)
+
+        self._late.add(task)
+        task.add_done_callback(self._late.discard)
+        task.add_done_callback(late)
+        return []
 
     async def nack_items(self, t: TopicRecord, items: list[P.Item]) -> None:
         """Give back leases a consumer will never see (it went away)."""
@@ -556,6 +582,8 @@ class Broker:
             try:
                 if node is None:
                     raise Unavailable("unassigned")
+                if node != self.node_id and not self.remote.node_alive(node):
+                    raise Unavailable("owner marked dead")
                 if node == self.node_id and worker == self.index:
                     out.update(await self.stats_owned(t, idxs))
                 elif node == self.node_id:
@@ -596,8 +624,8 @@ class Broker:
                     if w == self.index or len(items) >= m.max:
                         continue
                     sub = P.ConsumeReq(m.topic, m.topic_id, m.max - len(items), m.partition)
-                    with contextlib.suppress(Exception):
-                        items.extend((await self.links.call(w, sub, P.ConsumeResp, timeout=2.0)).items)
+                    items.extend(await self._reserve_at(t, self.links.call(w, sub, P.ConsumeResp, timeout=10.0),
+                                                        0.3, f"worker {w}"))
             return P.ConsumeResp(items)
 
         async def ack(m: P.AckReq, _c: Any) -> P.AckResp:

@@ -14,7 +14,8 @@ second; nothing is discarded because the local replica lacks a topic: absence
 must be confirmed by the supervisor (barrier + re-read on the leader). After
 3 s of continuous failure, or at once when the owner is marked dead, queued
 records reroute to the next partition upward (wrapping) whose owner is alive
-and which is not failing itself. A commit in flight is never rerouted.
+and which is not failing itself; a failing owner keeps one record as its probe,
+a dead one keeps none. A commit in flight is never rerouted.
 
 Imports narad.storage.wal; talks to the broker through a small interface.
 """
@@ -117,6 +118,7 @@ class Dispatcher:
             return
         now = time.monotonic()
         soonest = None
+        rerouted = False
         for key, d in list(self._dests.items()):
             if self._inflight >= MAX_IN_FLIGHT:
                 break
@@ -127,8 +129,9 @@ class Dispatcher:
                 continue
             dead = not self.target.owner_alive(key[0], key[1].hex(), key[2])
             failing = d.failing_since and now - d.failing_since >= REROUTE_AFTER
-            if (dead or failing) and self._reroute(key, d):
-                continue  # a dead or failing owner: its records go to a live sibling
+            if (dead or failing) and self._reroute(key, d, probe=not dead):
+                rerouted = True  # a dead or failing owner: its records go to a live sibling
+                continue
             if d.retry_at > now:
                 soonest = d.retry_at if soonest is None else min(soonest, d.retry_at)
                 continue
@@ -145,6 +148,9 @@ class Dispatcher:
             t = self._loop().create_task(self._commit(key, d, batch, groups))
             self._tasks.add(t)
             t.add_done_callback(self._tasks.discard)
+        if rerouted:
+            # The siblings that just received records may not have been visited in this pass.
+            self._loop().call_soon(self._pump)
         if soonest is not None and self._timer is None:
             loop = self._loop()
             self._timer = loop.call_later(max(0.0, soonest - now), self._on_timer)
@@ -186,12 +192,14 @@ class Dispatcher:
             d.retry_at = now + RETRY_AFTER
         self._pump()
 
-    def _reroute(self, key: tuple[str, bytes, int], d: _Dest) -> bool:
+    def _reroute(self, key: tuple[str, bytes, int], d: _Dest, probe: bool = True) -> bool:
         """Move what is queued for a failing or dead destination to the next
-        live sibling partition, keeping one record behind as the probe that
-        brings traffic back when the owner recovers. False when there is none."""
+        live sibling partition. For a failing (not dead) owner one record stays
+        behind as the probe that brings traffic back when it recovers; a dead
+        owner keeps none (membership says when it is back, and a record must not
+        wait on a node that may never return). False when there is no sibling."""
         topic, inc, part = key
-        if len(d.entries) <= 1:
+        if len(d.entries) <= (1 if probe else 0):
             return False
         n = self.target.partition_count(topic, inc.hex())
         for k in range(1, n):
@@ -204,15 +212,16 @@ class Dispatcher:
                 continue
             if other is None:
                 other = self._dests[qkey] = _Dest()
-            probe, probe_group = d.entries.popleft(), d.groups.popleft()
+            kept = (d.entries.popleft(), d.groups.popleft()) if probe else None
             moved = len(d.entries)
             while d.entries:
                 e = d.entries.popleft()
                 e.partition = q
                 other.entries.append(e)
                 other.groups.append(d.groups.popleft())
-            d.entries.append(probe)
-            d.groups.append(probe_group)
+            if kept is not None:
+                d.entries.append(kept[0])
+                d.groups.append(kept[1])
             if moved:
                 self.rerouted += moved
                 log.warning("rerouted records from a failing partition owner", extra={

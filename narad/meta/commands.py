@@ -113,6 +113,9 @@ class Heartbeat(msgspec.Struct, array_like=True):
 
 class MarkDead(msgspec.Struct, array_like=True):
     node_id: str
+    # The heartbeat stamp the leader judged silent: a heartbeat applied after that
+    # judgement wins (the mark is refused). -1: unconditional (older entries).
+    heartbeat_ms: int = -1
 
 
 class CreateUser(msgspec.Struct, array_like=True):

@@ -552,6 +552,8 @@ class FSM:
         m = self._get_member(txn, p.node_id)
         if m is None:
             return _refuse(C.Result.NOT_FOUND, f"member {p.node_id} is not registered"), set()
+        if p.heartbeat_ms >= 0 and m.heartbeat_ms != p.heartbeat_ms:
+            return _refuse(C.Result.CHANGED, f"member {p.node_id} heartbeat since it was judged silent"), set()
         m.status = "dead"
         txn.put(m.id.encode(), R.ENCODER.encode(m), db=self.dbs["members"])
         return _ok(), {V.MEMBERS}

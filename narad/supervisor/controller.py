@@ -1,11 +1,14 @@
 """Member duties of every node and controller duties of the Raft leader.
 
 Every node registers its member record (retried every 250 ms until it first
-succeeds) and then heartbeats every 5 s with its build and the newest entry
-type it applies. The leader additionally seeds the root admin (security on,
-no root yet), places partitions that have no owner on record, and marks a
-member dead after 30 s without a heartbeat (never before it has led for 30 s
-itself, so a new leader does not mistake its own arrival for silence).
+succeeds) and then heartbeats (cluster.heartbeat_interval, 5 s) with its build
+and the newest entry type it applies. The leader additionally seeds the root
+admin (security on, no root yet), places partitions that have no owner on
+record, and marks a member dead after cluster.member_dead_after (30 s) without
+a heartbeat: never before it has led that long itself (a new leader does not
+mistake its own arrival for silence), never a voter whose mark would leave
+fewer than a quorum of voters alive (the breaker), and always naming the
+heartbeat it judged, so a heartbeat that lands first wins.
 
 Imports narad.meta and narad.config.
 """
@@ -33,7 +36,7 @@ from narad.meta.service import MetaService
 log = logging.getLogger("narad.controller")
 
 TICK = 0.25
-HEARTBEAT_EVERY = 5.0
+HEARTBEAT_EVERY = 5.0  # defaults; the node passes cluster.heartbeat_interval / member_dead_after
 DEAD_AFTER = 30.0
 PLACEMENT_EVERY = 10.0
 
@@ -69,6 +72,8 @@ class Controller:
         data_dir: Path,
         security: bool,
         versions: V.VersionTable,
+        heartbeat_every: float = HEARTBEAT_EVERY,
+        dead_after: float = DEAD_AFTER,
     ) -> None:
         self.meta = meta
         self.router = router
@@ -78,6 +83,9 @@ class Controller:
         self.data_dir = data_dir
         self.security = security
         self.versions = versions
+        self.heartbeat_every = heartbeat_every
+        self.dead_after = dead_after
+        self.refused_marks = 0  # dead marks the quorum breaker refused (metric)
         self.registered = asyncio.Event()
         self._last_heartbeat = 0.0
         self._leader_since: float | None = None
@@ -114,12 +122,12 @@ class Controller:
                 self.registered.set()
                 self._last_heartbeat = now
                 log.info("member registered", extra={"node": self.member.id})
-        elif now - self._last_heartbeat >= HEARTBEAT_EVERY:
+        elif now - self._last_heartbeat >= self.heartbeat_every:
             self._last_heartbeat = now
             try:
                 await asyncio.wait_for(self.router.execute(Q.HeartbeatReq(
                     self.member.id, BUILD, C.NEWEST_ENTRY_TYPE, self.member.client_addr,
-                    self.member.cluster_addr)), HEARTBEAT_EVERY)
+                    self.member.cluster_addr)), max(self.heartbeat_every, 2.0))
             except NotFound:
                 self.registered.clear()
             except (NaradError, TimeoutError) as e:
@@ -141,7 +149,7 @@ class Controller:
             self._placement_key = key
             self._last_placement = now
             await self.place_unassigned()
-        if self._leader_since is not None and now - self._leader_since >= DEAD_AFTER:
+        if self._leader_since is not None and now - self._leader_since >= self.dead_after:
             await self.mark_silent_members_dead()
 
     async def seed_root_admin(self) -> None:
@@ -177,11 +185,23 @@ class Controller:
         now_ms = self.meta.now_ms()
         with self.store.read() as r:
             members = r.members()
+        voters = set(self.raft.voters())
+        quorum = len(voters) // 2 + 1
+        alive_voters = {m.raft_addr for m in members if m.status == "alive" and m.raft_addr in voters}
         for m in members:
             if m.id == self.member.id or m.status != "alive":
                 continue
-            if now_ms - m.heartbeat_ms > DEAD_AFTER * 1000:
-                res = await self.meta.write(C.MarkDead(m.id))
-                if res.ok:
-                    log.warning("member marked dead", extra={"node": m.id,
-                                                             "silent_seconds": (now_ms - m.heartbeat_ms) / 1000})
+            if now_ms - m.heartbeat_ms <= self.dead_after * 1000:
+                continue
+            if m.raft_addr in voters and len(alive_voters) - 1 < quorum:
+                # We lead, so a quorum of voters answers us: marking one more dead would record
+                # less than a quorum alive, which cannot be true. Its silence is ours to doubt.
+                self.refused_marks += 1
+                log.warning("not marking a silent voter dead: that would leave fewer than a quorum alive",
+                            extra={"node": m.id, "alive_voters": len(alive_voters), "quorum": quorum})
+                continue
+            res = await self.meta.write(C.MarkDead(m.id, m.heartbeat_ms))
+            if res.ok:
+                alive_voters.discard(m.raft_addr)
+                log.warning("member marked dead", extra={"node": m.id,
+                                                         "silent_seconds": (now_ms - m.heartbeat_ms) / 1000})

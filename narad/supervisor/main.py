@@ -240,7 +240,9 @@ class Supervisor:
                               newest_entry_type=C.NEWEST_ENTRY_TYPE)
         self.member = member
         self.controller = Controller(self.meta, self.router, member=member, data_dir=self.data_dir,
-                                     security=cfg.security.enabled, versions=self.versions)
+                                     security=cfg.security.enabled, versions=self.versions,
+                                     heartbeat_every=cfg.seconds("cluster", "heartbeat_interval"),
+                                     dead_after=cfg.seconds("cluster", "member_dead_after"))
         self._tasks.append(asyncio.create_task(self.controller.run()))
         # 14. Readiness is recomputed continuously and published in shared memory.
         self._tasks.append(asyncio.create_task(self._readiness_loop()))

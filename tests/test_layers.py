@@ -1,0 +1,60 @@
+"""Imports flow one way: transports and cluster above broker, broker above
+storage and meta, nothing imports upward (docs/architecture.md, module map)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent / "narad"
+
+# A package may import only packages of a lower rank (and itself).
+RANK = {
+    "errors": 0, "_native": 0, "BUILD": 0, "__version__": 0,
+    "config": 1, "logs": 1, "metrics": 1,
+    "ipc": 2, "storage": 2,
+    "meta": 3,
+    "broker": 4,
+    "cluster": 5, "api": 5, "client": 5,
+    "worker": 6,
+    "supervisor": 7,
+    "ctl": 8,
+}
+
+
+def _imports() -> dict[tuple[str, str], set[str]]:
+    """(package, file) -> the narad packages it imports."""
+    out: dict[tuple[str, str], set[str]] = {}
+    for f in ROOT.rglob("*.py"):
+        rel = f.relative_to(ROOT).with_suffix("").parts
+        pkg = rel[0]
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(f.read_text())):
+            names: list[str] = []
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "narad":
+                names = [f"narad.{a.name}" for a in node.names] if node.module == "narad" else [node.module]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names if a.name.split(".")[0] == "narad"]
+            for n in names:
+                parts = n.split(".")
+                if len(parts) > 1 and parts[1] != pkg:
+                    found.add(parts[1])
+        out[(pkg, str(f.relative_to(ROOT)))] = found
+    return out
+
+
+def test_every_package_has_a_rank() -> None:
+    pkgs = {p.name for p in ROOT.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    mods = {p.stem for p in ROOT.glob("*.py") if p.stem != "__init__"}
+    missing = (pkgs | mods) - RANK.keys()
+    assert not missing, f"give these a place in the layering: {sorted(missing)}"
+
+
+def test_no_upward_imports() -> None:
+    bad = []
+    for (pkg, path), deps in _imports().items():
+        mine = RANK.get(pkg, 0) if pkg != "__init__" else 0
+        for d in deps:
+            if RANK.get(d, 99) >= mine and not (pkg == "__init__" and d in ("_native",)):
+                bad.append(f"{path} imports narad.{d}")
+    assert not bad, "imports against the layering:\n" + "\n".join(sorted(bad))

@@ -21,6 +21,7 @@ import argparse
 import math
 import multiprocessing as mp
 import os
+import re
 import shutil
 import signal
 import sys
@@ -47,13 +48,13 @@ def pct(values: list[float], p: float) -> float:
 def write_latency(node: Node, prefix: str, count: int) -> tuple[float, float]:
     conn = node.conn()
     for i in range(20):  # warm-up: connection, auth cache, forwarding connection
-        r = node.post("/v1/topics", {"name": f"{prefix}-warm-{i}", "partitions": 1}, conn=conn)
+        r = node.post("/v1/topics", {"name": f"{prefix}-warm-{i}", "partitions": 3}, conn=conn)
         if r.status != 201:
             raise SystemExit(f"create at {node.node_id} -> {r.status} {r.body[:300]!r}")
     lat = []
     for i in range(count):
         t = time.perf_counter()
-        r = node.post("/v1/topics", {"name": f"{prefix}-{i}", "partitions": 1}, conn=conn)
+        r = node.post("/v1/topics", {"name": f"{prefix}-{i}", "partitions": 3}, conn=conn)
         lat.append(time.perf_counter() - t)
         if r.status != 201:
             raise SystemExit(f"create at {node.node_id} -> {r.status} {r.body[:300]!r}")
@@ -78,7 +79,7 @@ def write_gap(c: Cluster, how: str) -> float:
             else:
                 c[leader].kill9()
         try:
-            r = writer.post("/v1/topics", {"name": f"gap-{how}-{i}", "partitions": 1}, conn=conn)
+            r = writer.post("/v1/topics", {"name": f"gap-{how}-{i}", "partitions": 3}, conn=conn)
             ok = r.status == 201
         except OSError:
             conn.close()
@@ -102,7 +103,7 @@ def write_gap(c: Cluster, how: str) -> float:
     return gap
 
 
-def flow(sc: B.Scenario) -> B.Result:
+def flow(sc: B.Scenario, profile: Path | None = None) -> B.Result:
     res = B.Result(sc)
     tmp = Path(tempfile.mkdtemp(prefix="narad-bench-cluster-"))
     c = Cluster(tmp, 3)
@@ -131,6 +132,9 @@ def flow(sc: B.Scenario) -> B.Result:
         except Exception:
             pass
         cpu0, busy0 = B._cpu(procs), B._machine_busy()
+        spies: list = []
+        if profile is not None:  # py-spy the first node's worker (the nodes are symmetric)
+            spies, res.profiles = B._start_spies(c[c.initial[0]], sc, profile, ".", B.SPY_RATE)
         stats: list[B.Stats] = []
         for rd in pipes:
             if not rd.poll(sc.seconds + 300):
@@ -139,6 +143,8 @@ def flow(sc: B.Scenario) -> B.Result:
         cpu1, busy1 = B._cpu(procs), B._machine_busy()
         for p in children:
             p.join(10)
+        for spy in spies:
+            spy.wait(60)
         failures = [s.failure for s in stats if s.failure]
         if failures:
             raise B.BenchFailure(failures[0])
@@ -176,10 +182,37 @@ def main() -> None:
     ap.add_argument("--conns", type=int, default=32, help="connections per client process, single-message flow")
     ap.add_argument("--batch-conns", type=int, default=3, help="connections per client process, batch flow")
     ap.add_argument("--skip-flow", action="store_true")
+    ap.add_argument("--skip-meta", action="store_true")
+    ap.add_argument("--only", help="regex on the flow scenario names")
+    ap.add_argument("--profile", type=Path, metavar="DIR", help="py-spy n1's worker during the flow runs")
     args = ap.parse_args()
     cpus = len(os.sched_getaffinity(0))
     print(f"# narad 3-node loopback cluster benchmark: {cpus} CPUs, {psutil.virtual_memory().total >> 30} GiB, "
           f"{time.strftime('%Y-%m-%d %H:%M')}, code {B.code_version()}")
+    if not args.skip_meta:
+        metadata(args)
+    if args.skip_flow:
+        return
+    print("\n# full flow, one client process per node (3 in all), each on its own node; msgs = acked")
+    print(B.HEADER)
+    todo = [B.Scenario("flow single", "flow", 1, 3, args.conns, args.seconds),
+            B.Scenario("flow batch100", "flow_batch", 1, 3, args.batch_conns, args.seconds, batch=100)]
+    if args.only:
+        todo = [sc for sc in todo if re.search(args.only, sc.name)]
+    failed = False
+    for sc in todo:
+        r = flow(sc, args.profile)
+        print(B.row(r), flush=True)
+        if r.failure or r.check.failed:
+            failed = True
+            print(r.failure or r.check.text)
+        for f in r.profiles:
+            print(B.summarise(f) if f.exists() else f"{f}: py-spy wrote nothing")
+    if failed:
+        sys.exit(1)
+
+
+def metadata(args: argparse.Namespace) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="narad-bench-cluster-"))
     c = Cluster(tmp, 3)
     try:
@@ -197,21 +230,6 @@ def main() -> None:
     finally:
         c.close()
         shutil.rmtree(tmp, ignore_errors=True)
-    if args.skip_flow:
-        return
-    print("\n# full flow, one client process per node (3 in all), each on its own node; msgs = acked")
-    print(B.HEADER)
-    todo = [B.Scenario("flow single", "flow", 1, 3, args.conns, args.seconds),
-            B.Scenario("flow batch100", "flow_batch", 1, 3, args.batch_conns, args.seconds, batch=100)]
-    failed = False
-    for sc in todo:
-        r = flow(sc)
-        print(B.row(r), flush=True)
-        if r.failure or r.check.failed:
-            failed = True
-            print(r.failure or r.check.text)
-    if failed:
-        sys.exit(1)
 
 
 if __name__ == "__main__":

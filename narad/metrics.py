@@ -183,6 +183,10 @@ class _Metrics:
                                         "accepted records not yet confirmed at their owner"))
         self.retention_deleted = a(Counter("narad_storage_retention_messages_deleted_total",
                                            "messages deleted by retention", ["topic"]))
+        self.node_rpc_calls = a(Counter("narad_node_rpc_calls_total", "node RPC requests and notes sent, by operation",
+                                        ["op"]))
+        self.node_rpc_served = a(Counter("narad_node_rpc_served_total", "node RPC requests and notes handled",
+                                         ["op"]))
         self.consumer_dropped = a(Counter("narad_consumer_dropped_messages_total",
                                           "messages the frontier passed without an ack (retention, corruption)",
                                           ["topic"]))

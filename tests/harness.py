@@ -286,7 +286,9 @@ class Cluster:
         self.ports = {nid: free_ports(3) for nid in self.ids}
         peers = ",".join(f"{nid}@127.0.0.1:{self.ports[nid][1]}" for nid in self.ids)
         members = ",".join(self.ids[:initial])
-        base_env = {"NARAD_CLUSTER_SECRET": CLUSTER_SECRET, **(env or {})}
+        # Several nodes share this host's cores: pinning every node's worker 0 to core 0
+        # would make them compete for one core while the other idles.
+        base_env = {"NARAD_CLUSTER_SECRET": CLUSTER_SECRET, "NARAD_PIN_WORKERS": "false", **(env or {})}
         self.nodes: dict[str, Node] = {
             nid: Node(tmp / nid / "data", workers=workers, node_id=nid, ports=self.ports[nid], env=dict(base_env),
                       args=["--peers", peers, "--initial-members", members])

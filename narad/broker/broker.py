@@ -54,6 +54,7 @@ REAP_EVERY = 60.0
 TOPIC_CHECK_EVERY = 0.05
 LEVEL_EVERY = 30.0
 PARK_RECHECK = 1.0
+WATCH_TTL = 1.0  # a node holding our watch token is asked again after this even without a ReadyNote
 ACK, EXTEND, NACK = 0, 1, 2
 
 
@@ -97,13 +98,15 @@ class Broker:
         self.partitions: dict[tuple[str, int], Partition] = {}
         self._opening: dict[tuple[str, int], asyncio.Future[Partition]] = {}
         self._waiters: dict[str, deque[asyncio.Future[bool]]] = {}
-        self._watchers: dict[str, set[tuple[str, int]]] = {}  # topic -> {(node, worker)}
+        # topic -> {(node, worker): None}, oldest first: delivery tokens left by parked consumers
+        self._watchers: dict[str, dict[tuple[str, int], None]] = {}
         self._rr = RoundRobin()
         self._route_cache: dict[tuple[str, int], int] = {}
         self._owned_cache: dict[Any, list[int]] = {}
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]  # set in start()
         self._tasks: list[asyncio.Task[None]] = []
         self._late: set[asyncio.Task[Any]] = set()  # consume probes answered after we stopped waiting
+        self._armed: dict[tuple[str, str], float] = {}  # (topic, node) -> when our watch token was left there
         self._topics_ver = -1
         self._synced: dict[tuple[str, int], float] = {}
         self._leveled: dict[tuple[str, int], float] = {}
@@ -337,14 +340,25 @@ class Broker:
         self._tell_watchers(p.topic, 1)
 
     def _tell_watchers(self, topic: str, n: int) -> None:
-        watchers = self._watchers.pop(topic, None)
+        """`n` records became available: fire that many tokens, oldest first (one
+        told consumer per record, not a herd racing for each one)."""
+        watchers = self._watchers.get(topic)
         if not watchers:
             return
-        for node, w in watchers:
+        told = []
+        for key in watchers:
+            told.append(key)
+            if len(told) >= n:
+                break
+        for key in told:
+            del watchers[key]
+        if not watchers:
+            del self._watchers[topic]
+        for node, w in told:
             if node in ("", self.node_id):
                 self.links.notify(w, P.ReadyNote(topic, n, w))
             else:
-                self.remote.notify(node, P.ReadyNote(topic, n, w))
+                self.remote.notify(node, P.ReadyNote(topic, n, w, self.node_id))
 
     def _wake(self, topic: str, n: int) -> None:
         q = self._waiters.get(topic)
@@ -386,9 +400,11 @@ class Broker:
 
     async def consume(self, t: TopicRecord, max_n: int, wait: float, partition: int | None = None) -> list[P.Item]:
         """This worker's partitions first, then this node's other workers (one
-        hop each), then the other nodes' owners (a probe each). If nothing is
-        ready, leave delivery tokens (watches: they reserve nothing) with the
-        owners and park until one fires or `wait` runs out."""
+        hop each), then the other nodes' owners (a probe each). An owner node
+        whose probe came back short gets a delivery token (a watch: it reserves
+        nothing) and is not probed again until it answers with a ReadyNote or
+        WATCH_TTL passes. If nothing is ready, park until a token fires or
+        `wait` runs out."""
         loop = self.loop
         deadline = loop.time() + wait
         if partition is not None:
@@ -404,22 +420,36 @@ class Broker:
                 if wait > 0 and not got and first:
                     for w in peers:
                         self.links.notify(w, P.WatchNote(t.name, self.index))
-                    for n in nodes:
-                        self.remote.notify(n, P.WatchNote(t.name, self.index, self.node_id))
+                    if partition is not None:
+                        for n in nodes:
+                            self.remote.notify(n, P.WatchNote(t.name, self.index, self.node_id))
                 for w in peers:
                     req = P.ConsumeReq(t.name, t.id, max_n - len(got), partition)
                     got.extend(await self._reserve_at(t, self.links.call(w, req, P.ConsumeResp, timeout=10.0),
                                                       2.0, f"worker {w}"))
                     if len(got) >= max_n:
                         break
+                hints = self._armed
                 for n in nodes:
                     if len(got) >= max_n:
                         break
                     if not self.remote.node_alive(n):
                         continue
-                    req = P.ConsumeReq(t.name, t.id, max_n - len(got), partition, P.NODE)
-                    got.extend(await self._reserve_at(t, self.remote.call(n, req, P.ConsumeResp, timeout=10.0),
-                                                      0.5, f"node {n}"))
+                    key = (t.name, n)
+                    if partition is None:
+                        # A node that came back short holds our watch token and says when it has
+                        # records (ReadyNote): until then, or WATCH_TTL, do not ask it again.
+                        armed = hints.get(key)
+                        if armed is not None and loop.time() - armed < WATCH_TTL:
+                            continue
+                    want = max_n - len(got)
+                    req = P.ConsumeReq(t.name, t.id, want, partition, P.NODE)
+                    items = await self._reserve_at(t, self.remote.call(n, req, P.ConsumeResp, timeout=10.0),
+                                                   0.5, f"node {n}")
+                    got.extend(items)
+                    if len(items) < want and partition is None:
+                        hints[key] = loop.time()
+                        self.remote.notify(n, P.WatchNote(t.name, self.index, self.node_id))
             first = False
             remaining = deadline - loop.time()
             if got or remaining <= 0 or self.closing:
@@ -671,13 +701,15 @@ class Broker:
                 for i in self.owned(t):
                     p = self.partitions.get((t.name, i))
                     if p is not None and p.available() > 0:
-                        self._watchers.setdefault(m.topic, set()).add((m.node, m.worker))
+                        self._watchers.setdefault(m.topic, {})[(m.node, m.worker)] = None
                         self._tell_watchers(m.topic, p.available())
                         return
-            self._watchers.setdefault(m.topic, set()).add((m.node, m.worker))
+            self._watchers.setdefault(m.topic, {})[(m.node, m.worker)] = None
 
         async def ready(m: P.ReadyNote, _c: Any) -> None:
             if m.worker in (-1, self.index):
+                if m.node:
+                    self._armed.pop((m.topic, m.node), None)
                 self._wake(m.topic, m.count)
             else:
                 self.links.notify(m.worker, m)

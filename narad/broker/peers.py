@@ -118,6 +118,7 @@ class ReadyNote(msgspec.Struct, tag=True, array_like=True):
     topic: str
     count: int
     worker: int = -1  # the parked worker to wake (-1: whoever receives it)
+    node: str = ""  # the node whose records are ready ("" = this node)
 
 
 class Remote(Protocol):

@@ -112,6 +112,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from narad import metrics
 from narad.errors import (
     BadGateway,
     GatewayTimeout,
@@ -658,6 +659,7 @@ class _ServerConn(_Base):
         if handler is None:
             self._answer_error(st, kind, rid, 400, f"unsupported rpc operation {type(msg).__name__}")
             return
+        metrics.get().node_rpc_served.labels(type(msg).__name__).inc()
         if self._peer is None:
             self._peer = NodePeer(addr=tuple(self._addr or ()))
         if kind == NOTE:
@@ -1246,6 +1248,7 @@ class NodeRpcClient:
             raise PayloadTooLarge(f"cluster request {type(msg).__name__} of {len(body)} bytes exceeds the "
                                   f"{MAX_FRAME} byte frame limit")
         conn = await self._connection(addr, deadline, msg)
+        metrics.get().node_rpc_calls.labels(type(msg).__name__).inc()
         fut: asyncio.Future[msgspec.Raw] = loop.create_future()
         call = _Call(0, fut)
         try:
@@ -1280,6 +1283,7 @@ class NodeRpcClient:
         if len(body) + 16 > MAX_FRAME:
             log.error("cluster note %s of %d bytes exceeds the frame limit; dropped", type(msg).__name__, len(body))
             return
+        metrics.get().node_rpc_calls.labels(type(msg).__name__).inc()
         p = self._peers.get(addr)
         if p is not None and p.conn is not None and p.conn.usable and not p.conn.stale:
             try:

@@ -66,6 +66,7 @@ READY_REASONS = {
     7: "metastore stopped applying raft entries",
     8: "shutting down",
     9: "not admitted to the cluster yet",
+    10: "a worker is not serving yet",
 }
 
 

@@ -340,7 +340,8 @@ class Supervisor:
                     if r.root_user() is not None:
                         break
                 await asyncio.sleep(0.02)
-        await self.workers.wait_started(30.0)
+        # Every worker accepts connections (readiness also follows restarts below).
+        await self.workers.wait_serving(60.0)
         self.reconcile_done = True
         assert self.create_gate is not None
         self.create_gate.set()
@@ -420,6 +421,8 @@ class Supervisor:
             return False, 5
         if not self.reconcile_done:
             return False, 6
+        if not self.workers.all_serving:
+            return False, 10
         return True, 0
 
     async def _readiness_loop(self) -> None:

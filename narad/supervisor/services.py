@@ -26,7 +26,7 @@ from narad.meta import requests as Q
 from narad.meta import versions as V
 from narad.meta.grants import OPERATOR
 from narad.meta.records import Grant, TopicRecord
-from narad.worker.main import HelloAck, WorkerHello
+from narad.worker.main import HelloAck, WorkerHello, WorkerServing
 
 if TYPE_CHECKING:
     from narad.supervisor.main import Supervisor
@@ -85,6 +85,9 @@ def worker_service(sup: Supervisor) -> rpc.Service:
         sup.worker_conns[m.index] = conn
         return HelloAck(sup.node_id)
 
+    async def serving(m: WorkerServing, conn: rpc.Connection) -> None:
+        sup.workers.mark_serving(m.index, m.pid)
+
     router = sup.router
 
     async def create_topic(m: Q.CreateTopicReq, conn: rpc.Connection) -> TopicRecord:
@@ -121,7 +124,7 @@ def worker_service(sup: Supervisor) -> rpc.Service:
         return metrics.Snapshot(await sup.node_metrics())
 
     for typ, fn in (
-        (WorkerHello, hello), (Q.CreateTopicReq, create_topic), (Q.AlterTopicReq, write),
+        (WorkerHello, hello), (WorkerServing, serving), (Q.CreateTopicReq, create_topic), (Q.AlterTopicReq, write),
         (Q.DeleteTopicReq, write), (Q.CreateUserReq, write), (Q.SetGrantsReq, write),
         (Q.SetPasswordReq, write), (Q.DeleteUserReq, write), (Q.Forwarded, forward), (Q.AuthAttemptReq, auth_attempt),
         (Q.AuthOutcome, auth_outcome), (Q.MembersReq, members), (Q.StatusReq, status),

@@ -36,6 +36,7 @@ class WorkerState:
     started: float = 0.0
     restarts: int = 0
     alive: bool = False
+    serving: bool = False  # accepting client connections (the worker said so)
     backoff: float = BACKOFF_FIRST
     last_status: str = ""
     exited: asyncio.Event = field(default_factory=asyncio.Event)
@@ -87,7 +88,7 @@ class WorkerManager:
         if kind == "spawned":
             index, pid = int(msg[1]), int(msg[2])  # type: ignore[call-overload]
             w = self.workers[index]
-            w.pid, w.started, w.alive = pid, time.monotonic(), True
+            w.pid, w.started, w.alive, w.serving = pid, time.monotonic(), True, False
             w.exited = asyncio.Event()
             self._by_pid[pid] = w
             metrics.get().workers_alive.set(sum(x.alive for x in self.workers))
@@ -97,7 +98,7 @@ class WorkerManager:
             w = self._by_pid.pop(pid, None)
             if w is None:
                 return
-            w.alive = False
+            w.alive = w.serving = False
             w.last_status = describe_status(status)
             w.exited.set()
             metrics.get().workers_alive.set(sum(x.alive for x in self.workers))
@@ -125,6 +126,22 @@ class WorkerManager:
     async def _restart_later(self, w: WorkerState, delay: float) -> None:
         await asyncio.sleep(delay)
         self._spawn(w)
+
+    def mark_serving(self, index: int, pid: int) -> None:
+        if 0 <= index < len(self.workers) and self.workers[index].pid == pid and self.workers[index].alive:
+            self.workers[index].serving = True
+
+    @property
+    def all_serving(self) -> bool:
+        return all(w.serving for w in self.workers)
+
+    async def wait_serving(self, timeout: float) -> bool:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self.all_serving:
+                return True
+            await asyncio.sleep(0.01)
+        return self.all_serving
 
     async def wait_started(self, timeout: float) -> bool:
         end = time.monotonic() + timeout

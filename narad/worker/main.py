@@ -53,6 +53,13 @@ class HelloAck(msgspec.Struct):
     node_id: str
 
 
+class WorkerServing(msgspec.Struct, tag=True):
+    """Note to the supervisor: this worker accepts client connections now."""
+
+    index: int
+    pid: int
+
+
 @dataclass
 class WorkerSpec:
     cfg: Config
@@ -96,6 +103,7 @@ def run(spec: WorkerSpec, index: int, core: int | None) -> int:
 
 async def _main(spec: WorkerSpec, index: int, core: int | None) -> int:
     loop = asyncio.get_running_loop()
+    t_start = time.monotonic()
     stop = asyncio.Event()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     loop.add_signal_handler(signal.SIGINT, stop.set)
@@ -178,7 +186,9 @@ async def _main(spec: WorkerSpec, index: int, core: int | None) -> int:
     gc.collect()
     gc.freeze()
     gc.set_threshold(20_000, 20, 20)
-    log.info("worker serving", extra={"index": index, "core": core, "port": cfg.http.port})
+    log.info("worker serving", extra={"index": index, "core": core, "port": cfg.http.port,
+                                      "startup_seconds": round(time.monotonic() - t_start, 3)})
+    sup.notify(WorkerServing(index, os.getpid()))
     await stop.wait()
     t0 = time.monotonic()
     grace = cfg.seconds("http", "shutdown_grace")

@@ -331,3 +331,24 @@ def test_silent_member_is_marked_dead_its_partitions_reroute_and_it_comes_back(t
         print(f"metadata write gap while the leader stopped gracefully: {first_ok:.3f} s")
     finally:
         c.close()
+
+
+def test_a_create_while_the_cluster_forms_waits_once_for_unregistered_voters(tmp_path: Path) -> None:
+    """n3 is an initial member that never starts: the first create waits (up to 2 s) for it to
+    register, then places over n1 and n2; the wait is not paid again by the next create."""
+    c = Cluster(tmp_path, 3)
+    try:
+        c.start(["n1", "n2"])
+        leader = c.leader(["n1", "n2"])
+        t0 = time.monotonic()
+        assert c[leader].post("/v1/topics", {"name": "forming-1", "partitions": 4}).status == 201
+        first = time.monotonic() - t0
+        t0 = time.monotonic()
+        assert c[leader].post("/v1/topics", {"name": "forming-2", "partitions": 4}).status == 201
+        second = time.monotonic() - t0
+        print(f"\ncreate while forming: first {first:.2f} s (waited for n3), second {second:.2f} s")
+        assert first >= 1.5 > second
+        owners = {p["owner_node"] for p in c[leader].get("/v1/topics/forming-1").json()["partition_stats"]}
+        assert owners == {"n1", "n2"}
+    finally:
+        c.close()

@@ -44,6 +44,7 @@ audit = logging.getLogger("narad.audit")
 last_index: contextvars.ContextVar[int] = contextvars.ContextVar("narad_last_index", default=0)
 
 RETRY_SLEEP = 0.05
+FORMING_WAIT = 2.0  # a create waits this long (once) for voters without a member record
 
 
 class MetaService:
@@ -64,6 +65,7 @@ class MetaService:
         self.write_timeout = cfg.seconds("cluster", "write_timeout")
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._barrier_term = -1
+        self._forming_since: float | None = None
         self.stopped = False
 
     # ---- proposing -------------------------------------------------------------
@@ -186,6 +188,7 @@ class MetaService:
                 max_acked_ahead_per_partition=ahead, created_at=int(self.clock()),
                 owner=req.who.name if req.who.security and not req.who.operator else None,
             )
+            await self.wait_forming()
             owners = self.placement(name, range(parts))
             res = await self.write(C.CreateTopic(rec, schema, owners))
             self._check(res, "topic")
@@ -198,6 +201,30 @@ class MetaService:
         if t is None:
             raise NotFound(f'topic "{name}" not found')
         return t
+
+    def _unregistered_voters(self) -> list[str]:
+        with self.store.read() as r:
+            registered = {m.raft_addr for m in r.members()}
+        return [v for v in self.raft.voters() if v not in registered]
+
+    async def wait_forming(self) -> None:
+        """A cluster still forming (some Raft voters have no member record yet): wait up
+        to FORMING_WAIT for them to register, so new partitions are spread rather than
+        piled on the first members. The wait counts from when a forming cluster was first
+        seen, so a voter that never registers costs one wait, not one per create."""
+        if not self._unregistered_voters():
+            self._forming_since = None
+            return
+        now = time.monotonic()
+        if self._forming_since is None:
+            self._forming_since = now
+        deadline = self._forming_since + FORMING_WAIT
+        while time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+            if not self._unregistered_voters():
+                return
+        log.info("cluster still forming; placing partitions over the members registered so far",
+                 extra={"unregistered_voters": self._unregistered_voters()})
 
     def placement(self, name: str, parts: range | list[int]) -> list[tuple[int, str]]:
         """Owners for partitions, round-robin over alive members from a random
@@ -261,6 +288,7 @@ class MetaService:
                     raise BadRequest(f"invalid argument: partitions must be larger than the current {cur.partitions}")
                 VAL.partitions(req.partitions, self.cfg.topic.max_partitions)
                 self._check(await self.write(C.UpdateTopic(name, partitions=req.partitions)), "topic")
+                await self.wait_forming()
                 await self.place_partitions(name, cur.id, range(cur.partitions, req.partitions))
             if req.schema is not None:
                 await self._put_schema(name, req.schema, req.schema_base_version)

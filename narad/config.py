@@ -111,6 +111,9 @@ class ClusterConfig:
                                  "NARAD_CLUSTER_HEARTBEAT_INTERVAL", "duration")
     member_dead_after: str = _s("30s", "A member silent this long is marked dead by the leader (its partitions "
                                 "are not reassigned).", "NARAD_CLUSTER_MEMBER_DEAD_AFTER", "duration")
+    newest_entry_type: int = _s(0, "The newest Raft entry type this node applies and reports (0: every type this "
+                                "build applies). Lower it only to stand in for an older release (upgrade drills, "
+                                "tests).", "NARAD_CLUSTER_NEWEST_ENTRY_TYPE")
     raft_snapshot_threshold: int = _s(8192, "Compact the Raft log into a snapshot after this many entries.",
                                       "NARAD_CLUSTER_RAFT_SNAPSHOT_THRESHOLD")
     raft_snapshot_interval: str = _s("120s", "How often the snapshot threshold is checked.",
@@ -395,6 +398,8 @@ def validate(cfg: Config) -> None:
     if dead < 3 * hb:
         raise ConfigError(f"cluster.member_dead_after ({cfg.cluster.member_dead_after}) must be at least three "
                           f"heartbeat intervals ({cfg.cluster.heartbeat_interval})")
+    if not 0 <= cfg.cluster.newest_entry_type <= 255:
+        raise ConfigError("cluster.newest_entry_type must be between 0 and 255 (0: this build's newest)")
     if cfg.cluster.max_voters < 1:
         raise ConfigError("cluster.max_voters must be >= 1")
     if cfg.cluster.raft_snapshot_threshold < 16:

@@ -148,28 +148,170 @@ def test_root_admin_is_unique_and_undeletable(tmp_path: Path) -> None:
 
 
 def _digest(fsm: FSM) -> str:
+    from narad.meta.fsm import K_TXN
     h = hashlib.sha256()
     with fsm.env.begin() as txn:
         for name in DB_NAMES:
-            if name == "fsm_meta":
-                continue  # holds the LMDB transaction id, which depends on batching
             for k, v in txn.cursor(db=fsm.dbs[name]):
+                if name == "fsm_meta" and k == K_TXN:
+                    continue  # the LMDB transaction id depends on how entries were batched
                 h.update(name.encode() + b"\0" + k + b"\0" + v + b"\n")
     return h.hexdigest()
 
 
 def test_same_script_gives_identical_databases(tmp_path: Path) -> None:
+    """The determinism harness: one script covering every entry type this build applies
+    (refusals included), applied to two FSMs with different batching, gives
+    byte-identical databases (every table and the index/stamp/budget counters)."""
+    owned = topic("c", "00000000000000cc")
+    owned.owner = "u"
     script: list[object] = [
+        C.RegisterMember(MemberRecord("n1", "127.0.0.1:1")), C.RegisterMember(MemberRecord("n2", "127.0.0.1:2")),
         C.CreateTopic(topic("a")), C.CreateTopic(topic("b", "00000000000000bb"), schema=b"true"),
         C.AssignPartitions("a", "00000000000000aa", [(0, "n1"), (1, "n2"), (2, "n1")]),
-        C.RegisterMember(MemberRecord("n1", "127.0.0.1:1")), C.Heartbeat("n1", "b", 13),
-        C.MarkDead("n1"), C.CreateUser(UserRecord("u", b"h", [Grant("consume", ["a"])])),
-        C.UpdatePassword("u", b"h2"), C.UpdateTopic("a", partitions=4), C.PutSchema("b", 2, b"{}"),
-        C.DeleteTopic("b"), C.DeleteUser("u"), C.Noop(),
+        C.Heartbeat("n1", "b", 13), C.MarkDead("n1"), C.Heartbeat("n1", "b", 32),
+        C.CreateUser(UserRecord("u", b"h", [Grant("consume", ["a"])])),
+        C.UpdateGrants("u", [Grant("produce", ["a*"])]), C.UpdatePassword("u", b"h2"),
+        C.UpdateTopic("a", partitions=4), C.PutSchema("b", 2, b"{}"), C.DeleteTopic("b"),
+        C.CreateTopicChecked(owned, b"{}", [(0, "n1"), (1, "n2"), (2, "n2")]),
+        C.CreateTopicChecked(topic("d", "00000000000000dd"), None, [(0, "ghost")]),  # refused
+        C.UpdateTopicCas("c", "00000000000000cc", retention_ms=60000, partitions=5),
+        C.UpdateTopicCas("c", "00000000000000aa", partitions=9),  # refused: other incarnation
+        C.PutSchemaCas("c", "00000000000000cc", 2, b'{"type": "object"}'),
+        C.PlacePartitions("c", "00000000000000cc", [(3, "n1"), (4, "n2")]),
+        C.PlacePartitions("c", "00000000000000cc", [(3, "n2")]),  # refused: insert only
+        C.PlacePartitions("a", "00000000000000aa", [(3, "n2")]),
+        C.PruneAssignments([("gone", 0)]), C.MarkDeadObserved("n2", 0),  # refused: newer heartbeat
+        C.MarkDeadObserved("n2", 10_000), C.DeleteUserReleasing("u"), C.DeleteTopicCas("c", "00000000000000cc"),
+        C.DeleteUser("nobody"), C.Noop(),
     ]
+    assert {C.TYPE_OF[type(p)] for p in script} == set(C.PAYLOAD_TYPES), "the script misses an entry type"
     one, two = Applier(tmp_path / "one"), Applier(tmp_path / "two")
+    results = []
     for i, p in enumerate(script):
-        one.apply(p, rid=f"r{i}", stamp=1000 + i)
+        results.append(one.apply(p, rid=f"r{i}", stamp=1000 + i))
         two.apply(p, rid=f"r{i}", stamp=1000 + i, commit=(i % 4 == 3))  # different batching
     two.fsm.commit()
+    assert sum(not r.ok for r in results) == 5, [r.message for r in results if not r.ok]
     assert _digest(one.fsm) == _digest(two.fsm)
+    one.fsm.close()
+    two.fsm.close()
+    # And again after reopening the files (what a restart sees).
+    assert _digest(FSM(tmp_path / "one")) == _digest(FSM(tmp_path / "two"))
+
+
+# ---- compare-and-set entry types (23-32) ------------------------------------------------
+def _members(a: Applier, *ids: str) -> None:
+    for i, nid in enumerate(ids):
+        assert a.apply(C.RegisterMember(MemberRecord(nid, f"127.0.0.1:{9000 + i}"))).ok
+
+
+def test_checked_create_refuses_an_owner_that_is_not_a_member(tmp_path: Path) -> None:
+    a = Applier(tmp_path / "fsm")
+    _members(a, "n1")
+    res = a.apply(C.CreateTopicChecked(topic("t"), None, [(0, "n1"), (1, "ghost"), (2, "n1")]))
+    assert res.code == C.Result.CHANGED and "ghost" in res.message
+    assert a.read().topic("t") is None  # nothing of the entry was kept
+    assert a.apply(C.CreateTopicChecked(topic("t"), b"true", [(0, "n1"), (1, "n1"), (2, "n1")])).ok
+    r = a.read()
+    assert r.topic("t") is not None and sorted(r.assignments("t")) == [0, 1, 2]
+    assert [s.version for s in r.schemas("t")] == [1]
+
+
+def test_cas_update_and_delete_apply_only_to_the_incarnation_read(tmp_path: Path) -> None:
+    a = Applier(tmp_path / "fsm")
+    a.apply(C.CreateTopic(topic("t", "00000000000000aa")))
+    a.apply(C.DeleteTopic("t"))
+    a.apply(C.CreateTopic(topic("t", "00000000000000bb")))
+    # An alter and a delete checked against the old incarnation are refused...
+    stale_alter = a.apply(C.UpdateTopicCas("t", "00000000000000aa", partitions=5))
+    assert stale_alter.code == C.Result.CHANGED and "changed since it was read" in stale_alter.message
+    assert a.apply(C.DeleteTopicCas("t", "00000000000000aa")).code == C.Result.CHANGED
+    assert a.apply(C.PutSchemaCas("t", "00000000000000aa", 1, b"{}")).code == C.Result.CHANGED
+    t = a.read().topic("t")
+    assert t is not None and t.id == "00000000000000bb" and t.partitions == 3
+    # ...the ones checked against the live incarnation apply.
+    assert a.apply(C.UpdateTopicCas("t", "00000000000000bb", partitions=5)).ok
+    assert a.apply(C.PutSchemaCas("t", "00000000000000bb", 1, b"{}")).ok
+    assert a.read().topic("t").partitions == 5  # type: ignore[union-attr]
+    assert a.apply(C.DeleteTopicCas("t", "00000000000000bb")).ok
+    assert a.read().topic("t") is None
+    assert a.apply(C.DeleteTopicCas("t", "00000000000000bb")).code == C.Result.CHANGED
+
+
+def test_schema_cas_keeps_the_per_topic_byte_budget(tmp_path: Path) -> None:
+    from narad.meta.fsm import SCHEMA_TOPIC_BYTES
+    a = Applier(tmp_path / "fsm")
+    a.apply(C.CreateTopic(topic("t")))
+    big = b" " * (SCHEMA_TOPIC_BYTES // 2)
+    assert a.apply(C.PutSchemaCas("t", "00000000000000aa", 1, big)).ok
+    assert a.apply(C.PutSchemaCas("t", "00000000000000aa", 2, big)).ok
+    over = a.apply(C.PutSchemaCas("t", "00000000000000aa", 3, b"{}"))
+    assert over.code == C.Result.INVALID and "bytes of schema versions" in over.message
+    # Deleting the topic frees its bytes from the cluster budget.
+    a.apply(C.DeleteTopic("t"))
+    from narad.meta.fsm import K_SCHEMA_BYTES
+    with a.fsm.env.begin() as txn:
+        raw = txn.get(K_SCHEMA_BYTES, db=a.fsm.dbs["fsm_meta"])
+    assert raw is not None and int.from_bytes(raw, "big") == 0
+
+
+def test_placement_is_insert_only(tmp_path: Path) -> None:
+    a = Applier(tmp_path / "fsm")
+    _members(a, "n1", "n2")
+    a.apply(C.CreateTopic(topic("t")))
+    assert a.apply(C.PlacePartitions("t", "00000000000000aa", [(0, "n1"), (1, "n2")])).ok
+    # A second placement racing the first never replaces an owner: the whole entry is refused.
+    res = a.apply(C.PlacePartitions("t", "00000000000000aa", [(2, "n2"), (0, "n2")]))
+    assert res.code == C.Result.CHANGED and "already has an owner" in res.message
+    owners = {p: rec.owner for p, rec in a.read().assignments("t").items()}
+    assert owners == {0: "n1", 1: "n2"}
+    assert a.apply(C.PlacePartitions("t", "00000000000000aa", [(2, "n2")])).ok
+    assert a.apply(C.PlacePartitions("t", "00000000000000aa", [(3, "n2")])).code == C.Result.INVALID
+    assert a.apply(C.PlacePartitions("t", "00000000000000ff", [(2, "n1")])).code == C.Result.CHANGED
+
+
+def test_prune_deletes_only_orphan_assignment_rows(tmp_path: Path) -> None:
+    a = Applier(tmp_path / "fsm")
+    a.apply(C.CreateTopic(topic("t")))
+    a.apply(C.AssignPartitions("t", "00000000000000aa", [(0, "n1")]))
+    # A row past the topic's partition count, as an older release could leave behind.
+    from narad.meta import records as R
+    with a.fsm.env.begin(write=True) as txn:
+        txn.put(R.part_key("t", 7), R.ENCODER.encode(R.AssignmentRecord("n1", "00000000000000aa")),
+                db=a.fsm.dbs["assignments"])
+    assert sorted(a.read().assignments("t")) == [0, 7]
+    live = a.apply(C.PruneAssignments([("t", 7), ("t", 0)]))
+    assert live.code == C.Result.CHANGED and "live partition" in live.message
+    assert sorted(a.read().assignments("t")) == [0, 7]
+    assert a.apply(C.PruneAssignments([("t", 7)])).ok
+    assert sorted(a.read().assignments("t")) == [0]
+
+
+def test_dead_mark_from_an_observed_heartbeat_loses_to_a_newer_heartbeat(tmp_path: Path) -> None:
+    a = Applier(tmp_path / "fsm")
+    _members(a, "n1")
+    a.apply(C.Heartbeat("n1", "b", 13), stamp=5000)
+    hb = a.read().member("n1").heartbeat_ms  # type: ignore[union-attr]
+    a.apply(C.Heartbeat("n1", "b", 13), stamp=9000)  # arrives after the leader judged it silent
+    res = a.apply(C.MarkDeadObserved("n1", hb), stamp=9500)
+    assert res.code == C.Result.CHANGED
+    assert a.read().member("n1").status == "alive"  # type: ignore[union-attr]
+    newest = a.read().member("n1").heartbeat_ms  # type: ignore[union-attr]
+    assert a.apply(C.MarkDeadObserved("n1", newest), stamp=40000).ok
+    assert a.read().member("n1").status == "dead"  # type: ignore[union-attr]
+
+
+def test_user_delete_releasing_clears_the_owner_of_its_topics(tmp_path: Path) -> None:
+    a = Applier(tmp_path / "fsm")
+    a.apply(C.CreateUser(UserRecord("u", b"h")))
+    owned = topic("mine")
+    owned.owner = "u"
+    a.apply(C.CreateTopic(owned))
+    a.apply(C.CreateTopic(topic("other", "00000000000000bb")))
+    res = a.apply(C.DeleteUserReleasing("u"))
+    assert res.ok and "1 topics released" in res.message
+    r = a.read()
+    assert r.user("u") is None
+    mine = r.topic("mine")
+    assert mine is not None and mine.owner is None and mine.revision == owned.revision + 1

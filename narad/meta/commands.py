@@ -8,8 +8,9 @@ returns the first result instead of applying twice.
 
 Numbering: 1-22 are the base entry types every release of this product
 applies; 23-32 are the compare-and-set types the seed (metastore "The entry
-types v3.1.0 adds") numbers, proposed only once every member applies them;
-33-37 are reserved for remote replication. Pure data, no I/O.
+types v3.1.0 adds") numbers, proposed only once every member applies them
+(27-28, fan-out attach / detach, arrive with fan-out topics and a newer
+release number); 33-37 are reserved for remote replication. Pure data, no I/O.
 """
 
 from __future__ import annotations
@@ -36,10 +37,24 @@ class EntryType(IntEnum):
     UPDATE_GRANTS = 11
     UPDATE_PASSWORD = 12
     DELETE_USER = 13
+    # Compare-and-set types (the seed's 23-32): each carries what its write was checked
+    # against and is refused identically on every node when the metadata moved. The
+    # leader proposes one only once every Raft server and member record applies it.
+    CREATE_TOPIC_CHECKED = 23  # create with schema and placement on known, not removed members
+    UPDATE_TOPIC_CAS = 24  # alter only the incarnation read; never shrinks partitions
+    DELETE_TOPIC_CAS = 25  # delete only the incarnation checked
+    PUT_SCHEMA_CAS = 26  # append a schema version to the incarnation checked, within the byte budgets
+    # 27 and 28 (fan-out attach / detach) come with fan-out topics.
+    PLACE_PARTITIONS = 29  # insert-only placement: never replaces an owner
+    PRUNE_ASSIGNMENTS = 30  # delete assignment rows that belong to no partition
+    MARK_DEAD_OBSERVED = 31  # dead mark refused when a newer heartbeat is on record
+    DELETE_USER_RELEASING = 32  # delete a user and clear the owner of its topics
 
 
 # The newest entry type this build applies. A later release raises it.
 NEWEST_ENTRY_TYPE = max(EntryType)
+# The types every release of this product applies (proposed without asking anyone).
+BASE_TYPES = frozenset(t for t in EntryType if t <= 22)
 
 
 class Result(IntEnum):
@@ -113,9 +128,6 @@ class Heartbeat(msgspec.Struct, array_like=True):
 
 class MarkDead(msgspec.Struct, array_like=True):
     node_id: str
-    # The heartbeat stamp the leader judged silent: a heartbeat applied after that
-    # judgement wins (the mark is refused). -1: unconditional (older entries).
-    heartbeat_ms: int = -1
 
 
 class CreateUser(msgspec.Struct, array_like=True):
@@ -136,6 +148,52 @@ class DeleteUser(msgspec.Struct, array_like=True):
     username: str
 
 
+class CreateTopicChecked(msgspec.Struct, array_like=True):
+    topic: TopicRecord
+    schema: bytes | None = None
+    owners: list[tuple[int, str]] = []  # each a registered member that was not removed
+
+
+class UpdateTopicCas(msgspec.Struct, array_like=True):
+    name: str
+    topic_id: str  # the incarnation the alter was checked against
+    retention_ms: int | None = None
+    max_in_flight_per_partition: int | None = None
+    max_acked_ahead_per_partition: int | None = None
+    partitions: int | None = None  # grow only
+
+
+class DeleteTopicCas(msgspec.Struct, array_like=True):
+    name: str
+    topic_id: str
+
+
+class PutSchemaCas(msgspec.Struct, array_like=True):
+    name: str
+    topic_id: str
+    version: int  # exactly latest + 1
+    schema: bytes
+
+
+class PlacePartitions(msgspec.Struct, array_like=True):
+    name: str
+    topic_id: str
+    owners: list[tuple[int, str]]  # only partitions with no owner of this incarnation on record
+
+
+class PruneAssignments(msgspec.Struct, array_like=True):
+    rows: list[tuple[str, int]]  # (topic name, partition) rows that belong to no partition
+
+
+class MarkDeadObserved(msgspec.Struct, array_like=True):
+    node_id: str
+    heartbeat_ms: int  # the heartbeat stamp the decision was made from
+
+
+class DeleteUserReleasing(msgspec.Struct, array_like=True):
+    username: str
+
+
 PAYLOAD_TYPES: dict[int, type[msgspec.Struct]] = {
     EntryType.NOOP: Noop,
     EntryType.CREATE_TOPIC: CreateTopic,
@@ -150,6 +208,25 @@ PAYLOAD_TYPES: dict[int, type[msgspec.Struct]] = {
     EntryType.UPDATE_GRANTS: UpdateGrants,
     EntryType.UPDATE_PASSWORD: UpdatePassword,
     EntryType.DELETE_USER: DeleteUser,
+    EntryType.CREATE_TOPIC_CHECKED: CreateTopicChecked,
+    EntryType.UPDATE_TOPIC_CAS: UpdateTopicCas,
+    EntryType.DELETE_TOPIC_CAS: DeleteTopicCas,
+    EntryType.PUT_SCHEMA_CAS: PutSchemaCas,
+    EntryType.PLACE_PARTITIONS: PlacePartitions,
+    EntryType.PRUNE_ASSIGNMENTS: PruneAssignments,
+    EntryType.MARK_DEAD_OBSERVED: MarkDeadObserved,
+    EntryType.DELETE_USER_RELEASING: DeleteUserReleasing,
+}
+# The base type a compare-and-set type stands in for while some member cannot apply it.
+FALLBACK: dict[int, int | None] = {
+    EntryType.CREATE_TOPIC_CHECKED: EntryType.CREATE_TOPIC,
+    EntryType.UPDATE_TOPIC_CAS: EntryType.UPDATE_TOPIC,
+    EntryType.DELETE_TOPIC_CAS: EntryType.DELETE_TOPIC,
+    EntryType.PUT_SCHEMA_CAS: EntryType.PUT_SCHEMA,
+    EntryType.PLACE_PARTITIONS: EntryType.ASSIGN_PARTITIONS,
+    EntryType.PRUNE_ASSIGNMENTS: None,  # no base equivalent: orphan rows are only logged
+    EntryType.MARK_DEAD_OBSERVED: EntryType.MARK_DEAD,
+    EntryType.DELETE_USER_RELEASING: EntryType.DELETE_USER,
 }
 TYPE_OF: dict[type, int] = {v: k for k, v in PAYLOAD_TYPES.items()}
 
@@ -190,6 +267,8 @@ def decode(data: bytes) -> Decoded:
 
 
 __all__ = [
+    "BASE_TYPES",
+    "FALLBACK",
     "NEWEST_ENTRY_TYPE",
     "ApplyResult",
     "AssignPartitions",

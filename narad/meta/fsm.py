@@ -54,6 +54,8 @@ DB_NAMES = (
 MAP_SIZE = 32 << 30  # address space only; never resized
 MAX_READERS = 512
 SCHEMA_VERSION_CAP = 1000
+SCHEMA_TOPIC_BYTES = 4 << 20  # stored schema versions per topic (checked by type 26)
+SCHEMA_CLUSTER_BYTES = 256 << 20  # every schema version in the cluster (checked by type 26)
 REQUEST_MEMORY_MS = 10 * 60 * 1000  # idempotency keys are remembered this long (stamp time)
 PRUNE_PER_ENTRY = 64
 DISK_RETRY_FIRST = 0.1
@@ -65,6 +67,7 @@ K_APPLIED = b"applied_index"
 K_TXN = b"applied_txn"
 K_NEWEST = b"newest_type"
 K_MAX_STAMP = b"max_stamp_ms"
+K_SCHEMA_BYTES = b"schema_bytes"  # bytes of every stored schema version
 
 _req_enc = msgspec.msgpack.Encoder()
 _req_dec = msgspec.msgpack.Decoder(tuple[int, C.ApplyResult])
@@ -140,6 +143,14 @@ class FSM:
             C.EntryType.UPDATE_GRANTS: self._update_grants,
             C.EntryType.UPDATE_PASSWORD: self._update_password,
             C.EntryType.DELETE_USER: self._delete_user,
+            C.EntryType.CREATE_TOPIC_CHECKED: self._create_topic_checked,
+            C.EntryType.UPDATE_TOPIC_CAS: self._update_topic_cas,
+            C.EntryType.DELETE_TOPIC_CAS: self._delete_topic_cas,
+            C.EntryType.PUT_SCHEMA_CAS: self._put_schema_cas,
+            C.EntryType.PLACE_PARTITIONS: self._place_partitions,
+            C.EntryType.PRUNE_ASSIGNMENTS: self._prune_assignments,
+            C.EntryType.MARK_DEAD_OBSERVED: self._mark_dead_observed,
+            C.EntryType.DELETE_USER_RELEASING: self._delete_user_releasing,
         }
 
     # ---- bookkeeping ------------------------------------------------------
@@ -424,10 +435,38 @@ class FSM:
 
     def _drop_prefix(self, txn: Any, db: str, prefix: bytes) -> None:
         cur = txn.cursor(db=self.dbs[db])
+        freed = 0
         if cur.set_range(prefix):
             while cur.key().startswith(prefix):
+                if db == "schemas":
+                    freed += len(R.SCHEMA_DEC.decode(cur.value()).schema)
                 if not cur.delete():
                     break
+        if freed:
+            self._schema_bytes_add(txn, -freed)
+
+    def _schema_bytes(self, txn: Any) -> int:
+        return self._meta_u64(txn, K_SCHEMA_BYTES)
+
+    def _schema_bytes_add(self, txn: Any, delta: int) -> None:
+        total = max(0, self._schema_bytes(txn) + delta)
+        txn.put(K_SCHEMA_BYTES, _U64.pack(total), db=self.dbs["fsm_meta"])
+
+    def _topic_schema_bytes(self, txn: Any, name: str) -> int:
+        prefix = R.part_prefix(name)
+        cur = txn.cursor(db=self.dbs["schemas"])
+        total = 0
+        if cur.set_range(prefix):
+            for key, raw in cur:
+                if not key.startswith(prefix):
+                    break
+                total += len(R.SCHEMA_DEC.decode(raw).schema)
+        return total
+
+    def _live_owner(self, txn: Any, node_id: str) -> bool:
+        """A registered member that was not removed from the cluster."""
+        return (txn.get(node_id.encode(), db=self.dbs["members"]) is not None
+                and txn.get(node_id.encode(), db=self.dbs["removed_members"]) is None)
 
     def _create_topic(self, txn: Any, p: C.CreateTopic, stamp: int) -> tuple[C.ApplyResult, set[int]]:
         t = p.topic
@@ -452,6 +491,7 @@ class FSM:
             t.schema_version = 1
             rec = R.SchemaRecord(topic_id=t.id, version=1, schema=p.schema, registered_ms=stamp)
             txn.put(R.part_key(t.name, 1), R.ENCODER.encode(rec), db=self.dbs["schemas"])
+            self._schema_bytes_add(txn, len(p.schema))
         self._put_topic(txn, t)
         txn.put(R.fold_key(t.name), t.name.encode(), db=self.dbs["topic_index"])
         adb = self.dbs["assignments"]
@@ -497,6 +537,7 @@ class FSM:
             return _refuse(C.Result.INVALID, f"a topic keeps at most {SCHEMA_VERSION_CAP} schema versions"), set()
         rec = R.SchemaRecord(topic_id=t.id, version=p.version, schema=p.schema, registered_ms=stamp)
         txn.put(R.part_key(t.name, p.version), R.ENCODER.encode(rec), db=self.dbs["schemas"])
+        self._schema_bytes_add(txn, len(p.schema))
         t.schema_version = p.version
         t.revision += 1
         self._put_topic(txn, t)
@@ -552,8 +593,6 @@ class FSM:
         m = self._get_member(txn, p.node_id)
         if m is None:
             return _refuse(C.Result.NOT_FOUND, f"member {p.node_id} is not registered"), set()
-        if p.heartbeat_ms >= 0 and m.heartbeat_ms != p.heartbeat_ms:
-            return _refuse(C.Result.CHANGED, f"member {p.node_id} heartbeat since it was judged silent"), set()
         m.status = "dead"
         txn.put(m.id.encode(), R.ENCODER.encode(m), db=self.dbs["members"])
         return _ok(), {V.MEMBERS}
@@ -603,6 +642,113 @@ class FSM:
             return _refuse(C.Result.REFUSED, "the root admin cannot be deleted"), set()
         txn.delete(p.username.encode(), db=self.dbs["users"])
         return _ok(), {V.USERS}
+
+    # ---- compare-and-set types (23-32) ---------------------------------------------------
+    def _create_topic_checked(self, txn: Any, p: C.CreateTopicChecked,
+                              stamp: int) -> tuple[C.ApplyResult, set[int]]:
+        for part, owner in p.owners:
+            if not self._live_owner(txn, owner):
+                return _refuse(C.Result.CHANGED, f"partition {part}'s owner {owner} is not a member "
+                                                 "(removed, or never registered)"), set()
+        if p.schema is not None and len(p.schema) > SCHEMA_TOPIC_BYTES:
+            return _refuse(C.Result.INVALID, f"a topic's schemas may hold at most {SCHEMA_TOPIC_BYTES} bytes"), set()
+        if p.schema is not None and self._schema_bytes(txn) + len(p.schema) > SCHEMA_CLUSTER_BYTES:
+            return _refuse(C.Result.INVALID,
+                           f"the cluster's schemas may hold at most {SCHEMA_CLUSTER_BYTES} bytes"), set()
+        return self._create_topic(txn, C.CreateTopic(p.topic, p.schema, p.owners), stamp)
+
+    def _checked_topic(self, txn: Any, name: str, topic_id: str) -> tuple[R.TopicRecord | None, C.ApplyResult]:
+        t = self._get_topic(txn, name)
+        if t is None:
+            return None, _refuse(C.Result.CHANGED, f'topic "{name}" changed since it was read (it is gone)')
+        if t.id != topic_id:
+            return None, _refuse(C.Result.CHANGED, f'topic "{name}" changed since it was read '
+                                                   f"(incarnation {t.id}, the write was checked against {topic_id})")
+        return t, _ok()
+
+    def _update_topic_cas(self, txn: Any, p: C.UpdateTopicCas, stamp: int) -> tuple[C.ApplyResult, set[int]]:
+        t, res = self._checked_topic(txn, p.name, p.topic_id)
+        if t is None:
+            return res, set()
+        return self._update_topic(txn, C.UpdateTopic(p.name, p.retention_ms, p.max_in_flight_per_partition,
+                                                     p.max_acked_ahead_per_partition, p.partitions), stamp)
+
+    def _delete_topic_cas(self, txn: Any, p: C.DeleteTopicCas, stamp: int) -> tuple[C.ApplyResult, set[int]]:
+        t, res = self._checked_topic(txn, p.name, p.topic_id)
+        if t is None:
+            return res, set()
+        return self._delete_topic(txn, C.DeleteTopic(p.name), stamp)
+
+    def _put_schema_cas(self, txn: Any, p: C.PutSchemaCas, stamp: int) -> tuple[C.ApplyResult, set[int]]:
+        t, res = self._checked_topic(txn, p.name, p.topic_id)
+        if t is None:
+            return res, set()
+        if self._topic_schema_bytes(txn, p.name) + len(p.schema) > SCHEMA_TOPIC_BYTES:
+            return _refuse(C.Result.INVALID, f'topic "{p.name}" would hold more than {SCHEMA_TOPIC_BYTES} '
+                                             "bytes of schema versions"), set()
+        if self._schema_bytes(txn) + len(p.schema) > SCHEMA_CLUSTER_BYTES:
+            return _refuse(C.Result.INVALID, f"the cluster would hold more than {SCHEMA_CLUSTER_BYTES} bytes "
+                                             "of schema versions"), set()
+        return self._put_schema(txn, C.PutSchema(p.name, p.version, p.schema), stamp)
+
+    def _place_partitions(self, txn: Any, p: C.PlacePartitions, stamp: int) -> tuple[C.ApplyResult, set[int]]:
+        t, res = self._checked_topic(txn, p.name, p.topic_id)
+        if t is None:
+            return res, set()
+        db = self.dbs["assignments"]
+        for part, owner in p.owners:
+            if not 0 <= part < t.partitions:
+                return _refuse(C.Result.INVALID, f"partition {part} is not in topic {p.name}"), set()
+            if not self._live_owner(txn, owner):
+                return _refuse(C.Result.CHANGED, f"{owner} is not a member (removed, or never registered)"), set()
+            raw = txn.get(R.part_key(t.name, part), db=db)
+            if raw is not None and R.ASSIGN_DEC.decode(raw).topic_id == t.id:
+                return _refuse(C.Result.CHANGED, f"partition {part} of {p.name} already has an owner"), set()
+        for part, owner in p.owners:
+            txn.put(R.part_key(t.name, part), R.ENCODER.encode(R.AssignmentRecord(owner, t.id)), db=db)
+        return _ok(), {V.ASSIGNMENTS, V.name_slot(t.name)}
+
+    def _prune_assignments(self, txn: Any, p: C.PruneAssignments, stamp: int) -> tuple[C.ApplyResult, set[int]]:
+        db = self.dbs["assignments"]
+        keys = []
+        for name, part in p.rows:
+            key = R.part_key(name, part)
+            raw = txn.get(key, db=db)
+            if raw is None:
+                continue
+            t = self._get_topic(txn, name)
+            if t is not None and t.id == R.ASSIGN_DEC.decode(raw).topic_id and 0 <= part < t.partitions:
+                return _refuse(C.Result.CHANGED, f"assignment {name}/{part} belongs to a live partition"), set()
+            keys.append(key)
+        for key in keys:
+            txn.delete(key, db=db)
+        return _ok(), {V.ASSIGNMENTS} | {V.name_slot(name) for name, _ in p.rows}
+
+    def _mark_dead_observed(self, txn: Any, p: C.MarkDeadObserved, stamp: int) -> tuple[C.ApplyResult, set[int]]:
+        m = self._get_member(txn, p.node_id)
+        if m is None:
+            return _refuse(C.Result.NOT_FOUND, f"member {p.node_id} is not registered"), set()
+        if m.heartbeat_ms > p.heartbeat_ms:
+            return _refuse(C.Result.CHANGED, f"member {p.node_id} heartbeat after it was judged silent"), set()
+        return self._mark_dead(txn, C.MarkDead(p.node_id), stamp)
+
+    def _delete_user_releasing(self, txn: Any, p: C.DeleteUserReleasing,
+                               stamp: int) -> tuple[C.ApplyResult, set[int]]:
+        res, slots = self._delete_user(txn, C.DeleteUser(p.username), stamp)
+        if not res.ok:
+            return res, slots
+        cur = txn.cursor(db=self.dbs["topics"])
+        owned = []
+        for _, raw in cur:
+            t = R.TOPIC_DEC.decode(raw)
+            if t.owner == p.username:
+                owned.append(t)
+        for t in owned:  # in key order: deterministic
+            t.owner = None
+            t.revision += 1
+            self._put_topic(txn, t)
+            slots |= {V.TOPICS, V.name_slot(t.name)}
+        return _ok(f"{len(owned)} topics released"), slots
 
 
 def fsm_dir(data_dir: Path) -> Path:

@@ -56,6 +56,7 @@ class MetaService:
         node_id: str,
         *,
         clock: Callable[[], float] = time.time,
+        newest_type: int = C.NEWEST_ENTRY_TYPE,
     ) -> None:
         self.cfg = cfg
         self.raft = raft
@@ -66,6 +67,10 @@ class MetaService:
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._barrier_term = -1
         self._forming_since: float | None = None
+        self.newest_type = newest_type  # what this node applies (a setting can lower it)
+        self._announced: set[int] = set()
+        self._held_logged: dict[int, float] = {}
+        self._orphans_logged: set[tuple[str, int]] = set()
         self.stopped = False
 
     # ---- proposing -------------------------------------------------------------
@@ -108,6 +113,45 @@ class MetaService:
         """Wait until this node's FSM applied everything committed so far."""
         res = await self.write(C.Noop(), deadline=time.monotonic() + timeout)
         return res.index
+
+    # ---- entry-type gating --------------------------------------------------------
+    def holds_back(self, t: int) -> str | None:
+        """Why raft entry type `t` may not be proposed yet (None: every Raft server and
+        every member record reports a release applying it). Reads this node's replica
+        and each member's last report, however old: a member that is down counts with
+        the release it last reported."""
+        if t in C.BASE_TYPES:
+            return None
+        if self.newest_type < t:
+            return f"this node ({self.node_id}) applies entry types up to {self.newest_type}"
+        with self.store.read() as r:
+            members = r.members()
+        addrs = {m.raft_addr for m in members}
+        for addr in self.raft.voters():
+            if addr != self.raft.self_addr and addr not in addrs:
+                return f"Raft server {addr} has no member record yet"
+        for m in members:
+            if m.id != self.node_id and m.newest_entry_type < t:
+                return (f"member {m.id} (build {m.build or 'unknown'}) applies entry types up to "
+                        f"{m.newest_entry_type}")
+        return None
+
+    def use_type(self, t: int) -> bool:
+        """Whether to propose compare-and-set type `t` now; logs the first use, and
+        what holds it back at most once a minute."""
+        why = self.holds_back(t)
+        name = C.EntryType(t).name.lower()
+        if why is None:
+            if t not in self._announced:
+                self._announced.add(t)
+                log.info(f"metastore: every member applies raft entry type {t}; using {name}")
+            return True
+        now = time.monotonic()
+        if now - self._held_logged.get(t, -1e9) >= 60.0:
+            self._held_logged[t] = now
+            log.info("metastore: not using a new raft entry type yet; proposing the entries every member applies",
+                     extra={"type": t, "entry": name, "held_back_by": why})
+        return False
 
     async def _leader_view(self) -> None:
         """Before trusting the local replica for a decision, a leader passes a
@@ -188,9 +232,15 @@ class MetaService:
                 max_acked_ahead_per_partition=ahead, created_at=int(self.clock()),
                 owner=req.who.name if req.who.security and not req.who.operator else None,
             )
-            await self.wait_forming()
-            owners = self.placement(name, range(parts))
-            res = await self.write(C.CreateTopic(rec, schema, owners))
+            for attempt in (1, 2):
+                await self.wait_forming()
+                owners = self.placement(name, range(parts))
+                if self.use_type(C.EntryType.CREATE_TOPIC_CHECKED):
+                    res = await self.write(C.CreateTopicChecked(rec, schema, owners))
+                else:
+                    res = await self.write(C.CreateTopic(rec, schema, owners))
+                if res.code != C.Result.CHANGED or attempt == 2:
+                    break  # CHANGED: a member left between placement and apply; place again once
             self._check(res, "topic")
             audit.info("topic created", extra={"topic": name, "id": rec.id, "by": req.who.name, "outcome": "ok"})
             return self._read_topic(name)
@@ -243,9 +293,12 @@ class MetaService:
         owners = self.placement(name, parts)
         if not owners:
             return False
-        res = await self.write(C.AssignPartitions(name, topic_id, owners))
+        if self.use_type(C.EntryType.PLACE_PARTITIONS):
+            res = await self.write(C.PlacePartitions(name, topic_id, owners))
+        else:
+            res = await self.write(C.AssignPartitions(name, topic_id, owners))
         if res.code == C.Result.CHANGED:
-            return False  # the topic was deleted or recreated meanwhile
+            return False  # the topic was deleted or recreated meanwhile, or an owner was placed
         self._check(res, "topic")
         return True
 
@@ -266,63 +319,124 @@ class MetaService:
         user = self._require_known(req.who)
         async with self._locks[name.casefold()]:
             await self._leader_view()
-            t = self._read_topic(name)
-            if not req.who.unrestricted and not G.can_manage_topic(user, t):
-                raise Forbidden(f'only the owner of topic "{name}" or an admin may modify it')
+
+            def may_manage(t: TopicRecord) -> None:
+                if not req.who.unrestricted and not G.can_manage_topic(user, t):
+                    raise Forbidden(f'only the owner of topic "{name}" or an admin may modify it')
+
+            may_manage(self._read_topic(name))
             _, _, _, d_inflight, d_ahead = self._topic_defaults()
-            # Field groups apply in Narad's order, each its own entry.
+            # Field groups apply in Narad's order, each its own entry, each checked
+            # against the incarnation it was read from.
             if req.retention_ms is not None:
-                if req.retention_ms and t.visibility_timeout_ms > req.retention_ms:
-                    raise BadRequest("invalid argument: retention_ms must not be below visibility_timeout_ms")
-                self._check(await self.write(C.UpdateTopic(name, retention_ms=req.retention_ms)), "topic")
+                retention = req.retention_ms
+
+                def set_retention(t: TopicRecord) -> msgspec.Struct:
+                    may_manage(t)
+                    if retention and t.visibility_timeout_ms > retention:
+                        raise BadRequest("invalid argument: retention_ms must not be below visibility_timeout_ms")
+                    return self._update(t, retention_ms=retention)
+
+                await self._topic_write(name, set_retention)
             if req.max_in_flight_per_partition is not None or req.max_acked_ahead_per_partition is not None:
                 inflight = (None if req.max_in_flight_per_partition is None
                             else req.max_in_flight_per_partition or d_inflight)
                 ahead = (None if req.max_acked_ahead_per_partition is None
                          else req.max_acked_ahead_per_partition or d_ahead)
-                self._check(await self.write(C.UpdateTopic(
-                    name, max_in_flight_per_partition=inflight, max_acked_ahead_per_partition=ahead)), "topic")
+
+                def set_caps(t: TopicRecord) -> msgspec.Struct:
+                    may_manage(t)
+                    return self._update(t, max_in_flight_per_partition=inflight,
+                                        max_acked_ahead_per_partition=ahead)
+
+                await self._topic_write(name, set_caps)
             if req.partitions is not None:
-                cur = self._read_topic(name)
-                if req.partitions <= cur.partitions:
-                    raise BadRequest(f"invalid argument: partitions must be larger than the current {cur.partitions}")
-                VAL.partitions(req.partitions, self.cfg.topic.max_partitions)
-                self._check(await self.write(C.UpdateTopic(name, partitions=req.partitions)), "topic")
+                grow_to = req.partitions
+                before: list[TopicRecord] = []
+
+                def grow(t: TopicRecord) -> msgspec.Struct:
+                    may_manage(t)
+                    if grow_to <= t.partitions:
+                        raise BadRequest(f"invalid argument: partitions must be larger than the current "
+                                         f"{t.partitions}")
+                    VAL.partitions(grow_to, self.cfg.topic.max_partitions)
+                    before[:] = [t]
+                    return self._update(t, partitions=grow_to)
+
+                await self._topic_write(name, grow)
                 await self.wait_forming()
-                await self.place_partitions(name, cur.id, range(cur.partitions, req.partitions))
+                await self.place_partitions(name, before[0].id, range(before[0].partitions, grow_to))
             if req.schema is not None:
-                await self._put_schema(name, req.schema, req.schema_base_version)
+                await self._put_schema(name, req.schema, req.schema_base_version, may_manage)
             audit.info("topic altered", extra={"topic": name, "by": req.who.name, "outcome": "ok"})
             return self._read_topic(name)
 
-    async def _put_schema(self, name: str, raw: bytes, base_version: int | None) -> None:
+    def _update(self, t: TopicRecord, **fields: int | None) -> msgspec.Struct:
+        if self.use_type(C.EntryType.UPDATE_TOPIC_CAS):
+            return C.UpdateTopicCas(t.name, t.id, **fields)
+        return C.UpdateTopic(t.name, **fields)
+
+    async def _topic_write(self, name: str, make: Callable[[TopicRecord], msgspec.Struct | None]) -> None:
+        """Read the topic, build the entry from it (``make`` checks the request against
+        what it read and may raise), propose it. When the state machine refuses it
+        because the topic changed in between, read again, check again and retry once;
+        a second refusal answers 409."""
+        for attempt in (1, 2):
+            t = self._read_topic(name)
+            payload = make(t)
+            if payload is None:
+                return  # nothing to write (idempotent)
+            res = await self.write(payload)
+            if res.code != C.Result.CHANGED:
+                if res.code == C.Result.INVALID and isinstance(payload, (C.PutSchema, C.PutSchemaCas)):
+                    raise Conflict(res.message)
+                self._check(res, "topic")
+                return
+            if attempt == 2:
+                raise Conflict("topic changed since it was read", code="topic_changed")
+            log.info("topic changed since it was read; checking the request again", extra={"topic": name})
+
+    async def _put_schema(self, name: str, raw: bytes, base_version: int | None,
+                          may_manage: Callable[[TopicRecord], None] | None = None) -> None:
         new_doc = S.parse_registrable(raw)
-        t = self._read_topic(name)
-        if base_version is not None and base_version != t.schema_version:
-            raise Conflict(f"schema version conflict: schema_base_version {base_version} does not match "
-                           f'the current version {t.schema_version} of "{name}"')
-        if t.schema_version:
-            with self.store.read() as r:
-                cur = r.schema(name, t.schema_version)
-            old_doc = json.loads(cur.schema) if cur else True
-            if S.same_schema(old_doc, new_doc):
-                return  # identical (or annotations only): idempotent
-            S.check_compatible(old_doc, new_doc)
-        res = await self.write(C.PutSchema(name, t.schema_version + 1, raw))
-        if res.code == C.Result.INVALID:
-            raise Conflict(res.message)
-        self._check(res, "topic")
+
+        def register(t: TopicRecord) -> msgspec.Struct | None:
+            if may_manage is not None:
+                may_manage(t)
+            if base_version is not None and base_version != t.schema_version:
+                raise Conflict(f"schema version conflict: schema_base_version {base_version} does not match "
+                               f'the current version {t.schema_version} of "{name}"')
+            if t.schema_version:
+                with self.store.read() as r:
+                    cur = r.schema(name, t.schema_version)
+                old_doc = json.loads(cur.schema) if cur else True
+                if S.same_schema(old_doc, new_doc):
+                    return None  # identical (or annotations only): idempotent
+                S.check_compatible(old_doc, new_doc)
+            if self.use_type(C.EntryType.PUT_SCHEMA_CAS):
+                return C.PutSchemaCas(name, t.id, t.schema_version + 1, raw)
+            return C.PutSchema(name, t.schema_version + 1, raw)
+
+        await self._topic_write(name, register)
 
     async def delete_topic(self, req: Q.DeleteTopicReq) -> None:
         name = req.name
         user = self._require_known(req.who)
         async with self._locks[name.casefold()]:
             await self._leader_view()
-            t = self._read_topic(name)
-            if not req.who.unrestricted and not G.can_manage_topic(user, t):
-                raise Forbidden(f'only the owner of topic "{name}" or an admin may modify it')
-            self._check(await self.write(C.DeleteTopic(name)), "topic")
-            audit.info("topic deleted", extra={"topic": name, "id": t.id, "by": req.who.name, "outcome": "ok"})
+            deleted: list[TopicRecord] = []
+
+            def delete(t: TopicRecord) -> msgspec.Struct:
+                if not req.who.unrestricted and not G.can_manage_topic(user, t):
+                    raise Forbidden(f'only the owner of topic "{name}" or an admin may modify it')
+                deleted[:] = [t]
+                if self.use_type(C.EntryType.DELETE_TOPIC_CAS):
+                    return C.DeleteTopicCas(name, t.id)
+                return C.DeleteTopic(name)
+
+            await self._topic_write(name, delete)
+            audit.info("topic deleted", extra={"topic": name, "id": deleted[0].id, "by": req.who.name,
+                                               "outcome": "ok"})
 
     async def confirm_gone(self, name: str, topic_id: str) -> bool:
         """Only a definite "gone" allows destroying data: on the leader, after a
@@ -403,9 +517,53 @@ class MetaService:
         if caller is not None and caller.username == target.username:
             raise Forbidden("nobody can delete their own account")
         async with self._locks["user:" + req.username]:
+            if self.use_type(C.EntryType.DELETE_USER_RELEASING):
+                self._check(await self.write(C.DeleteUserReleasing(req.username)), "user")
+                audit.info("user deleted", extra={"user": req.username, "by": req.who.name, "outcome": "ok"})
+                return
             self._check(await self.write(C.DeleteUser(req.username)), "user")
-            audit.info("user deleted", extra={"user": req.username, "by": req.who.name, "outcome": "ok"})
+            with self.store.read() as r:
+                owned = sorted(t.name for t in r.topics() if t.owner == req.username)
+            if owned:
+                audit.warning("user deleted, but its topics still name it as owner",
+                              extra={"user": req.username, "by": req.who.name, "topics": owned[:100],
+                                     "count": len(owned),
+                                     "held_back_by": self.holds_back(C.EntryType.DELETE_USER_RELEASING)})
+            else:
+                audit.info("user deleted", extra={"user": req.username, "by": req.who.name, "outcome": "ok"})
 
+
+    # ---- assignments ------------------------------------------------------------------
+    def orphan_assignments(self) -> list[tuple[str, int]]:
+        """Assignment rows that belong to no partition: their topic is gone, is another
+        incarnation, or the index is past the partition count."""
+        out = []
+        with self.store.read() as r:
+            for name, part, a in r.all_assignments():
+                t = r.topic(name)
+                if t is None or t.id != a.topic_id or not 0 <= part < t.partitions:
+                    out.append((name, part))
+        return out
+
+    async def prune_orphan_assignments(self) -> int:
+        """Leader: prune orphan assignment rows (type 30) once every member applies it;
+        until then log each row once at error."""
+        rows = self.orphan_assignments()
+        if not rows:
+            return 0
+        if not self.use_type(C.EntryType.PRUNE_ASSIGNMENTS):
+            for name, part in rows:
+                if (name, part) not in self._orphans_logged:
+                    self._orphans_logged.add((name, part))
+                    log.error(f"orphan assignment row for {name}/{part}; it is pruned once every member applies "
+                              "raft entry type 30")
+            return 0
+        res = await self.write(C.PruneAssignments(rows[:1000]))
+        if res.code == C.Result.CHANGED:
+            return 0  # a row turned live meanwhile: the next pass looks again
+        self._check(res, "assignment")
+        log.info("pruned orphan assignment rows", extra={"rows": min(len(rows), 1000)})
+        return min(len(rows), 1000)
 
     # ---- members -------------------------------------------------------------------
     async def register_member(self, req: Q.RegisterReq) -> Q.Empty:

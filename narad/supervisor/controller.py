@@ -39,6 +39,7 @@ TICK = 0.25
 HEARTBEAT_EVERY = 5.0  # defaults; the node passes cluster.heartbeat_interval / member_dead_after
 DEAD_AFTER = 30.0
 PLACEMENT_EVERY = 10.0
+PRUNE_EVERY = 60.0  # orphan assignment rows: at takeover, then about every minute
 
 
 def admin_password(data_dir: Path) -> tuple[str, Path | None]:
@@ -92,6 +93,7 @@ class Controller:
         self._seeded = False
         self._placement_key: tuple[int, int, int] | None = None
         self._last_placement = 0.0
+        self._last_prune = -PRUNE_EVERY
         self._stop = asyncio.Event()
 
     async def run(self) -> None:
@@ -126,7 +128,7 @@ class Controller:
             self._last_heartbeat = now
             try:
                 await asyncio.wait_for(self.router.execute(Q.HeartbeatReq(
-                    self.member.id, BUILD, C.NEWEST_ENTRY_TYPE, self.member.client_addr,
+                    self.member.id, BUILD, self.member.newest_entry_type, self.member.client_addr,
                     self.member.cluster_addr)), max(self.heartbeat_every, 2.0))
             except NotFound:
                 self.registered.clear()
@@ -139,6 +141,7 @@ class Controller:
         else:
             self._leader_since = None
             self._seeded = False
+            self._last_prune = -PRUNE_EVERY  # a future takeover prunes at once
 
     async def _leader_duties(self, now: float) -> None:
         await self.meta._leader_view()
@@ -149,6 +152,9 @@ class Controller:
             self._placement_key = key
             self._last_placement = now
             await self.place_unassigned()
+        if now - self._last_prune >= PRUNE_EVERY:
+            self._last_prune = now
+            await self.meta.prune_orphan_assignments()
         if self._leader_since is not None and now - self._leader_since >= self.dead_after:
             await self.mark_silent_members_dead()
 
@@ -200,7 +206,10 @@ class Controller:
                 log.warning("not marking a silent voter dead: that would leave fewer than a quorum alive",
                             extra={"node": m.id, "alive_voters": len(alive_voters), "quorum": quorum})
                 continue
-            res = await self.meta.write(C.MarkDead(m.id, m.heartbeat_ms))
+            if self.meta.use_type(C.EntryType.MARK_DEAD_OBSERVED):
+                res = await self.meta.write(C.MarkDeadObserved(m.id, m.heartbeat_ms))
+            else:
+                res = await self.meta.write(C.MarkDead(m.id))
             if res.ok:
                 alive_voters.discard(m.raft_addr)
                 log.warning("member marked dead", extra={"node": m.id,

@@ -89,6 +89,9 @@ class Supervisor:
         self.data_dir = cfg.data_dir
         self.runtime_dir = cfg.runtime_dir
         self.n_workers = worker_count(cfg)
+        # The newest Raft entry type this node applies and reports (a setting can stand in
+        # for an older release; it can never claim more than this build applies).
+        self.newest_type = min(cfg.cluster.newest_entry_type or C.NEWEST_ENTRY_TYPE, C.NEWEST_ENTRY_TYPE)
         self.raft_addr = f"{cfg.cluster.host}:{cfg.raft_port}"
         self.throttle = LoginThrottle()
         self.exit_code = 0
@@ -177,7 +180,7 @@ class Supervisor:
         #    child ever inherits this environment. Leftovers of an interrupted
         #    snapshot or restore are removed first.
         F.remove_leftovers(self.fsm_path)
-        self.fsm = F.FSM(self.fsm_path, on_commit=self._on_fsm_commit)
+        self.fsm = F.FSM(self.fsm_path, on_commit=self._on_fsm_commit, max_entry_type=self.newest_type)
         self.fsm.on_replace = self._on_fsm_replaced
         self.store = MetaStore(self.fsm_path, self.versions, fsm=self.fsm)
         self.versions.store(V.APPLIED_INDEX, self.fsm.applied_index)
@@ -208,7 +211,7 @@ class Supervisor:
         )
         self.raft.max_voters = cfg.cluster.max_voters
         self.raft.join_policy = self._join_policy
-        self.meta = MetaService(cfg, self.raft, self.store, self.node_id)
+        self.meta = MetaService(cfg, self.raft, self.store, self.node_id, newest_type=self.newest_type)
         self.rpc_client = NodeRpcClient(self.secret)
         self.router = MetadataRouter(node_id=self.node_id, meta=self.meta, raft=self.raft, store=self.store,
                                      applied=lambda: self.fsm.applied_index, client=self.rpc_client,
@@ -237,7 +240,7 @@ class Supervisor:
         host = cfg.cluster.host if cfg.http.host in ("0.0.0.0", "::") else cfg.http.host
         member = MemberRecord(id=self.node_id, raft_addr=self.raft_addr, client_addr=f"{host}:{cfg.http.port}",
                               cluster_addr=f"{cfg.cluster.host}:{cfg.cluster_port}", build=BUILD,
-                              newest_entry_type=C.NEWEST_ENTRY_TYPE)
+                              newest_entry_type=self.newest_type)
         self.member = member
         self.controller = Controller(self.meta, self.router, member=member, data_dir=self.data_dir,
                                      security=cfg.security.enabled, versions=self.versions,
@@ -282,7 +285,7 @@ class Supervisor:
         """Join-only: ask the configured peers every 2 s until the leader admits
         this node. Until then the node is not ready and Raft does not run."""
         req = {"node_id": self.node_id, "raft_addr": self.raft_addr, "build": BUILD,
-               "newest_entry_type": C.NEWEST_ENTRY_TYPE}
+               "newest_entry_type": self.newest_type}
         peers = [addr for nid, addr in self.cfg.peer_map.items() if nid != self.node_id]
         last_refusal = 0.0
         while True:

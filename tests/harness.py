@@ -86,6 +86,7 @@ class Node:
         args: list[str] | None = None,
         ports: list[int] | None = None,
         tmpfs_mb: int = 0,
+        tmpfs_sub: str = "",
     ) -> None:
         self.data_dir = data_dir
         self.workers = workers
@@ -99,8 +100,11 @@ class Node:
         self.auth = basic("admin", ADMIN_PASSWORD)
         # tmpfs_mb: run the node in its own mount namespace with the data dir on a
         # small tmpfs (disk-full tests); the runtime dir stays outside it.
+        # tmpfs_sub: mount it on that directory under the data dir instead (made first).
         self.tmpfs_mb = tmpfs_mb
-        self.runtime_dir = data_dir.parent / f"{data_dir.name}-run" if tmpfs_mb else data_dir / "run"
+        self.tmpfs_sub = tmpfs_sub
+        whole = tmpfs_mb and not tmpfs_sub
+        self.runtime_dir = data_dir.parent / f"{data_dir.name}-run" if whole else data_dir / "run"
 
     # ---- process ----------------------------------------------------------
     def command(self) -> list[str]:
@@ -113,7 +117,8 @@ class Node:
         cmd += self.extra_args
         if self.tmpfs_mb:
             ns = ["unshare", "--mount"] if os.geteuid() == 0 else ["unshare", "--user", "--map-root-user", "--mount"]
-            script = f'mount -t tmpfs -o size={self.tmpfs_mb}m tmpfs "{self.data_dir}" && exec "$@"'
+            target = self.data_dir / self.tmpfs_sub if self.tmpfs_sub else self.data_dir
+            script = f'mount -t tmpfs -o size={self.tmpfs_mb}m tmpfs "{target}" && exec "$@"'
             cmd = [*ns, "sh", "-c", script, "sh", *cmd]
         return cmd
 
@@ -122,7 +127,7 @@ class Node:
         env.update({"NARAD_ADMIN_PASSWORD": ADMIN_PASSWORD, "NARAD_HTTP_HOST": "127.0.0.1",
                     "NARAD_LOG_FORMAT": "text", "NARAD_HTTP_DEBUG_HEADERS": "true",
                     "NARAD_CONFIG": os.devnull})
-        if self.tmpfs_mb:
+        if self.tmpfs_mb and not self.tmpfs_sub:
             env["NARAD_RUNTIME_DIR"] = str(self.runtime_dir)
         env.update(self.extra_env)
         return env
@@ -130,7 +135,7 @@ class Node:
     def start(self, wait: bool = True) -> Node:
         self.data_dir.parent.mkdir(parents=True, exist_ok=True)
         if self.tmpfs_mb:
-            self.data_dir.mkdir(parents=True, exist_ok=True)
+            (self.data_dir / self.tmpfs_sub).mkdir(parents=True, exist_ok=True)
         logf = open(self.log_path, "ab")  # noqa: SIM115 - the child keeps it
         self.proc = subprocess.Popen(self.command(), env=self.env(), stdout=logf, stderr=subprocess.STDOUT,
                                      start_new_session=True)
@@ -138,6 +143,11 @@ class Node:
         if wait:
             self.wait_ready()
         return self
+
+    def in_namespace(self, path: Path) -> Path:
+        """``path`` as this node's processes see it (its tmpfs mount included)."""
+        assert self.proc is not None
+        return Path(f"/proc/{self.proc.pid}/root{path}")
 
     def log(self) -> str:
         try:

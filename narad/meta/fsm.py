@@ -341,7 +341,8 @@ class FSM:
                 self.applied_txn = txn_id
                 break
             except lmdb.Error as e:
-                log.error("metastore: could not write raft entry; retrying", extra={"err": str(e)})
+                if delay == DISK_RETRY_FIRST:  # logged once per episode
+                    log.error("metastore: could not write raft entry; retrying", extra={"err": str(e)})
                 if time.monotonic() >= deadline:
                     self._give_up(e)
                 time.sleep(delay)
@@ -391,12 +392,24 @@ class FSM:
             meta = check.open_db(b"fsm_meta", create=False)
             with check.begin() as txn:
                 raw = txn.get(K_APPLIED, db=meta)
+                newest_raw = txn.get(K_NEWEST, db=meta)
             got = _U64.unpack(raw)[0] if raw else 0
+            image_newest = newest_raw[0] if newest_raw else 0
         finally:
             check.close()
         if got != expected_index:
             _rmtree(restore)
             raise RuntimeError(f"snapshot image holds index {got}, its header says {expected_index}")
+        if image_newest > self.max_entry_type:
+            _rmtree(restore)
+            from narad import BUILD
+
+            why = (f"a raft snapshot applied entry type {image_newest}, newer than this node applies "
+                   f"({self.max_entry_type}); run the cluster's release on this node")
+            self.failed = FailStop(why, index=expected_index, entry_type=image_newest)
+            log.error("metastore: stopped applying raft entries",
+                      extra={"index": expected_index, "type": image_newest, "build": BUILD, "reason": why})
+            raise self.failed
         with self.swap_lock:
             self.abort()
             self.env.close()

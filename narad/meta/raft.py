@@ -19,12 +19,17 @@ What this module fixes or wraps in pysyncobj 0.3.17 (pinned in pyproject):
 * Never-raising apply: the state machine returns refusals as results; only
   FailStop escapes, which stops the node instead of wedging the tick loop.
 * Deadlines: every proposal has one; pysyncobj can otherwise wait forever.
-* Snapshots are the state machine's own file copy plus a msgpack header.
+* Snapshots are the state machine's own file copy plus a msgpack header,
+  taken when ``maybe_snapshot()`` finds the log past its threshold; the newest
+  two are kept (``latest.snap`` and ``previous.snap``). A copy that fails (no
+  disk) is logged, counted through ``on_snapshot_failure`` and leaves the log
+  uncompacted until the next attempt.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import os
@@ -54,11 +59,15 @@ if _PYSYNCOBJ_VERSION != "0.3.17":  # pragma: no cover
 _FOLLOWER, _CANDIDATE, _LEADER = 0, 1, 2
 ROLE_NAMES = {_FOLLOWER: "follower", _CANDIDATE: "candidate", _LEADER: "leader"}
 SNAP_MAGIC = b"NRDSNAP1"
+# Test seam, never set in production: NARAD_FAULT_APPLY_DELAY_MS slows every entry
+# the FSM does not hold yet, so tests can watch a node whose replay trails the log.
+_FAULT_APPLY_DELAY = int(os.environ.get("NARAD_FAULT_APPLY_DELAY_MS", "0") or 0) / 1000
 _U64 = struct.Struct(">Q")
 
 
 class StateMachine(Protocol):
     applied_index: int
+    newest_type: int
 
     def apply(self, index: int, data: bytes) -> ApplyResult: ...
     def commit(self) -> None: ...
@@ -79,6 +88,32 @@ _REASONS = {
     FAIL_REASON.REQUEST_DENIED: "the raft leader refused the request",
     FAIL_REASON.UNKNOWN_OUTCOME: "the outcome of the write is unknown",
 }
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def read_snapshot_header(path: Path | str) -> tuple[dict[str, Any], int]:
+    """A snapshot file's msgpack header and the offset where the database image
+    starts. Raises ValueError if the file is not a narad snapshot."""
+    with open(path, "rb") as fh:
+        if fh.read(len(SNAP_MAGIC)) != SNAP_MAGIC:
+            raise ValueError(f"{path} is not a narad snapshot")
+        raw = fh.read(8)
+        if len(raw) != 8:
+            raise ValueError(f"{path} is truncated")
+        (n,) = _U64.unpack(raw)
+        body = fh.read(n)
+        if len(body) != n:
+            raise ValueError(f"{path} is truncated")
+        try:
+            header = msgspec.msgpack.decode(body)
+        except msgspec.DecodeError as e:
+            raise ValueError(f"{path} has an unreadable header: {e}") from None
+        return dict(header), fh.tell()
 
 
 def raft_password(secret: bytes) -> str:
@@ -259,6 +294,7 @@ class RaftNode:
         on_state_change: Callable[[str], None] | None = None,
         on_fail_stop: Callable[[FailStop], None] | None = None,
         on_commit: Callable[[], None] | None = None,
+        on_snapshot_failure: Callable[[], None] | None = None,
     ) -> None:
         self.self_addr = self_addr
         self.peers = [p for p in peers if p != self_addr]
@@ -274,6 +310,8 @@ class RaftNode:
         self.on_state_change = on_state_change
         self.on_fail_stop = on_fail_stop
         self.on_commit = on_commit
+        self.on_snapshot_failure = on_snapshot_failure
+        self.snapshots_taken = 0
         self.readonly = False
         # Leader side of JoinCluster: (request dict) -> (status, extra) or None to add the joiner.
         self.join_policy: Callable[[dict[str, Any]], tuple[int, dict[str, Any]] | None] | None = None
@@ -291,6 +329,10 @@ class RaftNode:
     @property
     def snapshot_file(self) -> Path:
         return self.raft_dir / "snapshots" / "latest.snap"
+
+    @property
+    def previous_snapshot_file(self) -> Path:
+        return self.raft_dir / "snapshots" / "previous.snap"
 
     def start(self, peers: list[str] | None = None, *, readonly: bool = False) -> None:
         """Start Raft with these other voters (default: the constructor's). A
@@ -331,6 +373,8 @@ class RaftNode:
 
     # ---- called on the tick thread -------------------------------------------
     def _apply(self, index: int, data: bytes) -> ApplyResult:
+        if _FAULT_APPLY_DELAY and index > self.sm.applied_index:
+            time.sleep(_FAULT_APPLY_DELAY)  # test seam: a slow replay (see _FAULT_APPLY_DELAY)
         try:
             return self.sm.apply(index, data)
         except FailStop as e:
@@ -478,10 +522,14 @@ class RaftNode:
 
     # ---- snapshots (tick thread) ---------------------------------------------
     def _serialize(self, file_name: str, data: tuple[Any, Any, Any]) -> None:
+        """Write a snapshot into ``file_name`` (pysyncobj renames it over
+        latest.snap once this returns; an exception leaves the log as it is)."""
         last, before, cluster = data
         if self.sm.applied_index != last[1]:
             # The FSM holds more than the log handed it since start (replay is
             # still skipping): an image labelled `last` would run past its label.
+            log.info("metastore: raft snapshot postponed until the replay reaches the database",
+                     extra={"fsm_index": self.sm.applied_index, "raft_applied": last[1]})
             raise RuntimeError("state machine is ahead of the raft log; snapshot postponed")
         header = msgspec.msgpack.encode(
             {
@@ -489,32 +537,55 @@ class RaftNode:
                 "before": [bytes(before[0]), before[1], before[2]],
                 "cluster": sorted(str(n.id if hasattr(n, "id") else n) for n in cluster),
                 "fsm_index": self.sm.applied_index,
+                "newest_type": self.sm.newest_type,
             }
         )
-        fd = os.open(file_name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            os.write(fd, SNAP_MAGIC + _U64.pack(len(header)) + header)
-            self.sm.snapshot_to(fd)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+            fd = os.open(file_name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                _write_all(fd, SNAP_MAGIC + _U64.pack(len(header)) + header)
+                self.sm.snapshot_to(fd)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            # Keep two: the snapshot about to be replaced becomes previous.snap.
+            if self.snapshot_file.exists():
+                link = self.previous_snapshot_file.with_suffix(".tmp")
+                link.unlink(missing_ok=True)
+                os.link(self.snapshot_file, link)
+                os.replace(link, self.previous_snapshot_file)
+        except Exception as e:
+            with contextlib.suppress(OSError):
+                os.unlink(file_name)
+            log.error("metastore: could not copy the database for a raft snapshot; retrying at the next interval",
+                      extra={"err": str(e), "index": last[1], "log_entries": self._log_len()})
+            if self.on_snapshot_failure is not None:
+                self.on_snapshot_failure()
+            raise
+        self.snapshots_taken += 1
+        log.info("metastore: raft snapshot taken", extra={"index": last[1]})
+
+    def _log_len(self) -> int:
+        obj = self._obj
+        return len(obj._SyncObj__raftLog) if obj is not None else 0
 
     def _deserialize(self, file_name: str) -> tuple[Any, Any, Any]:
-        with open(file_name, "rb") as fh:
-            magic = fh.read(len(SNAP_MAGIC))
-            if magic != SNAP_MAGIC:
-                raise RuntimeError(f"{file_name} is not a narad snapshot")
-            (n,) = _U64.unpack(fh.read(8))
-            header = msgspec.msgpack.decode(fh.read(n))
-            offset = fh.tell()
+        header, offset = read_snapshot_header(file_name)
         snap_index = int(header["fsm_index"])
         if self.sm.applied_index < snap_index:
             log.info("metastore: restoring snapshot", extra={"snapshot_index": snap_index,
                                                              "fsm_index": self.sm.applied_index})
-            self.sm.restore_from(file_name, offset, snap_index)
+            try:
+                self.sm.restore_from(file_name, offset, snap_index)
+            except FailStop as e:
+                # pysyncobj swallows loader errors: stop the node here instead.
+                self._raise_fail_stop(e)
+                raise
         last = tuple(header["last"])
         before = tuple(header["before"])
-        return last, before, list(header["cluster"])
+        # pysyncobj compares this list with its own Node object, never equal to a
+        # string: leave this node out, or it would count itself as another voter.
+        return last, before, [c for c in header["cluster"] if c != self.self_addr]
 
     # ---- the seam's API (asyncio loop thread) --------------------------------
     async def propose(self, data: bytes, timeout: float) -> ApplyResult:

@@ -103,6 +103,8 @@ class MemberView(msgspec.Struct):
     voter: bool
     leader: bool
     heartbeat_age_seconds: float
+    build: str = ""  # the release the member last reported
+    newest_entry_type: int = 0  # the newest Raft entry type it last reported applying
 
 
 class MembersResp(msgspec.Struct):

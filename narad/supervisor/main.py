@@ -15,9 +15,11 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import sys
 import time
+from pathlib import Path
 
 import uvloop
 
@@ -31,8 +33,9 @@ from narad.ipc import rpc
 from narad.meta import commands as C
 from narad.meta import fsm as F
 from narad.meta import requests as Q
+from narad.meta import restart as RS
 from narad.meta import versions as V
-from narad.meta.raft import RaftNode, raft_password
+from narad.meta.raft import RaftNode, raft_password, read_snapshot_header
 from narad.meta.records import MemberRecord
 from narad.meta.service import MetaService
 from narad.meta.store import MetaStore
@@ -52,6 +55,7 @@ READER_CHECK_EVERY = 5.0
 JOIN_EVERY = 2.0
 METRICS_POLL_EVERY = 10.0
 LEADER_CONTACT_FRESH = 5.0
+ORPHAN_SWEEP_WAIT = 60.0  # the startup orphan sweep waits this long for a caught-up replica, else skips
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -137,6 +141,12 @@ class Supervisor:
         self.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.lock = DataDirLock(self.data_dir)
         self.lock.acquire()
+        #    The restart table (seed "Restarts"): from the FSM, the Raft log and
+        #    snapshots, and how this node enters Raft, decide to keep the FSM,
+        #    restore the latest snapshot over it (step 8), set it aside as
+        #    fsm.stale, or refuse to start with every file untouched.
+        self.fsm_path = F.fsm_dir(self.data_dir)
+        self.restart = self._restart_decision()
         # 2. The runtime directory holds the control socket (naradctl), the worker
         #    socket and the metrics files; stale ones from a crash are replaced.
         self.runtime_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -165,7 +175,6 @@ class Supervisor:
         self.cluster_sockets = make_udp_sockets(cfg.cluster.host, cfg.cluster_port, self.n_workers)
         # 7. The fork server, forked now: this process still has no threads, no
         #    event loop and no LMDB environment to copy into workers.
-        self.fsm_path = F.fsm_dir(self.data_dir)
         spec = worker_main.WorkerSpec(
             cfg=cfg, node_id=self.node_id, sockets=self.sockets, shm_name=self.versions.name,
             caps_name=self.caps.name, data_dir=self.data_dir, runtime_dir=self.runtime_dir,
@@ -180,7 +189,20 @@ class Supervisor:
         #    child ever inherits this environment. Leftovers of an interrupted
         #    snapshot or restore are removed first.
         F.remove_leftovers(self.fsm_path)
+        if self.restart.action == RS.ASIDE:
+            moved = RS.set_aside(self.fsm_path)
+            log.warning(f"metastore: {self.restart.reason}", extra={"moved_to": str(moved)})
+        elif self.restart.action == RS.UNTRUSTED:
+            log.error(f"metastore: {self.restart.reason}")
         self.fsm = F.FSM(self.fsm_path, on_commit=self._on_fsm_commit, max_entry_type=self.newest_type)
+        if self.restart.action == RS.RESTORE:
+            log.info(f"metastore: {self.restart.reason}")
+            snap = self.raft_dir / "snapshots" / "latest.snap"
+            header, offset = read_snapshot_header(snap)
+            try:
+                self.fsm.restore_from(str(snap), offset, int(header["fsm_index"]))
+            except FailStop as e:
+                raise RuntimeError(str(e)) from None
         self.fsm.on_replace = self._on_fsm_replaced
         self.store = MetaStore(self.fsm_path, self.versions, fsm=self.fsm)
         self.versions.store(V.APPLIED_INDEX, self.fsm.applied_index)
@@ -202,12 +224,13 @@ class Supervisor:
         #     what the FSM already holds). The commit index persisted on this disk
         #     is remembered: the node is not ready until its FSM reaches it.
         self.raft = RaftNode(
-            self_addr=self.raft_addr, peers=[], raft_dir=self.data_dir / "metastore" / "raft", sm=self.fsm,
+            self_addr=self.raft_addr, peers=[], raft_dir=self.raft_dir, sm=self.fsm,
             loop=loop, password=raft_password(self.secret), bind_host=cfg.cluster.host,
             election_timeout=(cfg.seconds("cluster", "raft_election_timeout_min"),
                               cfg.seconds("cluster", "raft_election_timeout_max")),
             snapshot_threshold=cfg.cluster.raft_snapshot_threshold,
             on_state_change=self._on_raft_role, on_fail_stop=self._on_fail_stop,
+            on_snapshot_failure=lambda: loop.call_soon_threadsafe(self.metrics.snapshot_failures.inc),
         )
         self.raft.max_voters = cfg.cluster.max_voters
         self.raft.join_policy = self._join_policy
@@ -253,10 +276,36 @@ class Supervisor:
         # 15. Startup reconcile, then the create gate opens: topic creates on every
         #     transport wait until here, and /readyz reports ready only after.
         self._tasks.append(asyncio.create_task(self._startup_reconcile()))
+        # 16. The startup orphan sweep: topic directories of incarnations that are
+        #     gone, removed only once this replica is provably current (60 s at
+        #     most, else skipped) and the leader confirms each one gone.
+        self._tasks.append(asyncio.create_task(self._orphan_sweep()))
         log.info("http listening", extra={"port": cfg.http.port, "workers": self.n_workers, "node": self.node_id,
                                           "raft": self.raft_addr, "security": cfg.security.enabled})
 
     # ---- entering Raft ---------------------------------------------------------------
+    @property
+    def raft_dir(self) -> Path:
+        return self.data_dir / "metastore" / "raft"
+
+    def _restart_decision(self) -> RS.Decision:
+        """Read the FSM and the Raft state (writing nothing) and apply the restart
+        table. A refusal raises: the node exits 2 with the reason, files untouched."""
+        fsm_state = RS.inspect_fsm(self.fsm_path)
+        raft_state = RS.inspect_raft(self.raft_dir)
+        # Only a join-only node enters a cluster that is already running (it is
+        # admitted by the leader, never bootstraps); any other start could found one.
+        joining = (self.cfg.clustered and not (self.raft_dir / "cluster.json").exists()
+                   and self.node_id not in self.cfg.cluster.initial_members)
+        d = RS.decide(fsm_state, raft_state, joining=joining, max_entry_type=self.newest_type)
+        log.info(f"metastore: restart decision: {d.reason}", extra={
+            "action": d.action, "fsm_index": fsm_state.index, "index_trusted": fsm_state.trusted,
+            "log_first": raft_state.log_first, "log_last": raft_state.log_last,
+            "snapshot_index": raft_state.snapshot_index, "joining": joining})
+        if d.action == RS.REFUSE:
+            raise RuntimeError(f"metastore: {d.reason}")
+        return d
+
     def _raft_mode(self) -> str:
         if not self.cfg.clustered:
             return "single"
@@ -349,6 +398,49 @@ class Supervisor:
         assert self.create_gate is not None
         self.create_gate.set()
         log.info("startup reconcile finished", extra={"applied_index": self.fsm.applied_index})
+
+    async def _orphan_sweep(self) -> int:
+        """Remove ``topics/<name>@<id>/`` directories whose incarnation is gone.
+        The local replica may be stale (restored from an old snapshot, still
+        replaying): every doubt keeps the directory."""
+        topics_dir = self.data_dir / "topics"
+        if not topics_dir.is_dir():
+            return 0
+        await self.admitted.wait()
+        deadline = time.monotonic() + ORPHAN_SWEEP_WAIT
+        while not self.raft.caught_up():
+            if time.monotonic() > deadline:
+                log.warning("orphan sweep skipped: this replica did not catch up with the leader within 60 s")
+                return 0
+            await asyncio.sleep(0.1)
+        candidates = []
+        for d in sorted(topics_dir.iterdir()):
+            name, sep, tid = d.name.rpartition("@")
+            if not sep or not d.is_dir():
+                continue
+            t = self.store.topic(name)
+            if t is not None and t.id == tid:
+                continue
+            candidates.append((d, name, tid))
+        removed = 0
+        for d, name, tid in candidates:
+            try:
+                ans = await self.router.execute(Q.ConfirmGoneReq(name, tid))
+                gone = bool(ans.gone)
+            except Exception as e:
+                log.info("orphan sweep: kept a directory (the leader did not answer)",
+                         extra={"topic": name, "id": tid, "err": str(e)})
+                continue
+            if not gone:
+                log.info("orphan sweep: kept a directory the leader does not confirm gone",
+                         extra={"topic": name, "id": tid})
+                continue
+            await asyncio.to_thread(shutil.rmtree, d, True)
+            removed += 1
+            log.info("orphan sweep: removed the data of a deleted topic incarnation (leader-confirmed)",
+                     extra={"topic": name, "id": tid})
+        log.info("orphan sweep finished", extra={"candidates": len(candidates), "removed": removed})
+        return removed
 
     async def wait_create_gate(self) -> None:
         assert self.create_gate is not None
@@ -444,6 +536,8 @@ class Supervisor:
     async def _housekeeping_loop(self) -> None:
         m = self.metrics
         last_check = last_metrics = 0.0
+        last_snapshot = time.monotonic()
+        snapshot_every = self.cfg.seconds("cluster", "raft_snapshot_interval")
         while True:
             st = self.raft.status()
             for role in ("leader", "follower", "candidate"):
@@ -465,7 +559,13 @@ class Supervisor:
                 last_check = now
                 with contextlib.suppress(Exception):
                     self.fsm.env.reader_check()
-            await asyncio.sleep(1.0)
+            if now - last_snapshot >= snapshot_every:
+                # Compact the Raft log into a snapshot once it holds the threshold
+                # (taken on Raft's tick thread; a failure is counted there and
+                # simply tried again at the next interval).
+                last_snapshot = now
+                self.raft.maybe_snapshot()
+            await asyncio.sleep(min(1.0, snapshot_every))
 
     # ---- views for naradctl and /v1/cluster/members ------------------------------
     def node_status(self) -> Q.NodeStatus:
@@ -508,6 +608,7 @@ class Supervisor:
                 owned_partitions=owned.get(mrec.id, 0), outbound_moves=0, voter=mrec.raft_addr in voters,
                 leader=st.leader is not None and mrec.raft_addr == st.leader,
                 heartbeat_age_seconds=round(max(0.0, (now_ms - mrec.heartbeat_ms) / 1000), 3),
+                build=mrec.build, newest_entry_type=mrec.newest_entry_type,
             ))
         return Q.MembersResp(out)
 

@@ -118,6 +118,10 @@ def worker_service(sup: Supervisor) -> rpc.Service:
         return sup.node_status()
 
     async def confirm_gone(m: Q.ConfirmGoneReq, conn: rpc.Connection) -> Q.ConfirmGoneResp:
+        # Destroying data (a WAL discard) needs a provably current replica here
+        # first, then the leader's definite "gone" (barrier and re-read there).
+        if not sup.raft.caught_up():
+            return Q.ConfirmGoneResp(False)
         return await router.execute(m)  # type: ignore[no-any-return]
 
     async def node_metrics(m: metrics.NodeMetricsReq, conn: rpc.Connection) -> metrics.Snapshot:

@@ -1,0 +1,118 @@
+"""The metadata manager (MetaService) in process, on a real one-voter Raft group
+(pysyncobj on 127.0.0.1, real journal and LMDB files): a compare-and-set write
+refused because the topic changed between read and apply is read again and
+retried once; a second refusal answers 409 topic_changed."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from narad.config import load_config
+from narad.errors import Conflict
+from narad.meta import commands as C
+from narad.meta import requests as Q
+from narad.meta import versions as V
+from narad.meta.fsm import FSM
+from narad.meta.grants import Identity
+from narad.meta.raft import RaftNode
+from narad.meta.records import TopicRecord
+from narad.meta.service import MetaService
+from narad.meta.store import MetaStore
+from tests.harness import free_ports
+
+OPERATOR = Identity(operator=True)
+
+
+class RacingMeta(MetaService):
+    """Before each of the first ``races`` topic writes reaches Raft, another writer
+    deletes the topic and creates a new incarnation of it."""
+
+    races = 0
+    raced = 0
+
+    async def write(self, payload: msgspec.Struct, *args: Any, **kw: Any) -> C.ApplyResult:
+        if self.raced < self.races and isinstance(payload, (C.UpdateTopicCas, C.DeleteTopicCas)):
+            self.raced += 1
+            name = payload.name
+            with self.store.read() as r:
+                old = r.topic(name)
+            assert old is not None
+            assert (await super().write(C.DeleteTopic(name))).ok
+            fresh = msgspec.structs.replace(old, id=f"{self.raced:016x}", partitions=old.partitions)
+            assert (await super().write(C.CreateTopic(fresh))).ok
+        return await super().write(payload, *args, **kw)
+
+
+async def _service(tmp: Path) -> tuple[RacingMeta, RaftNode, FSM, V.VersionTable]:
+    loop = asyncio.get_running_loop()
+    cfg = load_config(os.devnull, env={})
+    versions = V.VersionTable.create(f"/narad-test-{os.getpid()}-{time.monotonic_ns()}")
+    fsm = FSM(tmp / "fsm")
+    store = MetaStore(tmp / "fsm", versions, fsm=fsm)
+    (port,) = free_ports(1)
+    raft = RaftNode(self_addr=f"127.0.0.1:{port}", peers=[], raft_dir=tmp / "raft", sm=fsm, loop=loop,
+                    password=None, bind_host="127.0.0.1")
+    raft.start([])
+    deadline = time.monotonic() + 10
+    while not raft.is_leader():
+        assert time.monotonic() < deadline, "no leader"
+        await asyncio.sleep(0.02)
+    meta = RacingMeta(cfg, raft, store, "n1")
+    return meta, raft, fsm, versions
+
+
+def _topic(name: str) -> TopicRecord:
+    return TopicRecord(name=name, id="00000000000000aa", partitions=2, retention_ms=0, visibility_timeout_ms=30000,
+                       max_in_flight_per_partition=1024, max_acked_ahead_per_partition=1024, created_at=1)
+
+
+@pytest.mark.parametrize(("races", "outcome"), [(1, "applied"), (2, "409")])
+def test_a_cas_alter_raced_once_is_retried_and_twice_answers_409(tmp_path: Path, races: int, outcome: str) -> None:
+    async def main() -> None:
+        meta, raft, fsm, versions = await _service(tmp_path)
+        try:
+            assert meta.use_type(C.EntryType.UPDATE_TOPIC_CAS)  # one voter, this build: CAS types in use
+            assert (await meta.write(C.CreateTopic(_topic("t")))).ok
+            meta.races = races
+            req = Q.AlterTopicReq(who=OPERATOR, name="t", retention_ms=7_200_000)
+            if outcome == "applied":
+                rec = await meta.alter_topic(req)
+                assert rec.retention_ms == 7_200_000 and rec.id == f"{1:016x}"  # the incarnation read again
+            else:
+                with pytest.raises(Conflict) as e:
+                    await meta.alter_topic(req)
+                assert e.value.code == "topic_changed" and "changed since it was read" in str(e.value)
+                with meta.store.read() as r:
+                    t = r.topic("t")
+                assert t is not None and t.retention_ms == 0  # neither attempt applied
+            assert meta.raced == races
+        finally:
+            raft.close()
+            fsm.close()
+            versions.close()
+
+    asyncio.run(main())
+
+
+def test_a_cas_delete_raced_once_deletes_the_incarnation_read_again(tmp_path: Path) -> None:
+    async def main() -> None:
+        meta, raft, fsm, versions = await _service(tmp_path)
+        try:
+            assert (await meta.write(C.CreateTopic(_topic("d")))).ok
+            meta.races = 1
+            await meta.delete_topic(Q.DeleteTopicReq(who=OPERATOR, name="d"))
+            with meta.store.read() as r:
+                assert r.topic("d") is None
+        finally:
+            raft.close()
+            fsm.close()
+            versions.close()
+
+    asyncio.run(main())

@@ -77,3 +77,39 @@ def test_a_node_that_cannot_apply_an_entry_stops_and_replays_it_on_restart(tmp_p
                  and c["n3"].get("/v1/topics/meanwhile").status == 200, 20)
     finally:
         c.close()
+
+
+def test_a_raft_server_without_a_member_record_holds_types_back_until_forgotten(tmp_path: Path) -> None:
+    """n4 is admitted as a Raft voter and dies before it registers (a fault seam crashes it
+    at that point): it holds every compare-and-set type back. `members forget` refuses the
+    leader, a server with a member record and an unknown id, then removes n4."""
+    c = Cluster(tmp_path, 4, initial=3)
+    try:
+        c.start()
+        leader = c.leader()
+        c["n4"].extra_env["NARAD_FAULT_CRASH_AFTER_ADMIT"] = "1"
+        c["n4"].start(wait=False)
+        assert c["n4"].proc is not None and c["n4"].proc.wait(30) != 0
+        n4_addr = f"127.0.0.1:{c.ports['n4'][1]}"
+        wait_for(lambda: n4_addr in c[leader].status()["raft"]["voters"], 10, 0.05, "n4 admitted as a voter")
+        assert c[leader].post("/v1/topics", {"name": "held", "partitions": 3}).status == 201
+        held = [ln for ln in c[leader].log().splitlines() if "not using a new raft entry type yet" in ln]
+        assert held and f"Raft server {n4_addr} has no member record yet" in held[-1], held
+        # Refusals: the leader itself, a server with a member record, no such server.
+        leader_addr = f"127.0.0.1:{c.ports[leader][1]}"
+        assert c[leader].post(f"/v1/cluster/members/{leader_addr}/forget").status == 400
+        other = next(n for n in c.initial if n != leader)
+        r = c[other].post(f"/v1/cluster/members/{other}/forget")
+        assert r.status == 409 and "member record" in r.json()["error"], r
+        assert c[leader].post("/v1/cluster/members/127.0.0.1:1/forget").status == 404
+        # naradctl on a follower (forwarded to the leader); 409 while the leader is new.
+        def forget() -> bool:
+            out = c[other].ctl("members", "forget", n4_addr, check=False)
+            return isinstance(out, dict) and out.get("voter") is True and out.get("id") == n4_addr
+        wait_for(forget, 30, 0.5, "n4 forgotten")
+        wait_for(lambda: n4_addr not in c[leader].status()["raft"]["voters"], 10, 0.05, "n4 removed")
+        assert c[leader].post("/v1/topics", {"name": "unheld", "partitions": 3}).status == 201
+        assert "every member applies raft entry type 23" in c[leader].log()
+        assert c[leader].post(f"/v1/cluster/members/{n4_addr}/forget").status == 404
+    finally:
+        c.close()

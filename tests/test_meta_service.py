@@ -116,3 +116,65 @@ def test_a_cas_delete_raced_once_deletes_the_incarnation_read_again(tmp_path: Pa
             versions.close()
 
     asyncio.run(main())
+
+
+class GatedFSM(FSM):
+    """An FSM whose apply waits while the gate is shut: the tick thread stalls the way
+    it does replaying an old snapshot's worth of entries, the commit index runs ahead."""
+
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        import threading
+
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def apply(self, index: int, data: bytes) -> C.ApplyResult:
+        self.gate.wait(30)
+        return super().apply(index, data)
+
+
+def test_a_self_leader_whose_replica_trails_does_not_confirm_a_live_topic_gone(tmp_path: Path) -> None:
+    """Chaos bug 4: winning the election proves the log, not the state. The topic's create
+    is committed but not applied yet; the leader's local read says "absent". Only after
+    the barrier (everything committed applied) and a re-read may it answer, and it keeps."""
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        cfg = load_config(os.devnull, env={})
+        versions = V.VersionTable.create(f"/narad-test-{os.getpid()}-{time.monotonic_ns()}")
+        fsm = GatedFSM(tmp_path / "fsm")
+        store = MetaStore(tmp_path / "fsm", versions, fsm=fsm)
+        (port,) = free_ports(1)
+        raft = RaftNode(self_addr=f"127.0.0.1:{port}", peers=[], raft_dir=tmp_path / "raft", sm=fsm, loop=loop,
+                        password=None, bind_host="127.0.0.1")
+        raft.start([])
+        try:
+            while not raft.is_leader():
+                await asyncio.sleep(0.02)
+            meta = MetaService(cfg, raft, store, "n1")
+            while not raft.caught_up():
+                await asyncio.sleep(0.01)
+            before = raft.status().commit_index
+            fsm.gate.clear()
+            create = asyncio.ensure_future(meta.write(C.CreateTopic(_topic("live"))))
+            while raft.status().commit_index <= before:
+                await asyncio.sleep(0.01)  # committed, not applied
+            with store.read() as r:
+                assert r.topic("live") is None  # what a naive leader would trust
+            assert not raft.caught_up()
+            loop.call_later(0.5, fsm.gate.set)
+            gone = await meta.confirm_gone("live", "00000000000000aa")
+            assert gone is False
+            with store.read() as r:
+                assert r.topic("live") is not None
+            assert (await create).ok
+            # And a topic that really is gone is confirmed gone.
+            assert await meta.confirm_gone("never-was", "00000000000000bb") is True
+        finally:
+            fsm.gate.set()
+            raft.close()
+            fsm.close()
+            versions.close()
+
+    asyncio.run(main())

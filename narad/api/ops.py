@@ -1,4 +1,5 @@
-"""Operational routes: /healthz, /readyz, /metrics and /v1/cluster/members.
+"""Operational routes: /healthz, /readyz, /metrics, /v1/cluster/members and
+POST /v1/cluster/members/{id}/forget.
 
 /healthz and /readyz need no credentials and answer from the shared version
 array (one atomic load each): readiness is decided by the supervisor (Raft
@@ -28,6 +29,7 @@ class OpsAPI:
         r.add("GET", "/readyz", self.readyz)
         r.add("GET", "/metrics", self.metrics)
         r.add("GET", "/v1/cluster/members", self.members)
+        r.add("POST", "/v1/cluster/members/{id}/forget", self.forget)
 
     async def healthz(self, req: Request) -> Response:
         if self.ctx.versions.load(V.SHUTDOWN):
@@ -43,6 +45,14 @@ class OpsAPI:
     async def metrics(self, req: Request) -> Response:
         snap = await self.ctx.call(metrics.NodeMetricsReq(), metrics.Snapshot, timeout=5.0)
         return Response(200, metrics.render(snap.families), metrics.CONTENT_TYPE)
+
+    async def forget(self, req: Request) -> Response:
+        """Remove a Raft server that has no member record (runs on the leader)."""
+        who: G.Identity = req.identity
+        if not who.unrestricted and not G.is_admin(self.ctx.store.user(who.name or "")):
+            raise Forbidden("admin privileges required")
+        resp = await self.ctx.call(Q.ForgetServerReq(who, req.params["id"]), Q.ForgetServerResp, timeout=20.0)
+        return json_response(200, resp)
 
     async def members(self, req: Request) -> Response:
         who: G.Identity = req.identity

@@ -112,7 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=15.0, help="seconds to wait for the node")
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("status", help="Raft role, indexes, workers")
-    sub.add_parser("members", help="cluster members")
+    members = sub.add_parser("members", help="cluster members; 'members forget <id>' removes a Raft server")
+    m_sub = members.add_subparsers(dest="action")
+    mf = m_sub.add_parser("forget", help="remove a Raft server that has no member record")
+    mf.add_argument("id", help="the server's Raft address (host:port)")
     topics = sub.add_parser("topics", help="topics").add_subparsers(dest="action", required=True)
     topics.add_parser("ls")
     c = topics.add_parser("create")
@@ -155,7 +158,10 @@ def main(argv: list[str] | None = None) -> int:
     if ns.command == "status":
         fmt = _fmt_status
     elif ns.command == "members":
-        fmt = _fmt_members
+        if ns.action == "forget":
+            cmd, args = "members.forget", {"id": ns.id}
+        else:
+            fmt = _fmt_members
     elif ns.command == "topics":
         cmd = f"topics.{ns.action}"
         if ns.action == "ls":

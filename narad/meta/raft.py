@@ -321,10 +321,12 @@ class RaftNode:
         self._completions: list[tuple[asyncio.Future[ApplyResult], ApplyResult]] = []
         self._last_contact: float | None = None
         self._leader_commit_seen = 0
+        self._applied_through = 0
         self._fail: FailStop | None = None
         self._closed = False
         self._lock = threading.Lock()
         self._role = "follower"
+        self.leader_since: float | None = None  # monotonic time this node became leader
 
     @property
     def snapshot_file(self) -> Path:
@@ -399,6 +401,10 @@ class RaftNode:
         except FailStop as e:
             self._raise_fail_stop(e)
             return
+        # Everything Raft applied up to here is in the database now, including
+        # entries pysyncobj applies itself (election no-ops, membership changes)
+        # that never reach the FSM and so never move its index.
+        self._applied_through = obj._SyncObj__raftLastApplied
         if self._completions:
             done, self._completions = self._completions, []
             self.loop.call_soon_threadsafe(_resolve_all, done)
@@ -512,6 +518,7 @@ class RaftNode:
 
     def _on_state_changed(self, old: int, new: int) -> None:
         self._role = ROLE_NAMES.get(new, "follower")
+        self.leader_since = time.monotonic() if self._role == "leader" else None
         if self.on_state_change is not None:
             self.loop.call_soon_threadsafe(self.on_state_change, self._role)
 
@@ -636,7 +643,7 @@ class RaftNode:
             term=st["raft_term"],
             leader=None if leader is None else str(getattr(leader, "id", leader)),
             commit_index=st["commit_idx"],
-            applied_index=self.sm.applied_index,
+            applied_index=max(self.sm.applied_index, self._applied_through),
             last_log_index=journal.last_index(),
             first_log_index=journal.first_index(),
             has_quorum=st["has_quorum"],

@@ -93,6 +93,18 @@ class MembersReq(msgspec.Struct, tag=True):
     pass
 
 
+class ForgetServerReq(msgspec.Struct, tag=True):
+    """Remove a Raft server that has no member record (a joiner that crashed or was replaced)."""
+
+    who: Identity
+    id: str  # the server's Raft address (host:port), or a node id
+
+
+class ForgetServerResp(msgspec.Struct):
+    id: str
+    voter: bool
+
+
 class MemberView(msgspec.Struct):
     id: str
     addr: str
@@ -123,6 +135,7 @@ class RaftView(msgspec.Struct):
     persisted_commit_index: int
     has_quorum: bool
     leader_contact_age_seconds: float | None
+    voters: list[str] = []  # every Raft voter's address, this node included
 
 
 class WorkerView(msgspec.Struct):

@@ -37,6 +37,7 @@ from narad.meta.records import Grant, MemberRecord, TopicRecord, UserRecord
 from narad.meta.store import MetaStore
 
 log = logging.getLogger("narad.meta.service")
+FORGET_MIN_LEADERSHIP = 12.0  # a leader forgets a Raft server only after leading this long
 audit = logging.getLogger("narad.audit")
 
 # The Raft index of the last entry this task proposed: a node that forwarded the
@@ -580,6 +581,56 @@ class MetaService:
         return Q.Empty()
 
     # ---- one entry point for every request (local or forwarded) ---------------------------
+    async def forget_server(self, req: Q.ForgetServerReq) -> Q.ForgetServerResp:
+        """Leader: remove a Raft voter that has no member record. Refused for the
+        leader itself (400), an id that is no Raft server (404), a server with a
+        member record or named by an assignment, or while quorum is at risk (409)."""
+        self._require_admin(req.who)
+        await self._leader_view()
+        with self.store.read() as r:
+            members = r.members()
+            owners = {a.owner for _, _, a in r.all_assignments()}
+        by_id = {m.id: m for m in members}
+        addr = by_id[req.id].raft_addr if req.id in by_id else req.id
+        if addr == self.raft.self_addr:
+            raise BadRequest(f"{req.id} is the Raft leader; stop it gracefully (leadership moves) and forget it "
+                             "from the new leader")
+        voters = self.raft.voters()
+        if addr not in voters:
+            raise NotFound(f"{req.id} is not a Raft server of this cluster (voters: {', '.join(voters)})")
+        holder = next((m for m in members if m.raft_addr == addr), None)
+        if holder is not None:
+            raise Conflict(f"{req.id} has a member record (node {holder.id}); decommission it instead of "
+                           "forgetting it", code="has_member_record")
+        if req.id in owners:
+            raise Conflict(f"{req.id} is named by a partition assignment", code="assigned")
+        since = self.raft.leader_since
+        if since is None or time.monotonic() - since < FORGET_MIN_LEADERSHIP:
+            raise Conflict("quorum is at risk: this leader was elected less than 12 s ago; retry shortly",
+                           code="quorum_at_risk")
+        st = self.raft.status()
+        down = [peer for peer, ok in st.peers.items() if not ok and peer != addr]
+        if down:
+            raise Conflict(f"quorum is at risk: Raft servers {', '.join(sorted(down))} are not connected; "
+                           "forget a server only while the others are healthy", code="quorum_at_risk")
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[tuple[bool, str]] = loop.create_future()
+
+        def finished(ok: bool, why: str) -> None:
+            if not done.done():
+                done.set_result((ok, why))
+
+        self.raft.remove_server(addr, finished)
+        try:
+            ok, why = await asyncio.wait_for(done, 10.0)
+        except TimeoutError:
+            raise Unavailable("removing the Raft server did not commit within 10 s; check "
+                              "GET /v1/cluster/members before retrying") from None
+        if not ok:
+            raise Unavailable(f"removing the Raft server failed: {why}")
+        audit.info("raft server forgotten", extra={"server": addr, "by": req.who.name, "outcome": "ok"})
+        return Q.ForgetServerResp(id=req.id, voter=True)
+
     async def dispatch(self, req: msgspec.Struct) -> msgspec.Struct:
         """Run a metadata request on this node (the leader). The Raft index it
         reached is left in ``last_index``."""
@@ -606,11 +657,14 @@ class MetaService:
             return await self.heartbeat(req)
         if isinstance(req, Q.ConfirmGoneReq):
             return Q.ConfirmGoneResp(await self.confirm_gone(req.topic, req.topic_id))
+        if isinstance(req, Q.ForgetServerReq):
+            return await self.forget_server(req)
         raise BadRequest(f"unsupported metadata request {type(req).__name__}")
 
 
 FORWARDABLE = (Q.CreateTopicReq, Q.AlterTopicReq, Q.DeleteTopicReq, Q.CreateUserReq, Q.SetGrantsReq,
-               Q.SetPasswordReq, Q.DeleteUserReq, Q.RegisterReq, Q.HeartbeatReq, Q.ConfirmGoneReq)
+               Q.SetPasswordReq, Q.DeleteUserReq, Q.RegisterReq, Q.HeartbeatReq, Q.ConfirmGoneReq,
+               Q.ForgetServerReq)
 
 
 def public_user(u: UserRecord) -> UserRecord:

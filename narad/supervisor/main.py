@@ -349,6 +349,11 @@ class Supervisor:
                     voters = list(ans.get("voters", []))
                     readonly = not ans.get("voter", False)
                     log.info("admitted to the cluster", extra={"voters": voters, "voter": not readonly})
+                    if os.environ.get("NARAD_FAULT_CRASH_AFTER_ADMIT") == "1":
+                        # Test seam, never set in production: die like kill -9 between
+                        # admission and registration (a Raft server without a member record).
+                        log.error("fault injection: crashing after admission")
+                        os.killpg(0, signal.SIGKILL)
                     self._start_raft(voters, readonly=readonly)
                     return
                 if status == 409 and time.monotonic() - last_refusal > 60:
@@ -382,7 +387,7 @@ class Supervisor:
         await self.admitted.wait()
         # The FSM must hold everything this disk knew to be committed (Felix
         # finding: a restart is not done until the state machine is).
-        while self.fsm.applied_index < self.startup_commit_index:
+        while self.raft.status().applied_index < self.startup_commit_index:
             await asyncio.sleep(0.01)
         await self.controller.registered.wait()
         if self.cfg.security.enabled:
@@ -584,7 +589,7 @@ class Supervisor:
                             commit_index=st.commit_index, applied_index=st.applied_index,
                             last_log_index=st.last_log_index, first_log_index=st.first_log_index,
                             persisted_commit_index=st.persisted_commit_index, has_quorum=st.has_quorum,
-                            leader_contact_age_seconds=contact),
+                            leader_contact_age_seconds=contact, voters=self.raft.voters()),
             workers=[Q.WorkerView(index=w.index, pid=w.pid, core=w.core,
                                   uptime_seconds=round(now - w.started, 3) if w.alive else 0.0,
                                   restarts=w.restarts, alive=w.alive) for w in self.workers.workers],

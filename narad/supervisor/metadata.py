@@ -44,6 +44,7 @@ RESPONSE_TYPES: dict[type, type] = {
     Q.CreateUserReq: UserRecord,
     Q.SetGrantsReq: UserRecord,
     Q.ConfirmGoneReq: Q.ConfirmGoneResp,
+    Q.ForgetServerReq: Q.ForgetServerResp,
 }
 _req_dec = msgspec.msgpack.Decoder(Union[FORWARDABLE])  # type: ignore[valid-type]  # noqa: UP007
 _enc = msgspec.msgpack.Encoder()

@@ -132,7 +132,7 @@ def worker_service(sup: Supervisor) -> rpc.Service:
         (Q.DeleteTopicReq, write), (Q.CreateUserReq, write), (Q.SetGrantsReq, write),
         (Q.SetPasswordReq, write), (Q.DeleteUserReq, write), (Q.Forwarded, forward), (Q.AuthAttemptReq, auth_attempt),
         (Q.AuthOutcome, auth_outcome), (Q.MembersReq, members), (Q.StatusReq, status),
-        (metrics.NodeMetricsReq, node_metrics), (Q.ConfirmGoneReq, confirm_gone),
+        (metrics.NodeMetricsReq, node_metrics), (Q.ConfirmGoneReq, confirm_gone), (Q.ForgetServerReq, write),
     ):
         s.register(typ, fn)  # type: ignore[arg-type]
     return s
@@ -161,6 +161,9 @@ def control_service(sup: Supervisor) -> rpc.Service:
             return CtlReply(msgspec.to_builtins(sup.node_status()))
         if m.cmd == "members":
             return CtlReply(msgspec.to_builtins(sup.members_view()))
+        if m.cmd == "members.forget":
+            resp = await router.execute(Q.ForgetServerReq(OPERATOR, str(a.get("id", ""))))
+            return CtlReply(msgspec.to_builtins(resp))
         if m.cmd == "topics.ls":
             with sup.store.read() as r:
                 return CtlReply([_topic_view(t) for t in r.topics()])

@@ -8,8 +8,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from narad.meta import commands as C
 from narad.meta import restart as RS
 from tests.harness import Cluster, wait_for
+
+NEWEST = int(C.NEWEST_ENTRY_TYPE)
+ALL_NEW = {"n1": NEWEST, "n2": NEWEST, "n3": NEWEST}
 
 CAP = "NARAD_CLUSTER_NEWEST_ENTRY_TYPE"
 
@@ -25,7 +29,7 @@ def test_an_older_member_holds_new_entry_types_back_until_it_upgrades(tmp_path: 
     try:
         c.start()
         leader = c.leader()
-        wait_for(lambda: reported(c, leader) == {"n1": 32, "n2": 32, "n3": 13}, 20, 0.1, "member reports")
+        wait_for(lambda: reported(c, leader) == {"n1": NEWEST, "n2": NEWEST, "n3": 13}, 20, 0.1, "member reports")
         assert c[leader].post("/v1/topics", {"name": "made-old", "partitions": 3}).status == 201
         wait_for(lambda: all(c[n].get("/v1/topics/made-old").status == 200 for n in c.ids), 10)
         log = c[leader].log()
@@ -39,7 +43,7 @@ def test_an_older_member_holds_new_entry_types_back_until_it_upgrades(tmp_path: 
         del c["n3"].extra_env[CAP]
         c["n3"].start()
         leader = c.leader()
-        wait_for(lambda: reported(c, leader) == {"n1": 32, "n2": 32, "n3": 32}, 20, 0.1, "n3 reports 32")
+        wait_for(lambda: reported(c, leader) == ALL_NEW, 20, 0.1, "n3 reports the newest type")
         assert c[leader].post("/v1/topics", {"name": "made-new", "partitions": 3}).status == 201
         assert "every member applies raft entry type 23; using create_topic_checked" in c[leader].log()
         wait_for(lambda: all(c[n].get("/v1/topics/made-new").status == 200 for n in c.ids), 10)
@@ -51,7 +55,7 @@ def test_a_node_that_cannot_apply_an_entry_stops_and_replays_it_on_restart(tmp_p
     c = Cluster(tmp_path, 3)
     try:
         c.start()
-        wait_for(lambda: reported(c, c.leader()) == {"n1": 32, "n2": 32, "n3": 32}, 20, 0.1, "member reports")
+        wait_for(lambda: reported(c, c.leader()) == ALL_NEW, 20, 0.1, "member reports")
         assert c["n3"].stop() == 0
         leader = c.leader(["n1", "n2"])
         # n3's record says it applies type 23, so the leader proposes the checked create.

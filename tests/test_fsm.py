@@ -6,13 +6,14 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from narad.errors import FailStop
 from narad.meta import commands as C
 from narad.meta import versions as V
 from narad.meta.fsm import DB_NAMES, FSM
-from narad.meta.records import Grant, MemberRecord, TopicRecord, UserRecord
+from narad.meta.records import AssignmentRecord, Grant, MemberRecord, SchemaRecord, TopicRecord, UserRecord
 from narad.meta.store import Reader
 
 
@@ -184,6 +185,12 @@ def test_same_script_gives_identical_databases(tmp_path: Path) -> None:
         C.PruneAssignments([("gone", 0)]), C.MarkDeadObserved("n2", 0),  # refused: newer heartbeat
         C.MarkDeadObserved("n2", 10_000), C.DeleteUserReleasing("u"), C.DeleteTopicCas("c", "00000000000000cc"),
         C.DeleteUser("nobody"), C.Noop(),
+        C.ImportMetastore(False, [topic("x", "00000000000000ee")], [], [], []),  # refused: the cluster holds state
+        C.ImportMetastore(True, [msgspec.structs.replace(topic("x", "00000000000000ee", parts=2), schema_version=1)],
+                          [C.ImportedSchema("x", SchemaRecord("00000000000000ee", 1, b"{}", 5))],
+                          [C.ImportedAssignment("x", 0, AssignmentRecord("n2", "00000000000000ee")),
+                           C.ImportedAssignment("x", 1, AssignmentRecord("gone-node", "00000000000000ee"))],
+                          [UserRecord("imported", b"h", [Grant("consume", ["x"])])]),
     ]
     assert {C.TYPE_OF[type(p)] for p in script} == set(C.PAYLOAD_TYPES), "the script misses an entry type"
     one, two = Applier(tmp_path / "one"), Applier(tmp_path / "two")
@@ -192,7 +199,7 @@ def test_same_script_gives_identical_databases(tmp_path: Path) -> None:
         results.append(one.apply(p, rid=f"r{i}", stamp=1000 + i))
         two.apply(p, rid=f"r{i}", stamp=1000 + i, commit=(i % 4 == 3))  # different batching
     two.fsm.commit()
-    assert sum(not r.ok for r in results) == 5, [r.message for r in results if not r.ok]
+    assert sum(not r.ok for r in results) == 6, [r.message for r in results if not r.ok]
     assert _digest(one.fsm) == _digest(two.fsm)
     one.fsm.close()
     two.fsm.close()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -136,6 +137,13 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--max-acked-ahead", type=int)
     r = topics.add_parser("rm")
     r.add_argument("name")
+    ms = sub.add_parser("metastore", help="export / import the metastore (disaster recovery)")
+    ms_sub = ms.add_subparsers(dest="action", required=True)
+    ex = ms_sub.add_parser("export", help="write a consistent JSON export of the metastore to FILE")
+    ex.add_argument("file")
+    im = ms_sub.add_parser("import", help="apply an export as one Raft entry (the cluster must be empty)")
+    im.add_argument("file")
+    im.add_argument("--overwrite", action="store_true", help="replace the topics, schemas and users it holds")
     users = sub.add_parser("users", help="users").add_subparsers(dest="action", required=True)
     users.add_parser("ls")
     ua = users.add_parser("add")
@@ -175,6 +183,15 @@ def main(argv: list[str] | None = None) -> int:
                 args["schema"] = ns.schema
         else:
             args = {"name": ns.name}
+    elif ns.command == "metastore":
+        cmd = f"metastore.{ns.action}"
+        if ns.action == "import":
+            try:
+                with open(ns.file, encoding="utf-8") as fh:
+                    args = {"document": fh.read(), "overwrite": ns.overwrite}
+            except (OSError, UnicodeDecodeError) as e:
+                print(f"naradctl: cannot read {ns.file}: {e}", file=sys.stderr)
+                return 2
     elif ns.command == "users":
         cmd = f"users.{ns.action}"
         if ns.action == "ls":
@@ -195,6 +212,18 @@ def main(argv: list[str] | None = None) -> int:
     except NaradError as e:
         print(f"naradctl: {e.message} (HTTP {e.status})", file=sys.stderr)
         return 1
+    if ns.command == "metastore" and ns.action == "export":
+        tmp = f"{ns.file}.tmp"
+        try:
+            with open(tmp, "w", encoding="utf-8") as fh:
+                json.dump(data, fh, indent=1, sort_keys=True)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, ns.file)
+        except OSError as e:
+            print(f"naradctl: cannot write {ns.file}: {e}", file=sys.stderr)
+            return 2
+        data = {"file": ns.file, "applied_index": data["applied_index"], "counts": data["counts"]}
     if ns.json or fmt is None:
         print(json.dumps(data, indent=2, sort_keys=True))
     else:

@@ -10,7 +10,8 @@ Numbering: 1-22 are the base entry types every release of this product
 applies; 23-32 are the compare-and-set types the seed (metastore "The entry
 types v3.1.0 adds") numbers, proposed only once every member applies them
 (27-28, fan-out attach / detach, arrive with fan-out topics and a newer
-release number); 33-37 are reserved for remote replication. Pure data, no I/O.
+release number); 33-37 are reserved for remote replication; 38 imports a
+metastore export (disaster recovery), gated like 23-32. Pure data, no I/O.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 
 import msgspec
 
-from narad.meta.records import Grant, MemberRecord, TopicRecord, UserRecord
+from narad.meta.records import AssignmentRecord, Grant, MemberRecord, SchemaRecord, TopicRecord, UserRecord
 
 
 class EntryType(IntEnum):
@@ -49,6 +50,8 @@ class EntryType(IntEnum):
     PRUNE_ASSIGNMENTS = 30  # delete assignment rows that belong to no partition
     MARK_DEAD_OBSERVED = 31  # dead mark refused when a newer heartbeat is on record
     DELETE_USER_RELEASING = 32  # delete a user and clear the owner of its topics
+    # 33-37 are reserved for remote replication.
+    IMPORT_METASTORE = 38  # a metastore export applied as one entry (empty cluster, or overwrite)
 
 
 # The newest entry type this build applies. A later release raises it.
@@ -194,6 +197,28 @@ class DeleteUserReleasing(msgspec.Struct, array_like=True):
     username: str
 
 
+class ImportedSchema(msgspec.Struct, array_like=True):
+    topic: str
+    schema: SchemaRecord
+
+
+class ImportedAssignment(msgspec.Struct, array_like=True):
+    topic: str
+    partition: int
+    assignment: AssignmentRecord
+
+
+class ImportMetastore(msgspec.Struct, array_like=True):
+    """Topics, schema histories, assignments and users of an export. Refused when
+    the cluster holds topics or users besides the root admin, unless overwrite."""
+
+    overwrite: bool
+    topics: list[TopicRecord]
+    schemas: list[ImportedSchema]
+    assignments: list[ImportedAssignment]
+    users: list[UserRecord]
+
+
 PAYLOAD_TYPES: dict[int, type[msgspec.Struct]] = {
     EntryType.NOOP: Noop,
     EntryType.CREATE_TOPIC: CreateTopic,
@@ -216,6 +241,7 @@ PAYLOAD_TYPES: dict[int, type[msgspec.Struct]] = {
     EntryType.PRUNE_ASSIGNMENTS: PruneAssignments,
     EntryType.MARK_DEAD_OBSERVED: MarkDeadObserved,
     EntryType.DELETE_USER_RELEASING: DeleteUserReleasing,
+    EntryType.IMPORT_METASTORE: ImportMetastore,
 }
 # The base type a compare-and-set type stands in for while some member cannot apply it.
 FALLBACK: dict[int, int | None] = {
@@ -227,6 +253,7 @@ FALLBACK: dict[int, int | None] = {
     EntryType.PRUNE_ASSIGNMENTS: None,  # no base equivalent: orphan rows are only logged
     EntryType.MARK_DEAD_OBSERVED: EntryType.MARK_DEAD,
     EntryType.DELETE_USER_RELEASING: EntryType.DELETE_USER,
+    EntryType.IMPORT_METASTORE: None,  # no base equivalent: the import waits for every member
 }
 TYPE_OF: dict[type, int] = {v: k for k, v in PAYLOAD_TYPES.items()}
 
@@ -279,6 +306,9 @@ __all__ = [
     "EntryType",
     "Grant",
     "Heartbeat",
+    "ImportMetastore",
+    "ImportedAssignment",
+    "ImportedSchema",
     "MarkDead",
     "MemberRecord",
     "Noop",

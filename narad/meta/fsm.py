@@ -151,6 +151,7 @@ class FSM:
             C.EntryType.PRUNE_ASSIGNMENTS: self._prune_assignments,
             C.EntryType.MARK_DEAD_OBSERVED: self._mark_dead_observed,
             C.EntryType.DELETE_USER_RELEASING: self._delete_user_releasing,
+            C.EntryType.IMPORT_METASTORE: self._import_metastore,
         }
 
     # ---- bookkeeping ------------------------------------------------------
@@ -764,6 +765,72 @@ class FSM:
         return _ok(f"{len(owned)} topics released"), slots
 
 
+    # ---- disaster recovery (38) ------------------------------------------------------------
+    def _clear_db(self, txn: Any, name: str) -> None:
+        cur = txn.cursor(db=self.dbs[name])
+        if cur.first():
+            while cur.delete():
+                pass
+
+    def _import_metastore(self, txn: Any, p: C.ImportMetastore, stamp: int) -> tuple[C.ApplyResult, set[int]]:
+        users_db, topics_db = self.dbs["users"], self.dbs["topics"]
+        topics_held = int(txn.stat(topics_db)["entries"])
+        users_held = [R.USER_DEC.decode(raw) for _, raw in txn.cursor(db=users_db)]
+        others = [u for u in users_held if not u.root]
+        if not p.overwrite and (topics_held or others):
+            return _refuse(C.Result.EXISTS, f"the cluster holds state ({topics_held} topics, {len(others)} users "
+                                            "besides the root admin); import into an empty cluster, or overwrite "
+                                            "it"), set()
+        # Check everything before writing anything (the child transaction is
+        # dropped on a refusal anyway).
+        folded: set[bytes] = set()
+        by_name: dict[str, R.TopicRecord] = {}
+        for t in p.topics:
+            if t.partitions < 1 or not t.name or t.name in by_name or R.fold_key(t.name) in folded:
+                return _refuse(C.Result.INVALID, f'topic "{t.name}" is invalid or listed twice'), set()
+            folded.add(R.fold_key(t.name))
+            by_name[t.name] = t
+        for sc in p.schemas:
+            t = by_name.get(sc.topic)
+            if t is None or sc.schema.topic_id != t.id or not 1 <= sc.schema.version <= t.schema_version:
+                return _refuse(C.Result.INVALID, f'schema version {sc.schema.version} of "{sc.topic}" belongs to '
+                                                 "no imported topic"), set()
+        roots = {u.username for u in users_held if u.root}
+        if p.overwrite:
+            for name in ("topics", "topic_index", "schemas", "assignments"):
+                self._clear_db(txn, name)
+            for u in others:
+                txn.delete(u.username.encode(), db=users_db)
+            txn.put(K_SCHEMA_BYTES, _U64.pack(0), db=self.dbs["fsm_meta"])
+        schema_bytes = 0
+        for t in p.topics:
+            self._put_topic(txn, t)
+            txn.put(R.fold_key(t.name), t.name.encode(), db=self.dbs["topic_index"])
+        for sc in p.schemas:
+            txn.put(R.part_key(sc.topic, sc.schema.version), R.ENCODER.encode(sc.schema), db=self.dbs["schemas"])
+            schema_bytes += len(sc.schema.schema)
+        self._schema_bytes_add(txn, schema_bytes)
+        placed = 0
+        for a in p.assignments:
+            t = by_name.get(a.topic)
+            # Rows for another incarnation, a partition out of range, or a node that is not
+            # a member of this cluster are left out: the leader places those partitions.
+            if (t is None or a.assignment.topic_id != t.id or not 0 <= a.partition < t.partitions
+                    or not self._live_owner(txn, a.assignment.owner)):
+                continue
+            txn.put(R.part_key(a.topic, a.partition), R.ENCODER.encode(a.assignment), db=self.dbs["assignments"])
+            placed += 1
+        imported_users = 0
+        for u in p.users:
+            if u.root or u.username in roots:
+                continue  # this cluster's root admin stays
+            u.root = False
+            txn.put(u.username.encode(), R.ENCODER.encode(u), db=users_db)
+            imported_users += 1
+        slots = {V.TOPICS, V.SCHEMAS, V.ASSIGNMENTS, V.USERS} | set(range(V.NAME_BASE, V.NAME_BASE + V.NAME_SLOTS))
+        return _ok(f"imported {len(p.topics)} topics, {len(p.schemas)} schema versions, {placed} assignments, "
+                   f"{imported_users} users"), slots
+
 def fsm_dir(data_dir: Path) -> Path:
     return Path(data_dir) / "metastore" / "fsm"
 
@@ -792,4 +859,3 @@ def remove_leftovers(path: Path) -> None:
         if p.name.startswith(path.name + ".snapshot-") or p.name in (path.name + ".restore", path.name + ".old"):
             _rmtree(p)
             log.info("metastore: removed leftover %s", p)
-

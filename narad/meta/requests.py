@@ -100,6 +100,19 @@ class ForgetServerReq(msgspec.Struct, tag=True):
     id: str  # the server's Raft address (host:port), or a node id
 
 
+class ImportMetastoreReq(msgspec.Struct, tag=True):
+    """Install a metastore export (naradctl metastore import) as one Raft entry."""
+
+    who: Identity
+    document: bytes  # the export, JSON
+    overwrite: bool = False
+
+
+class ImportMetastoreResp(msgspec.Struct):
+    imported: dict[str, int]
+    index: int
+
+
 class ForgetServerResp(msgspec.Struct):
     id: str
     voter: bool

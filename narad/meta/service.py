@@ -28,6 +28,7 @@ import msgspec
 from narad.config import Config
 from narad.errors import BadRequest, Conflict, Forbidden, NotFound, Unavailable
 from narad.meta import commands as C
+from narad.meta import export as EX
 from narad.meta import grants as G
 from narad.meta import requests as Q
 from narad.meta import schemas as S
@@ -631,6 +632,28 @@ class MetaService:
         audit.info("raft server forgotten", extra={"server": addr, "by": req.who.name, "outcome": "ok"})
         return Q.ForgetServerResp(id=req.id, voter=True)
 
+    async def import_metastore(self, req: Q.ImportMetastoreReq) -> Q.ImportMetastoreResp:
+        """Leader: apply an export as one entry (type 38). Refused (409) while a
+        member cannot apply that type, or when the cluster holds topics or users
+        besides the root admin and ``overwrite`` is not set."""
+        self._require_admin(req.who)
+        try:
+            entry, counts = EX.parse_export(req.document, overwrite=req.overwrite)
+        except ValueError as e:
+            raise BadRequest(f"invalid argument: {e}") from None
+        await self._leader_view()
+        why = self.holds_back(C.EntryType.IMPORT_METASTORE)
+        if why is not None:
+            t = int(C.EntryType.IMPORT_METASTORE)
+            raise Conflict(f"an import needs every member to apply raft entry type {t}: {why}", code="older_release")
+        res = await self.write(entry, deadline=time.monotonic() + 30.0)
+        if res.code == C.Result.EXISTS:
+            raise Conflict(res.message, code="cluster_not_empty")
+        self._check(res, "metastore")
+        audit.info("metastore imported", extra={"by": req.who.name, "overwrite": req.overwrite, "outcome": "ok",
+                                                "index": res.index, **counts})
+        return Q.ImportMetastoreResp(counts, res.index)
+
     async def dispatch(self, req: msgspec.Struct) -> msgspec.Struct:
         """Run a metadata request on this node (the leader). The Raft index it
         reached is left in ``last_index``."""
@@ -659,12 +682,14 @@ class MetaService:
             return Q.ConfirmGoneResp(await self.confirm_gone(req.topic, req.topic_id))
         if isinstance(req, Q.ForgetServerReq):
             return await self.forget_server(req)
+        if isinstance(req, Q.ImportMetastoreReq):
+            return await self.import_metastore(req)
         raise BadRequest(f"unsupported metadata request {type(req).__name__}")
 
 
 FORWARDABLE = (Q.CreateTopicReq, Q.AlterTopicReq, Q.DeleteTopicReq, Q.CreateUserReq, Q.SetGrantsReq,
                Q.SetPasswordReq, Q.DeleteUserReq, Q.RegisterReq, Q.HeartbeatReq, Q.ConfirmGoneReq,
-               Q.ForgetServerReq)
+               Q.ForgetServerReq, Q.ImportMetastoreReq)
 
 
 def public_user(u: UserRecord) -> UserRecord:

@@ -447,6 +447,18 @@ class Supervisor:
         log.info("orphan sweep finished", extra={"candidates": len(candidates), "removed": removed})
         return removed
 
+    async def current_replica(self) -> None:
+        """Return once this node's replica is provably current: on the leader after
+        a barrier (everything committed applied), on a follower when it heard from
+        the leader within 5 s and applied everything it knows committed."""
+        if self.raft.is_leader():
+            await self.meta.barrier()
+            return
+        if not self.raft.caught_up():
+            raise Unavailable("this node's metastore replica is not provably current (no leader contact within "
+                              "5 s, or committed entries not applied yet); retry, or run this on the leader",
+                              headers=[("Retry-After", "1")])
+
     async def wait_create_gate(self) -> None:
         assert self.create_gate is not None
         if self.create_gate.is_set():

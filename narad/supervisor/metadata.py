@@ -45,6 +45,7 @@ RESPONSE_TYPES: dict[type, type] = {
     Q.SetGrantsReq: UserRecord,
     Q.ConfirmGoneReq: Q.ConfirmGoneResp,
     Q.ForgetServerReq: Q.ForgetServerResp,
+    Q.ImportMetastoreReq: Q.ImportMetastoreResp,
 }
 _req_dec = msgspec.msgpack.Decoder(Union[FORWARDABLE])  # type: ignore[valid-type]  # noqa: UP007
 _enc = msgspec.msgpack.Encoder()

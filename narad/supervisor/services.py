@@ -22,6 +22,7 @@ import msgspec
 from narad import BUILD, metrics
 from narad.errors import BadRequest, NotFound
 from narad.ipc import rpc
+from narad.meta import export as EX
 from narad.meta import requests as Q
 from narad.meta import versions as V
 from narad.meta.grants import OPERATOR
@@ -31,6 +32,7 @@ from narad.worker.main import HelloAck, WorkerHello, WorkerServing
 if TYPE_CHECKING:
     from narad.supervisor.main import Supervisor
 
+IMPORT_FORWARD_LIMIT = 12 << 20  # an import forwarded to the leader must fit one node-RPC frame
 log = logging.getLogger("narad.supervisor")
 
 THROTTLE_BURST = 5
@@ -161,6 +163,18 @@ def control_service(sup: Supervisor) -> rpc.Service:
             return CtlReply(msgspec.to_builtins(sup.node_status()))
         if m.cmd == "members":
             return CtlReply(msgspec.to_builtins(sup.members_view()))
+        if m.cmd == "metastore.export":
+            await sup.current_replica()
+            with sup.store.read() as r:
+                return CtlReply(EX.build_export(r, build=BUILD, node=sup.node_id, now_ms=int(time.time() * 1000)))
+        if m.cmd == "metastore.import":
+            doc = a.get("document", "")
+            if isinstance(doc, str) and len(doc) > IMPORT_FORWARD_LIMIT and not sup.raft.is_leader():
+                raise BadRequest(f"the export is larger than {IMPORT_FORWARD_LIMIT >> 20} MiB, more than one "
+                                 "node-RPC frame: run the import on the Raft leader (naradctl status shows it)")
+            resp = await router.execute(Q.ImportMetastoreReq(
+                OPERATOR, doc.encode() if isinstance(doc, str) else b"", bool(a.get("overwrite"))))
+            return CtlReply(msgspec.to_builtins(resp))
         if m.cmd == "members.forget":
             resp = await router.execute(Q.ForgetServerReq(OPERATOR, str(a.get("id", ""))))
             return CtlReply(msgspec.to_builtins(resp))

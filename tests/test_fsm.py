@@ -322,3 +322,40 @@ def test_user_delete_releasing_clears_the_owner_of_its_topics(tmp_path: Path) ->
     assert r.user("u") is None
     mine = r.topic("mine")
     assert mine is not None and mine.owner is None and mine.revision == owned.revision + 1
+
+
+def test_a_refused_entry_stays_refused_on_replay(tmp_path: Path) -> None:
+    """A create refused because the name was taken is recorded as applied: after the
+    topic is deleted, replaying the log from index 1 cannot make it succeed."""
+    a = Applier(tmp_path / "fsm")
+    a.apply(C.CreateTopic(topic("t", "00000000000000aa")))
+    refused = a.apply(C.CreateTopic(topic("t", "00000000000000bb")))
+    assert refused.code == C.Result.EXISTS
+    a.apply(C.DeleteTopic("t"))
+    a.fsm.close()
+    b = FSM(tmp_path / "fsm")
+    assert b.apply(2, enc(C.CreateTopic(topic("t", "00000000000000bb")))).message == "already applied"
+    b.commit()
+    with b.env.begin() as txn:
+        assert Reader(txn, b.dbs).topic("t") is None
+
+
+def test_leftovers_of_an_interrupted_snapshot_or_restore_are_removed(tmp_path: Path) -> None:
+    from narad.meta.fsm import remove_leftovers
+
+    meta = tmp_path / "metastore"
+    fsm = meta / "fsm"
+    FSM(fsm).close()
+    snaps = meta / "raft" / "snapshots"
+    snaps.mkdir(parents=True)
+    (snaps / "latest.snap").write_bytes(b"kept")
+    left = [meta / "fsm.restore", meta / "fsm.old", meta / "fsm.snapshot-1a2b", snaps / "latest.snap.tmp",
+            snaps / "latest.snap.1.tmp", snaps / "previous.tmp"]
+    for p in left:
+        if p.suffix == ".tmp":
+            p.write_bytes(b"half")
+        else:
+            p.mkdir()
+    remove_leftovers(fsm)
+    assert [p for p in left if p.exists()] == []
+    assert (snaps / "latest.snap").read_bytes() == b"kept" and (fsm / "data.mdb").exists()

@@ -851,11 +851,17 @@ def _fsync_dir(path: Path) -> None:
 
 
 def remove_leftovers(path: Path) -> None:
-    """Delete snapshot copies and half-written restores a crash left beside the FSM."""
+    """Delete snapshot copies and half-written restores a crash left beside the
+    FSM, and half-written snapshot files in ``raft/snapshots/`` (``*.tmp``: a
+    snapshot being written, a received one, a previous.snap link)."""
     parent = path.parent
     if not parent.exists():
         return
-    for p in parent.iterdir():
-        if p.name.startswith(path.name + ".snapshot-") or p.name in (path.name + ".restore", path.name + ".old"):
-            _rmtree(p)
-            log.info("metastore: removed leftover %s", p)
+    transient = (path.name + ".restore", path.name + ".old")
+    leftovers = [p for p in parent.iterdir() if p.name.startswith(path.name + ".snapshot-") or p.name in transient]
+    snaps = parent / "raft" / "snapshots"
+    if snaps.is_dir():
+        leftovers += [p for p in snaps.iterdir() if p.name.endswith(".tmp")]
+    for p in leftovers:
+        _rmtree(p)
+        log.info("metastore: removed leftover %s", p)

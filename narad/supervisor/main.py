@@ -486,8 +486,12 @@ class Supervisor:
 
     def _on_fail_stop(self, e: FailStop) -> None:
         self.versions.store(V.FAIL_STOPPED, 1)
+        self.versions.store(V.READY, 0)
         self.meta.stopped = True
         self.exit_code = 1
+        # Raft first: from now on this node neither votes, leads nor acknowledges
+        # entries its replica lacks; the rest of the shutdown follows.
+        self._tasks.append(asyncio.ensure_future(asyncio.to_thread(self.raft.close)))
         assert self._stop is not None
         self._stop.set()
 
@@ -651,7 +655,7 @@ class Supervisor:
         for s in self._servers:
             s.close()
         # Raft last: a graceful stop hands leadership over when there are peers.
-        if self.raft.is_leader() and self.raft.status().peers:
+        if not self.meta.stopped and self.raft.is_leader() and self.raft.status().peers:
             t_transfer = time.monotonic()
             self.raft.transfer_leadership()
             end = time.monotonic() + 2.0

@@ -325,3 +325,51 @@ def test_a_refused_metastore_write_is_retried_then_stops_the_node_and_replays_on
         assert {"squeezed", "never-on-this-disk"} <= topic_names(n)
     finally:
         n.close()
+
+
+def test_topic_creates_wait_for_the_startup_reconcile_on_every_transport(tmp_path: Path) -> None:
+    """While the replay (slowed to 40 ms an entry) runs, the worker already accepts
+    connections but /readyz says 503; a create over HTTP/1.1 and one through naradctl
+    wait at the create gate and succeed once the startup reconcile finished."""
+    import threading
+
+    n = Node(tmp_path / "data", workers=1, security=False).start()
+    try:
+        create_topics(n, "t", 40)
+        assert n.stop() == 0
+        shutil.rmtree(fsm_dir(n))
+        n.extra_env["NARAD_FAULT_APPLY_DELAY_MS"] = "40"
+        mark = len(n.log())
+        n.start(wait=False)
+
+        def reconciled() -> bool:
+            return "startup reconcile finished" in n.log()[mark:]
+
+        def serving_not_ready() -> bool:
+            try:
+                return n.get("/readyz", auth=None).status == 503
+            except OSError:
+                return False
+
+        wait_for(serving_not_ready, 30, 0.01, "a worker serving while the node is not ready")
+        outcomes: dict[str, tuple[object, bool]] = {}
+
+        def http_create() -> None:
+            r = n.post("/v1/topics", {"name": "gated-http"})
+            outcomes["http"] = (r.status, reconciled())
+
+        def ctl_create() -> None:
+            out = n.ctl("topics", "create", "gated-ctl", check=False)
+            name = out.get("name") if isinstance(out, dict) else out
+            outcomes["ctl"] = (name, reconciled())
+
+        threads = [threading.Thread(target=http_create), threading.Thread(target=ctl_create)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert reconciled()
+        assert outcomes == {"http": (201, True), "ctl": ("gated-ctl", True)}, outcomes
+        assert n.get("/readyz", auth=None).status == 200
+    finally:
+        n.close()

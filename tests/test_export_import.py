@@ -80,5 +80,22 @@ def test_a_damaged_export_is_refused_with_what_is_wrong(tmp_path: Path) -> None:
         bad.write_text(json.dumps(doc))
         p = n.ctl("metastore", "import", str(bad), check=False)
         assert p.returncode == 1 and "damaged" in p.stderr
+        # Fields a live request would refuse are refused here too, before anything is proposed.
+        for field, value, said in (("users", [{"username": "", "password_hash": "aA=="}], "username"),
+                                   ("users", [{"username": "x" * 600, "password_hash": "aA=="}], "username")):
+            broken = json.loads(export.read_text())
+            broken[field] = value
+            bad.write_text(json.dumps(broken))
+            p = n.ctl("metastore", "import", str(bad), check=False)
+            assert p.returncode == 1 and "HTTP 400" in p.stderr and said in p.stderr, p.stderr
+        broken = json.loads(export.read_text())
+        broken["topics"] = [{"name": "huge", "id": "00000000000000aa", "partitions": 10**9, "retention_ms": 0,
+                             "visibility_timeout_ms": 30000, "max_in_flight_per_partition": 1,
+                             "max_acked_ahead_per_partition": 1, "created_at": 1}]
+        broken["counts"]["topics"] = 1
+        bad.write_text(json.dumps(broken))
+        p = n.ctl("metastore", "import", str(bad), check=False)
+        assert p.returncode == 1 and "max_partitions" in p.stderr, p.stderr
+        assert n.proc is not None and n.proc.poll() is None and n.get("/readyz", auth=None).status == 200
     finally:
         n.close()

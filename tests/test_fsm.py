@@ -359,3 +359,14 @@ def test_leftovers_of_an_interrupted_snapshot_or_restore_are_removed(tmp_path: P
     remove_leftovers(fsm)
     assert [p for p in left if p.exists()] == []
     assert (snaps / "latest.snap").read_bytes() == b"kept" and (fsm / "data.mdb").exists()
+
+
+def test_a_key_lmdb_cannot_hold_is_a_refusal_not_a_disk_failure(tmp_path: Path) -> None:
+    """An entry whose key LMDB refuses (empty, or past 511 bytes) is refused identically
+    on every node; mistaken for a disk error it would stop every node for good."""
+    a = Applier(tmp_path / "fsm")
+    for bad in ("", "u" * 600):
+        res = a.apply(C.ImportMetastore(False, [], [], [], [UserRecord(bad, b"h")]))
+        assert res.code == C.Result.INVALID and "refused by the database" in res.message
+    assert a.fsm.failed is None
+    assert a.apply(C.CreateUser(UserRecord("fine", b"h"))).ok

@@ -93,6 +93,24 @@ def parse_export(raw: bytes, *, overwrite: bool) -> tuple[C.ImportMetastore, dic
             raise ValueError(f"topic {t.name!r}: {getattr(e, 'message', e)}") from None
         if len(t.id) != 16 or any(c not in "0123456789abcdef" for c in t.id):
             raise ValueError(f"topic {t.name!r}: incarnation id {t.id!r} is not 16 hex digits")
+    seen_users: set[str] = set()
+    for u in doc.users:
+        try:
+            VAL.username(u.username)
+            VAL.grants(u.grants)
+        except Exception as e:
+            raise ValueError(f"user {u.username[:64]!r}: {getattr(e, 'message', e)}") from None
+        if not u.password_hash or len(u.password_hash) > 1024 or u.username in seen_users:
+            raise ValueError(f"user {u.username!r}: missing password hash, or listed twice")
+        seen_users.add(u.username)
+    versions: dict[str, list[int]] = {}
+    for s in doc.schemas:
+        versions.setdefault(s.topic, []).append(s.version)
+    for t in doc.topics:
+        have = sorted(versions.get(t.name, []))
+        if have != list(range(1, t.schema_version + 1)):
+            raise ValueError(f"topic {t.name!r}: schema_version {t.schema_version} but the export holds versions "
+                             f"{have[:20]}")
     counts = {"topics": len(doc.topics), "schemas": len(doc.schemas), "assignments": len(doc.assignments),
               "users": len([u for u in doc.users if not u.root])}
     if {k: doc.counts.get(k) for k in ("topics", "schemas", "assignments")} != {

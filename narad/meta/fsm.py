@@ -226,6 +226,13 @@ class FSM:
         child = self.env.begin(write=True, parent=txn)
         try:
             result, slots = self._handlers[op](child, dec.payload, dec.stamp_ms)
+        except (lmdb.BadValsizeError, lmdb.BadDbiError) as e:
+            # A key or value LMDB cannot hold is the entry's fault, the same on every
+            # node: refused, never mistaken for a disk that refuses writes.
+            child.abort()
+            log.error("metastore: raft entry holds a key or value LMDB refuses; refused on every node",
+                      extra={"index": index, "type": op, "err": str(e)})
+            result, slots = C.ApplyResult(C.Result.INVALID, f"entry refused by the database: {e}"), set()
         except lmdb.Error:
             child.abort()
             raise

@@ -639,6 +639,11 @@ class MetaService:
         self._require_admin(req.who)
         try:
             entry, counts = EX.parse_export(req.document, overwrite=req.overwrite)
+            maximum = self.cfg.topic.max_partitions
+            for t in entry.topics:
+                if not 1 <= t.partitions <= maximum or t.retention_ms < 0 or t.visibility_timeout_ms <= 0:
+                    raise ValueError(f"topic {t.name!r}: partitions must be between 1 and {maximum} "
+                                     "(topic.max_partitions), retention and visibility timeout not negative")
         except ValueError as e:
             raise BadRequest(f"invalid argument: {e}") from None
         await self._leader_view()

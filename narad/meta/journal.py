@@ -18,6 +18,7 @@ Imports no narad module; only narad.meta.raft uses it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import struct
@@ -53,6 +54,71 @@ def write_durably(path: Path, data: bytes) -> None:
         os.close(fd)
     os.replace(tmp, path)
     _fsync_dir(path.parent)
+
+
+def _write_log(directory: Path, entries: list[tuple[bytes, int, int]]) -> list[int]:
+    """Write ``entries`` as the whole log (temp file, fsync, rename, fsync dir);
+    returns each frame's offset."""
+    tmp = directory / "log.compact"
+    offsets = []
+    buf = bytearray(MAGIC)
+    for command, idx, term in entries:
+        body = struct.pack(">QQ", idx, term) + command
+        offsets.append(len(buf))
+        buf += struct.pack(">II", len(body), zlib.crc32(body)) + body
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            view = memoryview(bytes(buf))
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, directory / "log")
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(directory)
+    return offsets
+
+
+def _read_entries(path: Path) -> list[tuple[bytes, int, int]]:
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return []
+    if not data.startswith(MAGIC):
+        return []
+    out = []
+    pos, n = len(MAGIC), len(data)
+    while pos + _HDR.size <= n:
+        length, crc, idx, term = _HDR.unpack_from(data, pos)
+        end = pos + 8 + length
+        if length < 16 or end > n or zlib.crc32(data[pos + 8 : end]) != crc:
+            break
+        out.append((bytes(data[pos + 24 : end]), idx, term))
+        pos = end
+    return out
+
+
+def finish_compaction(directory: Path, before: tuple[bytes, int, int]) -> int:
+    """A crash (or a full disk) between pysyncobj renaming a new snapshot into
+    place and compacting the log leaves entries before the snapshot's ``before``
+    entry in the log. pysyncobj then clears the whole journal down to the two
+    snapshot entries at start, dropping every entry after them. Cut the log to
+    start at ``before`` first. Returns how many entries were cut."""
+    entries = _read_entries(directory / "log")
+    for pos, entry in enumerate(entries):
+        if entry[1] == before[1]:
+            if pos == 0 or entry[2] != before[2] or entry[0] != bytes(before[0]):
+                return 0
+            _write_log(directory, entries[pos:])
+            log.warning("raft log: finished a compaction interrupted after the snapshot was written",
+                        extra={"cut_entries": pos, "first_index": before[1]})
+            return pos
+    return 0
 
 
 def scan_log(path: Path) -> tuple[int, int]:
@@ -170,22 +236,16 @@ class DurableJournal:
         del self._offsets[entryFrom:]
 
     def deleteEntriesTo(self, entryTo: int) -> None:
+        """Compaction after a snapshot: keep entries from position ``entryTo``.
+        If the new file cannot be written (no disk), the log stays whole, in
+        memory and on disk; the next start or compaction finishes the job."""
         keep = self._entries[entryTo:]
-        tmp = self.dir / "log.compact"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        offsets = []
         try:
-            buf = bytearray(MAGIC)
-            for command, idx, term in keep:
-                body = struct.pack(">QQ", idx, term) + command
-                offsets.append(len(buf))
-                buf += struct.pack(">II", len(body), zlib.crc32(body)) + body
-            os.write(fd, bytes(buf))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, self.path)
-        _fsync_dir(self.dir)
+            offsets = _write_log(self.dir, keep)
+        except OSError as e:
+            log.error("raft log: compaction after a snapshot failed; the log stays uncompacted",
+                      extra={"err": str(e)})
+            return
         os.close(self._fd)
         self._fd = os.open(self.path, os.O_RDWR)
         os.lseek(self._fd, 0, os.SEEK_END)

@@ -49,7 +49,7 @@ from pysyncobj.version import VERSION as _PYSYNCOBJ_VERSION
 
 from narad.errors import FailStop, Unavailable
 from narad.meta.commands import ApplyResult
-from narad.meta.journal import DurableJournal
+from narad.meta.journal import DurableJournal, finish_compaction
 
 log = logging.getLogger("narad.meta.raft")
 
@@ -369,9 +369,22 @@ class RaftNode:
         )
         if readonly:
             conf.bindAddress = None
+        self._finish_interrupted_compaction()
         self._obj = _NaradSyncObj(self, None if readonly else self.self_addr, self.peers, conf)
         self.save_cluster_file()
         self._obj.addOnTickCallback(self._on_tick_end)
+
+    def _finish_interrupted_compaction(self) -> None:
+        """Before pysyncobj loads the snapshot: cut log entries that precede it
+        (see journal.finish_compaction), or pysyncobj would drop the entries after it."""
+        if not self.snapshot_file.exists():
+            return
+        try:
+            header, _ = read_snapshot_header(self.snapshot_file)
+            cmd, idx, term = header["before"]
+            finish_compaction(self.raft_dir, (bytes(cmd), int(idx), int(term)))
+        except (ValueError, KeyError, TypeError, OSError) as e:
+            log.error("raft log: could not check the log against the latest snapshot", extra={"err": str(e)})
 
     # ---- called on the tick thread -------------------------------------------
     def _apply(self, index: int, data: bytes) -> ApplyResult:

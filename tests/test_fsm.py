@@ -370,3 +370,23 @@ def test_a_key_lmdb_cannot_hold_is_a_refusal_not_a_disk_failure(tmp_path: Path) 
         assert res.code == C.Result.INVALID and "refused by the database" in res.message
     assert a.fsm.failed is None
     assert a.apply(C.CreateUser(UserRecord("fine", b"h"))).ok
+
+
+def test_a_node_applies_a_set_of_entry_types_not_every_number_below_its_newest(tmp_path: Path) -> None:
+    """Type numbers are not assigned in release order (27-28 and 33-37 are reserved):
+    an FSM stops on a type outside its set even when a higher type is in it, and the
+    database records the set of types it applied."""
+    from narad.meta.fsm import read_types
+
+    applies = C.APPLIED_TYPES - {C.EntryType.CREATE_TOPIC_CHECKED}
+    a = Applier(tmp_path / "fsm")
+    a.fsm.applies = applies
+    assert a.apply(C.ImportMetastore(False, [], [], [], [])).ok  # 38: in the set
+    with pytest.raises(FailStop) as e:
+        a.apply(C.CreateTopicChecked(topic("t"), None, []))  # 23: below 38, not in the set
+    assert e.value.entry_type == 23 and "not one this node applies" in str(e.value)
+    a.fsm.env.close()
+    b = FSM(tmp_path / "fsm")
+    with b.env.begin() as txn:
+        newest, types = read_types(lambda k: txn.get(k, db=b.dbs["fsm_meta"]))
+    assert newest == 38 and types == {38}

@@ -12,6 +12,7 @@ from pathlib import Path
 import lmdb
 import pytest
 
+from narad.meta import commands as C
 from narad.meta import restart as RS
 from tests.harness import Node, wait_for
 
@@ -55,7 +56,8 @@ def refused_start(n: Node) -> str:
 
 # ---- the restart table, pure -------------------------------------------------------------
 def fsm(index: int = 10, trusted: bool = True, holds: bool = True, newest: int = 13) -> RS.FsmState:
-    return RS.FsmState(present=True, holds_anything=holds, index=index, trusted=trusted, newest_type=newest)
+    return RS.FsmState(present=True, holds_anything=holds, index=index, trusted=trusted, newest_type=newest,
+                       types=C.types_up_to(newest))
 
 
 @pytest.mark.parametrize(
@@ -77,14 +79,21 @@ def fsm(index: int = 10, trusted: bool = True, holds: bool = True, newest: int =
     ],
 )
 def test_restart_table(state: RS.FsmState, raft: RS.RaftState, joining: bool, action: str) -> None:
-    assert RS.decide(state, raft, joining=joining, max_entry_type=32).action == action
+    assert RS.decide(state, raft, joining=joining, applies=C.APPLIED_TYPES).action == action
 
 
 def test_a_database_or_snapshot_newer_than_the_build_is_refused() -> None:
-    d = RS.decide(fsm(newest=23), RS.RaftState(1, 40, None), joining=True, max_entry_type=13)
-    assert d.action == RS.REFUSE and "entry type 23" in d.reason
-    d = RS.decide(fsm(), RS.RaftState(21, 40, 20, snapshot_newest_type=23), joining=False, max_entry_type=13)
+    older = C.types_up_to(13)
+    d = RS.decide(fsm(newest=23), RS.RaftState(1, 40, None), joining=True, applies=older)
+    assert d.action == RS.REFUSE and "entry types [23]" in d.reason
+    snap = RS.RaftState(21, 40, 20, snapshot_newest_type=23, snapshot_types=frozenset({1, 2, 23}))
+    d = RS.decide(fsm(), snap, joining=False, applies=older)
     assert d.action == RS.REFUSE and "snapshot" in d.reason
+    # Sets, not a number: a build without type 27 refuses a database that applied it,
+    # though its own newest type (38) is higher.
+    gap = RS.FsmState(present=True, holds_anything=True, index=10, trusted=True, newest_type=27,
+                      types=frozenset({1, 2, 27}))
+    assert RS.decide(gap, RS.RaftState(1, 40, None), joining=False, applies=C.APPLIED_TYPES).action == RS.REFUSE
 
 
 # ---- snapshots on a real node ------------------------------------------------------------
@@ -248,7 +257,7 @@ def test_a_database_that_applied_a_newer_entry_type_is_refused_untouched(tmp_pat
         before = files_digest(fsm_dir(n))
         n.extra_env["NARAD_CLUSTER_NEWEST_ENTRY_TYPE"] = "13"
         log = refused_start(n)
-        assert "applied raft entry type" in log and "newer than this build applies (13)" in log
+        assert "applied raft entry types [23" in log and "which this build does not apply" in log
         assert files_digest(fsm_dir(n)) == before
     finally:
         n.close()

@@ -54,10 +54,38 @@ class EntryType(IntEnum):
     IMPORT_METASTORE = 38  # a metastore export applied as one entry (empty cluster, or overwrite)
 
 
-# The newest entry type this build applies. A later release raises it.
+# The newest entry type this build applies. A later release raises it, but numbers
+# are not assigned in release order (the seed reserves 27-28 and 33-37), so what a
+# node applies is a *set*: members report it and the leader gates on membership.
 NEWEST_ENTRY_TYPE = max(EntryType)
 # The types every release of this product applies (proposed without asking anyone).
-BASE_TYPES = frozenset(t for t in EntryType if t <= 22)
+BASE_TYPES = frozenset(int(t) for t in EntryType if t <= 13)
+# Every type this build applies.
+APPLIED_TYPES = frozenset(int(t) for t in EntryType)
+
+
+def types_up_to(cap: int) -> frozenset[int]:
+    """The types this build applies that are numbered ``cap`` or below (a node
+    standing in for an older release)."""
+    return frozenset(t for t in APPLIED_TYPES if t <= cap)
+
+
+def types_reported(entry_types: list[int], newest: int) -> frozenset[int]:
+    """What a member reported: its list, or (a record without one) every type
+    this build knows up to its newest."""
+    return frozenset(entry_types) if entry_types else types_up_to(newest)
+
+
+def types_to_bits(types: frozenset[int] | set[int]) -> bytes:
+    bits = bytearray(32)
+    for t in types:
+        if 0 <= t < 256:
+            bits[t >> 3] |= 1 << (t & 7)
+    return bytes(bits)
+
+
+def bits_to_types(raw: bytes) -> frozenset[int]:
+    return frozenset(i * 8 + b for i, byte in enumerate(raw[:32]) for b in range(8) if byte >> b & 1)
 
 
 class Result(IntEnum):
@@ -127,6 +155,7 @@ class Heartbeat(msgspec.Struct, array_like=True):
     newest_entry_type: int = 0
     client_addr: str = ""
     cluster_addr: str = ""
+    entry_types: list[int] = []  # every type the node applies
 
 
 class MarkDead(msgspec.Struct, array_like=True):
@@ -294,6 +323,7 @@ def decode(data: bytes) -> Decoded:
 
 
 __all__ = [
+    "APPLIED_TYPES",
     "BASE_TYPES",
     "FALLBACK",
     "NEWEST_ENTRY_TYPE",

@@ -66,6 +66,17 @@ _U64 = struct.Struct(">Q")
 K_APPLIED = b"applied_index"
 K_TXN = b"applied_txn"
 K_NEWEST = b"newest_type"
+K_TYPES = b"entry_types"  # 32-byte bitmap: every entry type this database applied
+
+
+def read_types(get: Callable[[bytes], bytes | None]) -> tuple[int, frozenset[int]]:
+    """The newest entry type and the set of types a database applied (``get``
+    reads an fsm_meta key). A database without the set knows its newest only."""
+    raw = get(K_NEWEST)
+    newest = raw[0] if raw else 0
+    bits = get(K_TYPES)
+    types = C.bits_to_types(bits) if bits else frozenset(range(1, newest + 1)) & C.APPLIED_TYPES
+    return newest, types
 K_MAX_STAMP = b"max_stamp_ms"
 K_SCHEMA_BYTES = b"schema_bytes"  # bytes of every stored schema version
 
@@ -94,6 +105,19 @@ def open_dbs(env: lmdb.Environment, *, create: bool) -> dict[str, Any]:
     return {n: env.open_db(n.encode(), create=False) for n in DB_NAMES}
 
 
+def _ranges(types: frozenset[int] | set[int]) -> str:
+    """1-13, 23-26 style."""
+    out: list[str] = []
+    for t in sorted(types):
+        if out and "-" not in out[-1].split(",")[-1] and int(out[-1]) == t - 1:
+            out[-1] = f"{out[-1]}-{t}"
+        elif out and "-" in out[-1] and int(out[-1].split("-")[1]) == t - 1:
+            out[-1] = f"{out[-1].split('-')[0]}-{t}"
+        else:
+            out.append(str(t))
+    return ", ".join(out)
+
+
 def _ok(msg: str = "") -> C.ApplyResult:
     return C.ApplyResult(C.Result.OK, msg)
 
@@ -108,13 +132,13 @@ class FSM:
         path: Path,
         *,
         on_commit: Callable[[set[int], int], None] | None = None,
-        max_entry_type: int = C.NEWEST_ENTRY_TYPE,
+        applies: frozenset[int] = C.APPLIED_TYPES,
     ) -> None:
         self.path = Path(path)
         self.env = open_env(self.path)
         self.dbs = open_dbs(self.env, create=True)
         self.on_commit = on_commit
-        self.max_entry_type = max_entry_type
+        self.applies = applies  # the entry types this node applies
         self._txn: lmdb.Transaction | None = None
         self._batch: list[tuple[int, bytes]] = []
         self._batch_start_applied = 0
@@ -127,8 +151,8 @@ class FSM:
         with self.env.begin() as txn:
             self.applied_index = self._meta_u64(txn, K_APPLIED)
             self.applied_txn = self._meta_u64(txn, K_TXN)
-            raw = txn.get(K_NEWEST, db=self.dbs["fsm_meta"])
-            self.newest_type = raw[0] if raw else 0
+            self.newest_type, self.applied_types = read_types(lambda k: txn.get(k, db=self.dbs["fsm_meta"]))
+        self._batch_start_types = (self.newest_type, self.applied_types)
         self._handlers: dict[int, Handler] = {
             C.EntryType.NOOP: self._noop,
             C.EntryType.CREATE_TOPIC: self._create_topic,
@@ -186,6 +210,7 @@ class FSM:
             self._txn = self.env.begin(write=True)
             self._batch = []
             self._batch_start_applied = self.applied_index
+            self._batch_start_types = (self.newest_type, self.applied_types)
         self._batch.append((index, data))
         result = self._apply_with_disk_retry(index, data)
         return result
@@ -213,9 +238,9 @@ class FSM:
             result = C.ApplyResult(C.Result.UNDECODABLE, f"undecodable entry: {e}")
             self._finish(txn, index, op, "", 0, result)
             return result
-        if op > self.max_entry_type:
-            self._fail_stop(index, op, f"raft entry type {op} is newer than this node applies "
-                                       f"({self.max_entry_type})")
+        if op not in self.applies:
+            self._fail_stop(index, op, f"raft entry type {op} is not one this node applies "
+                                       f"(it applies {_ranges(self.applies)})")
         if dec.request_id:
             prior = txn.get(dec.request_id.encode(), db=self.dbs["requests"])
             if prior is not None:
@@ -256,6 +281,9 @@ class FSM:
     ) -> None:
         meta = self.dbs["fsm_meta"]
         txn.put(K_APPLIED, _U64.pack(index), db=meta)
+        if op not in self.applied_types:
+            self.applied_types = self.applied_types | {op}
+            txn.put(K_TYPES, C.types_to_bits(self.applied_types), db=meta)
         if op > self.newest_type:
             self.newest_type = op
             txn.put(K_NEWEST, bytes([op]), db=meta)
@@ -292,6 +320,7 @@ class FSM:
             self._txn.abort()
             self._txn = None
             self.applied_index = self._batch_start_applied
+            self.newest_type, self.applied_types = self._batch_start_types
         raise self.failed
 
     def _rebuild(self) -> lmdb.Error | None:
@@ -304,6 +333,7 @@ class FSM:
                 pass
         self._txn = None
         self.applied_index = self._batch_start_applied
+        self.newest_type, self.applied_types = self._batch_start_types
         self._touched = set()
         try:
             self._txn = self.env.begin(write=True)
@@ -338,11 +368,12 @@ class FSM:
             return
         delay = DISK_RETRY_FIRST
         deadline = time.monotonic() + DISK_RETRY_BUDGET
+        whole = True  # False while a rebuild of the batch failed part way: never commit that
         while True:
             txn = self._txn
             try:
-                if txn is None:
-                    raise lmdb.Error("no transaction to commit")
+                if txn is None or not whole:
+                    raise lmdb.Error("the batch could not be rebuilt yet")
                 txn_id = txn.id()
                 txn.put(K_TXN, _U64.pack(txn_id), db=self.dbs["fsm_meta"])
                 txn.commit()
@@ -355,7 +386,7 @@ class FSM:
                     self._give_up(e)
                 time.sleep(delay)
                 delay = min(delay * 2, DISK_RETRY_MAX_SLEEP)
-                self._rebuild()
+                whole = self._rebuild() is None
         self._txn = None
         self._batch = []
         touched, self._touched = self._touched, set()
@@ -367,6 +398,7 @@ class FSM:
             self._txn.abort()
             self._txn = None
             self.applied_index = self._batch_start_applied
+            self.newest_type, self.applied_types = self._batch_start_types
             self._touched = set()
 
     def snapshot_to(self, fd: int) -> int:
@@ -400,23 +432,23 @@ class FSM:
             meta = check.open_db(b"fsm_meta", create=False)
             with check.begin() as txn:
                 raw = txn.get(K_APPLIED, db=meta)
-                newest_raw = txn.get(K_NEWEST, db=meta)
+                _, image_types = read_types(lambda k: txn.get(k, db=meta))
             got = _U64.unpack(raw)[0] if raw else 0
-            image_newest = newest_raw[0] if newest_raw else 0
         finally:
             check.close()
         if got != expected_index:
             _rmtree(restore)
             raise RuntimeError(f"snapshot image holds index {got}, its header says {expected_index}")
-        if image_newest > self.max_entry_type:
+        unknown = image_types - self.applies
+        if unknown:
             _rmtree(restore)
             from narad import BUILD
 
-            why = (f"a raft snapshot applied entry type {image_newest}, newer than this node applies "
-                   f"({self.max_entry_type}); run the cluster's release on this node")
-            self.failed = FailStop(why, index=expected_index, entry_type=image_newest)
+            why = (f"a raft snapshot applied entry types {_ranges(unknown)}, which this node does not apply; "
+                   "run the cluster's release on this node")
+            self.failed = FailStop(why, index=expected_index, entry_type=max(unknown))
             log.error("metastore: stopped applying raft entries",
-                      extra={"index": expected_index, "type": image_newest, "build": BUILD, "reason": why})
+                      extra={"index": expected_index, "type": max(unknown), "build": BUILD, "reason": why})
             raise self.failed
         with self.swap_lock:
             self.abort()
@@ -430,8 +462,7 @@ class FSM:
             with self.env.begin() as txn:
                 self.applied_index = self._meta_u64(txn, K_APPLIED)
                 self.applied_txn = self._meta_u64(txn, K_TXN)
-                raw = txn.get(K_NEWEST, db=self.dbs["fsm_meta"])
-                self.newest_type = raw[0] if raw else 0
+                self.newest_type, self.applied_types = read_types(lambda k: txn.get(k, db=self.dbs["fsm_meta"]))
         log.info("metastore: snapshot installed", extra={"index": self.applied_index})
         if self.on_replace is not None:
             self.on_replace()
@@ -600,6 +631,7 @@ class FSM:
         m.heartbeat_ms = stamp
         m.build = p.build
         m.newest_entry_type = p.newest_entry_type
+        m.entry_types = sorted(set(p.entry_types))
         if p.client_addr:
             m.client_addr = p.client_addr
         if p.cluster_addr:

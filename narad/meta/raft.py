@@ -68,6 +68,7 @@ _U64 = struct.Struct(">Q")
 class StateMachine(Protocol):
     applied_index: int
     newest_type: int
+    applied_types: frozenset[int]
 
     def apply(self, index: int, data: bytes) -> ApplyResult: ...
     def commit(self) -> None: ...
@@ -449,6 +450,12 @@ class RaftNode:
         others = [str(n.id) for n in obj.otherNodes]
         return sorted(others + ([] if self.readonly else [self.self_addr]))
 
+    def servers(self) -> list[str]:
+        """Every Raft server: the voters and the non-voting (read-only) nodes."""
+        obj = self._obj
+        extra = [] if obj is None else [str(n.id) for n in getattr(obj, "_SyncObj__readonlyNodes", ())]
+        return sorted(set(self.voters()) | set(extra))
+
     def save_cluster_file(self) -> None:
         """Remember the voter set and our role: a restart rejoins with it."""
         cfg = tuple(self.voters())
@@ -558,6 +565,7 @@ class RaftNode:
                 "cluster": sorted(str(n.id if hasattr(n, "id") else n) for n in cluster),
                 "fsm_index": self.sm.applied_index,
                 "newest_type": self.sm.newest_type,
+                "entry_types": sorted(self.sm.applied_types),
             }
         )
         try:

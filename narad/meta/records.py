@@ -57,6 +57,7 @@ class MemberRecord(msgspec.Struct):
     build: str = ""
     newest_entry_type: int = 0
     draining: bool = False
+    entry_types: list[int] = []  # every Raft entry type it applies (empty: up to newest_entry_type)
 
 
 class SchemaRecord(msgspec.Struct):
@@ -80,7 +81,8 @@ class RemovedMember(msgspec.Struct):
 # users:         username                        -> UserRecord
 # removed_members: node id                       -> RemovedMember
 # remotes:       name                            -> (reserved for remote clusters)
-# fsm_meta:      b"applied_index" u64be, b"applied_txn" u64be, b"newest_type" u8, ...
+# fsm_meta:      b"applied_index" u64be, b"applied_txn" u64be, b"newest_type" u8,
+#                b"entry_types" 32-byte bitmap of every type applied, ...
 # requests:      request id                      -> [stamp_ms, ApplyResult] (idempotency)
 # request_times: u64be stamp_ms + request id     -> b""        (pruning order)
 

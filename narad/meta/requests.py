@@ -130,6 +130,7 @@ class MemberView(msgspec.Struct):
     heartbeat_age_seconds: float
     build: str = ""  # the release the member last reported
     newest_entry_type: int = 0  # the newest Raft entry type it last reported applying
+    entry_types: list[int] = []  # every Raft entry type it last reported applying
 
 
 class MembersResp(msgspec.Struct):
@@ -196,6 +197,7 @@ class HeartbeatReq(msgspec.Struct, tag=True):
     newest_entry_type: int
     client_addr: str = ""
     cluster_addr: str = ""
+    entry_types: list[int] = []
 
 
 class ForwardReq(msgspec.Struct, tag=True, array_like=True):

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import lmdb
 
+from narad.meta import commands as C
 from narad.meta import fsm as F
 from narad.meta.journal import scan_log
 from narad.meta.raft import read_snapshot_header
@@ -46,6 +47,7 @@ class FsmState:
     index: int  # 0: missing
     trusted: bool  # the index was written by the last commit to the file
     newest_type: int  # the newest entry type it applied
+    types: frozenset[int] = frozenset()  # every entry type it applied
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,7 @@ class RaftState:
     log_last: int
     snapshot_index: int | None  # the FSM index of the latest snapshot, None: no snapshot
     snapshot_newest_type: int = 0
+    snapshot_types: frozenset[int] = frozenset()
 
     @property
     def none(self) -> bool:
@@ -66,7 +69,7 @@ class Decision:
     reason: str
 
 
-ABSENT = FsmState(present=False, holds_anything=False, index=0, trusted=False, newest_type=0)
+ABSENT = FsmState(present=False, holds_anything=False, index=0, trusted=False, newest_type=0, types=frozenset())
 
 
 def inspect_fsm(path: Path) -> FsmState:
@@ -79,6 +82,7 @@ def inspect_fsm(path: Path) -> FsmState:
         last_txnid = int(env.info()["last_txnid"])
         holds = False
         index = applied_txn = newest = 0
+        types: frozenset[int] = frozenset()
         with env.begin() as txn:
             for name in F.DB_NAMES:
                 try:
@@ -90,8 +94,7 @@ def inspect_fsm(path: Path) -> FsmState:
                     index = F._U64.unpack(raw)[0] if raw else 0
                     raw = txn.get(F.K_TXN, db=db)
                     applied_txn = F._U64.unpack(raw)[0] if raw else 0
-                    raw = txn.get(F.K_NEWEST, db=db)
-                    newest = raw[0] if raw else 0
+                    newest, types = F.read_types(lambda k, db=db: txn.get(k, db=db))
                 elif name not in ("requests", "request_times") and txn.stat(db)["entries"]:
                     holds = True
             if not holds:
@@ -100,33 +103,40 @@ def inspect_fsm(path: Path) -> FsmState:
     finally:
         env.close()
     return FsmState(present=True, holds_anything=holds or index > 0, index=index,
-                    trusted=index > 0 and applied_txn == last_txnid, newest_type=newest)
+                    trusted=index > 0 and applied_txn == last_txnid, newest_type=newest, types=types)
 
 
 def inspect_raft(raft_dir: Path) -> RaftState:
     first, last = scan_log(raft_dir / "log")
     snap_index: int | None = None
     snap_newest = 0
+    snap_types: frozenset[int] = frozenset()
     latest = raft_dir / "snapshots" / "latest.snap"
     if latest.exists():
         try:
             header, _ = read_snapshot_header(latest)
             snap_index = int(header["fsm_index"])
             snap_newest = int(header.get("newest_type", 0))
+            listed = header.get("entry_types")
+            snap_types = (frozenset(int(t) for t in listed) if isinstance(listed, list)
+                          else C.types_up_to(snap_newest))
         except (ValueError, KeyError, TypeError, OSError):
             snap_index = None  # unreadable: as if absent (Raft will not load it either)
-    return RaftState(log_first=first, log_last=last, snapshot_index=snap_index, snapshot_newest_type=snap_newest)
+    return RaftState(log_first=first, log_last=last, snapshot_index=snap_index, snapshot_newest_type=snap_newest,
+                     snapshot_types=snap_types)
 
 
-def decide(fsm: FsmState, raft: RaftState, *, joining: bool, max_entry_type: int) -> Decision:
-    """The seed's table ("Restarts"), plus the newer-entry-type refusal."""
-    if fsm.present and fsm.newest_type > max_entry_type:
-        return Decision(REFUSE, f"the metastore database applied raft entry type {fsm.newest_type}, newer than this "
-                                f"build applies ({max_entry_type}); run the cluster's release on this node "
+def decide(fsm: FsmState, raft: RaftState, *, joining: bool, applies: frozenset[int]) -> Decision:
+    """The seed's table ("Restarts"), plus the refusal of entry types this build does not apply."""
+    unknown = fsm.types - applies if fsm.present else frozenset()
+    if unknown:
+        return Decision(REFUSE, f"the metastore database applied raft entry types {sorted(unknown)}, which this "
+                                "build does not apply; run the cluster's release on this node "
                                 "(the database was left untouched)")
-    if raft.snapshot_index is not None and raft.snapshot_newest_type > max_entry_type:
-        return Decision(REFUSE, f"the latest raft snapshot applied entry type {raft.snapshot_newest_type}, newer "
-                                f"than this build applies ({max_entry_type}); run the cluster's release on this node")
+    unknown = raft.snapshot_types - applies if raft.snapshot_index is not None else frozenset()
+    if unknown:
+        return Decision(REFUSE, f"the latest raft snapshot applied entry types {sorted(unknown)}, which this "
+                                "build does not apply; run the cluster's release on this node")
     if not fsm.holds_anything:
         return Decision(KEEP, "empty metastore database: Raft rebuilds it")
     if raft.none:

@@ -58,7 +58,7 @@ class MetaService:
         node_id: str,
         *,
         clock: Callable[[], float] = time.time,
-        newest_type: int = C.NEWEST_ENTRY_TYPE,
+        applies: frozenset[int] = C.APPLIED_TYPES,
     ) -> None:
         self.cfg = cfg
         self.raft = raft
@@ -69,7 +69,7 @@ class MetaService:
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._barrier_term = -1
         self._forming_since: float | None = None
-        self.newest_type = newest_type  # what this node applies (a setting can lower it)
+        self.applies = applies  # the entry types this node applies (a setting can stand in for an older release)
         self._announced: set[int] = set()
         self._held_logged: dict[int, float] = {}
         self._orphans_logged: set[tuple[str, int]] = set()
@@ -124,18 +124,18 @@ class MetaService:
         the release it last reported."""
         if t in C.BASE_TYPES:
             return None
-        if self.newest_type < t:
-            return f"this node ({self.node_id}) applies entry types up to {self.newest_type}"
+        if t not in self.applies:
+            return f"this node ({self.node_id}) does not apply it"
         with self.store.read() as r:
             members = r.members()
         addrs = {m.raft_addr for m in members}
-        for addr in self.raft.voters():
+        for addr in self.raft.servers():  # voters and non-voters
             if addr != self.raft.self_addr and addr not in addrs:
                 return f"Raft server {addr} has no member record yet"
         for m in members:
-            if m.id != self.node_id and m.newest_entry_type < t:
-                return (f"member {m.id} (build {m.build or 'unknown'}) applies entry types up to "
-                        f"{m.newest_entry_type}")
+            if m.id != self.node_id and t not in C.types_reported(m.entry_types, m.newest_entry_type):
+                return (f"member {m.id} (build {m.build or 'unknown'}) does not apply it (its newest is "
+                        f"{m.newest_entry_type})")
         return None
 
     def use_type(self, t: int) -> bool:
@@ -576,7 +576,7 @@ class MetaService:
 
     async def heartbeat(self, req: Q.HeartbeatReq) -> Q.Empty:
         res = await self.write(C.Heartbeat(req.node_id, req.build, req.newest_entry_type, req.client_addr,
-                                           req.cluster_addr))
+                                           req.cluster_addr, req.entry_types))
         if res.code == C.Result.NOT_FOUND:
             raise NotFound(f"member {req.node_id} is not registered")
         return Q.Empty()

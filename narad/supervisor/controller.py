@@ -129,7 +129,7 @@ class Controller:
             try:
                 await asyncio.wait_for(self.router.execute(Q.HeartbeatReq(
                     self.member.id, BUILD, self.member.newest_entry_type, self.member.client_addr,
-                    self.member.cluster_addr)), max(self.heartbeat_every, 2.0))
+                    self.member.cluster_addr, list(self.member.entry_types))), max(self.heartbeat_every, 2.0))
             except NotFound:
                 self.registered.clear()
             except (NaradError, TimeoutError) as e:

@@ -95,7 +95,8 @@ class Supervisor:
         self.n_workers = worker_count(cfg)
         # The newest Raft entry type this node applies and reports (a setting can stand in
         # for an older release; it can never claim more than this build applies).
-        self.newest_type = min(cfg.cluster.newest_entry_type or C.NEWEST_ENTRY_TYPE, C.NEWEST_ENTRY_TYPE)
+        self.applies = C.types_up_to(cfg.cluster.newest_entry_type or C.NEWEST_ENTRY_TYPE)
+        self.newest_type = max(self.applies)
         self.raft_addr = f"{cfg.cluster.host}:{cfg.raft_port}"
         self.throttle = LoginThrottle()
         self.exit_code = 0
@@ -194,7 +195,7 @@ class Supervisor:
             log.warning(f"metastore: {self.restart.reason}", extra={"moved_to": str(moved)})
         elif self.restart.action == RS.UNTRUSTED:
             log.error(f"metastore: {self.restart.reason}")
-        self.fsm = F.FSM(self.fsm_path, on_commit=self._on_fsm_commit, max_entry_type=self.newest_type)
+        self.fsm = F.FSM(self.fsm_path, on_commit=self._on_fsm_commit, applies=self.applies)
         if self.restart.action == RS.RESTORE:
             log.info(f"metastore: {self.restart.reason}")
             snap = self.raft_dir / "snapshots" / "latest.snap"
@@ -234,7 +235,7 @@ class Supervisor:
         )
         self.raft.max_voters = cfg.cluster.max_voters
         self.raft.join_policy = self._join_policy
-        self.meta = MetaService(cfg, self.raft, self.store, self.node_id, newest_type=self.newest_type)
+        self.meta = MetaService(cfg, self.raft, self.store, self.node_id, applies=self.applies)
         self.rpc_client = NodeRpcClient(self.secret)
         self.router = MetadataRouter(node_id=self.node_id, meta=self.meta, raft=self.raft, store=self.store,
                                      applied=lambda: self.fsm.applied_index, client=self.rpc_client,
@@ -263,7 +264,7 @@ class Supervisor:
         host = cfg.cluster.host if cfg.http.host in ("0.0.0.0", "::") else cfg.http.host
         member = MemberRecord(id=self.node_id, raft_addr=self.raft_addr, client_addr=f"{host}:{cfg.http.port}",
                               cluster_addr=f"{cfg.cluster.host}:{cfg.cluster_port}", build=BUILD,
-                              newest_entry_type=self.newest_type)
+                              newest_entry_type=self.newest_type, entry_types=sorted(self.applies))
         self.member = member
         self.controller = Controller(self.meta, self.router, member=member, data_dir=self.data_dir,
                                      security=cfg.security.enabled, versions=self.versions,
@@ -297,7 +298,7 @@ class Supervisor:
         # admitted by the leader, never bootstraps); any other start could found one.
         joining = (self.cfg.clustered and not (self.raft_dir / "cluster.json").exists()
                    and self.node_id not in self.cfg.cluster.initial_members)
-        d = RS.decide(fsm_state, raft_state, joining=joining, max_entry_type=self.newest_type)
+        d = RS.decide(fsm_state, raft_state, joining=joining, applies=self.applies)
         log.info(f"metastore: restart decision: {d.reason}", extra={
             "action": d.action, "fsm_index": fsm_state.index, "index_trusted": fsm_state.trusted,
             "log_first": raft_state.log_first, "log_last": raft_state.log_last,
@@ -334,7 +335,7 @@ class Supervisor:
         """Join-only: ask the configured peers every 2 s until the leader admits
         this node. Until then the node is not ready and Raft does not run."""
         req = {"node_id": self.node_id, "raft_addr": self.raft_addr, "build": BUILD,
-               "newest_entry_type": self.newest_type}
+               "newest_entry_type": self.newest_type, "entry_types": sorted(self.applies)}
         peers = [addr for nid, addr in self.cfg.peer_map.items() if nid != self.node_id]
         last_refusal = 0.0
         while True:
@@ -366,6 +367,8 @@ class Supervisor:
         skip entries the cluster already uses) or one that was removed."""
         node_id = str(req.get("node_id", ""))
         newest = int(req.get("newest_entry_type", 0) or 0)  # type: ignore[call-overload]
+        listed = req.get("entry_types") or []
+        joiner = C.types_reported([int(t) for t in listed] if isinstance(listed, list) else [], newest)
         with self.fsm.env.begin() as txn:
             from narad.meta.store import Reader
 
@@ -376,11 +379,14 @@ class Supervisor:
             known = self.raft.voters()
             if str(req.get("raft_addr")) in known:
                 return None  # already a server: never refused (its heartbeats hold new types back)
-            floor = max([self.fsm.newest_type, *[m.newest_entry_type for m in members]], default=0)
-            if (members and all(newest < m.newest_entry_type for m in members)) or newest < self.fsm.newest_type:
+            # Older: it lacks a type the cluster already applied, or one every member applies.
+            everywhere = frozenset.intersection(*[C.types_reported(m.entry_types, m.newest_entry_type)
+                                                  for m in members]) if members else frozenset()
+            missing = (self.fsm.applied_types | everywhere) - joiner
+            if missing:
                 return 409, {"code": "older_release",
-                             "error": f"node {node_id} applies entry types up to {newest}; the cluster uses "
-                                      f"{floor}: upgrade it first"}
+                             "error": f"node {node_id} (newest entry type {newest}) does not apply entry types "
+                                      f"{sorted(missing)} that the cluster uses: upgrade it first"}
         return None
 
     async def _startup_reconcile(self) -> None:
@@ -630,6 +636,7 @@ class Supervisor:
                 leader=st.leader is not None and mrec.raft_addr == st.leader,
                 heartbeat_age_seconds=round(max(0.0, (now_ms - mrec.heartbeat_ms) / 1000), 3),
                 build=mrec.build, newest_entry_type=mrec.newest_entry_type,
+                entry_types=sorted(C.types_reported(mrec.entry_types, mrec.newest_entry_type)),
             ))
         return Q.MembersResp(out)
 

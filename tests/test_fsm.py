@@ -390,3 +390,31 @@ def test_a_node_applies_a_set_of_entry_types_not_every_number_below_its_newest(t
     with b.env.begin() as txn:
         newest, types = read_types(lambda k: txn.get(k, db=b.dbs["fsm_meta"]))
     assert newest == 38 and types == {38}
+
+
+def test_a_snapshot_copies_the_database_as_of_its_start_while_entries_go_on(tmp_path: Path) -> None:
+    """The copy is pinned at the index where it began: entries applied and committed
+    while it is written are not in it, so its label stays true; restored, it holds
+    that index and is trusted as this file's own."""
+    import os
+    import threading
+
+    a = Applier(tmp_path / "fsm")
+    for i in range(5):
+        a.apply(C.CreateTopic(topic(f"before-{i}", f"{i:016x}")))
+    txn, index = a.fsm.snapshot_begin()
+    for i in range(5):
+        a.apply(C.CreateTopic(topic(f"during-{i}", f"{i + 100:016x}")))  # commits while the copy is pending
+    image = tmp_path / "image"
+    fd = os.open(image, os.O_WRONLY | os.O_CREAT, 0o600)
+    t = threading.Thread(target=a.fsm.snapshot_write, args=(fd, txn))
+    t.start()
+    t.join(10)
+    os.close(fd)
+    assert index == 5 and a.fsm.applied_index == 10
+    b = FSM(tmp_path / "other")
+    b.restore_from(str(image), 0, index)
+    assert b.applied_index == 5 and b.index_trusted
+    with b.env.begin() as txn2:
+        r = Reader(txn2, b.dbs)
+        assert r.topic("before-4") is not None and r.topic("during-0") is None

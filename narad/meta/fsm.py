@@ -148,6 +148,7 @@ class FSM:
         # Held while the environment object is replaced (snapshot install) and
         # by readers sharing this environment from other threads.
         self.swap_lock = threading.RLock()
+        self._copying = threading.Lock()  # held while a snapshot copy reads this environment
         with self.env.begin() as txn:
             self.applied_index = self._meta_u64(txn, K_APPLIED)
             self.applied_txn = self._meta_u64(txn, K_TXN)
@@ -401,14 +402,28 @@ class FSM:
             self.newest_type, self.applied_types = self._batch_start_types
             self._touched = set()
 
-    def snapshot_to(self, fd: int) -> int:
-        """Append a consistent copy of the database to ``fd``: LMDB copies the
-        file under a read transaction (no in-memory image). Returns the index
-        the copy holds."""
+    def snapshot_begin(self) -> tuple[lmdb.Transaction, int]:
+        """Raft's thread: commit the open batch and pin a read transaction at the
+        applied index; ``snapshot_write`` copies the database as of it while
+        entries go on applying (LMDB keeps the pinned pages)."""
         self.commit()
-        with self.swap_lock:
-            self.env.copyfd(fd)
-        return self.applied_index
+        return self.env.begin(), self.applied_index
+
+    def snapshot_write(self, fd: int, txn: lmdb.Transaction) -> None:
+        """Any thread: append a copy of the database as of ``txn`` to ``fd`` (LMDB's
+        own copy, compacting, no image in memory), then end ``txn``. An install or
+        close waits for it."""
+        with self._copying:
+            try:
+                self.env.copyfd(fd, compact=True, txn=txn)
+            finally:
+                txn.abort()
+
+    def snapshot_to(self, fd: int) -> int:
+        """Both steps on this thread; returns the index the copy holds."""
+        txn, index = self.snapshot_begin()
+        self.snapshot_write(fd, txn)
+        return index
 
     def restore_from(self, path: str, offset: int, expected_index: int) -> None:
         """Install a snapshot image: stream it into ``<fsm>.restore``, sync it,
@@ -450,7 +465,7 @@ class FSM:
             log.error("metastore: stopped applying raft entries",
                       extra={"index": expected_index, "type": max(unknown), "build": BUILD, "reason": why})
             raise self.failed
-        with self.swap_lock:
+        with self.swap_lock, self._copying:
             self.abort()
             self.env.close()
             os.replace(self.path, old)
@@ -459,6 +474,10 @@ class FSM:
             _rmtree(old)
             self.env = open_env(self.path)
             self.dbs = open_dbs(self.env, create=True)
+            with self.env.begin(write=True) as txn:
+                # A compacting copy renumbers LMDB's transactions: the index in it is
+                # this file's own again (the restore is this FSM writing its file).
+                txn.put(K_TXN, _U64.pack(txn.id()), db=self.dbs["fsm_meta"])
             with self.env.begin() as txn:
                 self.applied_index = self._meta_u64(txn, K_APPLIED)
                 self.applied_txn = self._meta_u64(txn, K_TXN)
@@ -472,7 +491,8 @@ class FSM:
 
     def close(self) -> None:
         self.abort()
-        self.env.close()
+        with self._copying:  # a snapshot copy still reading ends first
+            self.env.close()
 
     # ---- handlers: (txn, payload, stamp_ms) -> (result, touched slots) ----
     def _noop(self, txn: Any, p: C.Noop, stamp: int) -> tuple[C.ApplyResult, set[int]]:
@@ -900,7 +920,7 @@ def remove_leftovers(path: Path) -> None:
     leftovers = [p for p in parent.iterdir() if p.name.startswith(path.name + ".snapshot-") or p.name in transient]
     snaps = parent / "raft" / "snapshots"
     if snaps.is_dir():
-        leftovers += [p for p in snaps.iterdir() if p.name.endswith(".tmp")]
+        leftovers += [p for p in snaps.iterdir() if p.name.endswith((".tmp", ".part"))]
     for p in leftovers:
         _rmtree(p)
         log.info("metastore: removed leftover %s", p)

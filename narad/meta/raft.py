@@ -3,8 +3,9 @@
 Everything above sees a narrow interface: ``propose(bytes) -> ApplyResult``,
 ``barrier()``, ``status()``, ``transfer_leadership()``, ``add_server()`` /
 ``remove_server()`` and ``close()``, plus a ``StateMachine`` it drives with
-``apply(index, bytes)``, ``commit()``, ``snapshot_to(fd)`` and
-``restore_from(path)``. No pysyncobj type or pickle crosses it.
+``apply(index, bytes)``, ``commit()``, ``snapshot_begin()`` /
+``snapshot_write(fd, txn)`` and ``restore_from(path)``. No pysyncobj type or
+pickle crosses it.
 
 What this module fixes or wraps in pysyncobj 0.3.17 (pinned in pyproject):
 * Durability: the journal is narad.meta.journal.DurableJournal (fsync), synced
@@ -20,10 +21,12 @@ What this module fixes or wraps in pysyncobj 0.3.17 (pinned in pyproject):
   FailStop escapes, which stops the node instead of wedging the tick loop.
 * Deadlines: every proposal has one; pysyncobj can otherwise wait forever.
 * Snapshots are the state machine's own file copy plus a msgpack header,
-  taken when ``maybe_snapshot()`` finds the log past its threshold; the newest
-  two are kept (``latest.snap`` and ``previous.snap``). A copy that fails (no
-  disk) is logged, counted through ``on_snapshot_failure`` and leaves the log
-  uncompacted until the next attempt.
+  taken when ``maybe_snapshot()`` finds the log past its threshold, written by
+  a thread of their own (pysyncobj's serializeChecker hook) so Raft keeps
+  ticking during the copy; the newest two are kept (``latest.snap`` and
+  ``previous.snap``). A copy that fails (no disk) is logged, counted through
+  ``on_snapshot_failure`` and leaves the log uncompacted until the next
+  attempt. A compaction interrupted by a crash is finished at start.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from typing import Any, Protocol
 
 import msgspec
 import pysyncobj.syncobj as _so
-from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf, replicated
+from pysyncobj import FAIL_REASON, SERIALIZER_STATE, SyncObj, SyncObjConf, replicated
 from pysyncobj.journal import MemoryJournal
 from pysyncobj.version import VERSION as _PYSYNCOBJ_VERSION
 
@@ -72,7 +75,8 @@ class StateMachine(Protocol):
 
     def apply(self, index: int, data: bytes) -> ApplyResult: ...
     def commit(self) -> None: ...
-    def snapshot_to(self, fd: int) -> int: ...
+    def snapshot_begin(self) -> tuple[Any, int]: ...
+    def snapshot_write(self, fd: int, txn: Any) -> None: ...
     def restore_from(self, path: str, offset: int, expected_index: int) -> None: ...
 
 
@@ -89,6 +93,14 @@ _REASONS = {
     FAIL_REASON.REQUEST_DENIED: "the raft leader refused the request",
     FAIL_REASON.UNKNOWN_OUTCOME: "the outcome of the write is unknown",
 }
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -313,6 +325,8 @@ class RaftNode:
         self.on_commit = on_commit
         self.on_snapshot_failure = on_snapshot_failure
         self.snapshots_taken = 0
+        self._snap_state: str | None = None  # None | running | ok | failed (read by _snapshot_state)
+        self._snap_thread: threading.Thread | None = None
         self.readonly = False
         # Leader side of JoinCluster: (request dict) -> (status, extra) or None to add the joiner.
         self.join_policy: Callable[[dict[str, Any]], tuple[int, dict[str, Any]] | None] | None = None
@@ -350,6 +364,7 @@ class RaftNode:
             fullDumpFile=str(self.snapshot_file),
             serializer=self._serialize,
             deserializer=self._deserialize,
+            serializeChecker=self._snapshot_state,
             bindAddress=f"{self.bind_host}:{self.self_addr.rsplit(':', 1)[1]}",
             password=self.password,
             autoTick=True,
@@ -549,15 +564,23 @@ class RaftNode:
 
     # ---- snapshots (tick thread) ---------------------------------------------
     def _serialize(self, file_name: str, data: tuple[Any, Any, Any]) -> None:
-        """Write a snapshot into ``file_name`` (pysyncobj renames it over
-        latest.snap once this returns; an exception leaves the log as it is)."""
+        """Raft's tick thread: start a snapshot. The FSM's batch is committed and a
+        read transaction pinned at ``last`` here (milliseconds); the copy is
+        written by its own thread while Raft goes on ticking (heartbeats, applies),
+        and ``_snapshot_state`` (pysyncobj's serializeChecker) reports when it is
+        done. It writes ``latest.snap.part`` and renames it over ``latest.snap``
+        itself: pysyncobj's own rename of ``file_name`` right after this returns
+        finds no file and does nothing."""
         last, before, cluster = data
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(file_name)
         if self.sm.applied_index != last[1]:
             # The FSM holds more than the log handed it since start (replay is
             # still skipping): an image labelled `last` would run past its label.
             log.info("metastore: raft snapshot postponed until the replay reaches the database",
                      extra={"fsm_index": self.sm.applied_index, "raft_applied": last[1]})
-            raise RuntimeError("state machine is ahead of the raft log; snapshot postponed")
+            self._snap_state = "failed"
+            return
         header = msgspec.msgpack.encode(
             {
                 "last": [bytes(last[0]), last[1], last[2]],
@@ -569,10 +592,23 @@ class RaftNode:
             }
         )
         try:
-            fd = os.open(file_name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            txn, _ = self.sm.snapshot_begin()
+        except Exception as e:
+            self._snapshot_failed(e, last[1])
+            self._snap_state = "failed"
+            return
+        self._snap_state = "running"
+        self._snap_thread = threading.Thread(target=self._write_snapshot, args=(header, txn, last[1]),
+                                             name="narad-snapshot", daemon=True)
+        self._snap_thread.start()
+
+    def _write_snapshot(self, header: bytes, txn: Any, index: int) -> None:
+        part = self.snapshot_file.with_name(self.snapshot_file.name + ".part")
+        try:
+            fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             try:
                 _write_all(fd, SNAP_MAGIC + _U64.pack(len(header)) + header)
-                self.sm.snapshot_to(fd)
+                self.sm.snapshot_write(fd, txn)
                 os.fsync(fd)
             finally:
                 os.close(fd)
@@ -582,16 +618,34 @@ class RaftNode:
                 link.unlink(missing_ok=True)
                 os.link(self.snapshot_file, link)
                 os.replace(link, self.previous_snapshot_file)
+            os.replace(part, self.snapshot_file)
+            _fsync_dir(self.snapshot_file.parent)
         except Exception as e:
             with contextlib.suppress(OSError):
-                os.unlink(file_name)
-            log.error("metastore: could not copy the database for a raft snapshot; retrying at the next interval",
-                      extra={"err": str(e), "index": last[1], "log_entries": self._log_len()})
-            if self.on_snapshot_failure is not None:
-                self.on_snapshot_failure()
-            raise
+                os.unlink(part)
+            self._snapshot_failed(e, index)
+            self._snap_state = "failed"
+            return
         self.snapshots_taken += 1
-        log.info("metastore: raft snapshot taken", extra={"index": last[1]})
+        log.info("metastore: raft snapshot taken", extra={"index": index})
+        self._snap_state = "ok"
+
+    def _snapshot_failed(self, e: BaseException, index: int) -> None:
+        log.error("metastore: could not copy the database for a raft snapshot; retrying at the next interval",
+                  extra={"err": str(e), "index": index, "log_entries": self._log_len()})
+        if self.on_snapshot_failure is not None:
+            self.on_snapshot_failure()
+
+    def _snapshot_state(self) -> int:
+        """pysyncobj's serializeChecker (tick thread)."""
+        state = self._snap_state
+        if state == "running":
+            return SERIALIZER_STATE.SERIALIZING
+        if state in ("ok", "failed"):
+            self._snap_state = None
+            self._snap_thread = None
+            return SERIALIZER_STATE.SUCCESS if state == "ok" else SERIALIZER_STATE.FAILED
+        return SERIALIZER_STATE.NOT_SERIALIZING
 
     def _log_len(self) -> int:
         obj = self._obj
@@ -714,6 +768,9 @@ class RaftNode:
             thread = getattr(obj, "_SyncObj__thread", None)
             if thread is not None and thread is not threading.current_thread():
                 thread.join(timeout=5)
+        snap = self._snap_thread
+        if snap is not None and snap is not threading.current_thread():
+            snap.join(timeout=60)  # a snapshot being written finishes (or fails) first
         err = RaftUnavailable("raft stopped")
         for fut, _ in self._completions:
             self.loop.call_soon_threadsafe(_fail_fut, fut, err)

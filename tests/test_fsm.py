@@ -325,19 +325,24 @@ def test_user_delete_releasing_clears_the_owner_of_its_topics(tmp_path: Path) ->
 
 
 def test_a_refused_entry_stays_refused_on_replay(tmp_path: Path) -> None:
-    """A create refused because the name was taken is recorded as applied: after the
-    topic is deleted, replaying the log from index 1 cannot make it succeed."""
+    """A create refused because the name was taken stores its index like any applied
+    entry (here it is the last one before the restart), so a replay skips it; and
+    after the topic is deleted, replaying it still cannot make it succeed."""
     a = Applier(tmp_path / "fsm")
     a.apply(C.CreateTopic(topic("t", "00000000000000aa")))
     refused = a.apply(C.CreateTopic(topic("t", "00000000000000bb")))
     assert refused.code == C.Result.EXISTS
-    a.apply(C.DeleteTopic("t"))
     a.fsm.close()
     b = FSM(tmp_path / "fsm")
-    assert b.apply(2, enc(C.CreateTopic(topic("t", "00000000000000bb")))).message == "already applied"
+    assert b.applied_index == 2 and b.index_trusted  # the refusal's own index is on disk
+    b.apply(3, enc(C.DeleteTopic("t")))
     b.commit()
-    with b.env.begin() as txn:
-        assert Reader(txn, b.dbs).topic("t") is None
+    b.close()
+    c = FSM(tmp_path / "fsm")
+    assert c.apply(2, enc(C.CreateTopic(topic("t", "00000000000000bb")))).message == "already applied"
+    c.commit()
+    with c.env.begin() as txn:
+        assert Reader(txn, c.dbs).topic("t") is None
 
 
 def test_leftovers_of_an_interrupted_snapshot_or_restore_are_removed(tmp_path: Path) -> None:

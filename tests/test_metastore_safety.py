@@ -70,6 +70,11 @@ def fsm(index: int = 10, trusted: bool = True, holds: bool = True, newest: int =
         (fsm(index=50), RS.RaftState(1, 20, None), True, RS.ASIDE),  # past the log (older raft backup)
         (fsm(index=50), RS.RaftState(30, 40, 29), False, RS.REFUSE),
         (fsm(index=30), RS.RaftState(21, 40, 20), False, RS.KEEP),  # within the log, past the snapshot
+        # pysyncobj keeps the snapshot's last two entries in the log: it starts at snapshot - 1.
+        (fsm(index=30), RS.RaftState(19, 40, 20), False, RS.KEEP),
+        (fsm(index=20), RS.RaftState(19, 40, 20), False, RS.KEEP),
+        (fsm(index=19), RS.RaftState(19, 40, 20), False, RS.RESTORE),
+        (fsm(index=41), RS.RaftState(19, 40, 20), False, RS.REFUSE),
         (fsm(index=40), RS.RaftState(21, 40, 20), False, RS.KEEP),
         (fsm(index=10), RS.RaftState(21, 40, 20), False, RS.RESTORE),  # behind the snapshot
         (fsm(trusted=False), RS.RaftState(21, 40, 20), False, RS.RESTORE),

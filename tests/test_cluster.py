@@ -274,6 +274,10 @@ def test_join_requests_follow_the_leader_and_older_releases_are_refused(cluster:
     ans = _join(ans["leader"], req)
     assert ans["status"] == 409 and ans["code"] == "older_release", ans
     assert str(NEWEST_ENTRY_TYPE) in ans["error"]
+    refusals = [ln for ln in cluster[leader].log().splitlines() if "refused an older joiner" in ln]
+    assert refusals and " ERRO " in refusals[0]
+    assert _join(f"127.0.0.1:{cluster[leader].raft_port}", req)["status"] == 409  # again: logged once a minute
+    assert len([ln for ln in cluster[leader].log().splitlines() if "refused an older joiner" in ln]) == 1
     voters = [m["id"] for m in cluster[leader].get("/v1/cluster/members").json()["members"] if m["voter"]]
     assert "old" not in voters
 

@@ -114,6 +114,7 @@ class Supervisor:
         self.worker_conns: dict[int, rpc.Connection] = {}
         self.worker_metrics: dict[int, list[metrics.Family]] = {}  # last snapshot per worker pid
         self.retired_metrics: list[metrics.Family] = []  # counters of workers that died
+        self._older_joiner_logged: dict[str, float] = {}  # node id -> when its refusal was last logged
 
     # ------------------------------------------------------------------------
     # Boot checklist. Steps 1-9 run before any thread or event loop exists.
@@ -384,9 +385,13 @@ class Supervisor:
                                                   for m in members]) if members else frozenset()
             missing = (self.fsm.applied_types | everywhere) - joiner
             if missing:
-                return 409, {"code": "older_release",
-                             "error": f"node {node_id} (newest entry type {newest}) does not apply entry types "
-                                      f"{sorted(missing)} that the cluster uses: upgrade it first"}
+                why = (f"node {node_id} (newest entry type {newest}) does not apply entry types "
+                       f"{sorted(missing)} that the cluster uses: upgrade it first")
+                now = time.monotonic()
+                if now - self._older_joiner_logged.get(node_id, -1e9) >= 60.0:  # once a minute per joiner
+                    self._older_joiner_logged[node_id] = now
+                    log.error("refused an older joiner", extra={"node": node_id, "error": why})
+                return 409, {"code": "older_release", "error": why}
         return None
 
     async def _startup_reconcile(self) -> None:

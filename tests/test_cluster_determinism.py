@@ -68,3 +68,33 @@ def test_racing_creates_settle_by_log_order_with_identical_replicas(tmp_path: Pa
         assert len(set(digests.values())) == 1, digests
     finally:
         c.close()
+
+
+def test_a_member_that_fell_behind_a_compaction_installs_the_leaders_snapshot(tmp_path: Path) -> None:
+    """n3 is down while the others compact their logs past what it holds: when it comes
+    back it gets the leader's snapshot (streamed, checked, renamed over its FSM), then
+    the tail, and ends with a replica identical to the others."""
+    from narad.meta import restart as RS
+
+    env = {**QUIET, "NARAD_CLUSTER_RAFT_SNAPSHOT_THRESHOLD": "16", "NARAD_CLUSTER_RAFT_SNAPSHOT_INTERVAL": "1s"}
+    c = Cluster(tmp_path, 3, env=env)
+    try:
+        c.start()
+        assert c["n3"].stop() == 0
+        n3_index = RS.inspect_fsm(c["n3"].data_dir / "metastore" / "fsm").index
+        leader = c.leader(["n1", "n2"])
+        for i in range(30):
+            assert c[leader].post("/v1/topics", {"name": f"while-down-{i}", "partitions": 3}).status == 201
+        raft = c[leader].data_dir / "metastore" / "raft"
+        wait_for(lambda: RS.inspect_raft(raft).log_first > n3_index + 1, 20, 0.1, "the leader's log compacted")
+        mark = len(c["n3"].log())
+        c["n3"].start()
+        wait_for(lambda: "snapshot installed" in c["n3"].log()[mark:], 30, 0.1, "n3 installs the snapshot")
+        wait_for(lambda: all(c["n3"].get(f"/v1/topics/while-down-{i}").status == 200 for i in range(30)), 20)
+        assert RS.inspect_fsm(c["n3"].data_dir / "metastore" / "fsm").trusted
+        wait_for(lambda: len({c[n].status()["raft"]["applied_index"] for n in c.ids}) == 1, 20, 0.1,
+                 "every replica at the same index")
+        digests = {nid: replica_digest(c[nid].data_dir / "metastore" / "fsm") for nid in c.ids}
+        assert len(set(digests.values())) == 1, digests
+    finally:
+        c.close()

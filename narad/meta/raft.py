@@ -593,6 +593,10 @@ class RaftNode:
         )
         try:
             txn, _ = self.sm.snapshot_begin()
+        except FailStop as e:  # committing the batch found a disk that refuses writes for good
+            self._snap_state = "failed"
+            self._raise_fail_stop(e)
+            return
         except Exception as e:
             self._snapshot_failed(e, last[1])
             self._snap_state = "failed"

@@ -850,8 +850,8 @@ class FSM:
             folded.add(R.fold_key(t.name))
             by_name[t.name] = t
         for sc in p.schemas:
-            t = by_name.get(sc.topic)
-            if t is None or sc.schema.topic_id != t.id or not 1 <= sc.schema.version <= t.schema_version:
+            owner = by_name.get(sc.topic)
+            if owner is None or sc.schema.topic_id != owner.id or not 1 <= sc.schema.version <= owner.schema_version:
                 return _refuse(C.Result.INVALID, f'schema version {sc.schema.version} of "{sc.topic}" belongs to '
                                                  "no imported topic"), set()
         roots = {u.username for u in users_held if u.root}
@@ -871,10 +871,10 @@ class FSM:
         self._schema_bytes_add(txn, schema_bytes)
         placed = 0
         for a in p.assignments:
-            t = by_name.get(a.topic)
+            target = by_name.get(a.topic)
             # Rows for another incarnation, a partition out of range, or a node that is not
             # a member of this cluster are left out: the leader places those partitions.
-            if (t is None or a.assignment.topic_id != t.id or not 0 <= a.partition < t.partitions
+            if (target is None or a.assignment.topic_id != target.id or not 0 <= a.partition < target.partitions
                     or not self._live_owner(txn, a.assignment.owner)):
                 continue
             txn.put(R.part_key(a.topic, a.partition), R.ENCODER.encode(a.assignment), db=self.dbs["assignments"])

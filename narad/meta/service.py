@@ -649,8 +649,9 @@ class MetaService:
         await self._leader_view()
         why = self.holds_back(C.EntryType.IMPORT_METASTORE)
         if why is not None:
-            t = int(C.EntryType.IMPORT_METASTORE)
-            raise Conflict(f"an import needs every member to apply raft entry type {t}: {why}", code="older_release")
+            kind = int(C.EntryType.IMPORT_METASTORE)
+            raise Conflict(f"an import needs every member to apply raft entry type {kind}: {why}",
+                           code="older_release")
         res = await self.write(entry, deadline=time.monotonic() + 30.0)
         if res.code == C.Result.EXISTS:
             raise Conflict(res.message, code="cluster_not_empty")

@@ -98,3 +98,44 @@ def test_a_member_that_fell_behind_a_compaction_installs_the_leaders_snapshot(tm
         assert len(set(digests.values())) == 1, digests
     finally:
         c.close()
+
+
+def test_a_member_whose_volume_is_wiped_rejoins_and_converges_and_is_not_ready_before(tmp_path: Path) -> None:
+    """Felix's 'loses its volume' row: n3's data directory is wiped; it comes back empty,
+    installs the leader's snapshot and the tail, and ends identical to the others. Its
+    apply lag is measured against what the leader committed, not its own empty log: it
+    never answers ready while it lacks a topic the cluster holds."""
+    import shutil
+
+    env = {**QUIET, "NARAD_CLUSTER_RAFT_SNAPSHOT_THRESHOLD": "16", "NARAD_CLUSTER_RAFT_SNAPSHOT_INTERVAL": "1s",
+           "NARAD_FAULT_APPLY_DELAY_MS": "0"}
+    c = Cluster(tmp_path, 3, env=env)
+    try:
+        c.start()
+        leader = c.leader()
+        names = [f"kept-{i}" for i in range(30)]
+        for name in names:
+            assert c[leader].post("/v1/topics", {"name": name, "partitions": 3}).status == 201
+        victim = next(n for n in c.ids if n != leader)
+        assert c[victim].stop() == 0
+        shutil.rmtree(c[victim].data_dir)
+        c[victim].extra_env["NARAD_FAULT_APPLY_DELAY_MS"] = "10"  # a replay slow enough to watch
+        c[victim].start(wait=False)
+
+        def ready_means_complete() -> bool:
+            try:
+                if c[victim].get("/readyz", auth=None).status != 200:
+                    return False
+            except OSError:
+                return False
+            missing = [n for n in names if c[victim].get(f"/v1/topics/{n}").status != 200]
+            assert not missing, f"ready while missing {missing[:5]}"
+            return True
+
+        wait_for(ready_means_complete, 60, 0.02, "the wiped member ready")
+        wait_for(lambda: len({c[n].status()["raft"]["applied_index"] for n in c.ids}) == 1, 20, 0.1,
+                 "every replica at the same index")
+        digests = {nid: replica_digest(c[nid].data_dir / "metastore" / "fsm") for nid in c.ids}
+        assert len(set(digests.values())) == 1, digests
+    finally:
+        c.close()

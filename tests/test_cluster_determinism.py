@@ -139,3 +139,68 @@ def test_a_member_whose_volume_is_wiped_rejoins_and_converges_and_is_not_ready_b
         assert len(set(digests.values())) == 1, digests
     finally:
         c.close()
+
+
+def test_a_frozen_leader_steps_down_when_thawed_and_no_acknowledged_write_is_lost(tmp_path: Path) -> None:
+    """Felix's chaos row: the leader's processes are stopped (SIGSTOP) past several election
+    timeouts while metadata writes flow through a follower, then thawed. Writes resume on
+    a new leader; the thawed node follows; every acknowledged create is on every member
+    and the replicas end identical."""
+    import os
+    import signal
+    import time
+
+    c = Cluster(tmp_path, 3, env=QUIET)
+    try:
+        c.start()
+        old = c.leader()
+        via = next(n for n in c.ids if n != old)
+        acknowledged: list[str] = []
+        failures: list[int] = []
+        stop = threading.Event()
+
+        def writer() -> None:
+            i = 0
+            while not stop.is_set():
+                r = c[via].post("/v1/topics", {"name": f"frozen-{i}", "partitions": 3})
+                if r.status == 201:
+                    acknowledged.append(f"frozen-{i}")
+                else:
+                    failures.append(r.status)  # 503 while no leader: allowed, never a lost 201
+                i += 1
+
+        t = threading.Thread(target=writer)
+        t.start()
+        wait_for(lambda: len(acknowledged) >= 5, 20)
+        pgid = os.getpgid(c[old].proc.pid)  # type: ignore[union-attr]
+        os.killpg(pgid, signal.SIGSTOP)
+        frozen_at = len(acknowledged)
+        try:
+            wait_for(lambda: len(acknowledged) >= frozen_at + 10, 30, 0.05, "writes on a new leader")
+            new = c.leader([n for n in c.ids if n != old])
+        finally:
+            os.killpg(pgid, signal.SIGCONT)
+        time.sleep(0.2)
+        stop.set()
+        t.join(60)
+        assert new != old
+        wait_for(lambda: c[old].status()["raft"]["role"] == "follower", 20, 0.1, "the thawed leader follows")
+        wait_for(lambda: len({c[n].status()["raft"]["applied_index"] for n in c.ids}) == 1, 30, 0.1,
+                 "every replica at the same index")
+        for nid in c.ids:
+            listed: set[str] = set()
+            token = ""
+            while True:
+                page = c[nid].get(f"/v1/topics?limit=1000&page_token={token}").json()
+                listed |= {x["name"] for x in page["topics"]}
+                token = page["next_page_token"]
+                if not token:
+                    break
+            missing = [a for a in acknowledged if a not in listed]
+            assert not missing, (nid, missing[:5])
+        assert all(s in (503, 504) for s in failures), failures
+        digests = {nid: replica_digest(c[nid].data_dir / "metastore" / "fsm") for nid in c.ids}
+        assert len(set(digests.values())) == 1, digests
+        print(f"\nfrozen leader: {len(acknowledged)} creates acknowledged, {len(failures)} answered 503/504")
+    finally:
+        c.close()

@@ -15,7 +15,7 @@ import msgspec
 import pytest
 
 from narad.config import load_config
-from narad.errors import Conflict
+from narad.errors import Conflict, NotFound
 from narad.meta import commands as C
 from narad.meta import requests as Q
 from narad.meta import versions as V
@@ -173,6 +173,37 @@ def test_a_self_leader_whose_replica_trails_does_not_confirm_a_live_topic_gone(t
             assert await meta.confirm_gone("never-was", "00000000000000bb") is True
         finally:
             fsm.gate.set()
+            raft.close()
+            fsm.close()
+            versions.close()
+
+    asyncio.run(main())
+
+
+def test_a_request_run_again_after_a_leader_change_answers_what_it_did(tmp_path: Path) -> None:
+    """The node that took a request retries it (same request id) on a new leader when
+    the old one lost leadership before answering; its entries carry '<id>:<n>', so the
+    run again answers the create it already made (not 409) and the delete it already
+    did (not 404). Another request for the same name still gets 409."""
+
+    async def main() -> None:
+        meta, raft, fsm, versions = await _service(tmp_path)
+        try:
+            create = Q.CreateTopicReq(who=OPERATOR, name="once", partitions=3)
+            first = await meta.dispatch_as(create, "req-1")
+            again = await meta.dispatch_as(create, "req-1")
+            assert isinstance(first, TopicRecord) and isinstance(again, TopicRecord) and again.id == first.id
+            with pytest.raises(Conflict):
+                await meta.dispatch_as(create, "req-2")
+            delete = Q.DeleteTopicReq(who=OPERATOR, name="once")
+            await meta.dispatch_as(delete, "req-3")
+            await meta.dispatch_as(delete, "req-3")  # no 404 for the delete it already did
+            with pytest.raises(NotFound):
+                await meta.dispatch_as(delete, "req-4")
+            users = Q.CreateUserReq(who=OPERATOR, username="u1", password_hash=b"h")
+            await meta.dispatch_as(users, "req-5")
+            assert (await meta.dispatch_as(users, "req-5")).username == "u1"  # type: ignore[attr-defined]
+        finally:
             raft.close()
             fsm.close()
             versions.close()

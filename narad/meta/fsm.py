@@ -83,6 +83,11 @@ K_SCHEMA_BYTES = b"schema_bytes"  # bytes of every stored schema version
 _req_enc = msgspec.msgpack.Encoder()
 _req_dec = msgspec.msgpack.Decoder(tuple[int, C.ApplyResult])
 
+
+def request_result(raw: bytes) -> C.ApplyResult:
+    """Decode a ``requests`` row: the first result of a request id."""
+    return _req_dec.decode(raw)[1]
+
 Handler = Callable[[Any, Any, int], "tuple[C.ApplyResult, set[int]]"]
 
 

@@ -44,6 +44,12 @@ audit = logging.getLogger("narad.audit")
 # The Raft index of the last entry this task proposed: a node that forwarded the
 # request waits until its own replica reaches it before answering.
 last_index: contextvars.ContextVar[int] = contextvars.ContextVar("narad_last_index", default=0)
+# The request being served (its id from the node that took it, and how many entries
+# it proposed so far): each entry's request id is "<id>:<n>", so the same request run
+# again on a new leader after a leader change proposes the same ids, and the state
+# machine answers every entry that already applied with its first result.
+request_scope: contextvars.ContextVar[tuple[str, list[int]] | None] = contextvars.ContextVar(
+    "narad_request_scope", default=None)
 
 RETRY_SLEEP = 0.05
 FORMING_WAIT = 2.0  # a create waits this long (once) for voters without a member record
@@ -86,7 +92,7 @@ class MetaService:
         deadline passes. Raises Unavailable on no leader / no quorum."""
         if self.stopped:
             raise Unavailable("metastore stopped applying raft entries; the node is stopping")
-        rid = request_id or uuid.uuid4().hex
+        rid = request_id or self._next_request_id() or uuid.uuid4().hex
         end = deadline if deadline is not None else time.monotonic() + self.write_timeout
         data = C.encode(payload, request_id=rid, stamp_ms=self.now_ms())
         uncertain = False
@@ -113,8 +119,37 @@ class MetaService:
 
     async def barrier(self, timeout: float = 5.0) -> int:
         """Wait until this node's FSM applied everything committed so far."""
-        res = await self.write(C.Noop(), deadline=time.monotonic() + timeout)
+        res = await self.write(C.Noop(), request_id=uuid.uuid4().hex, deadline=time.monotonic() + timeout)
         return res.index
+
+    # ---- requests run again after a leader change ------------------------------------------
+    @staticmethod
+    def _next_request_id() -> str | None:
+        scope = request_scope.get()
+        if scope is None:
+            return None
+        base, counter = scope
+        counter[0] += 1
+        return f"{base}:{counter[0] - 1}"
+
+    def request_applied(self, writes: int = 4) -> bool:
+        """Whether one of the first ``writes`` entries of the request being served
+        already applied (it ran on a leader that lost its leadership before it could
+        answer): the caller answers from the state instead of refusing what it did."""
+        scope = request_scope.get()
+        if scope is None:
+            return False
+        with self.store.read() as r:
+            return any((res := r.request_result(f"{scope[0]}:{n}")) is not None and res.code == C.Result.OK
+                       for n in range(writes))
+
+    async def dispatch_as(self, req: msgspec.Struct, request_id: str) -> msgspec.Struct:
+        """``dispatch`` with the entries it proposes named after ``request_id``."""
+        token = request_scope.set((request_id, [0]))
+        try:
+            return await self.dispatch(req)
+        finally:
+            request_scope.reset(token)
 
     # ---- entry-type gating --------------------------------------------------------
     def holds_back(self, t: int) -> str | None:
@@ -221,6 +256,8 @@ class MetaService:
             raise Forbidden(f'create not allowed for topic name "{name}"')
         async with self._locks[name.casefold()]:
             await self._leader_view()
+            if self.request_applied():
+                return self._read_topic(name)  # this very request created it before a leader change
             with self.store.read() as r:
                 if r.topic(name) is not None:
                     raise Conflict(f'topic "{name}" already exists')
@@ -426,6 +463,8 @@ class MetaService:
         user = self._require_known(req.who)
         async with self._locks[name.casefold()]:
             await self._leader_view()
+            if self.request_applied():
+                return  # this very request deleted it before a leader change
             deleted: list[TopicRecord] = []
 
             def delete(t: TopicRecord) -> msgspec.Struct:

@@ -21,6 +21,7 @@ from typing import Any
 
 import lmdb
 
+from narad.meta import commands as C
 from narad.meta import fsm as F
 from narad.meta import records as R
 from narad.meta import versions as V
@@ -112,6 +113,12 @@ class Reader:
     def applied_index(self) -> int:
         raw = self.txn.get(F.K_APPLIED, db=self.dbs["fsm_meta"])
         return F._U64.unpack(raw)[0] if raw else 0
+
+    def request_result(self, request_id: str) -> C.ApplyResult | None:
+        """The first result of the entry proposed with this request id, if it applied
+        (remembered about 10 minutes of stamp time)."""
+        raw = self.txn.get(request_id.encode(), db=self.dbs["requests"])
+        return F.request_result(raw) if raw is not None else None
 
     def counts(self) -> dict[str, int]:
         return {n: int(self.txn.stat(self.dbs[n])["entries"])

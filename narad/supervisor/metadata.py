@@ -92,7 +92,7 @@ class MetadataRouter:
         last_err = "no raft leader"
         while True:
             if self.raft.is_leader():
-                return await self.meta.dispatch(req)
+                return await self.meta.dispatch_as(req, rid)
             addr = self.leader_cluster_addr()
             remaining = end - time.monotonic()
             if remaining <= 0:
@@ -162,7 +162,7 @@ class MetadataRouter:
         try:
             req = _req_dec.decode(m.request)
             last_index.set(0)
-            value = await self.meta.dispatch(req)
+            value = await self.meta.dispatch_as(req, m.request_id)
             resp = Q.ForwardResp(msgspec.Raw(_enc.encode(value)), max(last_index.get(), 0))
             self._done[m.request_id] = (time.monotonic(), resp)
             fut.set_result(resp)

@@ -165,6 +165,10 @@ class _Metrics:
         self.auth_failures = a(Counter("narad_auth_failures_total", "failed authentications", ["reason"]))
         self.errors = a(Counter("narad_errors_total", "errors by area", ["component", "kind"]))
         self.snapshot_failures = a(Counter("narad_metastore_snapshot_failures_total", "failed Raft snapshots"))
+        self.snapshots_taken = a(Gauge("narad_metastore_snapshots_taken", "Raft snapshots this process wrote"))
+        self.fsm_bytes = a(Gauge("narad_metastore_fsm_bytes",
+                                 "size of the metastore database file (a snapshot needs this much free disk)"))
+        self.raft_log_entries = a(Gauge("narad_raft_log_entries", "entries in the Raft log since the last snapshot"))
         self.ready = a(Gauge("narad_ready", "1 when /readyz answers ready"))
         self.messages_produced = a(Counter("narad_messages_produced_total", "messages committed at their owner",
                                            ["topic"]))

@@ -128,6 +128,10 @@ def test_snapshot_compacts_the_log_keeps_two_and_a_restart_reapplies_nothing(tmp
         wait_for(lambda: "raft snapshot taken" in n.log() and n.log().count("raft snapshot taken") >= 3, 15, 0.1)
         kept = sorted(p.name for p in snaps.iterdir())
         assert kept == ["latest.snap", "previous.snap"], kept
+        # Operators see it: snapshots written, the database size a snapshot needs free, the log length.
+        wait_for(lambda: n.metric("narad_metastore_snapshots_taken") >= 3, 10, 0.2)
+        assert n.metric("narad_metastore_fsm_bytes") > 0
+        assert 0 < n.metric("narad_raft_log_entries") < 40
         assert n.stop() == 0
         mark = len(n.log())
         n.start()

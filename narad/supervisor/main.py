@@ -578,6 +578,10 @@ class Supervisor:
             m.raft_term.set(st.term)
             m.raft_commit.set(st.commit_index)
             m.raft_applied.set(st.applied_index)
+            m.raft_log_entries.set(max(0, st.last_log_index - st.first_log_index + 1) if st.last_log_index else 0)
+            m.snapshots_taken.set(self.raft.snapshots_taken)
+            with contextlib.suppress(OSError):
+                m.fsm_bytes.set((self.fsm_path / "data.mdb").stat().st_size)
             m.ready.set(1 if self._ready else 0)
             with self.store.read() as r:
                 m.topics_total.set(r.topic_count())

@@ -64,7 +64,7 @@ def build_export(r: Reader, *, build: str, node: str, now_ms: int) -> dict[str, 
     assignments = [ExportedAssignment(name, part, a.owner, a.topic_id) for name, part, a in r.all_assignments()]
     users = r.users()
     members = r.members()
-    removed = sorted(k.decode() for k, _ in r.txn.cursor(db=r.dbs["removed_members"]))
+    removed = sorted(bytes(k).decode() for k, _ in r.txn.cursor(db=r.dbs["removed_members"]))
     doc = ExportDocument(
         format=FORMAT, version=VERSION, build=build, node=node, applied_index=applied_index, exported_at_ms=now_ms,
         counts={"topics": len(topics), "schemas": len(schemas), "assignments": len(assignments),

@@ -94,7 +94,8 @@ def inspect_fsm(path: Path) -> FsmState:
                     index = F._U64.unpack(raw)[0] if raw else 0
                     raw = txn.get(F.K_TXN, db=db)
                     applied_txn = F._U64.unpack(raw)[0] if raw else 0
-                    newest, types = F.read_types(lambda k, db=db: txn.get(k, db=db))
+                    meta_db = db
+                    newest, types = F.read_types(lambda k: txn.get(k, db=meta_db))  # noqa: B023 - used at once
                 elif name not in ("requests", "request_times") and txn.stat(db)["entries"]:
                     holds = True
             if not holds:

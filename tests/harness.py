@@ -33,10 +33,12 @@ def _bindable(port: int) -> bool:
 
 
 def free_ports(n: int) -> list[int]:
-    """n ports free for both TCP and UDP on 127.0.0.1 (chosen at run time)."""
+    """n ports free for both TCP and UDP on 127.0.0.1 (chosen at run time), below the
+    kernel's ephemeral range: a port in it can be taken by any outgoing connection
+    while a node is down between a stop and its restart."""
     out: list[int] = []
     while len(out) < n:
-        p = random.randint(20000, 60000)
+        p = random.randint(10000, 32000)
         if p not in out and _bindable(p):
             out.append(p)
     return out

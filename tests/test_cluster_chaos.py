@@ -27,6 +27,7 @@ class Traffic:
         self.delivered: list[str] = []
         self.acked: set[str] = set()
         self.in_doubt: set[str] = set()  # delivered; the ack's answer was lost (the node died meanwhile)
+        self.ack_statuses: dict[int, int] = {}  # per-handle ack results seen
         self.lock = threading.Lock()
         self.stop_producing = threading.Event()
         self.stop_consuming = threading.Event()
@@ -95,8 +96,13 @@ class Traffic:
                 if a.status == 200:
                     with self.lock:
                         for m, res in zip(msgs, a.json()["results"], strict=True):
+                            self.ack_statuses[res["status"]] = self.ack_statuses.get(res["status"], 0) + 1
                             if res["status"] == 204:
                                 self.acked.add(m["payload"])
+                            elif res["status"] >= 500:
+                                # The owner did not answer for this handle (it died with the ack
+                                # maybe applied): in doubt, like a lost answer to the whole request.
+                                self.in_doubt.add(m["payload"])
             except (OSError, http.client.HTTPException, ValueError):
                 if conn is not None:
                     conn.close()
@@ -163,7 +169,10 @@ def test_kill_follower_then_leader_under_traffic_loses_nothing(tmp_path: Path) -
             tr.stop_consuming.set()
             missing = sorted(ledger - tr.acked - tr.in_doubt)
             stats = c[c.initial[0]].get("/v1/topics/chaos").json()["partition_stats"]
-            print(f"\nchaos: {len(missing)} acknowledged messages not acked: {missing[:20]}; "
+            delivered = set(tr.delivered)
+            print(f"\nchaos: {len(missing)} acknowledged messages not acked: {missing[:20]} "
+                  f"(of them delivered: {[x for x in missing[:20] if x in delivered]}); "
+                  f"per-handle ack results {tr.ack_statuses}; "
                   f"ack in doubt {len(tr.in_doubt)}; (lag, in flight) per partition "
                   f"{[(s.get('lag'), s.get('in_flight')) for s in stats]}")
         dups = len(tr.delivered) - len(set(tr.delivered))

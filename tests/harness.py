@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import hashlib
 import http.client
 import json
 import os
@@ -20,6 +21,21 @@ from pathlib import Path
 from typing import Any
 
 ADMIN_PASSWORD = "test-admin-password-1"
+
+
+def database_digest(env: Any, dbs: dict[str, Any]) -> str:
+    """SHA-256 of every table of a metastore database, all but the LMDB transaction id
+    (it depends on how entries were batched into commits): equal digests = same data."""
+    from narad.meta import fsm as F
+
+    h = hashlib.sha256()
+    with env.begin() as txn:
+        for name in F.DB_NAMES:
+            for k, v in txn.cursor(db=dbs[name]):
+                if name == "fsm_meta" and bytes(k) == F.K_TXN:
+                    continue
+                h.update(name.encode() + b"\0" + bytes(k) + b"\0" + bytes(v) + b"\n")
+    return h.hexdigest()
 
 
 def _bindable(port: int) -> bool:
@@ -242,6 +258,17 @@ class Node:
 
     def post(self, path: str, body: Any = None, **kw: Any) -> Response:
         return self.request("POST", path, body, **kw)
+
+    def topic_names(self) -> set[str]:
+        """Every topic, page by page."""
+        names: set[str] = set()
+        token = ""
+        while True:
+            page = self.get(f"/v1/topics?limit=1000&page_token={token}").json()
+            names |= {t["name"] for t in page["topics"]}
+            token = page["next_page_token"]
+            if not token:
+                return names
 
     def metric(self, name: str) -> float:
         """The node-wide value of a label-less metric (summed over labels)."""

@@ -206,11 +206,13 @@ def test_join_only_node_without_peers_stays_unready_and_never_bootstraps(tmp_pat
     n.start(wait=False)
     try:
         wait_for(lambda: n.get("/readyz", auth=None).status == 503, 30)
-        end = time.monotonic() + 6  # three join rounds
-        while time.monotonic() < end:
+
+        def unready_after_three_rounds() -> bool:
             r = n.get("/readyz", auth=None)
             assert r.status == 503 and "not admitted" in r.json()["error"]
-            time.sleep(0.5)
+            return int(n.status()["join_rounds"]) >= 4  # the fourth began: three were refused or unanswered
+
+        wait_for(unready_after_three_rounds, 30, 0.2, "three join rounds")
         st = n.status()
         assert st["raft"]["role"] == "stopped" and st["raft"]["term"] == 0  # never ran an election
     finally:

@@ -9,7 +9,6 @@ import http.client
 import itertools
 import json
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -58,7 +57,7 @@ class Traffic:
             if r is not None and r.status == 202:
                 with self.lock:
                     self.ledger.add(mid)
-                time.sleep(0.002)
+                self.stop_producing.wait(0.002)  # pace the load (and end at once when told)
                 continue
             with self.lock:
                 self.errors += 1
@@ -66,7 +65,7 @@ class Traffic:
                 conn.close()
             conn = None
             k += 1  # that node is down (or refusing): use the next one
-            time.sleep(0.05)
+            self.stop_producing.wait(0.05)
 
     def _consume(self, tid: int, ids: list[str]) -> None:
         k = tid
@@ -108,7 +107,7 @@ class Traffic:
                     conn.close()
                 conn = None
                 k += 1
-                time.sleep(0.05)
+                self.stop_consuming.wait(0.05)
 
     def start(self) -> Traffic:
         for t in self.threads:

@@ -6,12 +6,11 @@ contents in every table."""
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from pathlib import Path
 
 from narad.meta import fsm as F
-from tests.harness import Cluster, wait_for
+from tests.harness import Cluster, database_digest, wait_for
 
 QUIET = {"NARAD_CLUSTER_HEARTBEAT_INTERVAL": "60s", "NARAD_CLUSTER_MEMBER_DEAD_AFTER": "180s"}
 
@@ -20,17 +19,19 @@ def replica_digest(fsm_path: Path) -> tuple[int, str]:
     env = F.open_env(fsm_path, readonly=True)
     try:
         dbs = F.open_dbs(env, create=False)
-        h = hashlib.sha256()
         with env.begin() as txn:
             applied = F._U64.unpack(txn.get(F.K_APPLIED, db=dbs["fsm_meta"]))[0]
-            for name in F.DB_NAMES:
-                for k, v in txn.cursor(db=dbs[name]):
-                    if name == "fsm_meta" and k == F.K_TXN:
-                        continue  # the LMDB transaction id depends on each node's batching
-                    h.update(name.encode() + b"\0" + bytes(k) + b"\0" + bytes(v) + b"\n")
-        return applied, h.hexdigest()
+        return applied, database_digest(env, dbs)
     finally:
         env.close()
+
+
+def assert_identical_replicas(c: Cluster, timeout: float = 30.0) -> None:
+    """Once every node applied the same index, the LMDB replicas hold the same bytes."""
+    wait_for(lambda: len({c[n].status()["raft"]["applied_index"] for n in c.ids}) == 1, timeout, 0.1,
+             "every replica at the same index")
+    digests = {nid: replica_digest(c[nid].data_dir / "metastore" / "fsm") for nid in c.ids}
+    assert len(set(digests.values())) == 1, digests
 
 
 def test_racing_creates_settle_by_log_order_with_identical_replicas(tmp_path: Path) -> None:
@@ -62,10 +63,7 @@ def test_racing_creates_settle_by_log_order_with_identical_replicas(tmp_path: Pa
             for nid in c.ids:
                 assert c[nid].get(f"/v1/topics/{name}").json()["id"] == winner
         # Every node at the same applied index: the replicas are byte-for-byte the same data.
-        wait_for(lambda: len({c[n].status()["raft"]["applied_index"] for n in c.ids}) == 1, 20, 0.1,
-                 "every replica at the same index")
-        digests = {nid: replica_digest(c[nid].data_dir / "metastore" / "fsm") for nid in c.ids}
-        assert len(set(digests.values())) == 1, digests
+        assert_identical_replicas(c, 20)
     finally:
         c.close()
 
@@ -92,10 +90,7 @@ def test_a_member_that_fell_behind_a_compaction_installs_the_leaders_snapshot(tm
         wait_for(lambda: "snapshot installed" in c["n3"].log()[mark:], 30, 0.1, "n3 installs the snapshot")
         wait_for(lambda: all(c["n3"].get(f"/v1/topics/while-down-{i}").status == 200 for i in range(30)), 20)
         assert RS.inspect_fsm(c["n3"].data_dir / "metastore" / "fsm").trusted
-        wait_for(lambda: len({c[n].status()["raft"]["applied_index"] for n in c.ids}) == 1, 20, 0.1,
-                 "every replica at the same index")
-        digests = {nid: replica_digest(c[nid].data_dir / "metastore" / "fsm") for nid in c.ids}
-        assert len(set(digests.values())) == 1, digests
+        assert_identical_replicas(c, 20)
     finally:
         c.close()
 
@@ -133,10 +128,7 @@ def test_a_member_whose_volume_is_wiped_rejoins_and_converges_and_is_not_ready_b
             return True
 
         wait_for(ready_means_complete, 60, 0.02, "the wiped member ready")
-        wait_for(lambda: len({c[n].status()["raft"]["applied_index"] for n in c.ids}) == 1, 20, 0.1,
-                 "every replica at the same index")
-        digests = {nid: replica_digest(c[nid].data_dir / "metastore" / "fsm") for nid in c.ids}
-        assert len(set(digests.values())) == 1, digests
+        assert_identical_replicas(c, 20)
     finally:
         c.close()
 
@@ -148,7 +140,6 @@ def test_a_frozen_leader_steps_down_when_thawed_and_no_acknowledged_write_is_los
     and the replicas end identical."""
     import os
     import signal
-    import time
 
     c = Cluster(tmp_path, 3, env=QUIET)
     try:
@@ -180,27 +171,18 @@ def test_a_frozen_leader_steps_down_when_thawed_and_no_acknowledged_write_is_los
             new = c.leader([n for n in c.ids if n != old])
         finally:
             os.killpg(pgid, signal.SIGCONT)
-        time.sleep(0.2)
+        thawed_at = len(acknowledged)
+        wait_for(lambda: len(acknowledged) >= thawed_at + 3, 30, 0.02, "writes after the thaw")
         stop.set()
         t.join(60)
         assert new != old
         wait_for(lambda: c[old].status()["raft"]["role"] == "follower", 20, 0.1, "the thawed leader follows")
-        wait_for(lambda: len({c[n].status()["raft"]["applied_index"] for n in c.ids}) == 1, 30, 0.1,
-                 "every replica at the same index")
+        assert_identical_replicas(c)
         for nid in c.ids:
-            listed: set[str] = set()
-            token = ""
-            while True:
-                page = c[nid].get(f"/v1/topics?limit=1000&page_token={token}").json()
-                listed |= {x["name"] for x in page["topics"]}
-                token = page["next_page_token"]
-                if not token:
-                    break
+            listed = c[nid].topic_names()
             missing = [a for a in acknowledged if a not in listed]
             assert not missing, (nid, missing[:5])
         assert all(s in (503, 504) for s in failures), failures
-        digests = {nid: replica_digest(c[nid].data_dir / "metastore" / "fsm") for nid in c.ids}
-        assert len(set(digests.values())) == 1, digests
         print(f"\nfrozen leader: {len(acknowledged)} creates acknowledged, {len(failures)} answered 503/504")
     finally:
         c.close()
@@ -250,13 +232,11 @@ def test_a_rolling_restart_under_metadata_writes_fails_no_call(tmp_path: Path) -
         stop.set()
         t.join(60)
         assert not failed, failed[:5]
-        wait_for(lambda: len({c[n].status()["raft"]["applied_index"] for n in c.ids}) == 1, 30, 0.1,
-                 "every replica at the same index")
+        assert_identical_replicas(c)
         for nid in c.ids:
-            missing = [a for a in acknowledged if c[nid].get(f"/v1/topics/{a}").status != 200]
+            listed = c[nid].topic_names()
+            missing = [a for a in acknowledged if a not in listed]
             assert not missing, (nid, missing[:5])
-        digests = {nid: replica_digest(c[nid].data_dir / "metastore" / "fsm") for nid in c.ids}
-        assert len(set(digests.values())) == 1, digests
         print(f"\nrolling restart: {len(acknowledged)} creates acknowledged, none failed")
     finally:
         c.close()

@@ -30,6 +30,7 @@ from narad.cluster import transport as tr
 from narad.cluster.transport import MAX_FRAME, NodePeer, NodeRpcClient, NodeRpcServer
 from narad.errors import BadGateway, BadRequest, GatewayTimeout, InternalError, NotFound, PayloadTooLarge, Unavailable
 from narad.ipc.rpc import Service
+from tests.harness import wait_for
 
 SECRET = b"s3cret-cluster-key"
 
@@ -381,15 +382,13 @@ def test_exporter_matches_openssl(suite: str, tmp_path: Path) -> None:
          "-keymatexport", tr.EKM_LABEL.decode(), "-keymatexportlen", "32"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # EOF on stdin stops it
     try:
-        deadline = time.monotonic() + 5
-        while True:
+        def connect() -> socket.socket | None:
             try:
-                s = socket.create_connection(("127.0.0.1", port), timeout=5)
-                break
+                return socket.create_connection(("127.0.0.1", port), timeout=5)
             except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.02)
+                return None
+
+        s = wait_for(connect, 5, 0.02, "openssl s_server listening")
         ctx = tls.Context(is_client=True, verify_mode=ssl.CERT_NONE,
                           cipher_suites=[tls.CipherSuite[suite.removeprefix("TLS_")]])
         ours: list[bytes] = []

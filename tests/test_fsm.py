@@ -3,7 +3,6 @@ idempotency, skip-on-replay, fail-stop, version slots, determinism."""
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import msgspec
@@ -12,9 +11,10 @@ import pytest
 from narad.errors import FailStop
 from narad.meta import commands as C
 from narad.meta import versions as V
-from narad.meta.fsm import DB_NAMES, FSM
+from narad.meta.fsm import FSM
 from narad.meta.records import AssignmentRecord, Grant, MemberRecord, SchemaRecord, TopicRecord, UserRecord
 from narad.meta.store import Reader
+from tests.harness import database_digest
 
 
 def topic(name: str, tid: str = "00000000000000aa", parts: int = 3) -> TopicRecord:
@@ -149,15 +149,7 @@ def test_root_admin_is_unique_and_undeletable(tmp_path: Path) -> None:
 
 
 def _digest(fsm: FSM) -> str:
-    from narad.meta.fsm import K_TXN
-    h = hashlib.sha256()
-    with fsm.env.begin() as txn:
-        for name in DB_NAMES:
-            for k, v in txn.cursor(db=fsm.dbs[name]):
-                if name == "fsm_meta" and k == K_TXN:
-                    continue  # the LMDB transaction id depends on how entries were batched
-                h.update(name.encode() + b"\0" + k + b"\0" + v + b"\n")
-    return h.hexdigest()
+    return database_digest(fsm.env, fsm.dbs)
 
 
 def test_same_script_gives_identical_databases(tmp_path: Path) -> None:

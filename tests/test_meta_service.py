@@ -50,11 +50,12 @@ class RacingMeta(MetaService):
         return await super().write(payload, *args, **kw)
 
 
-async def _service(tmp: Path) -> tuple[RacingMeta, RaftNode, FSM, V.VersionTable]:
+async def _service(tmp: Path, fsm_type: type[FSM] = FSM) -> tuple[RacingMeta, RaftNode, Any, V.VersionTable]:
+    """A MetaService (racing nothing until told) on a one-voter Raft group that leads."""
     loop = asyncio.get_running_loop()
     cfg = load_config(os.devnull, env={})
     versions = V.VersionTable.create(f"/narad-test-{os.getpid()}-{time.monotonic_ns()}")
-    fsm = FSM(tmp / "fsm")
+    fsm = fsm_type(tmp / "fsm")
     store = MetaStore(tmp / "fsm", versions, fsm=fsm)
     (port,) = free_ports(1)
     raft = RaftNode(self_addr=f"127.0.0.1:{port}", peers=[], raft_dir=tmp / "raft", sm=fsm, loop=loop,
@@ -141,18 +142,9 @@ def test_a_self_leader_whose_replica_trails_does_not_confirm_a_live_topic_gone(t
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
-        cfg = load_config(os.devnull, env={})
-        versions = V.VersionTable.create(f"/narad-test-{os.getpid()}-{time.monotonic_ns()}")
-        fsm = GatedFSM(tmp_path / "fsm")
-        store = MetaStore(tmp_path / "fsm", versions, fsm=fsm)
-        (port,) = free_ports(1)
-        raft = RaftNode(self_addr=f"127.0.0.1:{port}", peers=[], raft_dir=tmp_path / "raft", sm=fsm, loop=loop,
-                        password=None, bind_host="127.0.0.1")
-        raft.start([])
+        meta, raft, fsm, versions = await _service(tmp_path, GatedFSM)
+        store = meta.store
         try:
-            while not raft.is_leader():
-                await asyncio.sleep(0.02)
-            meta = MetaService(cfg, raft, store, "n1")
             while not raft.caught_up():
                 await asyncio.sleep(0.01)
             before = raft.status().commit_index

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import shutil
-import time
 from pathlib import Path
 
 import lmdb
@@ -44,15 +43,7 @@ def create_topics(n: Node, prefix: str, count: int) -> None:
 
 
 def topic_names(n: Node) -> set[str]:
-    """Every topic, page by page."""
-    names: set[str] = set()
-    token = ""
-    while True:
-        page = n.get(f"/v1/topics?limit=1000&page_token={token}").json()
-        names |= {t["name"] for t in page["topics"]}
-        token = page["next_page_token"]
-        if not token:
-            return names
+    return n.topic_names()
 
 
 def refused_start(n: Node) -> str:
@@ -461,7 +452,9 @@ def test_kill9_while_snapshots_are_taken_loses_no_acknowledged_write(tmp_path: P
             t = threading.Thread(target=writer)
             t.start()
             wait_for(lambda r=round_: n.log().count("raft snapshot taken") > r, 20, 0.05, "a snapshot this round")
-            time.sleep(rng.uniform(0.0, 1.2))  # then kill at a random moment
+            # Then kill at a random moment: after a random number of further acknowledged creates.
+            more = len(acknowledged) + rng.randint(0, 60)
+            wait_for(lambda m=more: len(acknowledged) >= m, 30, 0.005, "creates before the kill")
             n.kill9()
             stop.set()
             t.join(30)

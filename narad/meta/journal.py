@@ -124,23 +124,8 @@ def finish_compaction(directory: Path, before: tuple[bytes, int, int]) -> int:
 def scan_log(path: Path) -> tuple[int, int]:
     """The first and last index of a log file, read without writing (a torn
     tail is ignored, as the journal would cut it). (0, 0): no entries."""
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        return 0, 0
-    if not data.startswith(MAGIC):
-        return 0, 0
-    first = last = 0
-    pos, n = len(MAGIC), len(data)
-    while pos + _HDR.size <= n:
-        length, crc, idx, _ = _HDR.unpack_from(data, pos)
-        end = pos + 8 + length
-        if length < 16 or end > n or zlib.crc32(data[pos + 8 : end]) != crc:
-            break
-        first = first or idx
-        last = idx
-        pos = end
-    return first, last
+    entries = _read_entries(path)
+    return (entries[0][1], entries[-1][1]) if entries else (0, 0)
 
 
 class DurableJournal:

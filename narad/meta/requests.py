@@ -172,6 +172,7 @@ class NodeStatus(msgspec.Struct):
     client_port: int
     raft_port: int
     cluster_port: int
+    join_rounds: int = 0  # join-only: rounds of join requests sent while not admitted yet
 
 
 class ConfirmGoneReq(msgspec.Struct, tag=True):

@@ -111,6 +111,7 @@ class Supervisor:
         self.startup_commit_index = 0
         self.admitted = asyncio.Event()
         self.raft_mode = "single"
+        self.join_rounds = 0
         self.worker_conns: dict[int, rpc.Connection] = {}
         self.worker_metrics: dict[int, list[metrics.Family]] = {}  # last snapshot per worker pid
         self.retired_metrics: list[metrics.Family] = []  # counters of workers that died
@@ -340,6 +341,7 @@ class Supervisor:
         peers = [addr for nid, addr in self.cfg.peer_map.items() if nid != self.node_id]
         last_refusal = 0.0
         while True:
+            self.join_rounds += 1
             for addr in peers:
                 ans = await asyncio.to_thread(self.raft.request_join, addr, req)
                 hops = 0
@@ -625,7 +627,7 @@ class Supervisor:
                                   uptime_seconds=round(now - w.started, 3) if w.alive else 0.0,
                                   restarts=w.restarts, alive=w.alive) for w in self.workers.workers],
             data_dir=str(self.data_dir), client_port=self.cfg.http.port, raft_port=self.cfg.raft_port,
-            cluster_port=self.cfg.cluster_port,
+            cluster_port=self.cfg.cluster_port, join_rounds=self.join_rounds,
         )
 
     def members_view(self) -> Q.MembersResp:

@@ -109,6 +109,9 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view):]
 
 
+_MAX_SNAP_HEADER = 64 << 20  # the header lists voters and two entries: far below this
+
+
 def read_snapshot_header(path: Path | str) -> tuple[dict[str, Any], int]:
     """A snapshot file's msgpack header and the offset where the database image
     starts. Raises ValueError if the file is not a narad snapshot."""
@@ -119,14 +122,19 @@ def read_snapshot_header(path: Path | str) -> tuple[dict[str, Any], int]:
         if len(raw) != 8:
             raise ValueError(f"{path} is truncated")
         (n,) = _U64.unpack(raw)
+        if n > _MAX_SNAP_HEADER or n > os.fstat(fh.fileno()).st_size - len(SNAP_MAGIC) - 8:
+            # a damaged length must not make us allocate it
+            raise ValueError(f"{path} is truncated or its header length is damaged ({n} bytes)")
         body = fh.read(n)
         if len(body) != n:
             raise ValueError(f"{path} is truncated")
         try:
             header = msgspec.msgpack.decode(body)
-        except msgspec.DecodeError as e:
+        except (msgspec.DecodeError, RecursionError) as e:
             raise ValueError(f"{path} has an unreadable header: {e}") from None
-        return dict(header), fh.tell()
+        if not isinstance(header, dict):
+            raise ValueError(f"{path} has an unreadable header: not a map")
+        return header, fh.tell()
 
 
 def raft_password(secret: bytes) -> str:

@@ -55,18 +55,27 @@ def encode_record(key: bytes | None, committed_ms: int, flags: int, payload: byt
 
 
 def decode_record(rec: bytes | memoryview) -> tuple[bytes | None, int, int, bytes]:
-    """-> (key or None, committed-at ms, flags, payload)."""
+    """-> (key or None, committed-at ms, flags, payload). Raises FrameError (a
+    ValueError) for anything malformed: a short envelope, a key length running
+    past the record or a varint longer than 10 bytes."""
+    n = len(rec)
+    if n < 3:
+        raise FrameError("record envelope too short")
     if rec[0] != RECORD_VERSION:
-        raise ValueError(f"unknown record version {rec[0]}")
+        raise FrameError(f"unknown record version {rec[0]}")
     flags = rec[1]
     pos, shift, klen = 2, 0, 0
     while True:
+        if pos >= n or shift > 63:
+            raise FrameError("bad key length in record envelope")
         b = rec[pos]
         pos += 1
         klen |= (b & 0x7F) << shift
         if b < 0x80:
             break
         shift += 7
+    if pos + klen + 8 > n:
+        raise FrameError("record envelope shorter than its key and timestamp")
     key = bytes(rec[pos : pos + klen]) if klen else None
     pos += klen
     (ts,) = _U64.unpack_from(rec, pos)
@@ -90,6 +99,8 @@ class FrameError(ValueError):
 
 def parse_header(buf: bytes | memoryview, pos: int = 0) -> tuple[int, int, int, int]:
     """-> (record count, base offset, payload size, crc). Raises FrameError."""
+    if len(buf) - pos < HEADER_SIZE or pos < 0:
+        raise FrameError("short frame header")
     magic, flags, count, base, usize, csize, crc = HEADER.unpack_from(buf, pos)
     if magic != MAGIC:
         raise FrameError("bad magic")
@@ -109,7 +120,11 @@ def split_records(payload: bytes | memoryview, count: int) -> list[memoryview]:
     view = memoryview(payload)
     out = []
     pos = 0
+    if count < 0 or 4 * count > len(view):
+        raise FrameError("record count does not fit the frame")
     for _ in range(count):
+        if pos + 4 > len(view):
+            raise FrameError("record runs past the frame")
         (n,) = _U32.unpack_from(view, pos)
         pos += 4
         if pos + n > len(view):

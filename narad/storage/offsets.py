@@ -62,22 +62,28 @@ def _decode(slot: bytes) -> tuple[int, int, list[int]] | None:
     if len(slot) < _HDR.size + _BODY.size:
         return None
     magic, crc, used = _HDR.unpack_from(slot, 0)
-    if magic != MAGIC or used > SLOT - _HDR.size:
-        return None
+    if magic != MAGIC or used < _BODY.size or used > SLOT - _HDR.size:
+        return None  # (a slot truncated after its magic reads as used=0, crc=0: checksum of nothing)
     body = slot[_HDR.size : _HDR.size + used]
     if len(body) != used or crc32c(body) != crc:
         return None
     seq, frontier, n = _BODY.unpack_from(body, 0)
+    if frontier < -1 or n > used - _BODY.size:
+        return None  # each held ack takes at least one byte
     pos, prev, out = _BODY.size, frontier, []
     for _ in range(n):
         d, shift = 0, 0
         while True:
+            if pos >= used or shift > 63:
+                return None
             b = body[pos]
             pos += 1
             d |= (b & 0x7F) << shift
             if b < 0x80:
                 break
             shift += 7
+        if d <= 0:
+            return None  # deltas are strictly positive
         prev += d
         out.append(prev)
     return seq, frontier, out

@@ -11,6 +11,7 @@ the two in step. Bottom layer: imports only narad.errors.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import socket
@@ -62,6 +63,9 @@ class NodeConfig:
                       "NARAD_WORKERS")
     pin_workers: bool = _s(True, "Pin each worker to its own core (psutil).", "NARAD_PIN_WORKERS")
     dev: bool = _s(False, "Development mode: security off, every listener on 127.0.0.1 only.", "NARAD_DEV")
+    worker_stuck_after: str = _s("10s", "A worker (or the fork server) whose loop has not turned for this long is "
+                                 "logged, killed and restarted (at least 60s before a worker first serves).",
+                                 "NARAD_NODE_WORKER_STUCK_AFTER", "duration")
 
 
 @dataclass(frozen=True)
@@ -149,8 +153,12 @@ class TopicConfig:
 @dataclass(frozen=True)
 class SecurityConfig:
     enabled: bool = _s(True, "HTTP Basic auth and grants on every /v1 route.", "NARAD_SECURITY_ENABLED")
-    allow_insecure_cluster: bool = _s(False, "Allow a multi-node cluster with security off (no node RPC secret).",
+    allow_insecure_cluster: bool = _s(False, "Allow a multi-node cluster with security off (client API "
+                                      "unauthenticated; NARAD_CLUSTER_SECRET is still required).",
                                       "NARAD_SECURITY_ALLOW_INSECURE_CLUSTER")
+    allow_insecure_bind: bool = _s(False, "With security off, let http.host be an address other than loopback "
+                                   "(anyone who reaches the port acts as an admin).",
+                                   "NARAD_SECURITY_ALLOW_INSECURE_BIND")
     tls_cert_file: str = _s("", "PEM certificate for HTTP/3 (empty: self-signed, kept in <data_dir>/tls).",
                             "NARAD_SECURITY_TLS_CERT_FILE")
     tls_key_file: str = _s("", "PEM private key for tls_cert_file.", "NARAD_SECURITY_TLS_KEY_FILE")
@@ -334,8 +342,52 @@ def worker_count(cfg: Config) -> int:
     return int(cfg.node.workers)
 
 
+MIN_CLUSTER_SECRET_BYTES = 32
+MAX_PASSWORD_BYTES = 72  # bcrypt reads no further
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_start(cfg: Config, env: dict[str, str] | os._Environ[str]) -> bytes | None:
+    """The node's own start checks on secrets that come from the environment only
+    (naradctl loads the same configuration without them). Returns the cluster
+    secret (None: unset, a lone node makes a random one); a problem is a
+    ConfigError that stops the start with one line.
+
+    A multi-node cluster always needs NARAD_CLUSTER_SECRET, whatever
+    security.enabled says: it authenticates the Raft port, where pysyncobj
+    unpickles what it receives, and the node RPC port."""
+    secret = env.get("NARAD_CLUSTER_SECRET", "")
+    if secret and len(secret.encode()) < MIN_CLUSTER_SECRET_BYTES:
+        raise ConfigError(f"NARAD_CLUSTER_SECRET is {len(secret.encode())} bytes; it must be at least "
+                          f"{MIN_CLUSTER_SECRET_BYTES} (e.g. openssl rand -hex 32), the same on every node")
+    if cfg.clustered:
+        if not secret:
+            raise ConfigError("a multi-node cluster (cluster.peers) needs NARAD_CLUSTER_SECRET in the environment, "
+                              f"at least {MIN_CLUSTER_SECRET_BYTES} bytes and the same on every node "
+                              "(e.g. openssl rand -hex 32), whatever security.enabled says")
+        if not cfg.security.enabled and not cfg.security.allow_insecure_cluster:
+            raise ConfigError("a multi-node cluster with security off needs security.allow_insecure_cluster = true")
+    admin = env.get("NARAD_ADMIN_PASSWORD", "")
+    if len(admin.encode()) > MAX_PASSWORD_BYTES:
+        raise ConfigError(f"NARAD_ADMIN_PASSWORD is {len(admin.encode())} bytes; passwords are at most "
+                          f"{MAX_PASSWORD_BYTES} bytes (bcrypt): choose a shorter one")
+    return secret.encode() if secret else None
+
+
 def validate(cfg: Config) -> None:
     """Cross-field checks; every problem is a ConfigError naming the setting."""
+    if not cfg.security.enabled and not is_loopback(cfg.http.host) and not cfg.security.allow_insecure_bind:
+        raise ConfigError(f"security.enabled = false would serve the client API without authentication on "
+                          f"{cfg.http.host}: set http.host to a loopback address (or use --dev), or set "
+                          "security.allow_insecure_bind = true to accept that")
     w = cfg.node.workers
     if w != "auto" and (not w.isdigit() or not 1 <= int(w) <= 256):
         raise ConfigError(f"node.workers must be \"auto\" or a number from 1 to 256, got {w!r}")

@@ -162,6 +162,12 @@ class _Metrics:
         self.meta_write_seconds = a(Histogram("narad_metastore_write_seconds", "metadata write latency", ["op"]))
         self.worker_restarts = a(Counter("narad_worker_restarts_total", "worker processes restarted"))
         self.workers_alive = a(Gauge("narad_workers_alive", "worker processes running"))
+        self.worker_stuck_restarts = a(Counter("narad_worker_stuck_restarts_total",
+                                               "workers killed and restarted because their event loop stopped"))
+        self.forkserver_restarts = a(Counter("narad_forkserver_restarts_total",
+                                             "fork servers lost (killed, crashed or stuck) and replaced"))
+        self.heartbeat_age = a(Gauge("narad_heartbeat_age_seconds",
+                                     "seconds since a process's loop last stamped its heartbeat", ["process"]))
         self.auth_failures = a(Counter("narad_auth_failures_total", "failed authentications", ["reason"]))
         self.errors = a(Counter("narad_errors_total", "errors by area", ["component", "kind"]))
         self.snapshot_failures = a(Counter("narad_metastore_snapshot_failures_total", "failed Raft snapshots"))

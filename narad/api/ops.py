@@ -1,10 +1,15 @@
 """Operational routes: /healthz, /readyz, /metrics, /v1/cluster/members and
 POST /v1/cluster/members/{id}/forget.
 
-/healthz and /readyz need no credentials and answer from the shared version
-array (one atomic load each): readiness is decided by the supervisor (Raft
-leader known and heard from, replica caught up, startup reconcile done) and
-published there. /metrics merges every process of the node.
+/healthz and /readyz need no credentials and answer from shared memory at
+request time. First the heartbeats (``narad.meta.versions``): a process
+whose loop has been silent for more than 3 s makes /readyz 503 naming it
+(``supervisor not responding for 4.2s``, ``worker 1 ...``, ``raft tick
+thread ...``, ``fork server ...``); a silent supervisor or Raft tick thread
+makes /healthz (liveness) 503 too, since the node cannot heal itself then,
+while a silent worker or fork server is restarted by the supervisor. Then
+the readiness the supervisor publishes (Raft leader known and heard from,
+replica caught up, startup reconcile done). /metrics merges every process.
 
 Imports narad.api.{context,router}, narad.meta, narad.metrics, narad.errors.
 """
@@ -31,12 +36,23 @@ class OpsAPI:
         r.add("GET", "/v1/cluster/members", self.members)
         r.add("POST", "/v1/cluster/members/{id}/forget", self.forget)
 
+    def _silent(self) -> list[tuple[str, float]]:
+        return V.not_responding(self.ctx.versions.hb, self.ctx.versions.load(V.WORKERS))
+
     async def healthz(self, req: Request) -> Response:
         if self.ctx.versions.load(V.SHUTDOWN):
             return json_response(503, {"error": "shutting down"})
+        vital = [f"{name} not responding for {age:.1f}s" for name, age in self._silent()
+                 if name in ("supervisor", "raft tick thread")]
+        if vital:
+            return json_response(503, {"error": "node is not healthy: " + "; ".join(vital)})
         return json_response(200, {"status": "ok"})
 
     async def readyz(self, req: Request) -> Response:
+        silent = self._silent()
+        if silent and not self.ctx.versions.load(V.SHUTDOWN):
+            why = "; ".join(f"{name} not responding for {age:.1f}s" for name, age in silent)
+            return json_response(503, {"error": f"node is not ready: {why}"})
         if self.ctx.versions.load(V.READY) == 1:
             return json_response(200, {"status": "ready"})
         reason = V.READY_REASONS.get(self.ctx.versions.load(V.READY_REASON), "not ready")

@@ -11,25 +11,44 @@ supervisor -> server: ("spawn", index, core) | ("kill", pid, signal) | ("exit",)
 server -> supervisor: ("spawned", index, pid) | ("exited", pid, wait_status) | ("error", index, message)
 
 The server dies with the supervisor (PR_SET_PDEATHSIG) and workers die with
-the server, so a SIGKILLed supervisor leaves no worker holding the port.
-Imports narad._native; the worker entry point is passed in.
+the server, so a SIGKILLed supervisor leaves no worker holding the port. Its
+loop stamps the fork-server heartbeat slot (``narad.meta.versions``) every
+250 ms.
+
+A lost server (killed, crashed, or stuck past the bound) is *replaced*, never
+re-forked from the supervisor (which runs threads and a loop by then):
+``ForkServer.replace`` starts a fresh interpreter, ``python -m
+narad.supervisor.forkserver <fd> <supervisor pid> <heartbeat segment>``, with
+only its end of a new socketpair and the client and cluster sockets inherited
+(``pass_fds``; everything else, the data-dir lock included, is closed by
+exec). The first message it reads is ("boot", "module:function", pickled
+argument): the function (``narad.worker.main.forkserver_entry``) rebuilds the
+worker spec and returns the worker entry point. Then it serves as above.
+
+Imports narad._native, narad.meta.versions; the worker entry point is passed in.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import importlib
 import logging
 import os
+import pickle
 import select
 import signal
 import socket
 import struct
+import subprocess
 import sys
+import time
 from collections.abc import Callable
 
 import msgspec
 
 from narad._native import lib
+from narad.meta import versions as V
 
 log = logging.getLogger("narad.supervisor.forkserver")
 _LEN = struct.Struct(">I")
@@ -57,9 +76,11 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def _serve(sock: socket.socket, spawn_worker: Callable[[int, int | None], int], supervisor_pid: int) -> None:
+def _serve(sock: socket.socket, spawn_worker: Callable[[int, int | None], int], supervisor_pid: int,
+           hb_name: str = "") -> None:
     """The fork server's loop (runs in the forked child, blocking, single thread)."""
     set_pdeathsig(signal.SIGKILL, supervisor_pid)
+    hb = V.Heartbeats.attach(hb_name) if hb_name else None
     # A SIGTERM sent to the whole process group (systemd's control-group kill,
     # pkill) must not take this server down: its death would SIGKILL every
     # worker mid-drain. It leaves on "exit" or with the supervisor.
@@ -72,8 +93,10 @@ def _serve(sock: socket.socket, spawn_worker: Callable[[int, int | None], int], 
     signal.signal(signal.SIGCHLD, lambda *_: None)
     me = os.getpid()
     while True:
+        if hb is not None:
+            hb.beat(V.HB_FORKSERVER)
         try:
-            ready, _, _ = select.select([sock, wake_r], [], [], 1.0)
+            ready, _, _ = select.select([sock, wake_r], [], [], V.HB_EVERY)
         except InterruptedError:
             ready = []
         if wake_r in ready:
@@ -104,6 +127,8 @@ def _serve(sock: socket.socket, spawn_worker: Callable[[int, int | None], int], 
                 code = 1
                 try:
                     sock.close()
+                    if hb is not None:
+                        hb.close()
                     os.close(wake_r)
                     os.close(wake_w)
                     signal.set_wakeup_fd(-1)
@@ -127,13 +152,45 @@ def _serve(sock: socket.socket, spawn_worker: Callable[[int, int | None], int], 
             os._exit(0)
 
 
-class ForkServer:
-    """The supervisor's handle on the fork server."""
+def main(argv: list[str] | None = None) -> int:
+    """A replacement fork server: ``python -m narad.supervisor.forkserver <fd> <supervisor pid> <hb>``."""
+    args = sys.argv[1:] if argv is None else argv
+    fd, supervisor_pid, hb_name = int(args[0]), int(args[1]), args[2]
+    set_pdeathsig(signal.SIGKILL, supervisor_pid)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sock = socket.socket(fileno=fd)
+    sock.setblocking(True)
+    try:
+        (n,) = _LEN.unpack(_recv_exact(sock, 4))
+        msg = msgspec.msgpack.decode(_recv_exact(sock, n))
+    except EOFError:
+        return 0
+    if msg[0] != "boot":
+        return 1
+    module, func = str(msg[1]).split(":")
+    spawn_worker = getattr(importlib.import_module(module), func)(pickle.loads(msg[2]))
+    _send(sock, ("booted", os.getpid()))
+    _serve(sock, spawn_worker, supervisor_pid, hb_name)
+    return 0
 
-    def __init__(self, spawn_worker: Callable[[int, int | None], int]) -> None:
+
+class ForkServer:
+    """The supervisor's handle on the fork server.
+
+    ``portable``: () -> ("module:function", picklable argument, descriptors to
+    pass), what a replacement server needs (see the module docstring)."""
+
+    def __init__(self, spawn_worker: Callable[[int, int | None], int], *, hb_name: str = "",
+                 portable: Callable[[], tuple[str, object, list[int]]] | None = None) -> None:
         self._spawn_worker = spawn_worker
+        self._hb_name = hb_name
+        self._portable = portable
         self.pid = 0
+        self.generation = 0  # 0: the server forked at boot; n: the n-th replacement
+        self._proc: subprocess.Popen[bytes] | None = None
         self._sock: socket.socket | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._buf = bytearray()
         self.on_message: Callable[[tuple[object, ...]], None] | None = None
 
@@ -152,7 +209,7 @@ class ForkServer:
                         os.close(fd)
                     except OSError:
                         pass
-                _serve(child, self._spawn_worker, me)
+                _serve(child, self._spawn_worker, me, self._hb_name)
             except BaseException:
                 code = 1
             os._exit(code)
@@ -160,8 +217,56 @@ class ForkServer:
         self.pid = pid
         self._sock = parent
 
+    def replace(self) -> None:
+        """Start a replacement server as a fresh interpreter (this process has
+        threads and a loop: never fork it). Call on the loop thread: the parent-
+        death signal follows the thread that started the child. The old server
+        must be gone (``reap``)."""
+        assert self._portable is not None and self._loop is not None
+        entry, arg, fds = self._portable()
+        self._close_sock()
+        parent, child = socket.socketpair()
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "narad.supervisor.forkserver", str(child.fileno()), str(os.getpid()),
+                 self._hb_name],
+                pass_fds=(child.fileno(), *fds), stdin=subprocess.DEVNULL, close_fds=True)
+        except BaseException:
+            parent.close()
+            raise
+        finally:
+            child.close()
+        self.pid = self._proc.pid
+        self.generation += 1
+        self._sock = parent
+        self._buf = bytearray()
+        self._send(("boot", entry, pickle.dumps(arg)))
+        self.attach(self._loop)
+
+    def reap(self) -> int | None:
+        """Collect the exited server; its wait status, or None if it is not gone yet."""
+        if not self.pid:
+            return None
+        try:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+        except ChildProcessError:
+            return 0
+        if pid == 0:
+            return None
+        if self._proc is not None:
+            self._proc.returncode = os.waitstatus_to_exitcode(status)
+        return status
+
+    def _close_sock(self) -> None:
+        if self._sock is not None:
+            if self._loop is not None:
+                self._loop.remove_reader(self._sock.fileno())
+            self._sock.close()
+            self._sock = None
+
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         assert self._sock is not None
+        self._loop = loop
         self._sock.setblocking(False)
         loop.add_reader(self._sock.fileno(), self._on_readable)
 
@@ -171,9 +276,11 @@ class ForkServer:
             data = self._sock.recv(65536)
         except BlockingIOError:
             return
+        except OSError:
+            data = b""
         if not data:
-            log.error("fork server exited")
-            asyncio.get_event_loop().remove_reader(self._sock.fileno())
+            log.error("fork server exited", extra={"pid": self.pid})
+            self._close_sock()
             if self.on_message:
                 self.on_message(("server_exited",))
             return
@@ -188,7 +295,8 @@ class ForkServer:
                 self.on_message(tuple(msg))
 
     def _send(self, msg: tuple[object, ...]) -> None:
-        assert self._sock is not None
+        if self._sock is None:
+            raise ConnectionError("the fork server is gone")
         data = msgspec.msgpack.encode(msg)
         self._sock.setblocking(True)
         try:
@@ -204,14 +312,29 @@ class ForkServer:
 
     def stop(self) -> None:
         if self._sock is None:
+            if self.pid and self.reap() is None:
+                os.kill(self.pid, signal.SIGKILL)  # a server being replaced: do not leave it behind
+                self.pid_wait()
             return
         try:
             self._send(("exit",))
         except OSError:
             pass
-        try:
-            os.waitpid(self.pid, 0)
-        except ChildProcessError:
-            pass
+        self.pid_wait()
         self._sock.close()
         self._sock = None
+
+    def pid_wait(self, timeout: float = 5.0) -> None:
+        """Wait for the server to exit; SIGKILL it after `timeout` (a stopped one never would)."""
+        end = time.monotonic() + timeout
+        while self.reap() is None:
+            if time.monotonic() > end:
+                os.kill(self.pid, signal.SIGKILL)
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(self.pid, 0)
+                return
+            time.sleep(0.01)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -27,7 +27,7 @@ from narad import BUILD, logs, metrics
 from narad.broker.caps import CapTable
 from narad.broker.caps import shm_name_for as caps_shm_name_for
 from narad.cluster.transport import NodeRpcClient
-from narad.config import Config, load_config, worker_count
+from narad.config import Config, check_start, load_config, worker_count
 from narad.errors import ConfigError, FailStop, Unavailable
 from narad.ipc import rpc
 from narad.meta import commands as C
@@ -44,7 +44,7 @@ from narad.supervisor.controller import Controller
 from narad.supervisor.forkserver import ForkServer
 from narad.supervisor.metadata import MetadataRouter
 from narad.supervisor.services import LoginThrottle, control_service, worker_service
-from narad.supervisor.sockets import DataDirLock, make_client_sockets, make_udp_sockets
+from narad.supervisor.sockets import DataDirLock, check_port_free, make_client_sockets, make_udp_sockets
 from narad.supervisor.workers import WorkerManager
 from narad.worker import main as worker_main
 
@@ -122,23 +122,11 @@ class Supervisor:
     # ------------------------------------------------------------------------
     def boot_process(self) -> None:
         cfg = self.cfg
-        # 0. The node RPC secret: a cluster with security on refuses to start
-        #    without one (env only, never in a file); a lone node makes its own.
-        env_secret = os.environ.get("NARAD_CLUSTER_SECRET", "")
-        if cfg.clustered:
-            if cfg.security.enabled and not env_secret:
-                raise RuntimeError("a multi-node cluster with security on needs NARAD_CLUSTER_SECRET "
-                                   "(the same value on every node)")
-            if not cfg.security.enabled and not cfg.security.allow_insecure_cluster:
-                raise RuntimeError("a multi-node cluster with security off needs "
-                                   "security.allow_insecure_cluster = true")
-        if env_secret:
-            self.secret = env_secret.encode()
-        elif cfg.clustered:
-            log.warning("node RPC plane is unauthenticated (security off, no NARAD_CLUSTER_SECRET)")
-            self.secret = b"narad-insecure-cluster"
-        else:
-            self.secret = os.urandom(32)
+        # 0. Start checks (narad.config.check_start): a cluster always has a real
+        #    node RPC and Raft secret (>= 32 bytes, env only), whatever
+        #    security.enabled says; NARAD_ADMIN_PASSWORD fits bcrypt. A lone node
+        #    without a secret makes its own.
+        self.secret = check_start(cfg, os.environ) or os.urandom(32)
         # 1. The data directory exists and is ours alone (exclusive flock), so two
         #    supervisors can never write one FSM or one Raft log.
         self.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -169,11 +157,14 @@ class Supervisor:
         self.versions = V.VersionTable.create(V.shm_name_for(str(self.data_dir)))
         self.versions.store(V.WORKERS, self.n_workers)
         self.versions.store(V.READY_REASON, 1)
+        self.versions.hb.beat(V.HB_SUPERVISOR)  # stamped from the loop's heartbeat task once it runs
         self.caps = CapTable.create(caps_shm_name_for(str(self.data_dir)), self.n_workers)
         # 6. The client sockets: N TCP listeners and N UDP sockets, SO_REUSEPORT,
         #    created once and kept for the supervisor's life (a restarted worker
         #    gets its predecessor's pair, so the reuseport group never changes).
         self.sockets = make_client_sockets(cfg.http.host, cfg.http.port, self.n_workers, quic=cfg.http.quic)
+        #    The Raft port is bound by pysyncobj at step 10; a holder is found now.
+        check_port_free(cfg.cluster.host, cfg.raft_port, "Raft")
         #    The same for the node RPC port (QUIC over UDP): one socket per worker.
         self.cluster_sockets = make_udp_sockets(cfg.cluster.host, cfg.cluster_port, self.n_workers)
         # 7. The fork server, forked now: this process still has no threads, no
@@ -186,7 +177,14 @@ class Supervisor:
             cert_file=self.cert_file, key_file=self.key_file,
             workers=self.n_workers,
         )
-        self.forkserver = ForkServer(lambda index, core: worker_main.run(spec, index, core))
+        def portable() -> tuple[str, object, list[int]]:
+            # What a replacement fork server (a fresh interpreter) needs: the spec
+            # with descriptor numbers for sockets, and those descriptors.
+            pspec, fds = worker_main.portable_spec(spec)
+            return "narad.worker.main:forkserver_entry", pspec, fds
+
+        self.forkserver = ForkServer(lambda index, core: worker_main.run(spec, index, core),
+                                     hb_name=self.versions.hb.name, portable=portable)
         self.forkserver.start(close_fds=(self.lock.fd,))
         # 8. The FSM (LMDB writer) opens only after the fork server exists, so no
         #    child ever inherits this environment. Leftovers of an interrupted
@@ -223,6 +221,10 @@ class Supervisor:
         # 9. Signals: SIGTERM/SIGINT stop gracefully from here on.
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)
+        #    The heartbeat loop starts with the loop: it stamps this process's
+        #    heartbeat, watches the workers' and the fork server's, feeds
+        #    systemd's watchdog and keeps STATUS= current (ends after Raft closes).
+        self._hb_task = asyncio.create_task(self._heartbeat_loop())
         # 10. Raft starts (its tick thread replays the log into the FSM, skipping
         #     what the FSM already holds). The commit index persisted on this disk
         #     is remembered: the node is not ready until its FSM reaches it.
@@ -233,6 +235,7 @@ class Supervisor:
                               cfg.seconds("cluster", "raft_election_timeout_max")),
             snapshot_threshold=cfg.cluster.raft_snapshot_threshold,
             on_state_change=self._on_raft_role, on_fail_stop=self._on_fail_stop,
+            on_commit=self._on_raft_tick,
             on_snapshot_failure=lambda: loop.call_soon_threadsafe(self.metrics.snapshot_failures.inc),
         )
         self.raft.max_voters = cfg.cluster.max_voters
@@ -259,7 +262,8 @@ class Supervisor:
         # 12. Workers: forked from the fork server onto their socket pair, pinned.
         self.forkserver.attach(loop)
         self.workers = WorkerManager(self.forkserver, self.n_workers, self.worker_cores,
-                                     on_exit=self._on_worker_exit)
+                                     on_exit=self._on_worker_exit, heartbeats=self.versions.hb,
+                                     on_fatal=self._on_fatal)
         self.workers.start_all()
         # 13. Controller duties (member registration and heartbeats everywhere;
         #     root admin seeding, placement and dead marking on the leader).
@@ -508,6 +512,16 @@ class Supervisor:
         assert self._stop is not None
         self._stop.set()
 
+    def _on_raft_tick(self) -> None:
+        """Tick thread, at the end of every tick: Raft's heartbeat."""
+        self.versions.hb.beat(V.HB_RAFT)
+
+    def _on_fatal(self, message: str) -> None:
+        """The node cannot go on (the fork server keeps dying): stop gracefully, exit 1."""
+        self.exit_code = 1
+        assert self._stop is not None
+        self._stop.set()
+
     def _on_worker_exit(self, pid: int) -> None:
         with contextlib.suppress(Exception):
             self.fsm.env.reader_check()
@@ -528,14 +542,41 @@ class Supervisor:
 
         conns = [(c.peer_info.get("pid", 0), c) for c in self.worker_conns.values() if not c.closed]
         await asyncio.gather(*(one(pid, c) for pid, c in conns))
+        ages = self.heartbeat_ages()
+        self.metrics.heartbeat_age.children.clear()
+        for name, age in ages.items():
+            self.metrics.heartbeat_age.labels(name).set(round(age, 3))
         return metrics.merge([metrics.snapshot(), self.retired_metrics, *self.worker_metrics.values()])
 
     # ---- readiness -------------------------------------------------------------
+    def heartbeat_ages(self) -> dict[str, float]:
+        """Seconds since each process's loop last stamped its heartbeat."""
+        hb = self.versions.hb
+        now = V.now_ms()
+        ages = {"supervisor": hb.age(V.HB_SUPERVISOR, now) or 0.0}
+        raft = hb.age(V.HB_RAFT, now)
+        if raft is not None:
+            ages["raft_tick"] = raft
+        ages.update(self.workers.heartbeat_ages())
+        return ages
+
+    def not_responding(self) -> tuple[int, str] | None:
+        """The first silent loop (Raft's tick thread, a worker, the fork server) as a
+        readiness code and a sentence naming it, or None."""
+        for name, age in V.not_responding(self.versions.hb, self.n_workers):
+            code = 12 if name.startswith("raft") else 13 if name.startswith("fork") else 11
+            if name != "supervisor":
+                return code, f"{name} not responding for {age:.1f}s"
+        return None
+
     def readiness(self) -> tuple[bool, int]:
         if self.versions.load(V.FAIL_STOPPED):
             return False, 7
         if self.versions.load(V.SHUTDOWN):
             return False, 8
+        silent = self.not_responding()
+        if silent is not None:
+            return False, silent[0]
         if not self.admitted.is_set():
             return False, 9
         st = self.raft.status()
@@ -564,8 +605,47 @@ class Supervisor:
                 log.info("readiness changed", extra={"ready": ready, "reason": V.READY_REASONS[reason]})
             if ready and not self._notified:
                 self._notified = True
-                sdnotify.notify("READY=1\nSTATUS=serving")
+                sdnotify.notify(f"READY=1\nSTATUS={self.status_line()}")
             await asyncio.sleep(READY_EVERY)
+
+    async def _heartbeat_loop(self) -> None:
+        """Stamp the supervisor's heartbeat; kill and restart stuck workers (and a
+        stuck fork server); feed systemd's watchdog while this loop and Raft's tick
+        thread turn; keep STATUS= current."""
+        hb = self.versions.hb
+        bound = self.cfg.seconds("node", "worker_stuck_after")
+        watchdog = sdnotify.watchdog_interval()
+        last_watchdog = last_status_at = 0.0
+        status = ""
+        while True:
+            hb.beat(V.HB_SUPERVISOR)
+            now = time.monotonic()
+            workers = getattr(self, "workers", None)
+            if workers is not None:
+                workers.check_stuck(bound)
+                workers.note_healthy()
+            if watchdog is not None and now - last_watchdog >= watchdog:
+                raft_age = hb.age(V.HB_RAFT)
+                if raft_age is None or raft_age <= V.STALE_AFTER or self.versions.load(V.SHUTDOWN):
+                    last_watchdog = now
+                    sdnotify.notify("WATCHDOG=1")
+            if workers is not None and now - last_status_at >= 1.0 and hasattr(self, "raft"):
+                last_status_at = now
+                text = self.status_line()
+                if text != status:
+                    status = text
+                    sdnotify.notify(f"STATUS={text}")
+            await asyncio.sleep(V.HB_EVERY)
+
+    def status_line(self) -> str:
+        """One line for systemd's STATUS= (systemctl status shows it)."""
+        ready, reason = self.readiness()
+        st = self.raft.status()
+        silent = self.not_responding()
+        why = silent[1] if silent is not None else V.READY_REASONS[reason]
+        alive = sum(w.alive for w in self.workers.workers)
+        return (f"{'ready' if ready else 'not ready: ' + why}; raft {st.role} term {st.term}, "
+                f"leader {st.leader or '-'}; workers {alive}/{self.n_workers}")
 
     async def _housekeeping_loop(self) -> None:
         m = self.metrics
@@ -609,6 +689,7 @@ class Supervisor:
     def node_status(self) -> Q.NodeStatus:
         st = self.raft.status()
         ready, reason = self.readiness()
+        silent = self.not_responding()
         contact = None if st.last_leader_contact is None else round(time.monotonic() - st.last_leader_contact, 3)
         leader_id = None
         with self.store.read() as r:
@@ -617,7 +698,8 @@ class Supervisor:
                     leader_id = mrec.id
         now = time.monotonic()
         return Q.NodeStatus(
-            node_id=self.node_id, build=BUILD, ready=ready, reason=V.READY_REASONS[reason],
+            node_id=self.node_id, build=BUILD, ready=ready,
+            reason=silent[1] if silent is not None and not ready else V.READY_REASONS[reason],
             raft=Q.RaftView(role=st.role, term=st.term, leader=st.leader, leader_id=leader_id,
                             commit_index=st.commit_index, applied_index=st.applied_index,
                             last_log_index=st.last_log_index, first_log_index=st.first_log_index,
@@ -683,6 +765,7 @@ class Supervisor:
                      extra={"seconds": round(time.monotonic() - t_transfer, 3)})
         await self.rpc_client.close()
         await asyncio.to_thread(self.raft.close)
+        self._hb_task.cancel()
         log.info("stopped", extra={"seconds": round(time.monotonic() - t0, 3), "exit_code": self.exit_code})
 
     def close_process(self) -> None:
@@ -716,7 +799,7 @@ def main(argv: list[str] | None = None) -> int:
     sup = Supervisor(cfg)
     try:
         sup.boot_process()
-    except (RuntimeError, OSError) as e:
+    except (RuntimeError, OSError, ConfigError) as e:
         log.error(f"refusing to start: {e}")
         print(f"narad-supervisor: {e}", file=sys.stderr)
         return 2

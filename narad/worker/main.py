@@ -4,7 +4,14 @@ Order: die with the parent, pin to the core, reset signals, attach the
 shared version array read-only, open the FSM read-only (after fork, as LMDB
 requires), connect to the supervisor, then serve HTTP/1.1 on the inherited
 TCP listener and HTTP/3 on the inherited UDP socket until SIGTERM (drain)
-or until the supervisor goes away (exit).
+or until the supervisor goes away (exit). From its first await the worker's
+loop stamps its heartbeat slot every 250 ms (``narad.meta.versions``): the
+supervisor restarts a worker whose loop stops turning, and /readyz on any
+worker names one that went silent.
+
+``portable_spec`` / ``forkserver_entry``: the spec as a replacement fork
+server (a fresh ``python -m narad.supervisor.forkserver``) receives it, with
+every socket as an inherited descriptor number.
 
 Imports narad.api, narad.meta, narad.ipc, narad.metrics, narad.config.
 """
@@ -18,7 +25,8 @@ import os
 import signal
 import socket
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import msgspec
@@ -78,6 +86,31 @@ class WorkerSpec:
     secret: bytes
 
 
+def portable_spec(spec: WorkerSpec) -> tuple[WorkerSpec, list[int]]:
+    """A picklable copy of `spec` (each socket replaced by its descriptor number)
+    and the descriptors a replacement fork server must inherit."""
+    fds: list[int] = []
+    pairs: list[tuple[int, int | None]] = []
+    for tcp, udp in spec.sockets:
+        pairs.append((tcp.fileno(), None if udp is None else udp.fileno()))
+        fds += [tcp.fileno()] + ([] if udp is None else [udp.fileno()])
+    cluster = [s.fileno() for s in spec.cluster_sockets]
+    fds += cluster
+    return replace(spec, sockets=pairs, cluster_sockets=cluster), fds  # type: ignore[arg-type]
+
+
+def forkserver_entry(spec: WorkerSpec) -> Callable[[int, int | None], int]:
+    """In a replacement fork server (fresh interpreter): rebuild the sockets from
+    the inherited descriptors; returns the function that runs worker `index`."""
+    logs.setup("forkserver", spec.cfg.log.level, spec.cfg.log.format)
+    pairs: list[tuple[socket.socket, socket.socket | None]] = [
+        (socket.socket(fileno=t), None if u is None else socket.socket(fileno=u))  # type: ignore[arg-type]
+        for t, u in spec.sockets]
+    cluster = [socket.socket(fileno=fd) for fd in spec.cluster_sockets]  # type: ignore[call-overload]
+    live = replace(spec, sockets=pairs, cluster_sockets=cluster)
+    return lambda index, core: run(live, index, core)
+
+
 def run(spec: WorkerSpec, index: int, core: int | None) -> int:
     """Runs in the forked worker; returns the exit code."""
     logs.setup(f"worker-{index}", spec.cfg.log.level, spec.cfg.log.format)
@@ -109,6 +142,7 @@ async def _main(spec: WorkerSpec, index: int, core: int | None) -> int:
     loop.add_signal_handler(signal.SIGINT, stop.set)
     loop.add_signal_handler(signal.SIGUSR1, logs.dump_tasks, loop)  # diagnostics: where requests wait
     versions = V.VersionTable.attach(spec.shm_name)
+    heartbeat = loop.create_task(_heartbeat(versions.hb, V.worker_slot(index)))
     store = MetaStore(spec.fsm_path, versions)
     service = rpc.Service()
     service.on_close = lambda _c: stop.set()
@@ -200,6 +234,15 @@ async def _main(spec: WorkerSpec, index: int, core: int | None) -> int:
         links.close()
         log.info("worker drained", extra={"index": index, "seconds": round(time.monotonic() - t0, 3)})
         sup.close()
+        heartbeat.cancel()
         return 0
     log.error("supervisor went away; worker exiting", extra={"index": index})
+    heartbeat.cancel()
     return 3
+
+
+async def _heartbeat(hb: V.Heartbeats, slot: int) -> None:
+    """Stamp this worker's heartbeat slot while its event loop turns."""
+    while True:
+        hb.beat(slot)
+        await asyncio.sleep(V.HB_EVERY)

@@ -1,0 +1,195 @@
+"""Stuck, dead and cut-off processes of a node are noticed within seconds: the
+heartbeats every loop stamps in shared memory drive /readyz and /healthz, the
+supervisor restarts a stuck worker and replaces a lost fork server, and
+systemd's watchdog is fed only while the supervisor's loop turns.
+
+Real nodes (tests/harness.py), real SIGSTOP / SIGKILL, a real Unix datagram
+socket as $NOTIFY_SOCKET.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.harness import Node, wait_for
+
+
+@pytest.fixture
+def node_factory(tmp_path: Path) -> Iterator[list[Node]]:
+    nodes: list[Node] = []
+    yield nodes
+    for n in nodes:
+        for p in _node_processes(n):
+            with contextlib.suppress(psutil.Error):
+                p.send_signal(signal.SIGCONT)  # nothing stays stopped past a test
+        n.close()
+
+
+def _node_processes(n: Node) -> list[psutil.Process]:
+    if n.proc is None or n.proc.poll() is not None:
+        return []
+    try:
+        sup = psutil.Process(n.proc.pid)
+        return [sup, *sup.children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def _probe(n: Node, path: str) -> tuple[int, str]:
+    c = n.conn()
+    c.timeout = 5
+    try:
+        c.request("GET", path)
+        r = c.getresponse()
+        return r.status, r.read().decode()
+    finally:
+        c.close()
+
+
+def _on(conn: object, path: str) -> tuple[int, str]:
+    conn.request("GET", path)  # type: ignore[attr-defined]
+    r = conn.getresponse()  # type: ignore[attr-defined]
+    return r.status, r.read().decode()
+
+
+def _fork_server(n: Node) -> psutil.Process:
+    assert n.proc is not None
+    kids = psutil.Process(n.proc.pid).children()
+    assert len(kids) == 1, kids  # the fork server is the supervisor's only child
+    return kids[0]
+
+
+def test_stopped_supervisor_makes_readyz_and_healthz_503_naming_it(tmp_path: Path, node_factory: list[Node]) -> None:
+    n = Node(tmp_path / "d", workers=2)
+    node_factory.append(n)
+    n.start()
+    assert _probe(n, "/healthz")[0] == 200
+    assert n.proc is not None
+    os.kill(n.proc.pid, signal.SIGSTOP)
+    try:
+        status, body = wait_for(lambda: (s := _probe(n, "/readyz"))[0] == 503 and s, 20, 0.1,
+                                "/readyz to turn 503 with the supervisor stopped")
+        assert "supervisor not responding for" in body, body
+        status, body = _probe(n, "/healthz")
+        assert status == 503 and "supervisor not responding for" in body, body
+    finally:
+        os.kill(n.proc.pid, signal.SIGCONT)
+    wait_for(lambda: _probe(n, "/readyz")[0] == 200, 20, 0.1, "/readyz back to 200")
+    wait_for(lambda: _probe(n, "/healthz")[0] == 200, 20, 0.1, "/healthz back to 200")
+
+
+def test_stuck_worker_is_named_then_killed_counted_and_restarted(tmp_path: Path,
+                                                                 node_factory: list[Node]) -> None:
+    n = Node(tmp_path / "d", workers=2, env={"NARAD_NODE_WORKER_STUCK_AFTER": "4s"})
+    node_factory.append(n)
+    n.start()
+    before = {w["index"]: w["pid"] for w in n.status()["workers"]}
+    c0 = n.worker_connection(0)  # opened before worker 1 stops: new connections may land on it
+    os.kill(before[1], signal.SIGSTOP)
+    status, body = wait_for(lambda: (s := _on(c0, "/readyz"))[0] == 503 and s, 20, 0.1,
+                            "worker 0 to report worker 1 not responding")
+    assert "worker 1 not responding for" in body, body
+    assert _on(c0, "/healthz")[0] == 200  # the supervisor heals a stuck worker: the node is alive
+
+    def restarted() -> bool:
+        ws = {w["index"]: w for w in n.status()["workers"]}
+        return ws[1]["alive"] and ws[1]["pid"] != before[1] and ws[0]["pid"] == before[0]
+
+    wait_for(restarted, 30, 0.1, "worker 1 to be killed and restarted")
+    assert not psutil.pid_exists(before[1]) or psutil.Process(before[1]).status() == psutil.STATUS_ZOMBIE
+    n.wait_ready(30)
+    assert n.metric("narad_worker_stuck_restarts_total") == 1
+    assert "worker not responding" in n.log()
+    c0.close()
+
+
+def test_killed_fork_server_is_replaced_and_workers_come_back(tmp_path: Path, node_factory: list[Node]) -> None:
+    n = Node(tmp_path / "d", workers=2)
+    node_factory.append(n)
+    n.start()
+    assert n.post("/v1/topics", {"name": "t1", "partitions": 3}).status == 201
+    old_fs = _fork_server(n)
+    before = {w["pid"] for w in n.status()["workers"]}
+    old_fs.kill()
+
+    def back() -> bool:
+        ws = n.status()["workers"]
+        return all(w["alive"] for w in ws) and not ({w["pid"] for w in ws} & before)
+
+    wait_for(back, 30, 0.1, "every worker to come back from a replacement fork server")
+    n.wait_ready(30)
+    log = n.log()
+    assert "fork server exited" in log and "fork server replaced" in log, log[-3000:]
+    assert n.metric("narad_forkserver_restarts_total") == 1
+    new_fs = _fork_server(n)
+    assert new_fs.pid != old_fs.pid
+    # A fresh interpreter, not a fork of the threaded supervisor, holding no data-dir lock.
+    assert "narad.supervisor.forkserver" in " ".join(new_fs.cmdline())
+    lock = str((tmp_path / "d" / "LOCK").resolve())
+    assert all(f.path != lock for f in new_fs.open_files())
+    for w in n.status()["workers"]:
+        assert psutil.Process(w["pid"]).ppid() == new_fs.pid
+    # The workers serve, reads and writes alike.
+    assert n.post("/v1/topics", {"name": "t2"}).status == 201
+    assert n.post("/v1/topics/t1/produce?partition=1", b"hello",
+                  headers={"Content-Type": "application/octet-stream"}).status in (200, 202)
+    assert n.get("/v1/topics/t1").status == 200
+    assert n.stop() == 0
+
+
+def test_sd_notify_ready_status_and_watchdog_stops_with_a_stopped_loop(tmp_path: Path,
+                                                                      node_factory: list[Node]) -> None:
+    path = str(tmp_path / "notify.sock")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(path)
+    sock.settimeout(0.2)
+    got: list[str] = []
+
+    def drain_until(pred: object, timeout: float, what: str) -> None:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            with contextlib.suppress(TimeoutError):
+                got.append(sock.recv(4096).decode())
+            if pred():  # type: ignore[operator]
+                return
+        raise AssertionError(f"timed out waiting for {what}; received {got[-10:]}")
+
+    n = Node(tmp_path / "d", workers=1, env={"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "1000000"})
+    node_factory.append(n)
+    try:
+        n.start()
+        drain_until(lambda: any("READY=1" in m for m in got), 20, "READY=1")
+        ready = next(m for m in got if "READY=1" in m)
+        assert "STATUS=ready; raft leader" in ready and "workers 1/1" in ready, ready
+        start = len(got)
+        drain_until(lambda: sum(m == "WATCHDOG=1" for m in got[start:]) >= 4, 20, "WATCHDOG=1 to keep arriving")
+        assert n.proc is not None
+        os.kill(n.proc.pid, signal.SIGSTOP)
+        try:
+            # Whatever was queued before the stop is drained; then nothing arrives
+            # for six watchdog intervals (systemd would kill the unit).
+            sock.settimeout(0.5)
+            with contextlib.suppress(TimeoutError):
+                while True:
+                    sock.recv(4096)
+            sock.settimeout(3.0)
+            with pytest.raises(TimeoutError):
+                got.append(sock.recv(4096).decode())
+        finally:
+            os.kill(n.proc.pid, signal.SIGCONT)
+        sock.settimeout(0.2)
+        start = len(got)
+        drain_until(lambda: "WATCHDOG=1" in got[start:], 20, "WATCHDOG=1 after SIGCONT")
+        assert n.stop() == 0
+        drain_until(lambda: any("STOPPING=1" in m for m in got), 5, "STOPPING=1")
+    finally:
+        sock.close()

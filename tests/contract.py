@@ -1,0 +1,650 @@
+"""The delivery contract, checked from the client side: a history recorder, a checker
+and a traffic driver for tests that drive produce / consume / ack against real nodes.
+
+The recorder (``History``) is thread safe and stamps every call with monotonic ns at
+call and at return (one host, one clock: the brokers' lease clocks are the same
+CLOCK_MONOTONIC). It records produce answers (202, refused, or ambiguous: no answer /
+500), deliveries (message id from the payload, partition:offset, nonce) and the answer
+to every ack / extend / nack of a receipt handle, plus declared fault windows.
+
+The checker (``check``) gives a verdict over a history (rules, see ``RULES``):
+- lost: a message answered 202 was never delivered (an ambiguous produce may be missing);
+- phantom: a delivered message was never produced, or its produce was refused;
+- dup_after_ack: a delivery whose call started after an ack (204) of the same message
+  had returned; strict mode: a violation; faults mode: allowed (counted) only when the
+  delivery starts inside a declared fault window + grace;
+- double_lease: two deliveries of one partition:offset whose leases overlapped for
+  certain (the second was reserved before the first's lease could have run out and
+  before any ack / nack of the first was even sent; or the first's handle was still
+  honoured after the second was reserved); faults mode: allowed inside a window + grace
+  (an owner crash loses its leases);
+- not_redelivered: a delivery never acked (no ack, a 410, or a nack) whose lease ran out
+  before the end of the history was never followed by another delivery of that copy;
+- undrained: a message answered 202 (or a delivered copy) never acked with 204 by the
+  end (an ack whose answer was lost or 5xx counts only if the caller saw the broker
+  empty at the end: ``broker_empty=True``);
+- dup (strict mode only): a redelivery no lease expiry, nack or 410 explains.
+
+Only tests import this module; it touches nothing in narad/.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import itertools
+import json
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+RULES = ("lost", "phantom", "dup_after_ack", "double_lease", "not_redelivered", "undrained", "dup")
+OCTET = {"Content-Type": "application/octet-stream"}
+JSON_CT = {"Content-Type": "application/json"}
+NS = 1_000_000_000
+
+
+def now() -> int:
+    return time.monotonic_ns()
+
+
+@dataclass(frozen=True)
+class Produce:
+    ids: tuple[str, ...]
+    call: int
+    ret: int
+    status: int | None  # None: no answer (connection error / timeout)
+    node: str = ""
+
+
+@dataclass(frozen=True)
+class Delivery:
+    mid: str
+    partition: int
+    offset: int
+    nonce: str
+    call: int
+    ret: int
+    node: str = ""
+
+    @property
+    def handle(self) -> str:
+        return f"{self.partition}:{self.offset}:{self.nonce}"
+
+    @property
+    def copy(self) -> tuple[int, int]:
+        return (self.partition, self.offset)
+
+
+@dataclass(frozen=True)
+class Settle:
+    handle: str
+    kind: str  # "ack" | "extend" | "nack"
+    call: int
+    ret: int
+    status: int | None  # None: no answer
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 204
+
+    @property
+    def ambiguous(self) -> bool:
+        return self.status is None or self.status >= 500
+
+
+@dataclass
+class Fault:
+    name: str
+    start: int
+    end: int | None = None
+
+
+def produce_outcome(status: int | None) -> str:
+    """202 = accepted; no answer / 500 (and any other 5xx but 503) = ambiguous;
+    4xx and 503 (nothing stored) = refused."""
+    if status == 202:
+        return "accepted"
+    if status is None or (status >= 500 and status != 503):
+        return "ambiguous"
+    return "refused"
+
+
+class History:
+    """A thread-safe record of one run's client-side operations."""
+
+    def __init__(self, visibility_s: float) -> None:
+        self.visibility_ns = int(visibility_s * NS)
+        self.lock = threading.Lock()
+        self.produces: list[Produce] = []
+        self.deliveries: list[Delivery] = []
+        self.settles: list[Settle] = []
+        self.faults: list[Fault] = []
+        self.start_ns = now()
+        self.end_ns: int | None = None
+        self.accepted: set[str] = set()
+        self.acked: set[str] = set()
+
+    # ---- recording ----------------------------------------------------------
+    def produced(self, ids: Sequence[str], call: int, ret: int, status: int | None, node: str = "") -> None:
+        with self.lock:
+            self.produces.append(Produce(tuple(ids), call, ret, status, node))
+            if status == 202:
+                self.accepted.update(ids)
+
+    def delivered(self, d: Delivery) -> None:
+        with self.lock:
+            self.deliveries.append(d)
+
+    def settled(self, s: Settle, mid: str | None = None) -> None:
+        with self.lock:
+            self.settles.append(s)
+            if s.kind == "ack" and s.ok and mid is not None:
+                self.acked.add(mid)
+
+    def begin_fault(self, name: str) -> Fault:
+        f = Fault(name, now())
+        with self.lock:
+            self.faults.append(f)
+        return f
+
+    def end_fault(self, f: Fault) -> None:
+        f.end = now()
+
+    @contextlib.contextmanager
+    def fault(self, name: str) -> Iterator[Fault]:
+        """Declare a fault window for the duration of the block."""
+        f = self.begin_fault(name)
+        try:
+            yield f
+        finally:
+            self.end_fault(f)
+
+    def finish(self) -> None:
+        self.end_ns = now()
+
+    # ---- quick views for wait conditions ---------------------------------------
+    def accepted_count(self) -> int:
+        with self.lock:
+            return len(self.accepted)
+
+    def unacked(self) -> set[str]:
+        """Messages answered 202 not yet acked (204) through any delivery."""
+        with self.lock:
+            return self.accepted - self.acked
+
+    def snapshot(self) -> tuple[list[Produce], list[Delivery], list[Settle], list[Fault]]:
+        with self.lock:
+            return list(self.produces), list(self.deliveries), list(self.settles), list(self.faults)
+
+
+@dataclass
+class Verdict:
+    mode: str
+    counts: dict[str, int] = field(default_factory=dict)
+    violations: dict[str, list[str]] = field(default_factory=lambda: {r: [] for r in RULES})
+    allowed: dict[str, int] = field(default_factory=lambda: {"dup_after_ack": 0, "double_lease": 0})
+    fault_coverage: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not any(self.violations.values())
+
+    def failed_rules(self) -> set[str]:
+        return {r for r, v in self.violations.items() if v}
+
+    def summary(self, name: str = "contract") -> str:
+        c = self.counts
+        viol = {r: len(v) for r, v in self.violations.items() if v}
+        lines = [
+            f"{name} [{self.mode}]: {'OK' if self.ok else 'VIOLATION'}; produced {c.get('produce_calls', 0)} calls "
+            f"({c.get('accepted', 0)} ids 202, {c.get('ambiguous', 0)} ambiguous, {c.get('refused', 0)} refused); "
+            f"delivered {c.get('deliveries', 0)} ({c.get('delivered_ids', 0)} ids); acked {c.get('acked_ids', 0)} "
+            f"ids; duplicates {c.get('duplicates', 0)} (redelivered after lease expiry/nack/410 "
+            f"{c.get('explained_redeliveries', 0)}; dup_after_ack allowed in fault windows "
+            f"{self.allowed['dup_after_ack']}; double leases allowed in fault windows {self.allowed['double_lease']}); "
+            f"acks 204 {c.get('acks_204', 0)} / 410 {c.get('acks_410', 0)} / ambiguous {c.get('acks_ambiguous', 0)}; "
+            f"extends {c.get('extends', 0)}, nacks {c.get('nacks', 0)}; faults {c.get('faults', 0)} "
+            f"(run inside fault windows + grace: {self.fault_coverage:.0%}); violations {viol or 0}"
+        ]
+        for r, v in self.violations.items():
+            for x in v[:5]:
+                lines.append(f"  {r}: {x}")
+            if len(v) > 5:
+                lines.append(f"  {r}: ... {len(v) - 5} more")
+        return "\n".join(lines)
+
+
+def check(h: History, mode: str = "strict", *, grace_s: float | None = None, slack_s: float = 0.1,
+          broker_empty: bool = False) -> Verdict:
+    """The verdict over a history. ``mode``: "strict" (no faults were injected: any
+    post-ack redelivery, double lease or unexplained duplicate is a violation) or
+    "faults" (those are allowed only inside a declared fault window + grace).
+    ``grace_s`` defaults to the visibility timeout + 20 s. ``slack_s``: clock / timer
+    margin on lease deadlines. ``broker_empty``: the broker reported no message left
+    (then a message whose only ack got no answer counts as drained)."""
+    assert mode in ("strict", "faults"), mode
+    produces, deliveries, settles, faults = h.snapshot()
+    end = h.end_ns if h.end_ns is not None else now()
+    vis = h.visibility_ns
+    grace = int((grace_s if grace_s is not None else h.visibility_ns / NS + 20) * NS)
+    slack = int(slack_s * NS)
+    v = Verdict(mode)
+
+    def in_window(t: int) -> bool:
+        return any(f.start <= t <= (f.end if f.end is not None else end) + grace for f in faults)
+
+    outcome: dict[str, str] = {}
+    for p in produces:
+        o = produce_outcome(p.status)
+        for mid in p.ids:
+            prev = outcome.get(mid)
+            # accepted beats ambiguous beats refused (a retried id: the best answer counts)
+            if prev is None or ("accepted", "ambiguous", "refused").index(o) < ("accepted", "ambiguous",
+                                                                              "refused").index(prev):
+                outcome[mid] = o
+    accepted = {m for m, o in outcome.items() if o == "accepted"}
+    by_handle: dict[str, list[Settle]] = defaultdict(list)
+    for s in settles:
+        by_handle[s.handle].append(s)
+    by_mid: dict[str, list[Delivery]] = defaultdict(list)
+    by_copy: dict[tuple[int, int], list[Delivery]] = defaultdict(list)
+    for d in sorted(deliveries, key=lambda d: (d.call, d.ret)):
+        by_mid[d.mid].append(d)
+        by_copy[d.copy].append(d)
+
+    def acks_ok(d: Delivery) -> list[Settle]:
+        return [s for s in by_handle.get(d.handle, []) if s.kind == "ack" and s.ok]
+
+    def releases(d: Delivery) -> list[Settle]:
+        """Settles that may have ended d's lease: acks / nacks answered 204 or ambiguous."""
+        return [s for s in by_handle.get(d.handle, []) if s.kind in ("ack", "nack") and (s.ok or s.ambiguous)]
+
+    def lease_bounds(d: Delivery) -> tuple[int, int]:
+        """(earliest, latest) instant d's lease can have run out, extends included."""
+        lo, hi = d.call + vis, d.ret + vis
+        for s in by_handle.get(d.handle, []):
+            if s.kind == "extend" and s.ok:
+                lo, hi = max(lo, s.call + vis), max(hi, s.ret + vis)
+        return lo, hi
+
+    # (a) lost and phantom
+    for mid in sorted(accepted - by_mid.keys()):
+        v.violations["lost"].append(f"{mid} answered 202 and never delivered")
+    for mid in sorted(by_mid.keys() - outcome.keys()):
+        v.violations["phantom"].append(f"{mid} delivered but never produced")
+    for mid in sorted(m for m in by_mid if outcome.get(m) == "refused"):
+        v.violations["phantom"].append(f"{mid} delivered though its produce was refused")
+
+    # (b) dup_after_ack (by message id: covers the same stored copy and a second copy)
+    for mid, ds in by_mid.items():
+        ack_rets = sorted(s.ret for d in ds for s in acks_ok(d))
+        if not ack_rets:
+            continue
+        for d in ds:
+            if d.call > ack_rets[0]:  # an ack of an earlier delivery had returned 204
+                first = ack_rets[0]
+                detail = (f"{mid} delivered at {d.partition}:{d.offset} (call +{(d.call - h.start_ns) / NS:.3f} s) "
+                          f"after an ack of it returned 204 (+{(first - h.start_ns) / NS:.3f} s)")
+                if mode == "faults" and in_window(d.call):
+                    v.allowed["dup_after_ack"] += 1
+                else:
+                    v.violations["dup_after_ack"].append(detail)
+
+    # (c) double lease on one partition:offset
+    for copy, ds in by_copy.items():
+        for i, d1 in enumerate(ds):
+            lo1, _ = lease_bounds(d1)
+            for d2 in ds[i + 1:]:
+                if d2.call < d1.call:
+                    continue
+                if d1.ret <= d2.call:  # d1 was reserved first for certain
+                    released = any(s.call < d2.ret for s in releases(d1))
+                    overlap = not released and d2.ret + slack < lo1
+                    # d1's handle honoured after d2 was reserved: both live at once.
+                    honoured_late = any(s.ok and s.call > d2.ret + slack for s in by_handle.get(d1.handle, []))
+                else:  # the calls overlap: either may have been reserved first
+                    released = (any(s.call < d2.ret for s in releases(d1))
+                                or any(s.call < d1.ret for s in releases(d2)))
+                    overlap = not released and max(d2.ret - d1.call, d1.ret - d2.call) + slack < vis
+                    honoured_late = False
+                if d1.nonce == d2.nonce:
+                    overlap = honoured_late = False  # one lease reported twice (a replayed answer): dup rules
+                if overlap or honoured_late:
+                    detail = (f"{copy[0]}:{copy[1]} ({d1.mid}) leased to nonce {d1.nonce} at "
+                              f"+{(d1.call - h.start_ns) / NS:.3f} s and to nonce {d2.nonce} at "
+                              f"+{(d2.call - h.start_ns) / NS:.3f} s while the first lease was live"
+                              + (" (the first handle was still honoured later)" if honoured_late else ""))
+                    if mode == "faults" and in_window(d2.call):
+                        v.allowed["double_lease"] += 1
+                    else:
+                        v.violations["double_lease"].append(detail)
+
+    # (d) every lease that ran out unacked is followed by another delivery of that copy
+    explained = 0
+    for copy, ds in by_copy.items():
+        for i, d in enumerate(ds):
+            ss = by_handle.get(d.handle, [])
+            if any(s.kind == "ack" and (s.ok or s.ambiguous) for s in ss):
+                continue
+            if any(acks_ok(x) for x in ds if x is not d):
+                continue  # the copy was acked through another lease (a double lease, if any, is flagged)
+            nacks = [s for s in ss if s.kind == "nack" and s.ok]
+            _, hi = lease_bounds(d)
+            due = min([hi] + [s.ret for s in nacks])
+            later = [d2 for d2 in ds[i + 1:] if d2.nonce != d.nonce]
+            if later:
+                explained += 1
+            elif due + slack < end:
+                v.violations["not_redelivered"].append(
+                    f"{copy[0]}:{copy[1]} ({d.mid}) delivered at +{(d.call - h.start_ns) / NS:.3f} s, never acked "
+                    f"({'nacked' if nacks else 'lease ran out'} by +{(due - h.start_ns) / NS:.3f} s), "
+                    f"never delivered again (history ends +{(end - h.start_ns) / NS:.3f} s)")
+
+    # (e) drained: every accepted message and every delivered copy acked with 204
+    acked_ids = {d.mid for ds in by_mid.values() for d in ds if acks_ok(d)}
+    in_doubt = {d.mid for ds in by_mid.values() for d in ds
+                if any(s.kind == "ack" and s.ambiguous for s in by_handle.get(d.handle, []))}
+    for mid in sorted((accepted & by_mid.keys()) - acked_ids):
+        if broker_empty and mid in in_doubt:
+            continue
+        v.violations["undrained"].append(f"{mid} answered 202, delivered, never acked with 204")
+    for copy, ds in sorted(by_copy.items()):
+        if any(acks_ok(d) for d in ds):
+            continue
+        if broker_empty and any(s.kind == "ack" and s.ambiguous for d in ds for s in by_handle.get(d.handle, [])):
+            continue
+        if ds[0].mid in accepted - acked_ids:
+            continue  # already reported above
+        v.violations["undrained"].append(f"{copy[0]}:{copy[1]} ({ds[0].mid}) delivered, never acked with 204")
+
+    # duplicates; strict: each redelivery must be explained by an expired lease, a nack or a 410
+    duplicates = sum(len(ds) - 1 for ds in by_mid.values())
+    if mode == "strict":
+        for mid, ds in by_mid.items():
+            copies = {d.copy for d in ds}
+            if len(copies) > 1:
+                v.violations["dup"].append(f"{mid} stored more than once: {sorted(copies)}")
+        for copy, ds in by_copy.items():
+            for i, d2 in enumerate(ds[1:], 1):
+                prev = ds[i - 1]
+                if prev.nonce == d2.nonce:
+                    v.violations["dup"].append(f"{copy[0]}:{copy[1]} ({d2.mid}) answered twice with one nonce")
+                    continue
+                ss = by_handle.get(prev.handle, [])
+                lo, _ = lease_bounds(prev)
+                why = (any(s.kind == "nack" and s.ok and s.call < d2.ret for s in ss)
+                       or any(s.status == 410 for s in ss) or d2.ret + slack >= lo)
+                if not why and not any(s.kind == "ack" and s.ok for s in ss):
+                    v.violations["dup"].append(
+                        f"{copy[0]}:{copy[1]} ({d2.mid}) redelivered at +{(d2.call - h.start_ns) / NS:.3f} s with "
+                        f"no lease expiry, nack or 410 to explain it")
+
+    # fault coverage of the run
+    covered = 0
+    last = h.start_ns
+    for f in sorted(faults, key=lambda f: f.start):
+        a = max(f.start, last)
+        b = min((f.end if f.end is not None else end) + grace, end)
+        if b > a:
+            covered += b - a
+            last = b
+    v.fault_coverage = covered / max(1, end - h.start_ns)
+    v.counts = {
+        "produce_calls": len(produces),
+        "accepted": len(accepted),
+        "ambiguous": sum(1 for o in outcome.values() if o == "ambiguous"),
+        "refused": sum(1 for o in outcome.values() if o == "refused"),
+        "deliveries": len(deliveries),
+        "delivered_ids": len(by_mid),
+        "acked_ids": len(acked_ids),
+        "duplicates": duplicates,
+        "explained_redeliveries": explained,
+        "acks_204": sum(1 for s in settles if s.kind == "ack" and s.ok),
+        "acks_410": sum(1 for s in settles if s.kind == "ack" and s.status == 410),
+        "acks_ambiguous": sum(1 for s in settles if s.kind == "ack" and s.ambiguous),
+        "extends": sum(1 for s in settles if s.kind == "extend"),
+        "nacks": sum(1 for s in settles if s.kind == "nack"),
+        "faults": len(faults),
+        "lost": len(v.violations["lost"]),
+    }
+    return v
+
+
+# ---- client: recorded produce / consume / settle ---------------------------------
+
+def message_id(payload: Any) -> str:
+    """The message id a driver put in a payload: its text up to the first ':'."""
+    return str(payload).split(":", 1)[0]
+
+
+class Recorder:
+    """Produce / consume / settle through a node's HTTP API, recording every answer."""
+
+    def __init__(self, history: History, topic: str) -> None:
+        self.h, self.topic = history, topic
+
+    def produce(self, node: Any, mid: str, conn: http.client.HTTPConnection | None = None, pad: int = 0
+                ) -> int | None:
+        body = (mid + ":").encode().ljust(pad, b"x")
+        t0 = now()
+        status: int | None
+        try:
+            status = node.request("POST", f"/v1/topics/{self.topic}/produce", body, headers=OCTET, conn=conn).status
+        except (OSError, http.client.HTTPException):
+            status = None
+        self.h.produced([mid], t0, now(), status, getattr(node, "node_id", ""))
+        return status
+
+    def consume(self, node: Any, conn: http.client.HTTPConnection | None = None, wait: str = "1s", max_n: int = 20
+                ) -> list[Delivery] | None:
+        """A batch consume; None when the call failed (nothing recorded), [] on 204."""
+        t0 = now()
+        r = node.request("GET", f"/v1/topics/{self.topic}/consume?wait={wait}&max={max_n}", conn=conn,
+                         headers={"X-Narad-Client": "contract"})
+        t1 = now()
+        if r.status == 204:
+            return []
+        if r.status != 200:
+            return None
+        out = []
+        for m in r.json()["messages"]:
+            p, o, nonce = m["receipt_handle"].split(":", 2)
+            d = Delivery(message_id(m["payload"]), int(p), int(o), nonce, t0, t1, getattr(node, "node_id", ""))
+            self.h.delivered(d)
+            out.append(d)
+        return out
+
+    def settle(self, node: Any, ds: Sequence[Delivery], kind: str = "ack",
+               conn: http.client.HTTPConnection | None = None) -> list[int | None]:
+        """Batch ack / extend / nack; per-handle statuses (None for all when no answer)."""
+        q = {"ack": "", "extend": "?extend=true", "nack": "?extend=0"}[kind]
+        body = json.dumps({"receipt_handles": [d.handle for d in ds]}).encode()
+        t0 = now()
+        statuses: list[int | None]
+        try:
+            a = node.request("POST", f"/v1/topics/{self.topic}/ack{q}", body, headers=JSON_CT, conn=conn)
+            statuses = ([x["status"] for x in a.json()["results"]] if a.status == 200
+                        else [a.status if a.status < 500 else None] * len(ds))
+            err: BaseException | None = None
+        except (OSError, http.client.HTTPException, ValueError) as e:
+            statuses, err = [None] * len(ds), e
+        t1 = now()
+        for d, st in zip(ds, statuses, strict=True):
+            self.h.settled(Settle(d.handle, kind, t0, t1, st), d.mid)
+        if err is not None:
+            raise err
+        return statuses
+
+
+class Traffic:
+    """Producer and consumer threads against a set of nodes, every answer recorded.
+    ``nodes()`` gives the nodes to use now (a thread moves to the next one after an
+    error). Consumers ack in batches; every ``extend_every``-th delivery is extended
+    first, every ``nack_every``-th nacked instead, every ``abandon_every``-th never
+    settled (its lease must run out and bring it back)."""
+
+    def __init__(self, history: History, topic: str, nodes: Callable[[], Sequence[Any]], *, producers: int = 3,
+                 consumers: int = 3, pace_s: float = 0.002, extend_every: int = 0, nack_every: int = 0,
+                 abandon_every: int = 0, max_n: int = 20) -> None:
+        self.h, self.topic, self.nodes = history, topic, nodes
+        self.rec = Recorder(history, topic)
+        self.pace_s, self.max_n = pace_s, max_n
+        self.extend_every, self.nack_every, self.abandon_every = extend_every, nack_every, abandon_every
+        self.stop_producing = threading.Event()
+        self.stop_consuming = threading.Event()
+        self.errors = 0
+        self._seq = itertools.count()
+        self._lock = threading.Lock()
+        self.producers = [threading.Thread(target=self._produce, args=(i,), daemon=True) for i in range(producers)]
+        self.consumers = [threading.Thread(target=self._consume, args=(i,), daemon=True) for i in range(consumers)]
+
+    def _pick(self, k: int) -> Any:
+        ns = list(self.nodes())
+        return ns[k % len(ns)]
+
+    def _error(self) -> None:
+        with self._lock:
+            self.errors += 1
+
+    def _produce(self, tid: int) -> None:
+        k = tid
+        conn: http.client.HTTPConnection | None = None
+        node = None
+        for i in itertools.count():
+            if self.stop_producing.is_set():
+                break
+            if node is None:
+                node = self._pick(k)
+            try:
+                if conn is None:
+                    conn = node.conn()
+                    conn.timeout = 5
+            except OSError:
+                conn = None
+            st = self.rec.produce(node, f"p{tid}-{i}", conn)
+            if st == 202:
+                self.stop_producing.wait(self.pace_s)
+                continue
+            self._error()
+            if conn is not None:
+                conn.close()
+            conn, node = None, None
+            k += 1  # that node is down (or refusing): use the next one
+            self.stop_producing.wait(0.05)
+        if conn is not None:
+            conn.close()
+
+    def _consume(self, tid: int) -> None:
+        k = tid
+        conn: http.client.HTTPConnection | None = None
+        node = None
+        while not self.stop_consuming.is_set():
+            if node is None:
+                node = self._pick(k)
+            try:
+                if conn is None:
+                    conn = node.conn()
+                    conn.timeout = 15
+                ds = self.rec.consume(node, conn, max_n=self.max_n)
+                if ds is None:
+                    raise OSError("consume refused")
+                if not ds:
+                    continue
+                keep = []
+                ext, nack = [], []
+                for d in ds:
+                    n = next(self._seq)
+                    if self.abandon_every and n % self.abandon_every == self.abandon_every - 1:
+                        continue
+                    if self.nack_every and n % self.nack_every == self.nack_every - 1:
+                        nack.append(d)
+                        continue
+                    if self.extend_every and n % self.extend_every == self.extend_every - 1:
+                        ext.append(d)
+                    keep.append(d)
+                if ext:
+                    self.rec.settle(node, ext, "extend", conn)
+                if nack:
+                    self.rec.settle(node, nack, "nack", conn)
+                if keep:
+                    self.rec.settle(node, keep, "ack", conn)
+            except (OSError, http.client.HTTPException, ValueError, KeyError):
+                self._error()
+                if conn is not None:
+                    conn.close()
+                conn, node = None, None
+                k += 1
+                self.stop_consuming.wait(0.05)
+        if conn is not None:
+            conn.close()
+
+    def start(self) -> Traffic:
+        for t in self.producers + self.consumers:
+            t.start()
+        return self
+
+    def wait_more(self, n: int, timeout: float = 60.0, what: str = "traffic") -> None:
+        """Wait until n more messages are answered 202."""
+        from tests.harness import wait_for
+
+        base = self.h.accepted_count()
+        wait_for(lambda: self.h.accepted_count() >= base + n, timeout, 0.05, f"{n} more produces answered 202 "
+                 f"({what})")
+
+    def finish_producing(self) -> None:
+        self.stop_producing.set()
+        for t in self.producers:
+            t.join(30)
+
+    def finish_consuming(self) -> None:
+        self.stop_consuming.set()
+        for t in self.consumers:
+            t.join(30)
+
+    def drain(self, broker: Callable[[], bool] | None = None, timeout: float = 120.0) -> bool:
+        """Stop producing, consume until every message answered 202 is acked (or, for
+        those whose ack got no answer, until ``broker()`` says nothing is left), then stop.
+        Returns whether ``broker()`` reported the broker empty (False without one)."""
+        self.finish_producing()
+        end = time.monotonic() + timeout
+        empty = False
+        try:
+            while time.monotonic() < end:
+                left = self.h.unacked()
+                if not left:
+                    empty = broker() if broker is not None else False
+                    if broker is None or empty:
+                        break
+                elif broker is not None and broker():
+                    # every ack's answer may be lost for the rest: the broker holds nothing
+                    _, ds, ss, _ = self.h.snapshot()
+                    unclear = {s.handle for s in ss if s.kind == "ack" and s.ambiguous}
+                    doubt = {d.mid for d in ds if d.handle in unclear}
+                    if left <= doubt:
+                        empty = True
+                        break
+                time.sleep(0.2)
+        finally:
+            self.finish_consuming()
+            self.h.finish()
+        return empty
+
+
+def broker_empty(node: Any, topic: str, partitions: int) -> Callable[[], bool]:
+    """A probe: every partition of the topic reported by a live owner with no lag and
+    nothing in flight."""
+    def probe() -> bool:
+        try:
+            r = node.get(f"/v1/topics/{topic}")
+        except OSError:
+            return False
+        if r.status != 200:
+            return False
+        stats = r.json()["partition_stats"]
+        return len(stats) == partitions and all(
+            s.get("status") != "owner_unavailable" and s.get("lag") == 0 and s.get("in_flight") == 0 for s in stats)
+    return probe

@@ -7,12 +7,20 @@ worker, keyed by a digest of (user, password) and validated with one atomic
 load of the users version counter, so a password change or user delete takes
 effect on the next request. bcrypt runs in threads (it releases the GIL),
 bounded per process, and identical concurrent credentials share one run.
-Unknown usernames are refused before bcrypt. Before a bcrypt check the
-worker asks the supervisor whether the username is throttled (5 failures,
-then one attempt per 12 s, per node) and reports the outcome after.
 
-Imports narad.meta.{grants,requests,store,versions}, narad.api.router and
-narad.errors.
+Before any bcrypt check the worker takes a token from the supervisor's
+failed-login throttle (per username 5, then one per 12 s, per node; plus a
+node-wide failure budget) and reports the outcome after: a correct password
+gives the token back. An unknown username is checked against a fixed dummy
+hash under the same throttle, so a refusal takes as long for a name that does
+not exist as for one that does (user names are not enumerable by timing);
+when the node-wide budget is spent, the dummy check is replaced by a wait of
+the same length, so unknown names cannot burn CPU. A name that breaks the
+username rule, or a password over 72 bytes (bcrypt's limit), is a failed
+login without bcrypt.
+
+Imports narad.meta.{grants,requests,records,validate,versions}, narad.api.router
+and narad.errors.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import base64
 import binascii
 import hashlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -29,6 +38,7 @@ import bcrypt
 
 from narad.api.router import Request
 from narad.errors import InternalError, NaradError, TooManyRequests, Unauthorized, UnsupportedMediaType
+from narad.meta import validate as VAL
 from narad.meta import versions as V
 from narad.meta.grants import Identity
 from narad.meta.records import UserRecord
@@ -38,6 +48,9 @@ log = logging.getLogger("narad.api.auth")
 
 STATE_CHANGING = frozenset(("POST", "PUT", "PATCH"))
 _CACHE_LIMIT = 50_000
+# What an unknown username's password is checked against: a bcrypt hash of a random
+# secret nobody knows, at the cost new users get (10), so the check takes as long.
+DUMMY_HASH = b"$2b$10$HRc6PEGDwNWwvrZmJ36usuB3MAvoybxmXi9VGNrX.CjeGWOwCHcL."
 
 
 def parse_basic(header: str | None) -> tuple[str, str] | None:
@@ -67,10 +80,16 @@ def csrf_ok(req: Request) -> bool:
 
 
 async def check_password(password: bytes, hashed: bytes) -> bool:
+    """bcrypt check in a thread; a password over 72 bytes never matches (bcrypt
+    would raise: no stored password is that long)."""
+    if len(password) > VAL.PASSWORD_MAX:
+        return False
     return await asyncio.to_thread(bcrypt.checkpw, password, hashed)
 
 
 async def hash_password(password: bytes, rounds: int = 10) -> bytes:
+    if len(password) > VAL.PASSWORD_MAX:  # callers validate first (VAL.password: a 400)
+        raise ValueError("password longer than 72 bytes")
     return await asyncio.to_thread(bcrypt.hashpw, password, bcrypt.gensalt(rounds))
 
 
@@ -94,6 +113,7 @@ class Authenticator:
         self._cache: dict[bytes, Identity] = {}
         self._cache_ver = -1
         self._inflight: dict[bytes, asyncio.Future[bool]] = {}
+        self._check_seconds = 0.08  # how long one bcrypt check takes on this node (moving average)
 
     async def identify(self, req: Request) -> Identity:
         if not self.security:
@@ -115,14 +135,14 @@ class Authenticator:
         if creds is None:
             raise Unauthorized()
         name, pw = creds
+        if not VAL.is_username(name):
+            raise Unauthorized()  # no user can have this name: nothing to look up or check
         try:
             user = self.users(name)
         except Exception as e:  # the local user store is unreadable
             log.error("user store unreadable", extra={"err": str(e)})
             raise InternalError("authentication unavailable") from None
-        if user is None:
-            raise Unauthorized()
-        ok = await self._verify(key, name, pw.encode(), user.password_hash)
+        ok = await self._verify(key, name, pw.encode(), None if user is None else user.password_hash)
         if not ok:
             raise Unauthorized()
         if len(self._cache) > _CACHE_LIMIT:
@@ -132,13 +152,16 @@ class Authenticator:
             self._cache[key] = ident
         return ident
 
-    async def _verify(self, key: bytes, name: str, pw: bytes, hashed: bytes) -> bool:
+    async def _verify(self, key: bytes, name: str, pw: bytes, hashed: bytes | None) -> bool:
+        """Check ``pw`` against ``hashed`` (None: the user does not exist) after
+        taking a throttle token; the outcome goes back to the throttle."""
         fut = self._inflight.get(key)
         if fut is not None:
             return await asyncio.shield(fut)
         fut = asyncio.get_running_loop().create_future()
         self._inflight[key] = fut
         try:
+            budget = True
             if self.call is not None:
                 ans: AuthAttemptResp = await self.call(AuthAttemptReq(name), AuthAttemptResp)
                 if not ans.allowed:
@@ -146,10 +169,20 @@ class Authenticator:
                         "too many failed authentication attempts",
                         headers=[("Retry-After", str(max(1, int(ans.retry_after + 0.999))))],
                     )
-            async with self._sem:
-                ok = await check_password(pw, hashed)
+                budget = ans.budget
+            ok = False
+            if len(pw) > VAL.PASSWORD_MAX:
+                pass  # bcrypt refuses it, and no stored password is that long: a failed login
+            elif hashed is not None:
+                ok = await self._bcrypt(pw, hashed)
+            elif budget:
+                await self._bcrypt(pw, DUMMY_HASH)
+            else:
+                # The node-wide failure budget is spent: no CPU for a name that does
+                # not exist, but the refusal still takes as long as a check.
+                await asyncio.sleep(self._check_seconds)
             if self.note is not None:
-                self.note(AuthOutcome(name, ok))
+                self.note(AuthOutcome(name, ok, budget))
             fut.set_result(ok)
             return ok
         except BaseException as e:
@@ -162,6 +195,14 @@ class Authenticator:
             raise
         finally:
             self._inflight.pop(key, None)
+
+    async def _bcrypt(self, pw: bytes, hashed: bytes) -> bool:
+        async with self._sem:
+            t0 = time.perf_counter()
+            ok = await check_password(pw, hashed)
+            # A moving average of how long a check takes here (the stand-in wait).
+            self._check_seconds += (time.perf_counter() - t0 - self._check_seconds) * 0.2
+        return ok
 
 
 def guard_415(req: Request) -> None:

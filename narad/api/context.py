@@ -1,7 +1,9 @@
 """What every API handler reaches: configuration, the local metastore replica,
 the version counters, the link to the supervisor, the authenticator.
 
-One ``ApiContext`` per worker process; handlers get it at registration.
+One ``ApiContext`` per worker process; handlers get it at registration. Also
+the request-input helpers every handler uses: strict JSON body decoding and
+strict query-parameter integers (ASCII digits, bounded).
 Imports narad.config, narad.meta and narad.ipc (no transports).
 """
 
@@ -18,10 +20,12 @@ from narad.api.router import Request
 from narad.config import Config
 from narad.errors import BadRequest
 from narad.ipc.rpc import Connection
+from narad.meta import validate as VAL
 from narad.meta.store import MetaStore
 from narad.meta.versions import VersionTable
 
 T = TypeVar("T")
+NESTED_TOO_DEEP = "invalid json: nested too deeply"
 
 
 @dataclass
@@ -48,8 +52,9 @@ class ApiContext:
 
 
 def decode_json(req: Request, typ: type[T], *, required: bool = True) -> T:
-    """Strict JSON body decoding: unknown fields, trailing data and wrong
-    types are 400 with the reason."""
+    """Strict JSON body decoding: unknown fields, trailing data, wrong types,
+    integers outside int64 (``VAL.Int64`` fields) and nesting deeper than the
+    decoder follows are 400 with the reason."""
     if not req.body.strip():
         if required:
             raise BadRequest("invalid json: request body required")
@@ -64,21 +69,39 @@ def decode_json(req: Request, typ: type[T], *, required: bool = True) -> T:
         raise BadRequest(f"invalid json: {msg}") from None
     except msgspec.DecodeError as e:
         raise BadRequest(f"invalid json: {e}") from None
+    except RecursionError:
+        raise BadRequest(NESTED_TOO_DEEP) from None
 
 
-def query_int(req: Request, name: str, *, default: int | None = None, minimum: int | None = None) -> int | None:
+def single_query(req: Request, name: str) -> str | None:
+    """The one value of query parameter ``name`` (None when absent); twice is a 400."""
     vals = req.query.get(name)
     if not vals:
-        return default
+        return None
     if len(vals) > 1:
         raise BadRequest(f"invalid argument: {name} given more than once")
-    try:
-        v = int(vals[0])
-    except ValueError:
-        raise BadRequest(f"invalid argument: {name} must be an integer") from None
-    if minimum is not None and v < minimum:
+    return vals[0]
+
+
+def parse_int(text: str, name: str, *, minimum: int = 0, maximum: int = VAL.INT64_MAX) -> int:
+    """``text`` (a query parameter or a field of a path) as an integer in
+    [minimum, maximum]: ASCII digits only (``VAL.strict_int``), else a 400."""
+    v = VAL.strict_int(text, minimum=VAL.INT64_MIN)
+    if v is None:
+        raise BadRequest(f"invalid argument: {name} must be an integer")
+    if v < minimum:
         raise BadRequest(f"invalid argument: {name} must be >= {minimum}")
+    if v > maximum:
+        raise BadRequest(f"invalid argument: {name} must be <= {maximum}")
     return v
+
+
+def query_int(req: Request, name: str, *, default: int | None = None, minimum: int | None = None,
+              maximum: int = VAL.INT64_MAX) -> int | None:
+    raw = single_query(req, name)
+    if raw is None:
+        return default
+    return parse_int(raw, name, minimum=VAL.INT64_MIN if minimum is None else minimum, maximum=maximum)
 
 
 def query_bool(req: Request, name: str, default: bool = False) -> bool:

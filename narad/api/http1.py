@@ -63,7 +63,9 @@ _D_WRITE = 3  # the client stopped reading our response
 _D_LINGER = 4  # half-closed, discarding input until the client closes
 
 
-_PATHS: dict[bytes, str] = {}  # raw request path -> decoded path (hot paths repeat); bounded
+# raw request path -> the path as sent (absolute form and fragment removed, still
+# percent-encoded: the router splits it before decoding each segment); hot paths repeat; bounded
+_PATHS: dict[bytes, str] = {}
 
 
 def _decode_path(rp: bytes) -> str:
@@ -75,7 +77,7 @@ def _decode_path(rp: bytes) -> str:
             pass
     if "#" in s:
         s = s.partition("#")[0]
-    path = unquote(s)
+    path = s
     if len(rp) <= 256:
         if len(_PATHS) >= 4096:
             _PATHS.clear()
@@ -305,7 +307,8 @@ class _Conn(asyncio.Protocol):
         b = self._body
         body = b"" if not b else (b[0] if len(b) == 1 else b"".join(b))
         h = self._headers
-        req = Request(self._method, self._path, self._query, h, body, self._peer, "h1")
+        req = Request(self._method, unquote(self._path), self._query, h, body, self._peer, "h1",
+                      raw_path=self._path)
         if self._parser.should_keep_alive():
             c = h.get("connection")
             keep = 2 if c is not None and "keep-alive" in c.lower() else 1  # 2: echo "Connection: keep-alive" (1.0)

@@ -24,7 +24,7 @@ import socket
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, cast
-from urllib.parse import parse_qs, unquote_to_bytes
+from urllib.parse import parse_qs, unquote
 
 from aioquic.asyncio.protocol import QuicConnectionProtocol, QuicStreamHandler
 from aioquic.asyncio.server import QuicServer
@@ -285,7 +285,7 @@ class _H3Protocol(QuicConnectionProtocol):
         raw_query = raw_query.partition(b"#")[0]
         raw_path = raw_path.partition(b"#")[0]
         st.method = method.decode("latin-1")
-        st.path = unquote_to_bytes(raw_path).decode("utf-8", "replace")
+        st.path = raw_path.decode("utf-8", "replace")  # still percent-encoded: the router decodes per segment
         st.query = raw_query.decode("utf-8", "replace")
         st.headers = hdrs
         st.limit, st.over_status = self._srv._body_limit(st.method, st.path)
@@ -327,7 +327,8 @@ class _H3Protocol(QuicConnectionProtocol):
         st.chunks = []
         # surrogateescape keeps non-UTF-8 bytes (binary keys) recoverable
         query = parse_qs(st.query, keep_blank_values=True, errors="surrogateescape") if st.query else {}
-        req = Request(st.method, st.path, query, st.headers, body, client=_peer_ip(self._addr), transport="h3")
+        req = Request(st.method, unquote(st.path), query, st.headers, body, client=_peer_ip(self._addr),
+                      transport="h3", raw_path=st.path)
         st.phase = _HANDLING
         st.task = self._loop.create_task(self._run(st, req))
 

@@ -16,15 +16,16 @@ import binascii
 import re
 import time
 import zlib
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
-from narad.api.context import ApiContext
+from narad.api.context import NESTED_TOO_DEEP, ApiContext, parse_int
 from narad.api.router import Request, Response, Router, empty, json_response
 from narad.broker import caps as CAPS
 from narad.broker.broker import ACK, EXTEND, NACK
 from narad.broker.peers import Item
+from narad.broker.validation import ValidationCapacity
 from narad.errors import (
     BadRequest,
     Forbidden,
@@ -39,6 +40,7 @@ from narad.errors import (
 from narad.meta import grants as G
 from narad.meta.records import TopicRecord
 from narad.meta.schemas import PayloadValidator
+from narad.meta.validate import INT64_MAX, INT64_MIN, strict_int
 from narad.storage.frames import F_JSON, F_UTF8
 from narad.storage.wal import Entry, WALFailed
 
@@ -53,7 +55,7 @@ GONE_HANDLE = "receipt handle no longer matches an active reservation"
 
 _raw_json = msgspec.json.Decoder(msgspec.Raw)
 _enc = msgspec.json.Encoder()
-_DUR = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
+_DUR = re.compile(r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(ns|us|µs|ms|s|m|h)")  # ASCII digits, as Go
 _UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 _MSG_IDX = re.compile(r"\$\.messages\[(\d+)\]")
 
@@ -85,8 +87,8 @@ def payload_flags(payload: bytes) -> int:
     try:
         _raw_json.decode(payload)
         return F_JSON | F_UTF8
-    except (msgspec.DecodeError, UnicodeDecodeError):
-        pass
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
+        pass  # not JSON (or nested deeper than the decoder follows): kept as text or bytes
     try:
         payload.decode()
         return F_UTF8
@@ -133,7 +135,7 @@ class BatchMsg(msgspec.Struct, forbid_unknown_fields=True):
     payload_encoding: str | None = None
     key: str | None = None
     key_encoding: str | None = None
-    partition: int | None = None
+    partition: Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)] | None = None
 
 
 class BatchBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -155,6 +157,7 @@ class MessagesAPI:
         self.broker = ctx.broker
         self.caps: CAPS.CapTable | None = ctx.caps
         self._validators: dict[tuple[str, int], PayloadValidator] = {}
+        self._validation = ValidationCapacity()  # one slot: this worker's core
         self.max_wait = ctx.cfg.seconds("http", "max_consume_wait")
         self.consume_cap = ctx.cfg.http.max_consume_in_flight_per_identity
         self.produce_cap = ctx.cfg.http.max_produce_in_flight_per_identity
@@ -214,10 +217,7 @@ class MessagesAPI:
         raw = self._single_query(req, "partition")
         if raw is None:
             return None
-        try:
-            p = int(raw)
-        except ValueError:
-            raise BadRequest("invalid argument: partition must be an integer") from None
+        p = parse_int(raw, "partition", minimum=INT64_MIN)
         if not 0 <= p < t.partitions:
             raise BadRequest("invalid argument: partition out of range")
         return p
@@ -251,7 +251,7 @@ class MessagesAPI:
         key = key_raw.encode("utf-8", "surrogateescape") if key_raw else None
         v = self._validator(t)
         if v is not None:
-            why = v.check(body)
+            why = await self._validation.check(v, body)
             if why is not None:
                 self.m.produce_rejections.labels(t.name, "schema").inc()
                 raise BadRequest(f"invalid argument: {why}")
@@ -300,13 +300,15 @@ class MessagesAPI:
         except msgspec.ValidationError as e:
             try:
                 n = len(_count_dec.decode(body).get("messages", []))
-            except msgspec.DecodeError:
+            except (msgspec.DecodeError, RecursionError):
                 n = 0
             if n > MAX_BATCH_MESSAGES:
                 raise BadRequest(f"too many messages: more than {MAX_BATCH_MESSAGES}") from None
             raise self._batch_error(e) from None
         except msgspec.DecodeError as e:
             raise BadRequest(f"invalid json: {e}") from None
+        except RecursionError:
+            raise BadRequest(NESTED_TOO_DEEP) from None
         if parsed.messages is msgspec.UNSET or not parsed.messages:
             raise BadRequest("invalid argument: messages required (1 to 1000)")
         msgs = parsed.messages
@@ -353,14 +355,14 @@ class MessagesAPI:
             prepared.append((payload, key, m.partition, flags))
         # Pass 2: partition range and schema.
         v = self._validator(t)
-        for i, (payload, _key, part, _flags) in enumerate(prepared):
+        for i, (_payload, _key, part, _flags) in enumerate(prepared):
             if part is not None and part >= t.partitions:
                 raise BadRequest(f"message {i}: invalid argument: partition out of range")
-            if v is not None:
-                why = v.check(payload)
-                if why is not None:
-                    self.m.produce_rejections.labels(t.name, "schema").inc()
-                    raise BadRequest(f"message {i}: invalid argument: {why}")
+        if v is not None:
+            bad = await self._validation.check_many(v, [p for p, _k, _part, _f in prepared])
+            if bad is not None:
+                self.m.produce_rejections.labels(t.name, "schema").inc()
+                raise BadRequest(f"message {bad[0]}: invalid argument: {bad[1]}")
         entries = []
         for payload, key, part, flags in prepared:
             if part is None:
@@ -391,10 +393,7 @@ class MessagesAPI:
         batch = raw_max is not None
         max_n = 1
         if batch:
-            try:
-                max_n = int(raw_max)  # type: ignore[arg-type]
-            except ValueError:
-                raise BadRequest("invalid argument: max must be an integer from 1 to 100") from None
+            max_n = parse_int(raw_max, "max", minimum=INT64_MIN)  # type: ignore[arg-type]
             if not 1 <= max_n <= MAX_CONSUME_BATCH:
                 raise BadRequest("invalid argument: max must be an integer from 1 to 100")
             if not req.headers.get("x-narad-client"):
@@ -404,12 +403,7 @@ class MessagesAPI:
                 raise BadRequest("partition required for replay-mode consume")
             if batch:
                 raise BadRequest("invalid argument: max cannot be combined with offset")
-            try:
-                offset = int(raw_off)
-            except ValueError:
-                raise BadRequest("invalid argument: offset must be an integer") from None
-            if offset < 0:
-                raise BadRequest("invalid argument: offset must be >= 0")
+            offset = parse_int(raw_off, "offset", minimum=0)
             return await self._replay(t, partition, offset)
         ident = None
         if self.consume_cap > 0 and self.caps is not None:
@@ -500,6 +494,8 @@ class MessagesAPI:
             raise BadRequest(f"invalid json: {e}") from None
         except msgspec.DecodeError as e:
             raise BadRequest(f"invalid json: {e}") from None
+        except RecursionError:
+            raise BadRequest(NESTED_TOO_DEEP) from None
         handles = body.receipt_handles
         if handles is msgspec.UNSET or not handles:
             raise BadRequest("receipt_handles required (1 to 100)")
@@ -527,13 +523,12 @@ class MessagesAPI:
 
 
 def _parse_handle(h: str) -> tuple[int, int, int] | None:
+    """``partition:offset:nonce``, each ASCII digits within int64 (nonces are 63-bit,
+    offsets fit int64): anything else is not a handle this node handed out (400)."""
     parts = h.split(":")
     if len(parts) != 3:
         return None
-    try:
-        p, off, nonce = int(parts[0]), int(parts[1]), int(parts[2])
-    except ValueError:
-        return None
-    if p < 0 or off < 0 or nonce < 0:
+    p, off, nonce = (strict_int(x) for x in parts)
+    if p is None or off is None or nonce is None:
         return None
     return p, off, nonce

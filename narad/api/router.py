@@ -5,7 +5,10 @@ reading a body, awaits ``App.handle(request)`` and writes the ``Response``.
 Nothing here touches a socket, so the whole API is testable with plain
 ``Request`` objects. Routing is a table of path patterns (``{name}`` matches
 one segment); errors raised by handlers become ``{"error": ...}`` responses
-with the status and headers narad.errors carries.
+with the status and headers narad.errors carries. The router matches the raw
+(percent-encoded) path: split on "/" first, then each segment decoded, so
+``/v1/topics/x%2Fconsume`` names the topic "x/consume" (which name validation
+refuses) and never the consume route of "x".
 
 Imports narad.errors only; handlers register themselves from narad.api.app.
 """
@@ -18,6 +21,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+from urllib.parse import unquote
 
 import msgspec
 
@@ -31,7 +35,7 @@ GENERAL_BODY_LIMIT = 1 << 20  # 1 MiB
 @dataclass(slots=True)
 class Request:
     method: str  # upper case, as sent ("HEAD" is routed to the GET handler)
-    path: str  # percent-decoded path, without the query string
+    path: str  # percent-decoded path, without the query string (for logs and exact checks)
     query: dict[str, list[str]]  # parsed query string, values in order; non-UTF-8 bytes as surrogateescape
     headers: dict[str, str]  # lower-case names; repeated headers joined with ", "
     body: bytes = b""
@@ -40,6 +44,10 @@ class Request:
     params: dict[str, str] = field(default_factory=dict)  # filled by the router from {name} segments
     route: str = ""  # the matched pattern, e.g. "GET /v1/topics/{topic}" (metrics label)
     identity: Any = None  # set by the auth step
+    # The path as sent, still percent-encoded: the router splits it on "/" first and
+    # decodes each segment after, so an encoded "/" (%2F) stays inside its segment.
+    # Empty: ``path`` is routed as it is (a Request built by hand, without escapes).
+    raw_path: str = ""
 
     def header(self, name: str, default: str | None = None) -> str | None:
         return self.headers.get(name, default)
@@ -119,7 +127,8 @@ class Router:
             self._exact[(method, pattern)] = r
 
     def match(self, method: str, path: str) -> tuple[_Route, dict[str, str]]:
-        """Find the route; raises NotFound (unknown path) or MethodNotAllowed."""
+        """Find the route for a raw (percent-encoded) path; raises NotFound
+        (unknown path) or MethodNotAllowed."""
         if method == "HEAD":
             method = "GET"
         cached = self._cache.get((method, path))
@@ -135,7 +144,8 @@ class Router:
         hit = self._exact.get((method, path))
         if hit is not None:
             return hit, {}
-        segs = path.strip("/").split("/")
+        # Split first, decode each segment after: "%2F" never makes a new segment.
+        segs = [unquote(s) if "%" in s else s for s in path.strip("/").split("/")]
         allowed: list[str] = []
         for r in self._routes:
             if len(r.parts) != len(segs):
@@ -201,7 +211,7 @@ class RoutedApp:
             # answers 401, then 415, before a 404 or 405.
             if self.before is not None:
                 await self.before(req)
-            route, params = self.router.match(req.method, req.path)
+            route, params = self.router.match(req.method, req.raw_path or req.path)
             req.params = dict(params)
             req.route = f"{route.method} {route.pattern}"
             resp = await route.handler(req)

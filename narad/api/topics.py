@@ -29,25 +29,25 @@ UNSET = msgspec.UNSET
 
 class CreateTopicBody(msgspec.Struct, forbid_unknown_fields=True):
     name: str | None = None
-    partitions: int = 0
-    retention_ms: int | msgspec.UnsetType = UNSET
-    visibility_timeout_ms: int = 0
-    max_in_flight_per_partition: int = 0
-    max_acked_ahead_per_partition: int = 0
+    partitions: VAL.Int64 = 0
+    retention_ms: VAL.Int64 | msgspec.UnsetType = UNSET
+    visibility_timeout_ms: VAL.Int64 = 0
+    max_in_flight_per_partition: VAL.Int64 = 0
+    max_acked_ahead_per_partition: VAL.Int64 = 0
     schema: msgspec.Raw | msgspec.UnsetType = UNSET
     parent: str | None = None
-    fanout_delay_ms: int = 0
+    fanout_delay_ms: VAL.Int64 = 0
     owner: str | None = None  # accepted and ignored: the owner is always the caller
 
 
 class AlterTopicBody(msgspec.Struct, forbid_unknown_fields=True):
-    retention_ms: int | None = None
-    max_in_flight_per_partition: int | None = None
-    max_acked_ahead_per_partition: int | None = None
-    partitions: int | None = None
+    retention_ms: VAL.Int64 | None = None
+    max_in_flight_per_partition: VAL.Int64 | None = None
+    max_acked_ahead_per_partition: VAL.Int64 | None = None
+    partitions: VAL.Int64 | None = None
     schema: msgspec.Raw | msgspec.UnsetType = UNSET
-    schema_base_version: int | None = None
-    visibility_timeout_ms: int | None = None
+    schema_base_version: VAL.Int64 | None = None
+    visibility_timeout_ms: VAL.Int64 | None = None
 
 
 def topic_json(t: TopicRecord) -> dict[str, Any]:
@@ -137,6 +137,13 @@ class TopicsAPI:
             raise BadRequest("invalid argument: limit must be positive")
         limit = min(limit, 1000)
         token = req.q1("page_token") or ""
+        if token:
+            # The token is the topic name to resume at: anything else (bytes that are
+            # not UTF-8 arrive as surrogates) is not a token this node handed out.
+            try:
+                VAL.topic_name(token)
+            except BadRequest:
+                raise BadRequest("invalid argument: page_token is not a token from next_page_token") from None
         with self.ctx.store.read() as r:
             page = r.topics(start=token, limit=limit + 1)
         next_token = ""

@@ -64,7 +64,7 @@ class DeleteUserReq(msgspec.Struct, tag=True):
 
 
 class AuthAttemptReq(msgspec.Struct, tag=True):
-    """Ask before a bcrypt check for ``username``: is it throttled?"""
+    """Before a bcrypt check for ``username``: take a throttle token (refused: 429)."""
 
     username: str
 
@@ -72,13 +72,16 @@ class AuthAttemptReq(msgspec.Struct, tag=True):
 class AuthAttemptResp(msgspec.Struct):
     allowed: bool
     retry_after: float = 0.0
+    budget: bool = False  # a token of the node-wide failure budget was taken too
 
 
 class AuthOutcome(msgspec.Struct, tag=True):
-    """Report a bcrypt check's outcome (a note: no reply)."""
+    """Report a bcrypt check's outcome (a note: no reply); a correct password gives
+    back the tokens its attempt took (``budget``: as the attempt's answer said)."""
 
     username: str
     ok: bool
+    budget: bool = False
 
 
 class StatusReq(msgspec.Struct, tag=True):

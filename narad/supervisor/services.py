@@ -37,36 +37,80 @@ log = logging.getLogger("narad.supervisor")
 
 THROTTLE_BURST = 5
 THROTTLE_REFILL_SECONDS = 12.0
+BUDGET_BURST = 32
+BUDGET_REFILL_PER_SECOND = 4.0
+THROTTLE_NAMES_LIMIT = 100_000
 
 
 class LoginThrottle:
-    """Per-username token bucket over failed logins, for the whole node."""
+    """The failed-login throttle of the whole node, taken *before* each bcrypt
+    check (so concurrent attempts cannot all pass): per username a bucket of 5
+    tokens refilled one per 12 s; a check for a name with recent failures (its
+    bucket not full) also needs a token of the node-wide failure budget (32,
+    refilled 4 per second); a check for a name with a full bucket takes a
+    budget token when one is left but never waits for one. A correct password
+    gives back what its check took."""
 
     def __init__(self) -> None:
         self._buckets: dict[str, tuple[float, float]] = {}  # user -> (tokens, last refill)
+        self._budget = float(BUDGET_BURST)
+        self._budget_at: float | None = None
+        self._empty_logged = -1e18
 
     def _refill(self, user: str, now: float) -> float:
         tokens, last = self._buckets.get(user, (THROTTLE_BURST, now))
-        tokens = min(THROTTLE_BURST, tokens + (now - last) / THROTTLE_REFILL_SECONDS)
-        self._buckets[user] = (tokens, now)
-        return tokens
+        return min(THROTTLE_BURST, tokens + max(0.0, now - last) / THROTTLE_REFILL_SECONDS)
 
-    def attempt(self, user: str, now: float | None = None) -> tuple[bool, float]:
+    def _refill_budget(self, now: float) -> float:
+        if self._budget_at is not None:
+            self._budget = min(BUDGET_BURST, self._budget + max(0.0, now - self._budget_at) * BUDGET_REFILL_PER_SECOND)
+        self._budget_at = now
+        return self._budget
+
+    def attempt(self, user: str, now: float | None = None) -> tuple[bool, float, bool]:
+        """(allowed, seconds to wait when not, whether a budget token was taken)."""
         now = time.monotonic() if now is None else now
         tokens = self._refill(user, now)
-        if tokens >= 1:
-            return True, 0.0
-        return False, (1 - tokens) * THROTTLE_REFILL_SECONDS
+        if tokens < 1:
+            return False, (1 - tokens) * THROTTLE_REFILL_SECONDS, False
+        budget = self._refill_budget(now)
+        took = budget >= 1
+        if took:
+            self._budget = budget - 1
+        elif tokens < THROTTLE_BURST:
+            if now - self._empty_logged >= 10.0:
+                self._empty_logged = now
+                log.warning("auth: the node-wide failed-login budget is spent; refusing checks for names "
+                            "with recent failures")
+            return False, (1 - budget) / BUDGET_REFILL_PER_SECOND, False
+        self._buckets[user] = (tokens - 1, now)
+        if len(self._buckets) > THROTTLE_NAMES_LIMIT:
+            self._prune(now)
+        return True, 0.0, took
 
-    def outcome(self, user: str, ok: bool, now: float | None = None) -> None:
-        now = time.monotonic() if now is None else now
-        tokens = self._refill(user, now)
+    def outcome(self, user: str, ok: bool, budget: bool = False, now: float | None = None) -> None:
+        """A check's outcome: a failure keeps what its attempt took; a correct
+        password gives the tokens back."""
         if not ok:
-            self._buckets[user] = (max(0.0, tokens - 1), now)
-        elif tokens >= THROTTLE_BURST:
+            return
+        now = time.monotonic() if now is None else now
+        tokens = min(THROTTLE_BURST, self._refill(user, now) + 1)
+        if tokens >= THROTTLE_BURST:
             self._buckets.pop(user, None)
-        if len(self._buckets) > 100_000:
-            self._buckets.clear()
+        else:
+            self._buckets[user] = (tokens, now)
+        if budget:
+            self._budget = min(BUDGET_BURST, self._refill_budget(now) + 1)
+
+    def _prune(self, now: float) -> None:
+        """Forget names whose bucket is full again; if a spray of names still
+        leaves too many, keep the half with the fewest tokens (the names under attack)."""
+        live = {u: (t, at) for u, (t, at) in self._buckets.items()
+                if t + (now - at) / THROTTLE_REFILL_SECONDS < THROTTLE_BURST}
+        if len(live) > THROTTLE_NAMES_LIMIT // 2:
+            keep = sorted(live.items(), key=lambda kv: kv[1][0] + (now - kv[1][1]) / THROTTLE_REFILL_SECONDS)
+            live = dict(keep[:THROTTLE_NAMES_LIMIT // 2])
+        self._buckets = live
 
 
 class CtlRequest(msgspec.Struct, tag=True):
@@ -105,11 +149,11 @@ def worker_service(sup: Supervisor) -> rpc.Service:
         return await router.serve_forward(m)
 
     async def auth_attempt(m: Q.AuthAttemptReq, conn: rpc.Connection) -> Q.AuthAttemptResp:
-        ok, retry = sup.throttle.attempt(m.username)
-        return Q.AuthAttemptResp(ok, retry)
+        ok, retry, budget = sup.throttle.attempt(m.username)
+        return Q.AuthAttemptResp(ok, retry, budget)
 
     async def auth_outcome(m: Q.AuthOutcome, conn: rpc.Connection) -> None:
-        sup.throttle.outcome(m.username, m.ok)
+        sup.throttle.outcome(m.username, m.ok, m.budget)
         if not m.ok:
             sup.metrics.auth_failures.labels("bad_password").inc()
 

@@ -648,3 +648,18 @@ def broker_empty(node: Any, topic: str, partitions: int) -> Callable[[], bool]:
         return len(stats) == partitions and all(
             s.get("status") != "owner_unavailable" and s.get("lag") == 0 and s.get("in_flight") == 0 for s in stats)
     return probe
+
+
+def consume_until(rec: Recorder, node: Any, done: Callable[[], bool], timeout: float = 60.0) -> None:
+    """One consumer, recorded: consume and ack batches until ``done()`` (or the deadline)."""
+    conn = node.conn()
+    end = time.monotonic() + timeout
+    try:
+        while time.monotonic() < end and not done():
+            ds = rec.consume(node, conn, max_n=100)
+            assert ds is not None, "consume refused"
+            if ds:
+                statuses = rec.settle(node, ds, "ack", conn)
+                assert all(s == 204 for s in statuses), statuses
+    finally:
+        conn.close()

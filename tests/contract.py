@@ -330,14 +330,13 @@ def check(h: History, mode: str = "strict", *, grace_s: float | None = None, sla
             ss = by_handle.get(d.handle, [])
             if any(s.kind == "ack" and (s.ok or s.ambiguous) for s in ss):
                 continue
-            if any(acks_ok(x) for x in ds if x is not d):
-                continue  # the copy was acked through another lease (a double lease, if any, is flagged)
             nacks = [s for s in ss if s.kind == "nack" and s.ok]
             _, hi = lease_bounds(d)
             due = min([hi] + [s.ret for s in nacks])
-            later = [d2 for d2 in ds[i + 1:] if d2.nonce != d.nonce]
-            if later:
+            if any(d2.nonce != d.nonce for d2 in ds[i + 1:]):
                 explained += 1
+            elif any(acks_ok(x) for x in ds if x is not d):
+                pass  # the copy was acked through another lease (a double lease, if any, is flagged)
             elif due + slack < end:
                 v.violations["not_redelivered"].append(
                     f"{copy[0]}:{copy[1]} ({d.mid}) delivered at +{(d.call - h.start_ns) / NS:.3f} s, never acked "
@@ -485,14 +484,15 @@ class Traffic:
     ``nodes()`` gives the nodes to use now (a thread moves to the next one after an
     error). Consumers ack in batches; every ``extend_every``-th delivery is extended
     first, every ``nack_every``-th nacked instead, every ``abandon_every``-th never
-    settled (its lease must run out and bring it back)."""
+    settled (its lease must run out and bring it back). ``rotate_every``: a thread moves
+    to the next node after that many calls (so restarted nodes get traffic again)."""
 
     def __init__(self, history: History, topic: str, nodes: Callable[[], Sequence[Any]], *, producers: int = 3,
                  consumers: int = 3, pace_s: float = 0.002, extend_every: int = 0, nack_every: int = 0,
-                 abandon_every: int = 0, max_n: int = 20) -> None:
+                 abandon_every: int = 0, max_n: int = 20, rotate_every: int = 0) -> None:
         self.h, self.topic, self.nodes = history, topic, nodes
         self.rec = Recorder(history, topic)
-        self.pace_s, self.max_n = pace_s, max_n
+        self.pace_s, self.max_n, self.rotate_every = pace_s, max_n, rotate_every
         self.extend_every, self.nack_every, self.abandon_every = extend_every, nack_every, abandon_every
         self.stop_producing = threading.Event()
         self.stop_consuming = threading.Event()
@@ -528,6 +528,10 @@ class Traffic:
             st = self.rec.produce(node, f"p{tid}-{i}", conn)
             if st == 202:
                 self.stop_producing.wait(self.pace_s)
+                if self.rotate_every and i % self.rotate_every == self.rotate_every - 1:
+                    if conn is not None:
+                        conn.close()
+                    conn, node, k = None, None, k + 1  # spread the load over every node in turn
                 continue
             self._error()
             if conn is not None:
@@ -542,7 +546,13 @@ class Traffic:
         k = tid
         conn: http.client.HTTPConnection | None = None
         node = None
-        while not self.stop_consuming.is_set():
+        for i in itertools.count():
+            if self.stop_consuming.is_set():
+                break
+            if self.rotate_every and i % self.rotate_every == self.rotate_every - 1:
+                if conn is not None:
+                    conn.close()
+                conn, node, k = None, None, k + 1
             if node is None:
                 node = self._pick(k)
             try:

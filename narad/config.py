@@ -391,6 +391,8 @@ def validate(cfg: Config) -> None:
     w = cfg.node.workers
     if w != "auto" and (not w.isdigit() or not 1 <= int(w) <= 256):
         raise ConfigError(f"node.workers must be \"auto\" or a number from 1 to 256, got {w!r}")
+    if cfg.seconds("node", "worker_stuck_after") < 1.0:
+        raise ConfigError(f"node.worker_stuck_after must be at least 1s, got {cfg.node.worker_stuck_after!r}")
     for name, port in (("http.port", cfg.http.port), ("cluster.raft_port", cfg.cluster.raft_port),
                        ("cluster.cluster_port", cfg.cluster.cluster_port)):
         if not 0 <= port <= 65535 or (name == "http.port" and port == 0):

@@ -10,6 +10,7 @@ socket as $NOTIFY_SOCKET.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import signal
 import socket
@@ -95,7 +96,7 @@ def test_stuck_worker_is_named_then_killed_counted_and_restarted(tmp_path: Path,
     before = {w["index"]: w["pid"] for w in n.status()["workers"]}
     c0 = n.worker_connection(0)  # opened before worker 1 stops: new connections may land on it
     os.kill(before[1], signal.SIGSTOP)
-    status, body = wait_for(lambda: (s := _on(c0, "/readyz"))[0] == 503 and s, 20, 0.1,
+    _, body = wait_for(lambda: (s := _on(c0, "/readyz"))[0] == 503 and s, 20, 0.1,
                             "worker 0 to report worker 1 not responding")
     assert "worker 1 not responding for" in body, body
     assert _on(c0, "/healthz")[0] == 200  # the supervisor heals a stuck worker: the node is alive
@@ -191,5 +192,97 @@ def test_sd_notify_ready_status_and_watchdog_stops_with_a_stopped_loop(tmp_path:
         drain_until(lambda: "WATCHDOG=1" in got[start:], 20, "WATCHDOG=1 after SIGCONT")
         assert n.stop() == 0
         drain_until(lambda: any("STOPPING=1" in m for m in got), 5, "STOPPING=1")
+    finally:
+        sock.close()
+
+
+def test_stopped_fork_server_is_named_then_replaced(tmp_path: Path, node_factory: list[Node]) -> None:
+    n = Node(tmp_path / "d", workers=2, env={"NARAD_NODE_WORKER_STUCK_AFTER": "4s"})
+    node_factory.append(n)
+    n.start()
+    old_fs = _fork_server(n)
+    before = {w["pid"] for w in n.status()["workers"]}
+    old_fs.suspend()
+    _, body = wait_for(lambda: (s := _probe(n, "/readyz"))[0] == 503 and s, 20, 0.1,
+                            "/readyz to name the stopped fork server")
+    assert "fork server not responding for" in body, body
+    assert _probe(n, "/healthz")[0] == 200
+
+    def back() -> bool:
+        ws = n.status()["workers"]
+        return all(w["alive"] for w in ws) and not ({w["pid"] for w in ws} & before)
+
+    wait_for(back, 30, 0.1, "the stuck fork server to be replaced and the workers to come back")
+    n.wait_ready(30)
+    assert _fork_server(n).pid != old_fs.pid
+    assert "fork server not responding; killing and replacing it" in n.log()
+    assert n.metric("narad_forkserver_restarts_total") == 1
+
+
+def test_a_fork_server_that_keeps_dying_stops_the_node_nonzero(tmp_path: Path, node_factory: list[Node]) -> None:
+    n = Node(tmp_path / "d", workers=1)
+    node_factory.append(n)
+    n.start()
+    assert n.proc is not None
+    killed: set[int] = set()
+
+    def kill_every_server() -> bool:
+        if n.proc is None or n.proc.poll() is not None:
+            return True
+        with contextlib.suppress(psutil.Error):
+            for p in psutil.Process(n.proc.pid).children():
+                if p.pid not in killed:
+                    killed.add(p.pid)
+                    p.kill()
+        return False
+
+    wait_for(kill_every_server, 60, 0.02, "the supervisor to give up on its fork server")
+    assert n.proc.wait(30) == 1
+    assert len(killed) >= 5
+    assert "the fork server was lost 5 times within 60 s; stopping the node" in n.log()
+
+
+def test_wedged_raft_tick_thread_fails_healthz_and_withholds_the_watchdog(tmp_path: Path,
+                                                                        node_factory: list[Node]) -> None:
+    path = str(tmp_path / "notify.sock")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(path)
+    sock.setblocking(False)
+    stamps: list[float] = []
+
+    def drain() -> None:
+        while True:
+            try:
+                msg = sock.recv(4096).decode()
+            except BlockingIOError:
+                return
+            if msg == "WATCHDOG=1":
+                stamps.append(time.monotonic())
+
+    # Every metadata entry holds the tick thread for 6 s (the member heartbeat
+    # every 5 s proposes one): the thread is wedged most of the time.
+    n = Node(tmp_path / "d", workers=1, security=False,
+             env={"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "1000000", "NARAD_FAULT_APPLY_DELAY_MS": "6000"})
+    node_factory.append(n)
+    try:
+        n.start(wait=False)
+
+        def named() -> str | None:
+            drain()
+            with contextlib.suppress(OSError):
+                status, body = _probe(n, "/healthz")
+                if status == 503 and "raft tick thread not responding for" in body:
+                    return body
+            return None
+
+        body = wait_for(named, 40, 0.1, "/healthz to name the wedged raft tick thread")
+        assert "supervisor" not in body, body
+
+        def gap() -> bool:
+            drain()
+            return any(b - a >= 2.0 for a, b in itertools.pairwise(stamps))
+
+        wait_for(gap, 30, 0.1, "a pause in WATCHDOG=1 while the tick thread is wedged")
+        assert stamps, "the watchdog was never fed"
     finally:
         sock.close()

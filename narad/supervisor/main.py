@@ -621,20 +621,23 @@ class Supervisor:
             hb.beat(V.HB_SUPERVISOR)
             now = time.monotonic()
             workers = getattr(self, "workers", None)
-            if workers is not None:
-                workers.check_stuck(bound)
-                workers.note_healthy()
-            if watchdog is not None and now - last_watchdog >= watchdog:
-                raft_age = hb.age(V.HB_RAFT)
-                if raft_age is None or raft_age <= V.STALE_AFTER or self.versions.load(V.SHUTDOWN):
-                    last_watchdog = now
-                    sdnotify.notify("WATCHDOG=1")
-            if workers is not None and now - last_status_at >= 1.0 and hasattr(self, "raft"):
-                last_status_at = now
-                text = self.status_line()
-                if text != status:
-                    status = text
-                    sdnotify.notify(f"STATUS={text}")
+            try:
+                if workers is not None:
+                    workers.check_stuck(bound)
+                    workers.note_healthy()
+                if watchdog is not None and now - last_watchdog >= watchdog:
+                    raft_age = hb.age(V.HB_RAFT)
+                    if raft_age is None or raft_age <= V.STALE_AFTER or self.versions.load(V.SHUTDOWN):
+                        last_watchdog = now
+                        sdnotify.notify("WATCHDOG=1")
+                if workers is not None and now - last_status_at >= 1.0 and hasattr(self, "raft"):
+                    last_status_at = now
+                    text = self.status_line()
+                    if text != status:
+                        status = text
+                        sdnotify.notify(f"STATUS={text}")
+            except Exception:  # the stamp above must go on whatever fails here
+                log.exception("heartbeat loop: a check failed")
             await asyncio.sleep(V.HB_EVERY)
 
     def status_line(self) -> str:

@@ -188,6 +188,7 @@ class Verdict:
     violations: dict[str, list[str]] = field(default_factory=lambda: {r: [] for r in RULES})
     allowed: dict[str, int] = field(default_factory=lambda: {"dup_after_ack": 0, "double_lease": 0})
     fault_coverage: float = 0.0
+    lost_ack_ages_ns: list[int] = field(default_factory=list)  # fault start - ack return, per allowed dup
 
     @property
     def ok(self) -> bool:
@@ -210,6 +211,10 @@ class Verdict:
             f"extends {c.get('extends', 0)}, nacks {c.get('nacks', 0)}; faults {c.get('faults', 0)} "
             f"(run inside fault windows + grace: {self.fault_coverage:.0%}); violations {viol or 0}"
         ]
+        if self.lost_ack_ages_ns:
+            ages = sorted(self.lost_ack_ages_ns)
+            lines.append(f"  acks redelivered after a fault had returned up to {ages[-1] / NS * 1000:.0f} ms before it "
+                         f"(median {ages[len(ages) // 2] / NS * 1000:.0f} ms; negative: returned after it began)")
         for r, v in self.violations.items():
             for x in v[:5]:
                 lines.append(f"  {r}: {x}")
@@ -291,6 +296,10 @@ def check(h: History, mode: str = "strict", *, grace_s: float | None = None, sla
                           f"after an ack of it returned 204 (+{(first - h.start_ns) / NS:.3f} s)")
                 if mode == "faults" and in_window(d.call):
                     v.allowed["dup_after_ack"] += 1
+                    # how long before the fault (that window's start) the lost ack had returned
+                    starts = [f.start for f in faults if f.start <= d.call]
+                    if starts:
+                        v.lost_ack_ages_ns.append(max(starts) - first)
                 else:
                     v.violations["dup_after_ack"].append(detail)
 

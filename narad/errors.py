@@ -130,6 +130,16 @@ class Unavailable(NaradError):
     default_message = "service unavailable"
 
 
+class SchemaValidationBusy(NaradError):
+    """Schema validation capacity stayed busy for 5 s: nothing was stored, retry."""
+
+    status = 503
+    default_message = "schema: validation capacity busy, retry"
+
+    def __init__(self, message: str | None = None, **kw: object) -> None:
+        super().__init__(message, headers=[("Retry-After", "1")], **kw)  # type: ignore[arg-type]
+
+
 class GatewayTimeout(NaradError):
     status = 504
     default_message = "timed out"

@@ -25,6 +25,7 @@ from narad.api.router import Request, Response, Router, empty, json_response
 from narad.broker import caps as CAPS
 from narad.broker.broker import ACK, EXTEND, NACK
 from narad.broker.peers import Item
+from narad.broker.validation import ValidationCapacity
 from narad.errors import (
     BadRequest,
     Forbidden,
@@ -156,6 +157,7 @@ class MessagesAPI:
         self.broker = ctx.broker
         self.caps: CAPS.CapTable | None = ctx.caps
         self._validators: dict[tuple[str, int], PayloadValidator] = {}
+        self._validation = ValidationCapacity()  # one slot: this worker's core
         self.max_wait = ctx.cfg.seconds("http", "max_consume_wait")
         self.consume_cap = ctx.cfg.http.max_consume_in_flight_per_identity
         self.produce_cap = ctx.cfg.http.max_produce_in_flight_per_identity
@@ -249,7 +251,7 @@ class MessagesAPI:
         key = key_raw.encode("utf-8", "surrogateescape") if key_raw else None
         v = self._validator(t)
         if v is not None:
-            why = v.check(body)
+            why = await self._validation.check(v, body)
             if why is not None:
                 self.m.produce_rejections.labels(t.name, "schema").inc()
                 raise BadRequest(f"invalid argument: {why}")
@@ -353,14 +355,14 @@ class MessagesAPI:
             prepared.append((payload, key, m.partition, flags))
         # Pass 2: partition range and schema.
         v = self._validator(t)
-        for i, (payload, _key, part, _flags) in enumerate(prepared):
+        for i, (_payload, _key, part, _flags) in enumerate(prepared):
             if part is not None and part >= t.partitions:
                 raise BadRequest(f"message {i}: invalid argument: partition out of range")
-            if v is not None:
-                why = v.check(payload)
-                if why is not None:
-                    self.m.produce_rejections.labels(t.name, "schema").inc()
-                    raise BadRequest(f"message {i}: invalid argument: {why}")
+        if v is not None:
+            bad = await self._validation.check_many(v, [p for p, _k, _part, _f in prepared])
+            if bad is not None:
+                self.m.produce_rejections.labels(t.name, "schema").inc()
+                raise BadRequest(f"message {bad[0]}: invalid argument: {bad[1]}")
         entries = []
         for payload, key, part, flags in prepared:
             if part is None:

@@ -1,0 +1,145 @@
+"""The bounded schema-validation capacity of one worker.
+
+A worker is pinned to one core, so it gets one validation slot (Narad: one
+concurrent validation per CPU core): one thread, fed by a semaphore. A produce
+whose payload is small and whose schema is cheap is validated inline on the
+event loop with a small step allowance (narad.meta.schemas.INLINE_STEPS per
+request); anything else waits up to WAIT_S for the slot, else 503 ``schema:
+validation capacity busy, retry``. On the thread a validation runs under its
+step budget and a DEADLINE_S wall-clock deadline (past it: the same 503).
+
+The thread holds the GIL while it runs pure-Python jsonschema; the event loop
+still gets the interpreter every switch interval (5 ms), so it keeps turning
+(slower) and the step budget bounds how long. A canceled request sets the
+budget's cancel flag; the slot is given back only when the thread has stopped.
+
+Test seam: NARAD_FAULT_SCHEMA_HOLD_MS keeps the slot that much longer after
+each validation on the thread (to make the capacity busy on purpose).
+
+Imports narad.meta.schemas and narad.errors only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import os
+import sys
+import threading
+import time
+
+from narad.errors import SchemaValidationBusy
+from narad.meta.schemas import NeedsCapacity, OutOfTime, PayloadValidator
+
+WAIT_S = 5.0
+DEADLINE_S = 10.0
+# jsonschema needs ~5 Python frames per document level and a schema's own
+# in-place nesting on top: 256 levels need more than the default 1000.
+RECURSION_LIMIT = 6000
+THREAD_STACK = 64 << 20
+
+
+def _hold_s() -> float:
+    try:
+        return max(0.0, int(os.environ.get("NARAD_FAULT_SCHEMA_HOLD_MS", "0") or 0) / 1000)
+    except ValueError:
+        return 0.0
+
+
+class ValidationCapacity:
+    def __init__(self, slots: int = 1) -> None:
+        self.slots = slots
+        self._sem: asyncio.Semaphore | None = None
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._hold = _hold_s()
+        self.in_flight = 0
+
+    def _start(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._pool is None:
+            if sys.getrecursionlimit() < RECURSION_LIMIT:
+                sys.setrecursionlimit(RECURSION_LIMIT)
+            old = threading.stack_size(THREAD_STACK)
+            try:
+                self._pool = concurrent.futures.ThreadPoolExecutor(self.slots, thread_name_prefix="narad-schema")
+                # threads start on demand: start them now, while the stack size is set
+                list(self._pool.map(lambda _: None, range(self.slots)))
+            finally:
+                threading.stack_size(old)
+        return self._pool
+
+    async def check(self, v: PayloadValidator, payload: bytes) -> str | None:
+        """None if the payload is valid, else the 400 reason; raises SchemaValidationBusy."""
+        res = await self.check_many(v, [payload])
+        return None if res is None else res[1]
+
+    async def check_many(self, v: PayloadValidator, payloads: list[bytes]) -> tuple[int, str] | None:
+        """The first invalid payload (index, reason), or None. Inline while the
+        request's allowance lasts, then the rest in one job on the slot."""
+        start = len(payloads)
+        for i, p in enumerate(payloads):
+            if not v.inline_ok(p):
+                start = i
+                break
+            try:
+                why = v.check(p, inline=True)
+            except NeedsCapacity:
+                start = i
+                break
+            if why is not None:
+                return i, why
+            if i + 1 < len(payloads):
+                await asyncio.sleep(0)  # let the loop turn between messages of a batch
+        if start == len(payloads):
+            return None
+        return await self._on_slot(v, payloads, start)
+
+    async def _on_slot(self, v: PayloadValidator, payloads: list[bytes], start: int) -> tuple[int, str] | None:
+        if self._sem is None:
+            self._sem = asyncio.Semaphore(self.slots)
+        sem = self._sem
+        try:
+            await asyncio.wait_for(sem.acquire(), WAIT_S)
+        except TimeoutError:
+            raise SchemaValidationBusy() from None
+        loop = asyncio.get_running_loop()
+        cancel = threading.Event()
+
+        def job() -> tuple[int, str] | OutOfTime | None:
+            try:
+                deadline = time.monotonic() + DEADLINE_S
+                for i in range(start, len(payloads)):
+                    why = v.check(payloads[i], inline=False, deadline=deadline, cancel=cancel)
+                    if why is not None:
+                        return i, why
+                return None
+            except OutOfTime as e:
+                return e
+            finally:
+                if self._hold:
+                    time.sleep(self._hold)
+
+        try:
+            cf = self._start().submit(job)
+        except BaseException:
+            sem.release()
+            raise
+        self.in_flight += 1
+
+        def give_back() -> None:
+            self.in_flight -= 1
+            sem.release()
+
+        def done(_: object) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop closed (worker stopping)
+                loop.call_soon_threadsafe(give_back)
+
+        cf.add_done_callback(done)
+        try:
+            res = await asyncio.wrap_future(cf)
+        except asyncio.CancelledError:
+            cancel.set()  # the thread stops at its next budget check
+            raise
+        if isinstance(res, OutOfTime):
+            raise SchemaValidationBusy()
+        return res

@@ -9,9 +9,18 @@ owns the accept loop (so ``max_connections`` can pause accepting), a single
 sweep timer that enforces every connection's read/idle/linger deadline, and
 the graceful drain.
 
-Imports only narad.api.router and narad.errors (plus stdlib and httptools);
-touches nothing but the listening socket it is given and the connections it
-accepts on it.
+A client that goes away is noticed at once: the connection closing, or EOF
+(FIN) while a request runs, which Go's server also treats as the client gone,
+cancels a handler that opted in (``narad.api.hangup``: the long-poll consume),
+so it gives back what it reserved instead of answering nobody. Other handlers
+finish; a half-closed client still gets their answers.
+
+An HTTP/1.1 request without a Host header, or with more than one, is refused
+with 400 (RFC 9112 3.2), as Go does.
+
+Imports only narad.api.router, narad.api.hangup and narad.errors (plus stdlib
+and httptools); touches nothing but the listening socket it is given and the
+connections it accepts on it.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ from urllib.parse import parse_qs, unquote
 
 import httptools
 
+from narad.api.hangup import Hangup, enter
 from narad.api.router import App, Request, Response
 from narad.errors import BadRequest, InternalError, NaradError, PayloadTooLarge
 
@@ -93,10 +103,10 @@ class _Conn(asyncio.Protocol):
     """One HTTP/1.x connection. Parser callbacks (on_*) run inside feed_data."""
 
     __slots__ = (
-        "_app", "_body", "_body_len", "_busy", "_closing", "_deadline", "_dkind", "_eof", "_expect", "_hdr_bytes",
-        "_hdr_done", "_hdr_raw", "_headers", "_in_msg", "_limit", "_limit_status", "_linger_bytes", "_loop",
-        "_lost", "_max_hdr", "_method", "_parser", "_path", "_peer", "_query", "_queue", "_rpaused", "_srv",
-        "_stop_parse", "_task", "_transport", "_url", "_wpaused",
+        "_app", "_body", "_body_len", "_busy", "_closing", "_deadline", "_dkind", "_eof", "_expect", "_hang",
+        "_hdr_bytes", "_hdr_done", "_hdr_raw", "_headers", "_hosts", "_in_msg", "_limit", "_limit_status",
+        "_linger_bytes", "_loop", "_lost", "_max_hdr", "_method", "_parser", "_path", "_peer", "_query", "_queue",
+        "_rpaused", "_srv", "_stop_parse", "_task", "_transport", "_url", "_wpaused",
     )
 
     def __init__(self, srv: Http1Server, peer: str) -> None:
@@ -112,6 +122,7 @@ class _Conn(asyncio.Protocol):
         self._hdr_done = False  # headers of the current message complete
         self._url = b""
         self._headers: dict[str, str] = {}
+        self._hosts = 0  # Host header lines in the current message
         self._body: list[bytes] = []
         self._body_len = 0
         self._hdr_bytes = 0  # exact: url + complete header lines
@@ -126,6 +137,7 @@ class _Conn(asyncio.Protocol):
         self._queue: deque[tuple[Request | None, int, Response | None]] = deque()
         self._busy = False  # a handler task runs
         self._task: asyncio.Task[None] | None = None
+        self._hang: Hangup | None = None  # the running handler's client-gone signal
         self._stop_parse = False  # parse no more input (error queued, or a "close" request received)
         self._closing = False  # final response written: half-closed, lingering
         self._eof = False  # the client half-closed its side
@@ -155,11 +167,23 @@ class _Conn(asyncio.Protocol):
         self._queue.clear()
         self._parser = None  # type: ignore[assignment]  # break the parser <-> protocol cycle
         self._srv._conn_closed(self)
+        h = self._hang
+        if h is not None:
+            h.client_gone()  # a parked long poll gives back what it holds, now
 
     def eof_received(self) -> bool:
         self._eof = True
         if self._closing:
             return False  # lingering: the client is done, close now
+        h = self._hang
+        if h is not None and self._busy:
+            # EOF while a request runs: the client is gone (as Go's server sees it). A long
+            # poll is cancelled at once; then the connection closes (see _run).
+            h.client_gone()
+            if h.armed:
+                self._stop_parse = True
+                self._queue.clear()
+                return True
         if self._busy or self._queue:
             # half-closed after sending complete requests: answer them, then close
             self._stop_parse = True
@@ -229,6 +253,7 @@ class _Conn(asyncio.Protocol):
         self._hdr_done = False
         self._url = b""
         self._headers = {}
+        self._hosts = 0
         self._body = []
         self._body_len = 0
         self._hdr_bytes = 0
@@ -254,6 +279,8 @@ class _Conn(asyncio.Protocol):
             raise _Abort
         n = name.decode("latin-1").lower()
         v = value.decode("latin-1")
+        if n == "host":
+            self._hosts += 1
         h = self._headers
         old = h.get(n)
         h[n] = v if old is None else f"{old}, {v}"
@@ -304,6 +331,11 @@ class _Conn(asyncio.Protocol):
         self._expect = False
         self._deadline = 0.0
         self._dkind = _D_NONE
+        if self._hosts != 1 and (self._hosts or self._parser.get_http_version() != "1.0"):
+            # RFC 9112 3.2: exactly one Host in HTTP/1.1 (none is fine in 1.0, two never)
+            self._fail(self._error(BadRequest("missing required Host header" if not self._hosts
+                                              else "too many Host headers")))
+            return
         b = self._body
         body = b"" if not b else (b[0] if len(b) == 1 else b"".join(b))
         h = self._headers
@@ -318,8 +350,7 @@ class _Conn(asyncio.Protocol):
         if self._busy or self._queue or self._wpaused:
             self._queue.append((req, keep, None))  # pipelined: runs after what is ahead of it
         else:  # fast path: start the handler now (create_task only schedules it)
-            self._busy = True
-            self._task = self._loop.create_task(self._run(req, keep))
+            self._start(req, keep)
 
     # ---- request processing --------------------------------------------------
 
@@ -387,10 +418,9 @@ class _Conn(asyncio.Protocol):
                     return
                 self._finish()
                 return
-            self._busy = True
             self._deadline = 0.0
             self._dkind = _D_NONE
-            self._task = self._loop.create_task(self._run(req, keep))
+            self._start(req, keep)
             return
         tr = self._transport
         if self._srv._draining and not self._in_msg:
@@ -413,19 +443,40 @@ class _Conn(asyncio.Protocol):
             self._deadline = self._loop.time() + self._srv._limits.idle_timeout
             self._dkind = _D_IDLE
 
-    async def _run(self, req: Request, keep: int) -> None:
+    def _start(self, req: Request, keep: int) -> None:
+        self._busy = True
+        h = self._hang = Hangup(self._eof)  # a request run after EOF meets a client already gone
+        h.task = self._task = self._loop.create_task(self._run(req, keep, h))
+
+    async def _run(self, req: Request, keep: int, h: Hangup) -> None:
+        enter(h)
         try:
             resp = await self._app.handle(req)
         except Exception:
             log.exception("app.handle raised", extra={"method": req.method, "path": req.path})
             resp = self._error(InternalError())
-        except BaseException:  # cancelled by a forced shutdown
+        except BaseException:  # cancelled: the client went away, or a forced shutdown
             self._busy = False
             self._task = None
+            self._hang = None
             self._srv._orphans.discard(self)
+            if h.gone and not self._lost and self._transport is not None:
+                self._transport.close()  # nothing more is answered to a client that hung up
             raise
         self._busy = False
         self._task = None
+        self._hang = None
+        if h.gone and h.armed and not self._lost:
+            # the client went away as the handler finished: its answer reaches nobody
+            self._srv._orphans.discard(self)
+            if resp.on_dropped is not None:
+                try:
+                    resp.on_dropped()
+                except Exception:
+                    log.exception("on_dropped hook failed")
+            if self._transport is not None:
+                self._transport.close()
+            return
         if self._lost:
             self._srv._orphans.discard(self)  # the client went away: drop the response
             if resp.on_dropped is not None:

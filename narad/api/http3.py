@@ -8,7 +8,13 @@ body-size and read-time limits, answers an app crash with 500, and keeps a hosti
 peer's damage to its own stream or connection. ``drain()`` sends GOAWAY, refuses
 new connections and streams, lets in-flight requests finish and closes.
 
-Imports narad.api.router, narad.errors, the stdlib and aioquic only. It works on
+A client that goes away mid-request (resets the request stream, stops reading
+the answer, or closes the connection) cancels the handler when it opted in
+(``narad.api.hangup``: the long-poll consume), so a parked consume gives back
+what it reserved at once; an answer that can no longer be sent is dropped
+through ``Response.on_dropped`` (a consume nacks its leases).
+
+Imports narad.api.router, narad.api.hangup, narad.errors, the stdlib and aioquic only. It works on
 its own dup of the caller's socket, so the caller's socket is never closed here.
 A few aioquic internals are read (marked "aioquic internal"); they are guarded
 so a future aioquic release degrades a feature instead of crashing the worker.
@@ -52,6 +58,7 @@ from aioquic.quic.events import (
 from aioquic.quic.packet import QuicErrorCode, QuicFrameType, QuicPacketType, pull_quic_header
 from aioquic.quic.packet_builder import QuicPacketBuilder
 
+from narad.api.hangup import Hangup, enter
 from narad.api.router import GENERAL_BODY_LIMIT, App, Request, Response
 from narad.errors import BadRequest, InternalError, NaradError, PayloadTooLarge
 
@@ -82,7 +89,7 @@ _408 = Response(408, b"request timeout\n", "text/plain; charset=utf-8")
 class _Stream:
     """One request stream's state."""
 
-    __slots__ = ("chunks", "fin", "headers", "junk", "limit", "method", "over_status", "path", "phase",
+    __slots__ = ("chunks", "fin", "hang", "headers", "junk", "limit", "method", "over_status", "path", "phase",
                  "query", "sid", "size", "task", "timer")
 
     def __init__(self, sid: int) -> None:
@@ -100,6 +107,7 @@ class _Stream:
         self.junk = 0  # bytes received after we stopped reading
         self.timer: asyncio.TimerHandle | None = None
         self.task: asyncio.Task[None] | None = None
+        self.hang: Hangup | None = None
 
 
 def _header_value(value: str) -> bytes | None:
@@ -196,11 +204,15 @@ class _H3Protocol(QuicConnectionProtocol):
                 st.fin = True
                 if st.phase != _HANDLING:
                     self._forget(st)
+                elif st.hang is not None:
+                    st.hang.client_gone()  # the client cancelled the request (RFC 9114 4.1.2)
         elif isinstance(event, StopSendingReceived):
             if h3 is not None:
                 h3.handle_event(event)
             st = self._streams.get(event.stream_id)
             if st is not None:  # the peer no longer wants the answer
+                if st.hang is not None:
+                    st.hang.gone = True
                 if st.task is not None:
                     st.task.cancel()
                     st.task = None
@@ -330,32 +342,42 @@ class _H3Protocol(QuicConnectionProtocol):
         req = Request(st.method, unquote(st.path), query, st.headers, body, client=_peer_ip(self._addr),
                       transport="h3", raw_path=st.path)
         st.phase = _HANDLING
-        st.task = self._loop.create_task(self._run(st, req))
+        h = st.hang = Hangup()
+        h.task = st.task = self._loop.create_task(self._run(st, req, h))
 
-    async def _run(self, st: _Stream, req: Request) -> None:
+    async def _run(self, st: _Stream, req: Request, h: Hangup) -> None:
+        enter(h)
         try:
             try:
                 resp = await self._srv.app.handle(req)
             except Exception as e:
                 log.exception("http3: handler raised", extra={"method": req.method, "path": req.path})
                 resp = self._srv._error(InternalError(f"internal error: {type(e).__name__}"))
-            if st.phase == _HANDLING:
+            sent = False
+            if st.phase == _HANDLING and not (h.gone and h.armed):
                 try:
-                    self._respond(st, resp)
+                    sent = self._respond(st, resp)
                 except Exception:  # not a usable Response: nothing was sent yet
                     log.exception("http3: could not encode the response", extra={"method": req.method})
                     self._respond(st, self._srv._error(InternalError()))
+            if not sent and resp.on_dropped is not None:
+                try:
+                    resp.on_dropped()  # the client is gone: a consume gives its leases back now
+                except Exception:
+                    log.exception("http3: on_dropped hook failed")
         finally:
+            st.hang = None
             st.task = None
             if st.phase == _HANDLING:
                 st.phase = _DONE
             if st.fin and self._streams.get(st.sid) is st:
                 del self._streams[st.sid]
 
-    def _respond(self, st: _Stream, resp: Response) -> None:
+    def _respond(self, st: _Stream, resp: Response) -> bool:
+        """Hand the answer to aioquic; False if it cannot be sent (stream or connection gone)."""
         h3 = self._h3
         if self._dead or h3 is None:
-            return
+            return False
         status = resp.status
         headers: list[tuple[bytes, bytes]] = [(b":status", str(status).encode())]
         no_body = st.method == "HEAD" or status == 204 or status == 304 or status < 200
@@ -380,7 +402,10 @@ class _H3Protocol(QuicConnectionProtocol):
                 h3.send_data(st.sid, body, end_stream=True)
         except Exception as e:  # the stream was reset or stopped meanwhile
             log.debug("http3: could not send the response on stream %d: %s", st.sid, e)
+            self._flush_soon()
+            return False
         self._flush_soon()
+        return True
 
     # -- early answers, refusals ------------------------------------------------------------
 

@@ -21,6 +21,7 @@ from typing import Annotated, Any
 import msgspec
 
 from narad.api.context import NESTED_TOO_DEEP, ApiContext, parse_int
+from narad.api.hangup import cancel_on_hangup
 from narad.api.router import Request, Response, Router, empty, json_response
 from narad.broker import caps as CAPS
 from narad.broker.broker import ACK, EXTEND, NACK
@@ -405,6 +406,9 @@ class MessagesAPI:
                 raise BadRequest("invalid argument: max cannot be combined with offset")
             offset = parse_int(raw_off, "offset", minimum=0)
             return await self._replay(t, partition, offset)
+        if wait > 0:
+            # A client that goes away cancels the poll at once: the broker gives back what it held.
+            cancel_on_hangup()
         ident = None
         if self.consume_cap > 0 and self.caps is not None:
             ident = self._identity_key(req)
@@ -431,7 +435,9 @@ class MessagesAPI:
             out.append(render(t.name, it, True))
             size += len(it.payload) + 256
         if leftover:
-            await self.broker.nack_items(t, leftover)
+            # given back in the background: no await between the reserve and the answer, so a
+            # cancellation (the client hung up) cannot strand the leases this request holds
+            self._giver(t, leftover)()
             items = [it for it in items if it not in leftover]
         resp = json_response(200, {"messages": out}, headers)
         resp.on_dropped = self._giver(t, items)

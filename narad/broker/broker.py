@@ -9,7 +9,12 @@ One per worker process, on its event loop. It owns:
   workers over ``peers`` (one local hop);
 * the consume waiters parked on this worker (local data wakes them at once;
   other workers wake them through watch / ready notes, and a parked consumer
-  re-checks every second regardless);
+  re-checks every second regardless). A consume whose client hung up is
+  cancelled (narad.api.hangup): at any await it gives back what it reserved
+  (here, at another worker, at another node; a probe still in flight is nacked
+  when it answers), leaves the park, passes on a wake it had just received,
+  and, when it was this worker's last consume of the topic, withdraws its
+  watch tokens at the owners (UnwatchNote);
 * the offset committer (page cache every 100 ms, fdatasync every
   ``consumer_offset_commit_interval``), the lease-expiry sweep (1 s) and the
   retention reaper (60 s);
@@ -107,6 +112,7 @@ class Broker:
         self._tasks: list[asyncio.Task[None]] = []
         self._late: set[asyncio.Task[Any]] = set()  # consume probes answered after we stopped waiting
         self._armed: dict[tuple[str, str], float] = {}  # (topic, node) -> when our watch token was left there
+        self._polling: dict[str, int] = {}  # topic -> consumes of it running on this worker
         self._topics_ver = -1
         self._synced: dict[tuple[str, int], float] = {}
         self._leveled: dict[tuple[str, int], float] = {}
@@ -392,7 +398,11 @@ class Broker:
             i = parts[(start + k) % len(parts)]
             p = self.partitions.get((t.name, i))
             if p is None or p.topic_id != t.id:
-                p = await self.partition(t, i)
+                try:
+                    p = await self.partition(t, i)
+                except BaseException:  # cancelled (the client hung up) or the open failed
+                    self._give_back_owned(t, out)
+                    raise
             out.extend(self._reserve_in(p, t, max_n - len(out), now))
             if len(out) >= max_n:
                 break
@@ -411,63 +421,133 @@ class Broker:
             node, _ = self.where(t, partition)
             if node is None or (node != self.node_id and not self.remote.node_alive(node)):
                 raise Unavailable("partition owner is down; retry later")
-        first = True
-        while True:
-            workers, nodes = self.owners(t, partition)
-            peers = [w for w in workers if w != self.index]
-            got = await self.reserve_owned(t, max_n, partition) if self.index in workers else []
-            if len(got) < max_n and (peers or nodes):
-                if wait > 0 and not got and first:
+        name = t.name
+        self._polling[name] = self._polling.get(name, 0) + 1
+        got: list[P.Item] = []
+        hung_up = absorbed = False
+        try:
+            first = True
+            while True:
+                got = []
+                workers, nodes = self.owners(t, partition)
+                peers = [w for w in workers if w != self.index]
+                if self.index in workers:
+                    got = await self.reserve_owned(t, max_n, partition)  # gives back its own if cancelled
+                if len(got) < max_n and (peers or nodes):
+                    if wait > 0 and not got and first:
+                        for w in peers:
+                            self.links.notify(w, P.WatchNote(name, self.index))
+                        if partition is not None:
+                            for n in nodes:
+                                self.remote.notify(n, P.WatchNote(name, self.index, self.node_id))
                     for w in peers:
-                        self.links.notify(w, P.WatchNote(t.name, self.index))
-                    if partition is not None:
-                        for n in nodes:
-                            self.remote.notify(n, P.WatchNote(t.name, self.index, self.node_id))
-                for w in peers:
-                    req = P.ConsumeReq(t.name, t.id, max_n - len(got), partition)
-                    got.extend(await self._reserve_at(t, self.links.call(w, req, P.ConsumeResp, timeout=10.0),
-                                                      2.0, f"worker {w}"))
-                    if len(got) >= max_n:
-                        break
-                hints = self._armed
-                for n in nodes:
-                    if len(got) >= max_n:
-                        break
-                    if not self.remote.node_alive(n):
-                        continue
-                    key = (t.name, n)
-                    if partition is None:
-                        # A node that came back short holds our watch token and says when it has
-                        # records (ReadyNote): until then, or WATCH_TTL, do not ask it again.
-                        armed = hints.get(key)
-                        if armed is not None and loop.time() - armed < WATCH_TTL:
+                        req = P.ConsumeReq(name, t.id, max_n - len(got), partition)
+                        got.extend(await self._reserve_at(t, self.links.call(w, req, P.ConsumeResp, timeout=10.0),
+                                                          2.0, f"worker {w}"))
+                        if len(got) >= max_n:
+                            break
+                    hints = self._armed
+                    for n in nodes:
+                        if len(got) >= max_n:
+                            break
+                        if not self.remote.node_alive(n):
                             continue
-                    want = max_n - len(got)
-                    req = P.ConsumeReq(t.name, t.id, want, partition, P.NODE)
-                    items = await self._reserve_at(t, self.remote.call(n, req, P.ConsumeResp, timeout=10.0),
-                                                   0.5, f"node {n}")
-                    got.extend(items)
-                    if len(items) < want and partition is None:
-                        hints[key] = loop.time()
-                        self.remote.notify(n, P.WatchNote(t.name, self.index, self.node_id))
-            first = False
-            remaining = deadline - loop.time()
-            if got or remaining <= 0 or self.closing:
-                if got:
-                    self.m.messages_consumed.labels(t.name).inc(len(got))
-                return got
-            fut: asyncio.Future[bool] = loop.create_future()
-            self._waiters.setdefault(t.name, deque()).append(fut)
-            self.m.consume_waiters.inc()
-            timer = loop.call_later(min(remaining, PARK_RECHECK), _wake_false, fut)
-            try:
-                await fut
-            finally:
-                timer.cancel()
-                self.m.consume_waiters.dec()
-            cur = self.store.topic(t.name)
-            if cur is None or cur.id != t.id:
-                raise NotFound(f'topic "{t.name}" not found')
+                        key = (name, n)
+                        if partition is None:
+                            # A node that came back short holds our watch token and says when it has
+                            # records (ReadyNote): until then, or WATCH_TTL, do not ask it again.
+                            armed = hints.get(key)
+                            if armed is not None and loop.time() - armed < WATCH_TTL:
+                                continue
+                        want = max_n - len(got)
+                        req = P.ConsumeReq(name, t.id, want, partition, P.NODE)
+                        items = await self._reserve_at(t, self.remote.call(n, req, P.ConsumeResp, timeout=10.0),
+                                                       0.5, f"node {n}")
+                        got.extend(items)
+                        if len(items) < want and partition is None:
+                            hints[key] = loop.time()
+                            self.remote.notify(n, P.WatchNote(name, self.index, self.node_id))
+                first = False
+                remaining = deadline - loop.time()
+                if got or remaining <= 0 or self.closing:
+                    if got:
+                        self.m.messages_consumed.labels(name).inc(len(got))
+                    return got
+                got = []
+                fut: asyncio.Future[bool] = loop.create_future()
+                self._waiters.setdefault(name, deque()).append(fut)
+                self.m.consume_waiters.inc()
+                timer = loop.call_later(min(remaining, PARK_RECHECK), _wake_false, fut)
+                try:
+                    await fut
+                except asyncio.CancelledError:
+                    if fut.done() and not fut.cancelled() and fut.result():
+                        absorbed = True  # woken in the same instant: the wake goes to the next waiter
+                    else:
+                        self._unpark(name, fut)
+                    raise
+                finally:
+                    timer.cancel()
+                    self.m.consume_waiters.dec()
+                cur = self.store.topic(name)
+                if cur is None or cur.id != t.id:
+                    raise NotFound(f'topic "{name}" not found')
+        except asyncio.CancelledError:
+            hung_up = True
+            if got:
+                self._give_back(t, got, "cancelled consume")
+            raise
+        finally:
+            left = self._polling.get(name, 1) - 1
+            if left > 0:
+                self._polling[name] = left
+            else:
+                self._polling.pop(name, None)
+            if hung_up:
+                self._hung_up(t, left, absorbed)
+
+    def _unpark(self, topic: str, fut: asyncio.Future[bool]) -> None:
+        q = self._waiters.get(topic)
+        if q is None:
+            return
+        with contextlib.suppress(ValueError):
+            q.remove(fut)
+        if not q:
+            self._waiters.pop(topic, None)
+
+    def _hung_up(self, t: TopicRecord, left: int, absorbed: bool) -> None:
+        """A consume of `t` was cancelled (its client went away). A wake it had just
+        received goes to the next waiter here; if no consume of the topic is left on
+        this worker, the watch tokens it left at the owners are withdrawn (and, when a
+        wake was lost with it, the owners tell their next watcher)."""
+        name = t.name
+        if absorbed and self._waiters.get(name):
+            self._wake(name, 1)
+            absorbed = False
+        if left > 0:
+            return
+        workers, nodes = self.owners(t)
+        for w in workers:
+            if w != self.index:
+                self.links.notify(w, P.UnwatchNote(name, self.index, "", absorbed))
+        for n in nodes:
+            self._armed.pop((name, n), None)  # the next consume here asks that node at once
+            if self.remote.node_alive(n):
+                self.remote.notify(n, P.UnwatchNote(name, self.index, self.node_id, absorbed))
+
+    def _give_back_owned(self, t: TopicRecord, items: list[P.Item]) -> None:
+        """Nack leases of this worker's partitions that nobody will see (synchronous)."""
+        if items:
+            self.settle_owned(t, [(i.partition, i.offset, i.nonce) for i in items], NACK)
+
+    def _give_back(self, t: TopicRecord, items: list[P.Item], why: str) -> None:
+        """Nack leases wherever their owners are, now, in the background."""
+        if not items:
+            return
+        log.debug("giving back leases nobody will see", extra={"why": why, "records": len(items)})
+        back = self.loop.create_task(self.nack_items(t, items))
+        self._late.add(back)
+        back.add_done_callback(self._late.discard)
 
     async def _reserve_at(self, t: TopicRecord, call: Awaitable[P.ConsumeResp], wait: float,
                           where: str) -> list[P.Item]:
@@ -476,29 +556,35 @@ class Broker:
         whatever it returns late is given back at once (nack), so no lease is orphaned
         until its visibility timeout."""
         task = self.loop.create_task(call)  # type: ignore[arg-type]
-        done, _ = await asyncio.wait({task}, timeout=wait)
+        try:
+            done, _ = await asyncio.wait({task}, timeout=wait)
+        except asyncio.CancelledError:
+            # Our consumer went away mid-probe: the probe runs on (the owner may have
+            # reserved already) and whatever it brings is given back at once.
+            self._adopt_probe(t, task, where, "the consumer went away")
+            raise
         if task in done:
             try:
                 return task.result().items
             except Exception as e:
                 log.debug("consume probe failed", extra={"at": where, "err": str(e)})
                 return []
+        self._adopt_probe(t, task, where, "consume probe answered late")
+        return []
 
+    def _adopt_probe(self, t: TopicRecord, task: asyncio.Task[P.ConsumeResp], where: str, why: str) -> None:
+        """Nobody waits for this probe any more: nack what it reserved when it answers."""
         def late(tk: asyncio.Task[P.ConsumeResp]) -> None:
             if tk.cancelled() or tk.exception() is not None:
                 return
             items = tk.result().items
             if items:
-                log.info("consume probe answered late; its leases are given back",
-                         extra={"at": where, "records": len(items)})
-                back = self.loop.create_task(self.nack_items(t, items))
-                self._late.add(back)
-                back.add_done_callback(self._late.discard)
+                log.info(f"{why}; its leases are given back", extra={"at": where, "records": len(items)})
+                self._give_back(t, items, why)
 
         self._late.add(task)
         task.add_done_callback(self._late.discard)
         task.add_done_callback(late)
-        return []
 
     async def nack_items(self, t: TopicRecord, items: list[P.Item]) -> None:
         """Give back leases a consumer will never see (it went away)."""
@@ -647,15 +733,19 @@ class Broker:
 
         async def consume(m: P.ConsumeReq, _c: Any) -> P.ConsumeResp:
             t = self._topic_for(m.topic, m.topic_id)
-            items = await self.reserve_owned(t, m.max, m.partition)
+            items = await self.reserve_owned(t, m.max, m.partition)  # gives back its own if cancelled
             if m.scope == P.NODE and len(items) < m.max:
                 workers, _ = self.owners(t, m.partition)
-                for w in workers:
-                    if w == self.index or len(items) >= m.max:
-                        continue
-                    sub = P.ConsumeReq(m.topic, m.topic_id, m.max - len(items), m.partition)
-                    items.extend(await self._reserve_at(t, self.links.call(w, sub, P.ConsumeResp, timeout=10.0),
-                                                        0.3, f"worker {w}"))
+                try:
+                    for w in workers:
+                        if w == self.index or len(items) >= m.max:
+                            continue
+                        sub = P.ConsumeReq(m.topic, m.topic_id, m.max - len(items), m.partition)
+                        items.extend(await self._reserve_at(
+                            t, self.links.call(w, sub, P.ConsumeResp, timeout=10.0), 0.3, f"worker {w}"))
+                except asyncio.CancelledError:  # the caller gave up (reset its stream)
+                    self._give_back(t, items, "cancelled consume probe")
+                    raise
             return P.ConsumeResp(items)
 
         async def ack(m: P.AckReq, _c: Any) -> P.AckResp:
@@ -706,6 +796,29 @@ class Broker:
                         return
             self._watchers.setdefault(m.topic, {})[(m.node, m.worker)] = None
 
+        async def unwatch(m: P.UnwatchNote, _c: Any) -> None:
+            t = self.store.topic(m.topic)
+            if t is not None and m.node not in ("", self.node_id) and not m.relayed:
+                workers, _ = self.owners(t)  # the token was passed to every owning worker here
+                for w in workers:
+                    if w != self.index:
+                        self.links.notify(w, P.UnwatchNote(m.topic, m.worker, m.node, m.pass_on, True))
+            ws = self._watchers.get(m.topic)
+            if ws is not None:
+                ws.pop((m.node, m.worker), None)
+                if not ws:
+                    del self._watchers[m.topic]
+            if m.pass_on and t is not None:
+                # the wake we sent died with its consumer: records still ready go to the next one
+                ready = 0
+                for i in self.owned(t):
+                    p = self.partitions.get((t.name, i))
+                    if p is not None and p.topic_id == t.id:
+                        ready += p.available()
+                if ready:
+                    self._wake(m.topic, ready)
+                    self._tell_watchers(m.topic, ready)
+
         async def ready(m: P.ReadyNote, _c: Any) -> None:
             if m.worker in (-1, self.index):
                 if m.node:
@@ -715,7 +828,7 @@ class Broker:
                 self.links.notify(m.worker, m)
 
         for typ, fn in ((P.CommitReq, commit), (P.ConsumeReq, consume), (P.AckReq, ack), (P.ReplayReq, replay),
-                        (P.StatsReq, stats), (P.WatchNote, watch), (P.ReadyNote, ready)):
+                        (P.StatsReq, stats), (P.WatchNote, watch), (P.UnwatchNote, unwatch), (P.ReadyNote, ready)):
             s.register(typ, fn)  # type: ignore[arg-type]
 
     # ---- background work -----------------------------------------------------------------------------

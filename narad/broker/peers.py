@@ -3,8 +3,8 @@
 A request that lands on a worker which does not own the partition reaches
 the owner in one local hop over a Unix socket (``<runtime>/w<i>.sock``):
 commit a batch (dispatcher -> owner), reserve for a consumer (probe), ack /
-extend / nack, replay, partition stats, and the watch / data-ready notes that
-wake a long-poll parked on another worker. Links reconnect on demand (a
+extend / nack, replay, partition stats, and the watch / unwatch / data-ready
+notes that wake a long-poll parked on another worker. Links reconnect on demand (a
 restarted peer comes back on the same path).
 
 Imports narad.ipc.
@@ -112,6 +112,18 @@ class WatchNote(msgspec.Struct, tag=True, array_like=True):
     worker: int
     node: str = ""  # "" = the sender's node is this node
     relayed: bool = False  # already passed on to this node's other workers
+
+
+class UnwatchNote(msgspec.Struct, tag=True, array_like=True):
+    """Withdraw the token (`node`, `worker`) left by a WatchNote: the last consumer
+    parked there for `topic` went away (its client hung up). With `pass_on`, that
+    consumer had been woken as it went: tell the next watcher if records are ready."""
+
+    topic: str
+    worker: int
+    node: str = ""
+    pass_on: bool = False
+    relayed: bool = False
 
 
 class ReadyNote(msgspec.Struct, tag=True, array_like=True):

@@ -414,7 +414,11 @@ class Broker:
         whose probe came back short gets a delivery token (a watch: it reserves
         nothing) and is not probed again until it answers with a ReadyNote or
         WATCH_TTL passes. If nothing is ready, park until a token fires or
-        `wait` runs out."""
+        `wait` runs out.
+
+        Cancelled at any await (its client hung up), it never strands a record:
+        leases it holds are nacked at once, a probe in flight is nacked when it
+        answers, and a wake it was handed is passed on (see _hung_up)."""
         loop = self.loop
         deadline = loop.time() + wait
         if partition is not None:
@@ -492,10 +496,10 @@ class Broker:
                 cur = self.store.topic(name)
                 if cur is None or cur.id != t.id:
                     raise NotFound(f'topic "{name}" not found')
-        except asyncio.CancelledError:
-            hung_up = True
+        except BaseException as e:
+            hung_up = isinstance(e, asyncio.CancelledError)
             if got:
-                self._give_back(t, got, "cancelled consume")
+                self._give_back(t, got, "cancelled consume" if hung_up else "failed consume")
             raise
         finally:
             left = self._polling.get(name, 1) - 1

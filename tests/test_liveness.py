@@ -100,6 +100,10 @@ def test_stuck_worker_is_named_then_killed_counted_and_restarted(tmp_path: Path,
                             "worker 0 to report worker 1 not responding")
     assert "worker 1 not responding for" in body, body
     assert _on(c0, "/healthz")[0] == 200  # the supervisor heals a stuck worker: the node is alive
+    text = n.get("/metrics", conn=c0).body.decode()
+    age = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+           if line.startswith('narad_heartbeat_age_seconds{process="worker_1"}')]
+    assert age and age[0] > 3.0, [ln for ln in text.splitlines() if "heartbeat" in ln]
 
     def restarted() -> bool:
         ws = {w["index"]: w for w in n.status()["workers"]}

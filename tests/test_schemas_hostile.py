@@ -84,6 +84,15 @@ def test_registration_refuses_schemas_too_costly_to_validate() -> None:
     assert "validation paths" in msg and "limit 64" in msg, msg
     msg = refused({"anyOf": [{"items": {"$ref": "#"}}, {"items": {"$ref": "#"}}]})
     assert "exponentially" in msg, msg
+    # unevaluated* evaluates its in-place subschemas again: nested 8 deep that is 2**7 paths
+    msg = refused({"$defs": {**{f"u{i}": {"allOf": [{"$ref": f"#/$defs/u{i + 1}"}], "unevaluatedProperties": False}
+                                for i in range(8)}, "u8": {"type": "object"}}, "$ref": "#/$defs/u0"})
+    assert "validation paths" in msg, msg
+    msg = refused({"$defs": {"a": {"properties": {f"q{i}": {"$ref": "#/$defs/b"} for i in range(100)}},
+                             "b": {"properties": {f"r{i}": {"$ref": "#/$defs/c"} for i in range(100)}},
+                             "c": {"properties": {f"s{i}": {"type": "string"} for i in range(100)}}},
+                   "$ref": "#/$defs/a"})
+    assert "expands to more than 50000" in msg, msg
     msg = refused({"$ref": "#/$defs/missing"})
     assert "does not resolve" in msg, msg
     msg = refused({"properties": {"a": {"$ref": "#nowhere"}}})
@@ -95,6 +104,11 @@ def test_registration_refuses_schemas_too_costly_to_validate() -> None:
     accepted({"$defs": {"id": {"type": "integer"}},
               "properties": {f"p{i}": {"$ref": "#/$defs/id"} for i in range(200)}})  # one def, 200 places
     accepted({"$defs": {"x": {"$anchor": "name", "type": "string"}}, "properties": {"a": {"$ref": "#name"}}})
+    accepted({"$defs": {"node": {"properties": {"kids": {"items": {"$ref": "#/$defs/node"}}}}},
+              "properties": {"a": {"$ref": "#/$defs/node"}, "b": {"$ref": "#/$defs/node"}}})  # one recursion, 2 uses
+    accepted({"$defs": {"x": {"items": {"$ref": "#/$defs/y"}, "additionalProperties": {"$ref": "#/$defs/y"}},
+                        "y": {"type": "string"}},
+              "properties": {f"p{i}": {"$ref": "#/$defs/x"} for i in range(2000)}})  # wildcards under 2000 names
     accepted({"$schema": "http://json-schema.org/draft-07/schema#",
               "definitions": {"x": {"$id": "#name", "type": "string"}}, "properties": {"a": {"$ref": "#name"}}})
 

@@ -1,10 +1,11 @@
 """The bounded schema-validation capacity of one worker.
 
 A worker is pinned to one core, so it gets one validation slot (Narad: one
-concurrent validation per CPU core): one thread, fed by a semaphore. A produce
-whose payload is small and whose schema is cheap is validated inline on the
-event loop with a small step allowance (narad.meta.schemas.INLINE_STEPS per
-request); anything else waits up to WAIT_S for the slot, else 503 ``schema:
+concurrent validation per CPU core): one thread, fed by a semaphore. A payload
+that is small, for a schema that is cheap, is validated inline on the event
+loop with a small step allowance (narad.meta.schemas.INLINE_STEPS; a batch
+yields to the loop between messages); anything else, or anything that runs out
+of that allowance, waits up to WAIT_S for the slot, else 503 ``schema:
 validation capacity busy, retry``. On the thread a validation runs under its
 step budget and a DEADLINE_S wall-clock deadline (past it: the same 503).
 

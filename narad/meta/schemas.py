@@ -21,7 +21,7 @@ unbounded:
 - Validation paths: each subschema may apply at most MAX_PATHS (64) times to
   one place in a document (paths counted through every applicator and every
   ``$ref``; unevaluated* counts its in-place subschemas twice); the whole
-  expansion at most MAX_EXPANSION (100,000) subschema applications; at most
+  expansion at most MAX_EXPANSION (50,000) subschema applications; at most
   MAX_SUBSCHEMAS (20,000) subschemas.
 - Recursion (a ``$ref`` back to a subschema on its own path) must descend into
   the document, and may not reach the same document place twice per level (that
@@ -32,8 +32,8 @@ nesting at most 256 (400), then jsonschema with every keyword charged to a
 step Budget: STEP_BASE + STEPS_PER_BYTE per payload byte (over it: 400), plus a
 wall-clock deadline and a cancel flag (OutOfTime; the caller answers 503).
 Small payloads (<= 16 KiB, nesting <= 32) of schemas that are not ``costly``
-are validated inline with at most INLINE_STEPS; the rest (NeedsCapacity) run on
-the bounded capacity (narad.broker.validation). ``uniqueItems`` is linear
+are validated inline with at most INLINE_STEPS per message; the rest
+(NeedsCapacity) run on the bounded capacity (narad.broker.validation). ``uniqueItems`` is linear
 (hashing), ``format`` stays an annotation (not asserted), as before.
 
 Pure functions and per-thread budgets; raise narad.errors.BadRequest. Touches
@@ -45,10 +45,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging
 import threading
 import time
 import urllib.parse
-from collections.abc import Iterator
 from typing import Any
 
 import msgspec
@@ -62,16 +62,19 @@ from jsonschema import validators as js_validators
 
 from narad.errors import BadRequest
 
+log = logging.getLogger("narad.meta.schemas")
+
 MAX_SCHEMA_BYTES = 256 * 1024
 MAX_NESTING = 64
 MAX_PATHS = 64  # validation paths that may apply one subschema at one document place
-MAX_EXPANSION = 100_000  # subschema applications when every $ref is expanded
+MAX_EXPANSION = 50_000  # subschema applications when every $ref is expanded
+MAX_ANALYSIS_OPS = 2_000_000
 MAX_SUBSCHEMAS = 20_000
 MAX_REGEX_PROGRAM = 4096  # RE2 instructions (the NFA's worst case per input byte)
 MAX_PAYLOAD_NESTING = 256
 STEP_BASE = 10_000  # keyword evaluations one payload may cost ...
 STEPS_PER_BYTE = 1  # ... plus this many per payload byte (a step is ~5-15 us of CPU)
-INLINE_STEPS = 5_000  # at most this much on the event loop per request
+INLINE_STEPS = 5_000  # at most this much on the event loop at a time (per message)
 INLINE_MAX_BYTES = 16 * 1024
 INLINE_MAX_NESTING = 32
 DRAFTS = {
@@ -309,20 +312,6 @@ Label = tuple[Any, ...]
 _OBJ, _ARR = {"p", "o"}, {"i", "a"}
 
 
-def _compatible(x: tuple[Label, ...], y: tuple[Label, ...]) -> bool:
-    """Could two instance paths name the same place in some document?"""
-    if len(x) != len(y):
-        return False
-    for a, b in zip(x, y, strict=False):
-        if a == b:
-            continue
-        fa = "obj" if a[0] in _OBJ else "arr" if a[0] in _ARR else a[0]
-        fb = "obj" if b[0] in _OBJ else "arr" if b[0] in _ARR else b[0]
-        if fa != fb or (a[0] not in ("o", "a") and b[0] not in ("o", "a")):
-            return False
-    return True
-
-
 def _unescape(token: str) -> str:
     return urllib.parse.unquote(token).replace("~1", "/").replace("~0", "~")
 
@@ -347,8 +336,7 @@ class Cost:
     @property
     def costly(self) -> bool:
         """Validated only on the bounded capacity, never inline on the event loop."""
-        return (self.recursive or self.uses_unevaluated or self.uses_unique or self.max_paths > 8
-                or self.largest_regex > 512)
+        return self.recursive or self.uses_unevaluated or self.max_paths > 8 or self.largest_regex > 512
 
 
 class _Graph:
@@ -487,10 +475,11 @@ class _Graph:
         """Count the validation paths from the root (each $ref followed; a $ref back
         to a subschema already on the path is recursion, bounded by the document)."""
         seen: dict[str, dict[tuple[Label, ...], int]] = {}
-        cycles: dict[str, list[tuple[Label, ...]]] = {}
+        # per recursion target: each distinct cycle (the edges taken from the target) -> its instance steps
+        cycles: dict[str, dict[tuple[tuple[str, int], ...], tuple[Label, ...]]] = {}
         visits = 0
-        on_path: dict[str, int] = {}
-        stack: list[tuple[str, tuple[Label, ...], Iterator[tuple[str, Label | None]]]] = []
+        on_path: dict[str, tuple[int, int]] = {}  # ptr -> (instance depth, stack index)
+        stack: list[list[Any]] = []  # [ptr, labels, edges, next edge index]
 
         def enter(p: str, labels: tuple[Label, ...]) -> None:
             nonlocal visits
@@ -500,25 +489,28 @@ class _Graph:
                                  f"{MAX_EXPANSION} subschema applications")
             per = seen.setdefault(p, {})
             per[labels] = per.get(labels, 0) + 1
-            on_path[p] = len(labels)
-            stack.append((p, labels, iter(self.nodes[p].edges)))
+            on_path[p] = (len(labels), len(stack))
+            stack.append([p, labels, self.nodes[p].edges, 0])
 
         enter("", ())
         while stack:
-            p, labels, it = stack[-1]
-            nxt = next(it, None)
-            if nxt is None:
+            top = stack[-1]
+            p, labels, edges, k = top
+            if k >= len(edges):
                 stack.pop()
                 del on_path[p]
                 continue
-            child, label = nxt
+            top[3] = k + 1
+            child, label = edges[k]
             nl = (*labels, label) if label is not None else labels
             if child in on_path:
-                cyc = nl[on_path[child]:]
+                depth, at = on_path[child]
+                cyc = nl[depth:]
                 if not cyc:
                     raise BadRequest(f"invalid argument: schema is too costly to validate: {child or '/'} refers "
                                      f"back to itself without descending into the document (endless recursion)")
-                cycles.setdefault(child, []).append(cyc)
+                sig = tuple((f[0], f[3]) for f in stack[at:])
+                cycles.setdefault(child, {})[sig] = cyc
                 self.cost.recursive = True
                 continue
             enter(child, nl)
@@ -531,7 +523,7 @@ class _Graph:
                                  f"paths to a subschema)")
         for p, cycs in cycles.items():
             counts: dict[tuple[Label, ...], int] = {}
-            for c in cycs:
+            for c in cycs.values():
                 counts[c] = counts.get(c, 0) + 1
             if _max_compatible(counts) > 1:
                 raise BadRequest(f"invalid argument: schema is too costly to validate: the recursion into "
@@ -539,17 +531,42 @@ class _Graph:
                                  f"grows exponentially with nesting")
 
 
+def _family(label: Label) -> str:
+    return "obj" if label[0] in _OBJ else "arr" if label[0] in _ARR else label[0]
+
+
 def _max_compatible(per: dict[tuple[Label, ...], int]) -> int:
-    """Most paths that can meet at one document place (an upper bound)."""
-    wild = [s for s in per if any(lab[0] in ("o", "a") for lab in s)]
-    if len(wild) * len(per) > 4_000_000:
-        raise BadRequest("invalid argument: schema is too costly to validate: too many wildcard paths")
+    """Most paths that can meet at one document place (an upper bound: for each
+    path, how many paths could name the same place), counted on a trie."""
+    if len(per) == 1:
+        return next(iter(per.values()))
+    trie: dict[Any, Any] = {}
+    for seq, c in per.items():
+        node = trie
+        for lab in seq:
+            node = node.setdefault(lab, {})
+        node[None] = node.get(None, 0) + c
+    ops = 0
     best = 0
-    for s, c in per.items():
-        n = c + sum(per[w] for w in wild if w != s and _compatible(s, w))
-        if s in wild:
-            n += sum(c2 for t, c2 in per.items() if t not in wild and _compatible(s, t))
-        best = max(best, n)
+    for seq in per:
+        frontier = [trie]
+        for lab in seq:
+            nxt = []
+            for node in frontier:
+                if lab[0] in ("o", "a"):
+                    fam = _family(lab)
+                    kids = [v for k, v in node.items() if k is not None and _family(k) == fam]
+                    ops += len(node)
+                else:
+                    kids = [v for k in (lab, ("o",) if lab[0] == "p" else ("a",) if lab[0] == "i" else None)
+                            if k is not None and (v := node.get(k)) is not None]
+                    ops += 2
+                nxt.extend(kids)
+            frontier = nxt
+            if ops > MAX_ANALYSIS_OPS:
+                raise BadRequest("invalid argument: schema is too costly to validate: too many paths that can "
+                                 "meet at one place in a document to count")
+        best = max(best, sum(node.get(None, 0) for node in frontier))
     return best
 
 
@@ -771,8 +788,13 @@ class PayloadValidator:
             return f"schema: payload nests too deeply for this schema's recursion (limit {MAX_PAYLOAD_NESTING})"
         except _SchemaUnusable as e:
             return f"schema: version {self.version} of this topic's schema cannot be used: {e}; register a new version"
-        except js_exceptions._WrappedReferencingError as e:
+        except (js_exceptions._WrappedReferencingError, re2.error) as e:
             return f"schema: version {self.version} of this topic's schema cannot be used: {str(e)[:200]}"
+        except (OutOfTime, NeedsCapacity):
+            raise
+        except Exception:
+            log.exception("schema validation failed unexpectedly", extra={"schema": self.uri})
+            return f"schema: this payload could not be validated against '{self.uri}' (the error is logged)"
         finally:
             _tls.budget = prev
         if not errors:

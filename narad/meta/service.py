@@ -22,6 +22,8 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import msgspec
 
@@ -53,6 +55,15 @@ request_scope: contextvars.ContextVar[tuple[str, list[int]] | None] = contextvar
 
 RETRY_SLEEP = 0.05
 FORMING_WAIT = 2.0  # a create waits this long (once) for voters without a member record
+
+# Checking a schema for registration (meta-schema, RE2 compiles, cost analysis) can take
+# seconds of CPU for a 256 KiB document: it runs on one thread of its own so the
+# supervisor's loop (heartbeats, Raft completions, worker RPC) keeps turning.
+_SCHEMA_CHECKS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="schema-check")
+
+
+async def _off_loop(fn: Callable[[bytes], Any], raw: bytes) -> Any:
+    return await asyncio.get_running_loop().run_in_executor(_SCHEMA_CHECKS, fn, raw)
 
 
 class MetaService:
@@ -249,7 +260,7 @@ class MetaService:
             raise BadRequest("invalid argument: visibility_timeout_ms must not exceed retention_ms")
         schema = None
         if req.schema is not None:
-            S.parse_registrable(req.schema)
+            await _off_loop(S.parse_registrable, req.schema)
             schema = req.schema
         user = self._require_known(req.who)
         if not req.who.unrestricted and not G.has_grant(user, "create", name):
@@ -437,7 +448,7 @@ class MetaService:
 
     async def _put_schema(self, name: str, raw: bytes, base_version: int | None,
                           may_manage: Callable[[TopicRecord], None] | None = None) -> None:
-        new_doc = S.parse_registrable(raw)
+        new_doc = await _off_loop(S.parse_registrable, raw)
 
         def register(t: TopicRecord) -> msgspec.Struct | None:
             if may_manage is not None:

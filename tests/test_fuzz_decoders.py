@@ -91,6 +91,11 @@ def mutate(data: bytes, edits: list[tuple[str, float, int]]) -> bytes:
     return bytes(b)
 
 
+def untouched(orig: bytes, bad: bytes, start: int, end: int) -> bool:
+    """The bytes [start, end) of `orig` are all still there, unchanged, in `bad`."""
+    return end <= len(bad) and orig[start:end] == bad[start:end]
+
+
 def first_diff(a: bytes, b: bytes) -> int:
     """Index of the first byte where the files differ (len(a) when b extends or equals a)."""
     n = min(len(a), len(b))
@@ -209,9 +214,9 @@ def _frames_of(data: bytes) -> list[tuple[int, int, int, int]]:
 def test_partition_log_corrupt_segment_never_fabricates(seed: int, edits: list[tuple[str, float, int]],
                                                         sealed: bool) -> None:
     """Damage one segment (the active one, or a sealed one), reopen: every read
-    answers the record written at that offset or refuses (CorruptRecord); a
-    frame wholly before the first damaged byte is still served; nothing past
-    what was written ever becomes visible."""
+    answers the record written at that offset or refuses (CorruptRecord); every
+    frame no damaged byte touches is still served (a damaged frame in the middle
+    is a gap, never a truncation); nothing past what was written becomes visible."""
     rnd = random.Random(seed)
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp) / "p"
@@ -224,8 +229,7 @@ def test_partition_log_corrupt_segment_never_fabricates(seed: int, edits: list[t
         frames = _frames_of(orig)
         bad = mutate(orig, edits)
         victim.write_bytes(bad)
-        cut = first_diff(orig, bad)
-        intact = {base + i for pos, end, base, count in frames if end <= cut for i in range(count)}
+        intact = {base + i for pos, end, base, count in frames if untouched(orig, bad, pos, end) for i in range(count)}
         plog = PartitionLog(d, segment_bytes=600)
         plog.open()
         try:
@@ -268,8 +272,8 @@ def test_wal_record_random_bytes(data: bytes, seq: int) -> None:
 @given(st.integers(0, 1 << 30), mutation())
 def test_wal_corrupt_segment_replays_only_what_was_written(seed: int, edits: list[tuple[str, float, int]]) -> None:
     """Damage the active WAL segment, reopen and replay from the start: every
-    replayed entry is the one appended with that seq, and every frame before the
-    first damaged byte is replayed."""
+    replayed entry is the one appended with that seq, and every frame no damaged
+    byte touches is replayed (a damaged frame in the middle costs that record only)."""
     rnd = random.Random(seed)
     n = rnd.randint(2, 30)
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(2) as pool:
@@ -290,12 +294,11 @@ def test_wal_corrupt_segment_replays_only_what_was_written(seed: int, edits: lis
         orig = seg.read_bytes()
         bad = mutate(orig, edits)
         seg.write_bytes(bad)
-        cut = first_diff(orig, bad)
         intact, pos, seq = set(), 0, 1
         while pos < len(orig):
             (length,) = struct.unpack_from(">I", orig, pos + 4)
             end = pos + 20 + length
-            if end <= cut:
+            if untouched(orig, bad, pos, end):
                 intact.add(seq)
             pos, seq = end, seq + 1
         w = IngressWAL(d, pool)
@@ -306,7 +309,7 @@ def test_wal_corrupt_segment_replays_only_what_was_written(seed: int, edits: lis
                 assert 1 <= e.seq <= n and _fields(e) == _fields(_entry(e.seq - 1)), f"fabricated WAL entry {e.seq}"
                 got[e.seq] = e
             missing = intact - set(got)
-            assert not missing, f"WAL entries before the damage were not replayed: {sorted(missing)[:10]}"
+            assert not missing, f"undamaged WAL entries were not replayed: {sorted(missing)[:10]}"
         finally:
             w.close()
 
@@ -374,6 +377,28 @@ def test_offset_file_corrupt_never_passes_a_real_ack(seed: int, edits: list[tupl
             assert all(a in acked or a <= frontier for a in got_ahead), "an ack that never happened"
 
 
+def test_offset_level_past_the_log_is_ignored(tmp_path: Path) -> None:
+    """consumer.offset has no checksum: a frontier past the log's end (a flipped high
+    bit) must be ignored, not clamped to the end (which would skip every unacked record)."""
+    f = O.OffsetFile(tmp_path)
+    f.load()
+    f.write_window(9, [12])
+    f.writeout()
+    f.level(9)
+    os.close(f._fd)
+    raw = bytearray((tmp_path / "consumer.offset").read_bytes())
+    raw[0] ^= 0x40
+    (tmp_path / "consumer.offset").write_bytes(bytes(raw))
+    g = O.OffsetFile(tmp_path)
+    assert g.load(max_frontier=29) == (9, [12])
+    os.close(g._fd)
+    # a level within the log is believed (levelling takes the max)
+    (tmp_path / "consumer.offset").write_bytes((20).to_bytes(8, "big"))
+    h = O.OffsetFile(tmp_path)
+    assert h.load(max_frontier=29)[0] == 20
+    os.close(h._fd)
+
+
 # ---- raft journal ---------------------------------------------------------------------------------------
 
 def _journal_entries(rnd: random.Random) -> list[tuple[bytes, int, int]]:
@@ -383,9 +408,11 @@ def _journal_entries(rnd: random.Random) -> list[tuple[bytes, int, int]]:
 @FUZZ
 @given(st.integers(0, 1 << 30), mutation())
 def test_journal_corrupt_log_is_prefix_or_refused(seed: int, edits: list[tuple[str, float, int]]) -> None:
-    """A damaged Raft log opens to a prefix of what was written (a torn tail cut)
-    or is refused with RuntimeError (mid-log corruption, a bad magic): never an
-    entry that was not written, never an out-of-order index."""
+    """A damaged Raft log opens to a prefix of what was written (a torn tail cut
+    above the persisted commit index) or is refused (LogDamaged: damage at or below
+    the commit index; RuntimeError: a bad magic), by the journal and by the restart
+    decision's scan alike: never an entry that was not written, never a cut
+    committed entry."""
     rnd = random.Random(seed)
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
@@ -394,6 +421,10 @@ def test_journal_corrupt_log_is_prefix_or_refused(seed: int, edits: list[tuple[s
         for e in entries:
             jn.add(*e)
         jn.sync()
+        commit = rnd.choice([0, 1, entries[-1][1] // 2, entries[-1][1]])
+        if commit:
+            jn.setRaftCommitIndex(commit)
+            jn._store_meta()
         os.close(jn._fd)
         path = d / "log"
         orig = path.read_bytes()
@@ -401,16 +432,24 @@ def test_journal_corrupt_log_is_prefix_or_refused(seed: int, edits: list[tuple[s
         path.write_bytes(bad)
         try:
             first, last = J.scan_log(path)
+        except J.LogDamaged:
+            first = last = -1
         except Exception as e:
             raise AssertionError(f"scan_log raised {e!r}") from e
         try:
             jn2 = J.DurableJournal(d)
-        except RuntimeError:
+        except J.LogDamaged:
+            assert first == -1, "scan_log and the journal disagree about the damage"
+            return
+        except RuntimeError:  # bad magic: refused, untouched
+            assert path.read_bytes() == bad
             return
         got = list(jn2._entries)
         os.close(jn2._fd)
         assert got == entries[: len(got)], "the journal opened to entries that were never written"
-        assert (first, last) == ((got[0][1], got[-1][1]) if got else (0, 0)) or not got
+        assert (first, last) == ((got[0][1], got[-1][1]) if got else (0, 0))
+        if bad.startswith(J.MAGIC):
+            assert len(got) >= commit, "the journal cut entries at or below the persisted commit index"
 
 
 @FAST

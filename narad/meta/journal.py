@@ -84,6 +84,56 @@ def _write_log(directory: Path, entries: list[tuple[bytes, int, int]]) -> list[i
     return offsets
 
 
+class LogDamaged(RuntimeError):
+    """The Raft log is damaged below the commit index this node persisted: entries it
+    synced (and acknowledged) are unreadable. Never cut: the node refuses to start."""
+
+
+def _frames(data: bytes) -> tuple[list[tuple[bytes, int, int]], list[int], int]:
+    """(entries, their frame offsets, where reading stopped) of a log file's bytes.
+    Reading stops at the first frame that is short, fails its checksum or does not
+    continue the indexes (each entry's index is the previous one + 1)."""
+    out: list[tuple[bytes, int, int]] = []
+    offsets: list[int] = []
+    pos, n = len(MAGIC), len(data)
+    while pos + _HDR.size <= n:
+        length, crc, idx, term = _HDR.unpack_from(data, pos)
+        end = pos + 8 + length
+        if length < 16 or end > n or zlib.crc32(data[pos + 8 : end]) != crc or (out and idx != out[-1][1] + 1):
+            break
+        out.append((bytes(data[pos + 24 : end]), idx, term))
+        offsets.append(pos)
+        pos = end
+    return out, offsets, pos
+
+
+def _persisted_commit(directory: Path) -> int:
+    """The commit index in ``meta`` (0 when unreadable: nothing is known to be committed)."""
+    try:
+        return int(_meta_dec.decode((directory / "meta").read_bytes()).get("commit_index", 0))
+    except (OSError, msgspec.DecodeError, ValueError, TypeError):
+        return 0
+
+
+def check_tail(path: Path, entries: list[tuple[bytes, int, int]], stop: int, size: int, commit: int) -> None:
+    """Raise LogDamaged when reading stopped before the end of the file at an entry the
+    node had persisted as committed: that is damage (a bit flip, a lost sector), not a
+    torn tail of unsynced appends, and cutting there would drop committed entries."""
+    if stop >= size:
+        return
+    # No readable entry at all while a commit index was persisted: the log always
+    # keeps entries up to it (a compaction keeps the snapshot's entries), so the
+    # first frame itself is damaged.
+    nxt = entries[-1][1] + 1 if entries else None
+    if commit > 0 and (nxt is None or nxt <= commit):
+        what = f"entry {nxt}" if nxt is not None else "its first entry"
+        raise LogDamaged(
+            f"the raft log {path} is damaged at byte {stop}: {what} (at or below the commit index {commit} "
+            f"this node persisted) fails its checksum. Refusing to start rather than cut committed entries; "
+            "restore the raft directory from a backup, or move <data-dir>/metastore aside to rejoin the "
+            "cluster as a new replica (the files were left untouched)")
+
+
 def _read_entries(path: Path) -> list[tuple[bytes, int, int]]:
     try:
         data = path.read_bytes()
@@ -91,16 +141,7 @@ def _read_entries(path: Path) -> list[tuple[bytes, int, int]]:
         return []
     if not data.startswith(MAGIC):
         return []
-    out = []
-    pos, n = len(MAGIC), len(data)
-    while pos + _HDR.size <= n:
-        length, crc, idx, term = _HDR.unpack_from(data, pos)
-        end = pos + 8 + length
-        if length < 16 or end > n or zlib.crc32(data[pos + 8 : end]) != crc:
-            break
-        out.append((bytes(data[pos + 24 : end]), idx, term))
-        pos = end
-    return out
+    return _frames(data)[0]
 
 
 def finish_compaction(directory: Path, before: tuple[bytes, int, int]) -> int:
@@ -123,8 +164,16 @@ def finish_compaction(directory: Path, before: tuple[bytes, int, int]) -> int:
 
 def scan_log(path: Path) -> tuple[int, int]:
     """The first and last index of a log file, read without writing (a torn
-    tail is ignored, as the journal would cut it). (0, 0): no entries."""
-    entries = _read_entries(path)
+    tail is ignored, as the journal would cut it). (0, 0): no entries. Raises
+    LogDamaged when the damage lies at or below the persisted commit index."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return 0, 0
+    if not data.startswith(MAGIC):
+        return 0, 0
+    entries, _offsets, stop = _frames(data)
+    check_tail(path, entries, stop, len(data), _persisted_commit(path.parent))
     return (entries[0][1], entries[-1][1]) if entries else (0, 0)
 
 
@@ -161,19 +210,13 @@ class DurableJournal:
             os.fsync(fd)
             _fsync_dir(self.dir)
             return fd
-        pos = len(MAGIC)
         n = len(data)
-        while pos + _HDR.size <= n:
-            length, crc, idx, term = _HDR.unpack_from(data, pos)
-            end = pos + 8 + length
-            if length < 16 or end > n:
-                break
-            body = data[pos + 8 : end]
-            if zlib.crc32(body) != crc:
-                break
-            self._entries.append((bytes(body[16:]), idx, term))
-            self._offsets.append(pos)
-            pos = end
+        self._entries, self._offsets, pos = _frames(data)
+        try:
+            check_tail(self.path, self._entries, pos, n, int(self._meta.get("commit_index", 0)))
+        except LogDamaged:
+            os.close(fd)
+            raise
         if pos != n:
             log.warning("raft log: cut a torn tail", extra={"path": str(self.path), "bytes": n - pos})
             os.ftruncate(fd, pos)

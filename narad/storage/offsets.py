@@ -20,6 +20,7 @@ Imports narad.storage.fileio.
 
 from __future__ import annotations
 
+import logging
 import os
 import struct
 from pathlib import Path
@@ -27,6 +28,8 @@ from pathlib import Path
 from crc32c import crc32c
 
 from narad.storage import fileio
+
+log = logging.getLogger("narad.storage.offsets")
 
 SLOT = 4096
 _HDR = struct.Struct(">4sII")  # magic, crc, used bytes after the header
@@ -97,8 +100,13 @@ class OffsetFile:
         self._seq = 0
         self.dirty_since_sync = False
 
-    def load(self) -> tuple[int, list[int]]:
-        """Open (priming the file) and return (frontier, acked-ahead offsets)."""
+    def load(self, max_frontier: int | None = None) -> tuple[int, list[int]]:
+        """Open (priming the file) and return (frontier, acked-ahead offsets).
+
+        ``max_frontier`` (the log's high watermark - 1, when the caller knows it):
+        ``consumer.offset`` carries no checksum, and a frontier past the end of the
+        log cannot come from an ack (a damaged file, e.g. a flipped high bit): it is
+        ignored rather than clamped, which would skip every unacked record."""
         path = self.dir / "consumer.ahead"
         created = not path.exists()
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
@@ -116,6 +124,10 @@ class OffsetFile:
         if best is not None:
             self._seq, frontier, ahead = slots[best]  # type: ignore[misc]
         level = self._read_level()
+        if max_frontier is not None and level > max(max_frontier, frontier):
+            log.error("consumer.offset holds a frontier past the end of the log; ignored (damaged file?)",
+                      extra={"dir": str(self.dir), "level": level, "log_end": max_frontier + 1})
+            level = -1
         raised = level > frontier
         if raised:
             frontier = level

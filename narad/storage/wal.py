@@ -146,6 +146,20 @@ class IngressWAL:
             fileio.fdatasync(fd)  # trust only what is on disk
             good_end, last_in_seg = self._scan(fd, first)
             size = os.fstat(fd).st_size
+            later = self._last_after(fd, good_end, last_in_seg) if good_end < size else None
+            if later is not None:
+                # Valid frames follow the damage: not a torn tail. Those records may be
+                # accepted (202) and not yet committed: never cut them. The damaged
+                # frames become a gap at replay; appends go to a new segment.
+                log.error("ingress WAL: corrupt frames inside the active segment; skipped, never truncated",
+                          extra={"segment": path.name, "at": good_end, "after_seq": last_in_seg,
+                                 "resumes_at_seq": later[0]})
+                os.close(fd)
+                last = max(last, later[1])
+                self._new_segment(last + 1)
+                self.next_seq = last + 1
+                self.durable_seq = last
+                return
             if good_end < size:
                 log.warning("ingress WAL: cutting a torn tail", extra={"segment": path.name, "bytes": size - good_end})
                 fileio.ftruncate(fd, good_end)
@@ -183,6 +197,41 @@ class IngressWAL:
             last, want, pos = seq, seq + 1, end
         return pos, last
 
+    @staticmethod
+    def _frames_from(data: bytes, pos: int, after_seq: int) -> Iterator[tuple[int, int, int]]:
+        """(position, end, seq) of every frame that verifies from ``pos`` on, skipping
+        damage: after a bad frame the scan resumes at the next magic whose frame
+        passes its checksum. The checksum does not cover the seq, so a frame's seq
+        must also fit where it sits: seqs are dense within a segment, so it is the
+        previous seq + 1, plus at most one per 21 bytes (the smallest frame) skipped
+        since the previous good frame (a flipped seq bit is a bad frame, never a jump)."""
+        size = len(data)
+        last, last_end = after_seq, pos
+        while pos + FRAME_HEADER <= size:
+            magic, length, seq, crc = FRAME.unpack_from(data, pos)
+            end = pos + FRAME_HEADER + length
+            if (magic == MAGIC and 0 < length <= MAX_RECORD and end <= size
+                    and last < seq <= last + 1 + (pos - last_end) // (FRAME_HEADER + 1)
+                    and crc32c(data[pos + FRAME_HEADER : end]) == crc):
+                yield pos, end, seq
+                last, pos = seq, end
+                last_end = end
+                continue
+            pos = data.find(MAGIC, pos + 1)
+            if pos < 0:
+                return
+
+    def _last_after(self, fd: int, pos: int, after_seq: int) -> tuple[int, int] | None:
+        """(first, last) seq of the valid frames after ``pos`` (damage in the middle), or None."""
+        size = os.fstat(fd).st_size
+        data = os.pread(fd, size, 0)
+        first = last = None
+        for _p, _e, seq in self._frames_from(data, pos, after_seq):
+            if first is None:
+                first = seq
+            last = seq
+        return None if first is None or last is None else (first, last)
+
     def _new_segment(self, first_seq: int) -> None:
         path = self.dir / _seg_name(first_seq)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -205,20 +254,19 @@ class IngressWAL:
                 continue
             with open(path, "rb") as fh:
                 data = fh.read()
-            pos, want = 0, first
-            while pos + FRAME_HEADER <= len(data) and want < self.next_seq:
-                magic, length, seq, crc = FRAME.unpack_from(data, pos)
-                end = pos + FRAME_HEADER + length
-                if magic != MAGIC or seq != want or end > len(data) or crc32c(data[pos + FRAME_HEADER : end]) != crc:
-                    log.error("ingress WAL: unreadable frame in a sealed segment; later records of it are lost",
-                              extra={"segment": path.name, "seq": want})
+            want = first
+            for pos, end, seq in self._frames_from(data, 0, first - 1):
+                if seq >= nxt or seq >= self.next_seq:
                     break
+                if seq != want:
+                    log.error("ingress WAL: unreadable frames skipped; their records are lost",
+                              extra={"segment": path.name, "first_seq": want, "last_seq": seq - 1})
                 if seq >= self.checkpoint_seq:
                     try:
                         yield Entry.decode(memoryview(data)[pos + FRAME_HEADER : end], seq)
                     except (ValueError, struct.error, UnicodeDecodeError) as e:
                         log.error("ingress WAL: undecodable record skipped", extra={"seq": seq, "err": str(e)})
-                pos, want = end, seq + 1
+                want = seq + 1
 
     # ---- append (group commit) ------------------------------------------------------------
     def append(self, entries: list[Entry]) -> asyncio.Future[None]:

@@ -307,7 +307,7 @@ def run(node: Node, fault: str, n: int = 60, abandon: int = 0) -> Any:
     try:
         tr.wait_more(n, 60)
     finally:
-        empty = tr.drain(broker_empty(node, topic, 3), timeout=30 if fault == "none" else 6)
+        empty = tr.drain(broker_empty(node, topic, 3), timeout=30 if fault == "none" else 4)
     return check(h, "strict", broker_empty=empty)
 
 

@@ -20,6 +20,12 @@ What this module fixes or wraps in pysyncobj 0.3.17 (pinned in pyproject):
 * Never-raising apply: the state machine returns refusals as results; only
   FailStop escapes, which stops the node instead of wedging the tick loop.
 * Deadlines: every proposal has one; pysyncobj can otherwise wait forever.
+* The Raft port (pysyncobj's TCP transport; it unpickles what it receives):
+  frames are length-checked before they are buffered (64 KiB until the peer
+  proved the cluster secret on this connection, 16 MiB after), at most 64
+  inbound connections, a connection must authenticate within 5 s and name
+  itself within 30 s; refusals are logged at most once per 10 s per peer
+  address and reason. A Raft port that cannot be bound stops the node.
 * Snapshots are the state machine's own file copy plus a msgpack header,
   taken when ``maybe_snapshot()`` finds the log past its threshold, written by
   a thread of their own (pysyncobj's serializeChecker hook) so Raft keeps
@@ -33,21 +39,32 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hashlib
 import logging
 import os
+import pickle
+import socket
 import struct
 import threading
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import msgspec
+import pysyncobj.pickle as _pickle
 import pysyncobj.syncobj as _so
+import pysyncobj.tcp_connection as _tcp_connection
+import pysyncobj.tcp_server as _tcp_server
+import pysyncobj.transport as _transport
+import pysyncobj.utility as _utility
 from pysyncobj import FAIL_REASON, SERIALIZER_STATE, SyncObj, SyncObjConf, replicated
 from pysyncobj.journal import MemoryJournal
+from pysyncobj.tcp_connection import TcpConnection
+from pysyncobj.transport import TCPTransport, TransportNotReadyError
 from pysyncobj.version import VERSION as _PYSYNCOBJ_VERSION
 
 from narad.errors import FailStop, Unavailable
@@ -160,6 +177,285 @@ class RaftStatus:
     log_len: int
 
 
+# ---- the Raft port ---------------------------------------------------------------
+# pysyncobj reads a 4-byte length and then buffers that many bytes (growing a
+# bytes object, quadratic) before it checks anything: a header claiming 2 GiB
+# from anyone who reaches the port held the tick thread for seconds. The
+# guarded connection below checks the length before buffering the frame.
+#
+# Before a peer proved the cluster secret on a connection, only the key exchange
+# and a node name or join request (well under 1 KiB) are legitimate: the
+# defence is FIRST_FRAME_MAX. After, the peer is trusted (it could send any
+# pickle) and FRAME_MAX bounds memory, above the largest legitimate frame:
+# AppendEntries carries at most BATCH_BYTES of entries (``_SyncObj__getEntries``
+# below never lets a later entry push a batch past it; a larger entry goes
+# alone, cut into BATCH_BYTES pieces of its pickle), snapshot chunks are 64 KiB
+# (logCompactionBatchSize), and a command a follower forwards to the leader is
+# at most FORWARD_MAX (``propose``; an import entry can reach ~32 MiB and is
+# proposed on the leader). pysyncobj's pickle protocol 2 writes bytes as latin-1
+# text (up to 2x; measured 3.4x for a batch of 20-byte random entries), zlib adds
+# ~0.1% on incompressible data and Fernet's base64 4/3: at most ~4.6 MiB for a
+# batch and ~2.7 MiB for a piece or a forward, a quarter of FRAME_MAX.
+# (With 4 MiB batches a 3 MiB incompressible entry never replicated: encoding
+# one frame that size stalled the tick thread past the election timeout.)
+FRAME_MAX = 16 << 20
+FIRST_FRAME_MAX = 64 << 10
+BATCH_BYTES = 1 << 20
+FORWARD_MAX = 1 << 20
+MAX_INBOUND = 64  # inbound connections on the Raft port (voters + read-only replicas + join requests)
+HANDSHAKE_TIMEOUT = 5.0  # an inbound connection proves the cluster secret within this
+IDENTIFY_TIMEOUT = 30.0  # ... and names its node (or finishes its utility request) within this
+REFUSAL_LOG_EVERY = 10.0  # one log line per peer address and reason
+_LEN = struct.Struct("i")  # pysyncobj's length prefix: native signed int
+
+
+class _RefusalLog:
+    """Refusals on the Raft port, logged at most once per REFUSAL_LOG_EVERY per
+    (reason, peer address), with the count of the ones left out since."""
+
+    def __init__(self) -> None:
+        self._last: dict[tuple[str, str], float] = {}
+        self._quiet: dict[tuple[str, str], int] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, reason: str, peer: str, msg: str, **extra: Any) -> None:
+        key = (reason, peer)
+        now = time.monotonic()
+        with self._lock:
+            last = self._last.get(key)
+            if last is not None and now - last < REFUSAL_LOG_EVERY:
+                self._quiet[key] = self._quiet.get(key, 0) + 1
+                return
+            if len(self._last) > 4096:
+                for k in [k for k, t in self._last.items() if now - t >= REFUSAL_LOG_EVERY]:
+                    self._last.pop(k, None)
+                    self._quiet.pop(k, None)
+            self._last[key] = now
+            quiet = self._quiet.pop(key, 0)
+        log.warning(msg, extra={"peer": peer, "reason": reason, "refused_since_last_line": quiet, **extra})
+
+
+refusals = _RefusalLog()
+
+
+def _peer_ip(sock: socket.socket) -> str:
+    try:
+        return str(sock.getpeername()[0])
+    except OSError:
+        return "?"
+
+
+class _GuardedConnection(TcpConnection):  # type: ignore[misc]
+    """pysyncobj's TcpConnection with a bounded read path: the length prefix is
+    checked as soon as it arrives, the buffer is a bytearray (linear growth)
+    holding at most one frame over the limit, and nothing is decrypted, let
+    alone unpickled, beyond it. Replaces TcpConnection in pysyncobj's server,
+    transport and utility modules (below)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._narad_buf = bytearray()
+        self._narad_authed = False
+        self._narad_born = time.monotonic()
+        sock = kwargs.get("socket")
+        self._narad_peer = _peer_ip(sock) if sock is not None else "?"
+        super().__init__(*args, **kwargs)
+        self._TcpConnection__writeBuffer = bytearray()
+
+    def connect(self, host: str, port: int) -> bool:
+        self._narad_buf = bytearray()
+        self._narad_authed = False
+        self._narad_born = time.monotonic()
+        self._narad_peer = str(host)
+        ok = bool(super().connect(host, port))
+        self._TcpConnection__writeBuffer = bytearray()
+        return ok
+
+    def disconnect(self) -> None:
+        super().disconnect()
+        self._narad_buf = bytearray()
+        self._TcpConnection__writeBuffer = bytearray()
+
+    def _TcpConnection__processSend(self) -> bool:
+        """pysyncobj's, with the write buffer a bytearray consumed in place (it
+        re-sliced a bytes object per send: quadratic for a large entry)."""
+        wbuf = self._TcpConnection__writeBuffer
+        if not wbuf:
+            return False
+        try:
+            sent = self._TcpConnection__socket.send(wbuf)
+        except OSError as e:
+            if e.errno not in (errno.EAGAIN, errno.EWOULDBLOCK):
+                self.disconnect()
+            return False
+        if sent <= 0:
+            if sent < 0:
+                self.disconnect()
+            return False
+        del wbuf[:sent]
+        return True
+
+    def _narad_limit(self) -> int:
+        return FRAME_MAX if self._narad_authed else FIRST_FRAME_MAX
+
+    def _narad_header_ok(self) -> bool:
+        buf = self._narad_buf
+        if len(buf) < 4:
+            return True
+        (n,) = _LEN.unpack_from(buf, 0)
+        limit = self._narad_limit()
+        if 0 <= n <= limit:
+            return True
+        refusals("frame_too_large", self._narad_peer,
+                 "raft port: dropped a connection announcing a frame over the limit",
+                 frame_bytes=n, limit_bytes=limit, authenticated=self._narad_authed)
+        self.disconnect()
+        return False
+
+    def _TcpConnection__tryReadBuffer(self) -> None:
+        while self._narad_read():
+            pass
+        self._TcpConnection__lastReadTime = _tcp_connection.monotonicTime()
+
+    def _narad_read(self) -> bool:
+        buf = self._narad_buf
+        if len(buf) > self._narad_limit() + 4:
+            return False  # a whole frame is in: parse it first, read the rest on the next poll
+        sock = self._TcpConnection__socket
+        try:
+            incoming = sock.recv(self._TcpConnection__recvBufferSize)
+        except OSError as e:
+            if e.errno not in (errno.EAGAIN, errno.EWOULDBLOCK):
+                self.disconnect()
+            return False
+        if not incoming or sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
+            self.disconnect()
+            return False
+        buf += incoming
+        return self._narad_header_ok()
+
+    def _TcpConnection__processParseMessage(self) -> Any:
+        buf = self._narad_buf
+        if len(buf) < 4 or not self._narad_header_ok():
+            return None
+        (n,) = _LEN.unpack_from(buf, 0)
+        if len(buf) - 4 < n:
+            return None
+        data = bytes(buf[4:4 + n])
+        del buf[:4 + n]
+        try:
+            if self.encryptor:
+                stamp = self.encryptor.extract_timestamp(data)
+                if stamp < self.recvLastTimestamp:
+                    raise ValueError("frame older than the previous one")
+                self.recvLastTimestamp = stamp
+                data = self.encryptor.decrypt(data)
+            message = _pickle.loads(zlib.decompress(data))
+            if self.recvRandKey:
+                rand_key, message = message
+                if rand_key != self.recvRandKey:
+                    raise ValueError("frame of another session")
+                self._narad_authed = True  # decrypted, and bound to this connection's key exchange
+            elif not self.encryptor:
+                self._narad_authed = True
+        except Exception:
+            refusals("unauthenticated", self._narad_peer,
+                     "raft port: dropped a connection whose frame does not decrypt with the cluster secret "
+                     "(another cluster, a wrong NARAD_CLUSTER_SECRET, or not a narad node)")
+            self.disconnect()
+            return None
+        return message
+
+
+class _GuardedTransport(TCPTransport):  # type: ignore[misc]
+    """TCPTransport with a cap on inbound connections, deadlines for the
+    handshake, and a bind failure that is reported instead of retried forever."""
+
+    def __init__(self, syncObj: Any, selfNode: Any, otherNodes: Any) -> None:
+        self._narad_inbound: set[_GuardedConnection] = set()
+        self._narad_next_sweep = 0.0
+        self.narad_bind_error: OSError | None = None
+        super().__init__(syncObj, selfNode, otherNodes)
+
+    def _maybeBind(self) -> None:
+        if self._ready or self._selfIsReadonlyNode:
+            return
+        if self.narad_bind_error is not None:
+            raise TransportNotReadyError
+        try:
+            self._server.bind()
+        except OSError as e:
+            self.narad_bind_error = e
+            with contextlib.suppress(Exception):
+                self._server.unbind()
+            self._bindOverEvent.set()
+            raise TransportNotReadyError from e
+        with contextlib.suppress(OSError):  # pysyncobj listens with a backlog of 5
+            self._server._TcpServer__socket.listen(128)
+        self._ready = True
+        self._bindOverEvent.set()
+
+    def _onNewIncomingConnection(self, conn: _GuardedConnection) -> None:
+        if len(self._narad_inbound) >= MAX_INBOUND:
+            refusals("connection_limit", conn._narad_peer,
+                     "raft port: refused an inbound connection (too many open)", limit=MAX_INBOUND)
+            conn.disconnect()
+            return
+        self._narad_inbound.add(conn)
+        super()._onNewIncomingConnection(conn)
+
+    def _onDisconnected(self, conn: Any) -> None:
+        self._narad_inbound.discard(conn)
+        super()._onDisconnected(conn)
+
+    def _onTick(self) -> None:
+        super()._onTick()
+        now = time.monotonic()
+        if now >= self._narad_next_sweep:
+            self._narad_next_sweep = now + 0.25
+            self._narad_sweep(now)
+
+    def _narad_sweep(self, now: float) -> None:
+        live = set(self._connections.values())
+        for conn in list(self._narad_inbound):
+            age = now - conn._narad_born
+            if conn in self._unknownConnections:
+                if not conn._narad_authed and age > HANDSHAKE_TIMEOUT:
+                    refusals("handshake_timeout", conn._narad_peer,
+                             f"raft port: closed a connection that did not authenticate within "
+                             f"{HANDSHAKE_TIMEOUT:g}s")
+                    conn.disconnect()
+                elif age > IDENTIFY_TIMEOUT:
+                    refusals("identify_timeout", conn._narad_peer,
+                             f"raft port: closed a connection that named no node within {IDENTIFY_TIMEOUT:g}s")
+                    conn.disconnect()
+            elif conn not in live:
+                conn.disconnect()  # superseded by a newer connection from the same node
+            if conn.state == _tcp_connection.CONNECTION_STATE.DISCONNECTED:
+                self._narad_inbound.discard(conn)
+
+
+# Every TcpConnection pysyncobj makes (accepted, dialled, utility) is guarded.
+_tcp_server.TcpConnection = _GuardedConnection
+_transport.TcpConnection = _GuardedConnection
+_utility.TcpConnection = _GuardedConnection
+
+
+class _QuietBindFailure(logging.Filter):
+    """pysyncobj logs a traceback when the tick thread cannot bind; RaftNode.start
+    logs one line naming the port instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not isinstance(exc, TransportNotReadyError)
+
+
+logging.getLogger("pysyncobj.syncobj").addFilter(_QuietBindFailure())
+
+
+class RaftBindError(RuntimeError):
+    pass
+
+
 def _create_journal(journal_file: Any = None) -> Any:
     if journal_file is None:
         return MemoryJournal()
@@ -176,7 +472,7 @@ class _NaradSyncObj(SyncObj):
 
     def __init__(self, seam: RaftNode, self_addr: str | None, peers: list[str], conf: SyncObjConf) -> None:
         self._narad = seam
-        super().__init__(self_addr, peers, conf=conf)
+        super().__init__(self_addr, peers, conf=conf, transportClass=_GuardedTransport)
         # JoinCluster arrives on the Raft port as a pysyncobj utility message
         # (authenticated by the Raft password), before the joiner runs Raft.
         self._SyncObj__transport.setOnUtilityMessageCallback("narad_join", self._narad_join)
@@ -189,6 +485,22 @@ class _NaradSyncObj(SyncObj):
             callback(msgspec.msgpack.encode({"status": 400, "error": "undecodable join request"}), None)
             return
         self._narad._handle_join(req, callback)
+
+    def _SyncObj__getEntries(self, fromIDx: int | None, count: int | None = None,
+                             maxSizeBytes: int | None = None) -> Any:
+        """pysyncobj's, except that with a size bound a batch never grows past it
+        (pysyncobj added the entry that crossed it, of any size): a batch is at
+        most ``maxSizeBytes`` of entries, or one entry sent alone (in pieces if
+        larger). Keeps every AppendEntries frame under FRAME_MAX."""
+        entries = SyncObj._SyncObj__getEntries(self, fromIDx, count, None)
+        if maxSizeBytes is None:
+            return entries
+        total = 0
+        for i, entry in enumerate(entries):
+            total += len(entry[0])
+            if total > maxSizeBytes:
+                return entries[:max(i, 1)]
+        return entries
 
     @replicated
     def _narad_apply(self, data: bytes) -> ApplyResult:
@@ -240,7 +552,14 @@ class _NaradSyncObj(SyncObj):
                 return
             if transmission == "finish":
                 self._SyncObj__recvTransmission += message["data"]
-                new_entries = [_so.pickle.loads(self._SyncObj__recvTransmission)]
+                try:
+                    new_entries = [pickle.loads(self._SyncObj__recvTransmission)]
+                except Exception:
+                    # pysyncobj labels a piece "finish" once the piece end passes the
+                    # entry's length, not its pickle's (longer): more pieces follow.
+                    # (stdlib pickle: pysyncobj's retries a failure in pure Python, slowly.)
+                    self._SyncObj__sendNextNodeIdx(node, success=False, reset=False)
+                    return
                 self._SyncObj__recvTransmission = ""
             else:
                 log.error("raft: unknown transmission type %r", transmission)
@@ -379,7 +698,7 @@ class RaftNode:
             autoTickPeriod=0.05,
             appendEntriesUseBatch=False,
             appendEntriesPeriod=ae_period,
-            appendEntriesBatchSizeBytes=4 << 20,
+            appendEntriesBatchSizeBytes=BATCH_BYTES,
             raftMinTimeout=lo,
             raftMaxTimeout=hi,
             leaderFallbackTimeout=max(3 * hi, 1.0),
@@ -394,7 +713,19 @@ class RaftNode:
         if readonly:
             conf.bindAddress = None
         self._finish_interrupted_compaction()
-        self._obj = _NaradSyncObj(self, None if readonly else self.self_addr, self.peers, conf)
+        obj = _NaradSyncObj(self, None if readonly else self.self_addr, self.peers, conf)
+        err = obj._SyncObj__transport.narad_bind_error
+        if err is not None:
+            # The tick thread has exited; pysyncobj would otherwise retry the bind
+            # silently forever. The supervisor stops (exit 1) through the fail-stop path.
+            with contextlib.suppress(Exception):
+                obj._doDestroy()
+            why = (f"cannot bind the Raft port {conf.bindAddress}: {err.strerror or err} "
+                   "(another process holds it?); stopping")
+            log.error(f"raft: {why}")
+            self._raise_fail_stop(FailStop(why, index=0, entry_type=0))
+            return
+        self._obj = obj
         self.save_cluster_file()
         self._obj.addOnTickCallback(self._on_tick_end)
 
@@ -691,6 +1022,10 @@ class RaftNode:
             raise RaftUnavailable("metastore stopped applying raft entries")
         if self._obj is None or self._closed:
             raise RaftUnavailable("raft is not running")
+        if len(data) > FORWARD_MAX and not self._obj._isLeader():
+            # pysyncobj would forward it to the leader in one Raft-port frame,
+            # past what the port accepts (FRAME_MAX): it is proposed on the leader.
+            raise RaftUnavailable("this node is not the raft leader (a large entry is proposed on the leader)")
         fut: asyncio.Future[ApplyResult] = self.loop.create_future()
         loop = self.loop
 

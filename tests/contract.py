@@ -36,6 +36,7 @@ import itertools
 import json
 import threading
 import time
+import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -500,6 +501,16 @@ class Recorder:
         return statuses
 
 
+_running: weakref.WeakSet[Traffic] = weakref.WeakSet()
+
+
+def stop_all() -> None:
+    """Stop every started driver (call it in a test's finally: a test that failed midway
+    leaves no thread hammering dead nodes)."""
+    for t in list(_running):
+        t.stop()
+
+
 class Traffic:
     """Producer and consumer threads against a set of nodes, every answer recorded.
     ``nodes()`` gives the nodes to use now (a thread moves to the next one after an
@@ -614,9 +625,21 @@ class Traffic:
             conn.close()
 
     def start(self) -> Traffic:
+        _running.add(self)
         for t in self.producers + self.consumers:
             t.start()
         return self
+
+    def stop(self) -> None:
+        """Tell every thread to end (a test that failed midway: no thread keeps hammering)."""
+        self.stop_producing.set()
+        self.stop_consuming.set()
+
+    def __enter__(self) -> Traffic:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
     def wait_more(self, n: int, timeout: float = 60.0, what: str = "traffic") -> None:
         """Wait until n more messages are answered 202."""

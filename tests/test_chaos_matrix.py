@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.contract import History, Traffic, Verdict, broker_empty, check
+from tests.contract import History, Traffic, Verdict, broker_empty, check, stop_all
 from tests.harness import Cluster, Node, wait_for
 
 VIS = 2.0
@@ -59,6 +59,7 @@ def test_steady_single_node_strict(tmp_path: Path) -> None:
         v = verdict("steady, one node", h, tr, n, "steady", 4, "strict")
         assert v.counts["explained_redeliveries"] > 0 and v.counts["extends"] > 0 and v.counts["nacks"] > 0
     finally:
+        stop_all()
         n.close()
 
 
@@ -73,6 +74,7 @@ def test_steady_three_nodes_strict(tmp_path: Path) -> None:
         v = verdict("steady, three nodes", h, tr, c["n1"], "steady3", 6, "strict")
         assert v.counts["explained_redeliveries"] > 0
     finally:
+        stop_all()
         c.close()
 
 
@@ -115,6 +117,7 @@ def test_quorum_loss_three_times_under_traffic(tmp_path: Path) -> None:
             tr.wait_more(150, what=f"traffic after round {rnd + 1}")
         verdict("quorum loss x3", h, tr, c[ids[0]], "quorum", 6, "faults")
     finally:
+        stop_all()
         c.close()
 
 
@@ -154,6 +157,7 @@ def test_kill9_during_a_rolling_restart_under_traffic(tmp_path: Path) -> None:
         tr.wait_more(100, what="after the rolling restart")
         verdict("kill -9 during a rolling restart", h, tr, c[first], "rolling", 6, "faults")
     finally:
+        stop_all()
         c.close()
 
 
@@ -184,6 +188,7 @@ def test_sigstop_of_the_raft_leader_under_traffic(tmp_path: Path) -> None:
         tr.wait_more(150, what="after the thaw")
         verdict("SIGSTOP of the leader", h, tr, c[others[0]], "frozen", 6, "faults")
     finally:
+        stop_all()
         c.close()
 
 
@@ -318,6 +323,7 @@ def test_network_partition_of_the_leader_bounded_in_time(tmp_path: Path) -> None
             tr.wait_more(150, what="after the heal")
             verdict("network partition of the leader", h, tr, c[others[0]], "cut", 6, "faults")
         finally:
+            stop_all()
             c.close()
             part.close()
 
@@ -341,4 +347,5 @@ def test_a_pinned_consume_at_an_owner_that_does_not_answer_is_502(tmp_path: Path
             os.killpg(pgid, signal.SIGCONT)
         assert r.status == 502, r
     finally:
+        stop_all()
         c.close()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.contract import History, Traffic, broker_empty, check
+from tests.contract import History, Traffic, broker_empty, check, stop_all
 from tests.harness import Cluster, wait_for
 
 pytestmark = pytest.mark.slow
@@ -50,4 +50,5 @@ def test_kill_follower_then_leader_under_traffic_loses_nothing(tmp_path: Path) -
         assert empty, "some partition still holds an unacked message (or an owner is unavailable)"
         assert v.ok, v.summary()
     finally:
+        stop_all()
         c.close()

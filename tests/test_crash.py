@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.contract import History, Recorder, Traffic, Verdict, broker_empty, check, consume_until, now
+from tests.contract import History, Recorder, Traffic, Verdict, broker_empty, check, consume_until, now, stop_all
 from tests.harness import Node, wait_for
 
 pytestmark = pytest.mark.slow
@@ -46,6 +46,7 @@ def test_kill9_every_process_under_produce_load_loses_nothing(tmp_path: Path) ->
         v = drain_and_check(h, n, "crash", 6)
         assert v.counts["accepted"] >= 400
     finally:
+        stop_all()
         n.close()
 
 
@@ -66,6 +67,7 @@ def test_kill9_of_one_worker_under_produce_load_loses_nothing(tmp_path: Path) ->
         drain_and_check(h, n, "wcrash", 6)
         assert n.status()["workers"][1]["restarts"] == 1
     finally:
+        stop_all()
         n.close()
 
 
@@ -138,4 +140,5 @@ def test_disk_full_answers_500_loses_nothing_and_consume_keeps_working(tmp_path:
         assert n.request("POST", "/v1/topics/full/produce", b"still:", headers=OCTET).status == 500
         assert n.stop() == 0
     finally:
+        stop_all()
         n.close()

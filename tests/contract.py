@@ -346,14 +346,14 @@ def check(h: History, mode: str = "strict", *, grace_s: float | None = None, sla
     # (d) every lease that ran out unacked is followed by another delivery of that copy
     explained = 0
     for copy, ds in by_copy.items():
-        for i, d in enumerate(ds):
+        for d in ds:
             ss = by_handle.get(d.handle, [])
             if any(s.kind == "ack" and (s.ok or s.ambiguous) for s in ss):
                 continue
             nacks = [s for s in ss if s.kind == "nack" and s.ok]
             _, hi = lease_bounds(d)
             due = min([hi] + [s.ret for s in nacks])
-            if any(d2.nonce != d.nonce for d2 in ds[i + 1:]):
+            if any(d2.nonce != d.nonce and d2.ret > d.ret for d2 in ds if d2 is not d):  # answered after d
                 explained += 1
             elif any(acks_ok(x) for x in ds if x is not d):
                 pass  # the copy was acked through another lease (a double lease, if any, is flagged)
@@ -394,10 +394,18 @@ def check(h: History, mode: str = "strict", *, grace_s: float | None = None, sla
                     v.violations["dup"].append(f"{copy[0]}:{copy[1]} ({d2.mid}) answered twice with one nonce")
                     continue
                 ss = by_handle.get(prev.handle, [])
-                lo, _ = lease_bounds(prev)
-                why = (any(s.kind == "nack" and s.ok and s.call < d2.ret for s in ss)
-                       or any(s.status == 410 for s in ss) or d2.ret + slack >= lo)
-                if not why and not any(s.kind == "ack" and s.ok for s in ss):
+                ss2 = by_handle.get(d2.handle, [])
+
+                def explains(first: Delivery, fss: list[Settle], second: Delivery) -> bool:
+                    # `first` was reserved before `second`: a nack, a 410 or a possible lapse
+                    lo, _ = lease_bounds(first)
+                    return (any(s.kind == "nack" and s.ok and s.call < second.ret for s in fss)
+                            or any(s.status == 410 for s in fss) or second.ret + slack >= lo)
+
+                why = explains(prev, ss, d2)
+                if prev.ret > d2.call:  # the calls overlap: d2 may have been reserved first
+                    why = why or explains(d2, ss2, prev)
+                if not why and not any(s.kind == "ack" and s.ok for s in ss + ss2):
                     v.violations["dup"].append(
                         f"{copy[0]}:{copy[1]} ({d2.mid}) redelivered at +{(d2.call - h.start_ns) / NS:.3f} s with "
                         f"no lease expiry, nack or 410 to explain it")

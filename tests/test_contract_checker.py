@@ -330,3 +330,18 @@ def test_checker_passes_a_real_node_strict_with_abandoned_leases(node: Node) -> 
     assert v.ok, v.summary()
     assert v.counts["explained_redeliveries"] > 0 and v.counts["accepted"] >= 60
 
+
+
+def test_strict_accepts_a_long_poll_served_after_a_later_call_nacked() -> None:
+    # A long poll parked since 0.0 s; a second consumer's call (0.1 s) is served first and
+    # nacks; the parked poll then gets the same offset: ordered by call start the nack
+    # belongs to the later call.
+    s = Synth()
+    s.produce("a")
+    first = s.deliver("a", 0.0, dur=0.3)
+    second = s.deliver("a", 0.1, dur=0.01)
+    s.settle(second, 0.12, "nack")
+    s.settle(first, 0.35, "nack")  # nacked as well, then a third delivery is acked
+    s.settle(s.deliver("a", 0.4), 0.5)
+    v = check(s.end(3), "strict")
+    assert v.ok, v.summary()

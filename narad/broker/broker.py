@@ -366,15 +366,18 @@ class Broker:
             else:
                 self.remote.notify(node, P.ReadyNote(topic, n, w, self.node_id))
 
-    def _wake(self, topic: str, n: int) -> None:
+    def _wake(self, topic: str, n: int) -> int:
+        """Wake up to `n` consumers parked here on `topic`; returns how many woke."""
         q = self._waiters.get(topic)
-        while q and n > 0:
+        woke = 0
+        while q and woke < n:
             f = q.popleft()
             if not f.done():
                 f.set_result(True)
-                n -= 1
+                woke += 1
         if q is not None and not q:
             self._waiters.pop(topic, None)
+        return woke
 
     # ---- consume --------------------------------------------------------------------------------
     def _reserve_in(self, p: Partition, t: TopicRecord, max_n: int, now: float) -> list[P.Item]:
@@ -538,6 +541,21 @@ class Broker:
             self._armed.pop((name, n), None)  # the next consume here asks that node at once
             if self.remote.node_alive(n):
                 self.remote.notify(n, P.UnwatchNote(name, self.index, self.node_id, absorbed))
+
+    def _bounce(self, m: P.ReadyNote) -> None:
+        """A token fired for this worker, but nobody is parked here on the topic any
+        more (the consumer hung up, or its poll ended, while the note was on its way):
+        hand it back so the owner tells its next watcher instead of nobody."""
+        t = self.store.topic(m.topic)
+        if t is None:
+            return
+        if m.node and m.node != self.node_id:
+            self.remote.notify(m.node, P.UnwatchNote(m.topic, self.index, self.node_id, True))
+            return
+        workers, _ = self.owners(t)  # a note from this node does not say which worker sent it
+        for w in workers:
+            if w != self.index:
+                self.links.notify(w, P.UnwatchNote(m.topic, self.index, "", True))
 
     def _give_back_owned(self, t: TopicRecord, items: list[P.Item]) -> None:
         """Nack leases of this worker's partitions that nobody will see (synchronous)."""
@@ -827,7 +845,8 @@ class Broker:
             if m.worker in (-1, self.index):
                 if m.node:
                     self._armed.pop((m.topic, m.node), None)
-                self._wake(m.topic, m.count)
+                if not self._wake(m.topic, m.count):
+                    self._bounce(m)
             else:
                 self.links.notify(m.worker, m)
 

@@ -394,6 +394,18 @@ def test_corrupt_follower_raft_log_cluster_loses_nothing(tmp_path: Path) -> None
         for p in on_healthy:
             offs = {m["offset"] for m in got if m["partition"] == p}
             assert offs >= set(range(hwm[p])), f"partition {p} on a healthy node lost records"
+        if outcome == "refused":
+            # What the refusal tells the operator to do: set the metastore aside; the node
+            # then rebuilds it from the other two and serves its own partitions again.
+            meta = victim.data_dir / "metastore"
+            meta.rename(victim.data_dir / "metastore.damaged")
+            victim.start(wait=False)
+            victim.wait_ready(60)
+            assert names <= victim.topic_names()
+            got += consume_all(victim, "c", quiet_s=3.0)
+            seen = {m["payload"] for m in got}
+            assert seen <= set(sent), "fabricated payloads"
+            assert seen == set(sent), f"{len(set(sent) - seen)} acknowledged records never came back"
         print(json.dumps({"victim": outcome, "delivered": len(seen), "healthy_partitions": sorted(on_healthy)}))
     finally:
         c.close()

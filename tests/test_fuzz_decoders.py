@@ -248,6 +248,39 @@ def test_partition_log_corrupt_segment_never_fabricates(seed: int, edits: list[t
             plog.close()
 
 
+@FUZZ
+@given(st.integers(0, 1 << 30), st.integers(0, 63))
+def test_partition_log_hwm_bitflip_never_hides_committed(seed: int, bit: int) -> None:
+    """The hwm file (8 bytes, no checksum) with one flipped bit: a value that is no
+    frame boundary is ignored (the verified tail wins), so no committed record
+    becomes hidden for good; a value on a boundary below the tail is indistinguishable
+    from a real hidden tail and is believed (the damaged bit happened to land there)."""
+    rnd = random.Random(seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Path(tmp) / "p"
+        plog = PartitionLog(d)
+        plog.open()
+        ends = []
+        for _ in range(rnd.randint(1, 12)):
+            base = plog.next_offset
+            k = rnd.randint(2, 6)
+            ts = plog.committed_at()
+            res = plog.write_commit([FR.encode_record(None, ts, 0, _payload(base + i)) for i in range(k)])
+            plog.publish(*res, [(None, ts, 0, _payload(base + i)) for i in range(k)])
+            ends.append(base + k)
+        plog.close()
+        tail = ends[-1]
+        raw = (d / "hwm").read_bytes()
+        flipped = int.from_bytes(raw, "big") ^ (1 << bit)
+        (d / "hwm").write_bytes(flipped.to_bytes(8, "big"))
+        again = PartitionLog(d)
+        again.open()
+        try:
+            assert again.hwm == (flipped if flipped in ends or flipped == 0 else tail)
+        finally:
+            again.close()
+
+
 # ---- ingress WAL ---------------------------------------------------------------------------------------
 
 def _entry(i: int) -> Entry:

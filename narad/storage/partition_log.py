@@ -102,6 +102,7 @@ class PartitionLog:
         self.poisoned: OSError | None = None
         self._hwm_fd = -1
         self._hwm_emptied = False
+        self._frame_ends: set[int] = set()  # where the active segment's frames end (open only)
         self._cache: OrderedDict[tuple[int, int], list[Record]] = OrderedDict()
         self._last_frame: tuple[int, int, list[Record]] | None = None
         self._sizes: dict[tuple[int, int], int] = {}
@@ -142,7 +143,21 @@ class PartitionLog:
             raise
         self.next_offset = tail
         raw = os.pread(self._hwm_fd, 8, 0)
-        self.hwm = min(_U64.unpack(raw)[0], tail) if len(raw) == 8 else tail
+        self.hwm = tail
+        if len(raw) == 8:
+            written = _U64.unpack(raw)[0]
+            if written >= tail:
+                self.hwm = tail
+            elif written in self._frame_ends or written == active.base:
+                self.hwm = written
+            else:
+                # A high watermark is always where a published frame ends. Any other
+                # value below the tail is a damaged file (a flipped bit): believing it
+                # would hide committed records for good. The tail costs duplicates at
+                # worst (a never-published frame becomes visible), never a loss.
+                log.error("partition log: the hwm file holds no frame boundary; ignored (damaged file?)",
+                          extra={"dir": str(self.dir), "hwm_file": written, "tail": tail})
+        self._frame_ends = set()
         if self.hwm < tail:
             log.warning("partition log has a hidden tail beyond its high watermark",
                         extra={"dir": str(self.dir), "hwm": self.hwm, "tail": tail})
@@ -176,6 +191,7 @@ class PartitionLog:
             seg.frame_bases.append(base)
             seg.frame_pos.append(pos)
             next_off = base + count
+            self._frame_ends.add(next_off)
             pos = end
             good_end = end
         seg.indexed = True

@@ -409,3 +409,43 @@ def test_corrupt_follower_raft_log_cluster_loses_nothing(tmp_path: Path) -> None
         print(json.dumps({"victim": outcome, "delivered": len(seen), "healthy_partitions": sorted(on_healthy)}))
     finally:
         c.close()
+
+
+# ---- snapshots -------------------------------------------------------------------------------------------
+
+SNAP_ENV = {"NARAD_CLUSTER_RAFT_SNAPSHOT_THRESHOLD": "16", "NARAD_CLUSTER_RAFT_SNAPSHOT_INTERVAL": "1s",
+            "NARAD_PIN_WORKERS": "false"}
+
+
+@pytest.mark.parametrize(("seed", "where"), [(1, "header"), (2, "header"), (3, "image"), (4, "truncate")])
+def test_corrupt_snapshot_single_node(tmp_path: Path, seed: int, where: str) -> None:
+    """latest.snap damaged (its header, its database image, or truncated): the node
+    refuses with one error line or starts holding every topic; never a half state."""
+    rnd = random.Random(seed)
+    n = Node(tmp_path / "data", workers=1, env=SNAP_ENV).start()
+    try:
+        names = {f"s{i}" for i in range(24)}
+        for t in sorted(names):
+            assert n.post("/v1/topics", {"name": t, "partitions": PARTS}).status == 201
+        snap = n.data_dir / "metastore" / "raft" / "snapshots" / "latest.snap"
+        wait_for(snap.exists, 30, what="a raft snapshot")
+        for t in ("s-extra1", "s-extra2"):  # entries after the snapshot, in the log only
+            assert n.post("/v1/topics", {"name": t, "partitions": PARTS}).status == 201
+        names |= {"s-extra1", "s-extra2"}
+        stop(n, rnd)
+        data = bytearray(snap.read_bytes())
+        hlen = int.from_bytes(data[8:16], "big")
+        if where == "header":
+            pos = rnd.randrange(8, 16 + hlen)
+            data[pos] ^= 1 << rnd.randrange(8)
+        elif where == "image":
+            for _ in range(4):
+                pos = rnd.randrange(16 + hlen, len(data))
+                data[pos] ^= 1 << rnd.randrange(8)
+        else:
+            del data[rnd.randrange(len(data)):]
+        snap.write_bytes(bytes(data))
+        outcome = _refused_or_whole(n, names)
+        print(f"[corruption] snapshot {where}: {outcome}")
+    finally:
+        n.close()

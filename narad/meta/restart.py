@@ -50,6 +50,10 @@ class FsmState:
     types: frozenset[int] = frozenset()  # every entry type it applied
 
 
+class SnapshotDamaged(RuntimeError):
+    """latest.snap exists but cannot be read back (the node refuses to start)."""
+
+
 @dataclass(frozen=True)
 class RaftState:
     log_first: int  # 0: no entries
@@ -121,8 +125,19 @@ def inspect_raft(raft_dir: Path) -> RaftState:
             listed = header.get("entry_types")
             snap_types = (frozenset(int(t) for t in listed) if isinstance(listed, list)
                           else C.types_up_to(snap_newest))
-        except (ValueError, KeyError, TypeError, OSError):
-            snap_index = None  # unreadable: as if absent (Raft will not load it either)
+            for key in ("last", "before"):  # what Raft reads back when it loads the snapshot
+                _cmd, idx, term = header[key]
+                int(idx), int(term)
+            if not isinstance(header["cluster"], list):
+                raise TypeError("cluster is not a list")
+        except (ValueError, KeyError, TypeError, OSError) as e:
+            # A snapshot is renamed into place only once complete and synced: an
+            # unreadable one is damage. Raft would fail to load it and, its log
+            # compacted past it, never become ready: refuse instead, untouched.
+            raise SnapshotDamaged(
+                f"metastore: the raft snapshot {latest} is damaged ({type(e).__name__}: {str(e)[:200]}); "
+                "refusing to start (the files were left untouched). Restore the raft directory from a backup, "
+                "or move <data-dir>/metastore aside so this node rebuilds it from the cluster") from None
     return RaftState(log_first=first, log_last=last, snapshot_index=snap_index, snapshot_newest_type=snap_newest,
                      snapshot_types=snap_types)
 
@@ -196,5 +211,6 @@ def set_aside(fsm_path: Path) -> Path:
     return target
 
 
-__all__ = ["ASIDE", "KEEP", "REFUSE", "RESTORE", "UNTRUSTED", "Decision", "FsmState", "RaftState", "decide",
+__all__ = ["ASIDE", "KEEP", "REFUSE", "RESTORE", "UNTRUSTED", "Decision", "FsmState", "RaftState", "SnapshotDamaged",
+           "decide",
            "inspect_fsm", "inspect_raft", "set_aside"]

@@ -328,9 +328,6 @@ def test_network_partition_of_the_leader_bounded_in_time(tmp_path: Path) -> None
             part.close()
 
 
-@pytest.mark.xfail(strict=True, reason="broker: a pinned consume forwarded to an owner that does not answer gets "
-                   "204 after the 500 ms probe (narad/broker/broker.py Broker.consume / _reserve_at turn a failed or "
-                   "late probe into 'nothing there'); the API says 502 (a forwarded pinned request got no answer)")
 def test_a_pinned_consume_at_an_owner_that_does_not_answer_is_502(tmp_path: Path) -> None:
     c = Cluster(tmp_path, 2).start()
     try:

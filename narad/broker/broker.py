@@ -43,7 +43,7 @@ from narad.broker import peers as P
 from narad.broker.dispatcher import Dispatcher
 from narad.broker.partition import Partition
 from narad.broker.routing import RoundRobin, key_partition, owner_worker
-from narad.errors import Conflict, NotFound, Unavailable
+from narad.errors import BadGateway, Conflict, NaradError, NotFound, Unavailable
 from narad.meta import versions as V
 from narad.meta.records import TopicRecord
 from narad.meta.store import MetaStore
@@ -468,8 +468,11 @@ class Broker:
                                 continue
                         want = max_n - len(got)
                         req = P.ConsumeReq(name, t.id, want, partition, P.NODE)
+                        # A pinned consume has only this owner to ask: no answer is a 502 (the
+                        # forwarded request got no answer), not "nothing there".
                         items = await self._reserve_at(t, self.remote.call(n, req, P.ConsumeResp, timeout=10.0),
-                                                       0.5, f"node {n}")
+                                                       0.5 if partition is None else 2.0, f"node {n}",
+                                                       pinned=partition is not None)
                         got.extend(items)
                         if len(items) < want and partition is None:
                             hints[key] = loop.time()
@@ -572,11 +575,12 @@ class Broker:
         back.add_done_callback(self._late.discard)
 
     async def _reserve_at(self, t: TopicRecord, call: Awaitable[P.ConsumeResp], wait: float,
-                          where: str) -> list[P.Item]:
+                          where: str, pinned: bool = False) -> list[P.Item]:
         """A consume probe at another owner, waited for at most `wait` seconds. The call is
         not cancelled when we stop waiting (the owner may have reserved records already):
         whatever it returns late is given back at once (nack), so no lease is orphaned
-        until its visibility timeout."""
+        until its visibility timeout. A `pinned` probe (the consume names the partition)
+        that fails or goes unanswered raises BadGateway (502): its owner did not answer."""
         task = self.loop.create_task(call)  # type: ignore[arg-type]
         try:
             done, _ = await asyncio.wait({task}, timeout=wait)
@@ -590,8 +594,14 @@ class Broker:
                 return task.result().items
             except Exception as e:
                 log.debug("consume probe failed", extra={"at": where, "err": str(e)})
+                if pinned:
+                    if isinstance(e, NaradError):
+                        raise  # the owner answered with an error of its own: pass it on
+                    raise BadGateway(f"partition owner {where} did not answer; retry") from None
                 return []
         self._adopt_probe(t, task, where, "consume probe answered late")
+        if pinned:
+            raise BadGateway(f"partition owner {where} did not answer in {wait:g}s; retry")
         return []
 
     def _adopt_probe(self, t: TopicRecord, task: asyncio.Task[P.ConsumeResp], where: str, why: str) -> None:

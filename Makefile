@@ -1,5 +1,6 @@
 # The two commands a newcomer needs:
-#   make run   - install everything into .venv and start a single node with embedded defaults
+#   make run   - install everything into .venv and start a single node with embedded defaults,
+#                on 127.0.0.1 only
 #   make test  - install everything into .venv and run the whole test suite (what CI runs)
 PY ?= python3
 VENV := .venv
@@ -17,7 +18,7 @@ $(STAMP): pyproject.toml setup.py native/narad_native.c native/build_native.py
 install: $(STAMP)
 
 run: install
-	$(BIN)/narad-supervisor --data-dir data
+	NARAD_HTTP_HOST=127.0.0.1 $(BIN)/narad-supervisor --data-dir data
 
 lint: install
 	$(BIN)/ruff check narad tests loadtest native

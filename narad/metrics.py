@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import msgspec
@@ -282,6 +282,29 @@ class _Collector:
                         buckets.append(("+Inf" if bound == math.inf else repr(float(bound)), cum))
                     h.add_metric(labels, buckets, total)
                 yield h
+
+
+def filter_topics(families: list[Family], visible: Callable[[str], bool]) -> list[Family]:
+    """The families with only the per-topic samples (label ``topic``) whose topic
+    ``visible`` accepts: /metrics follows the topic-visibility rule, so a caller
+    learns no topic name it could not list."""
+    out: list[Family] = []
+    for fam in families:
+        if "topic" not in fam.labelnames:
+            out.append(fam)
+            continue
+        i = fam.labelnames.index("topic")
+        seen: dict[str, bool] = {}
+        keep = []
+        for labels, vals in fam.samples:
+            name = labels[i]
+            ok = seen.get(name)
+            if ok is None:
+                ok = seen[name] = visible(name)
+            if ok:
+                keep.append((labels, vals))
+        out.append(Family(fam.name, fam.kind, fam.help, fam.labelnames, fam.buckets, keep))
+    return out
 
 
 def render(families: list[Family]) -> bytes:

@@ -59,8 +59,22 @@ class OpsAPI:
         return json_response(503, {"error": f"metastore: node is not ready: {reason}"})
 
     async def metrics(self, req: Request) -> Response:
+        """Every process's metrics; per-topic series only for topics the caller may
+        read (the listing rule: a grant pattern matching the name, ownership or
+        admin). Security off, naradctl and http.metrics_unauthenticated see all."""
         snap = await self.ctx.call(metrics.NodeMetricsReq(), metrics.Snapshot, timeout=5.0)
-        return Response(200, metrics.render(snap.families), metrics.CONTENT_TYPE)
+        families = snap.families
+        who: G.Identity = req.identity
+        user = None if who.unrestricted else self.ctx.store.user(who.name or "")
+        if not who.unrestricted and not G.is_admin(user):
+            store = self.ctx.store
+
+            def visible(name: str) -> bool:
+                t = store.topic(name)
+                return t is not None and G.can_read_topic(user, t)
+
+            families = metrics.filter_topics(families, visible)
+        return Response(200, metrics.render(families), metrics.CONTENT_TYPE)
 
     async def forget(self, req: Request) -> Response:
         """Remove a Raft server that has no member record (runs on the leader)."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -215,7 +216,13 @@ def main(argv: list[str] | None = None) -> int:
     if ns.command == "metastore" and ns.action == "export":
         tmp = f"{ns.file}.tmp"
         try:
-            with open(tmp, "w", encoding="utf-8") as fh:
+            # It holds every user's bcrypt hash: readable by the owner only (0600,
+            # whatever the umask), a fresh file (O_EXCL: no planted symlink followed).
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            os.fchmod(fd, 0o600)
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
                 json.dump(data, fh, indent=1, sort_keys=True)
                 fh.flush()
                 os.fsync(fh.fileno())

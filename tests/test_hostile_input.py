@@ -330,3 +330,45 @@ def test_an_encoded_slash_stays_inside_its_segment(node: Node) -> None:
 
     assert asyncio.run(via_h3()) == [404, 204, 200]
     healthy(node)
+
+
+# ---- found in review: bytes that reach the node before authentication ------------------------
+
+
+def _raw(node: Node, request: bytes) -> bytes:
+    import socket
+
+    with socket.create_connection(("127.0.0.1", node.port), timeout=10) as s:
+        s.sendall(request)
+        s.shutdown(socket.SHUT_WR)
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+    return out
+
+
+def test_a_non_ascii_basic_value_is_401_not_500(node: Node) -> None:
+    for value in ("Basic é".encode(), b"Basic \xe9\xe9", "Basic ééé=".encode()):
+        out = _raw(node, b"GET /v1/topics HTTP/1.1\r\nHost: x\r\nAuthorization: " + value
+                   + b"\r\nConnection: close\r\n\r\n")
+        status = out.split(b" ", 2)[1]
+        assert status == b"401", out[:300]
+    healthy(node)
+
+
+def test_the_route_cache_remembers_only_short_paths() -> None:
+    """Routes are matched before authentication: long unique paths must not pile up."""
+    from narad.api.router import Router
+
+    async def h(req: Any) -> Any:
+        return None
+
+    r = Router()
+    r.add("POST", "/v1/topics/{topic}/produce", h)
+    for i in range(300):
+        _route, params = r.match("POST", f"/v1/topics/{'x' * 60_000}{i}/produce")
+        assert params["topic"].endswith(str(i))
+    assert not any(len(p) > 512 for _, p in r._cache)
+    for i in range(20_000):
+        r.match("POST", f"/v1/topics/t{i}/produce")
+    assert len(r._cache) <= 10_000

@@ -61,7 +61,7 @@ def parse_basic(header: str | None) -> tuple[str, str] | None:
         return None
     try:
         raw = base64.b64decode(value.strip(), validate=True).decode()
-    except (binascii.Error, UnicodeDecodeError):
+    except (binascii.Error, ValueError):  # ValueError: non-ASCII characters in the value
         return None
     user, sep, pw = raw.partition(":")
     if not sep:

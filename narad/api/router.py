@@ -106,6 +106,9 @@ class _Route:
     oversize_status: int
 
 
+_CACHE_ENTRIES = 10_000
+_CACHE_PATH_MAX = 512  # bytes of raw path; every real route with a valid name fits
+
 class Router:
     """Pattern table: exact segments and ``{name}`` captures, one method each."""
 
@@ -135,9 +138,12 @@ class Router:
         if cached is not None:
             return cached
         found = self._match(method, path)
-        if len(self._cache) >= 10_000:
-            self._cache.clear()
-        self._cache[(method, path)] = found
+        # Matching runs before authentication (the body limit is the route's): only short
+        # paths are remembered, so unknown clients cannot grow the cache past ~10k x 512 B.
+        if len(path) <= _CACHE_PATH_MAX:
+            if len(self._cache) >= _CACHE_ENTRIES:
+                self._cache.clear()
+            self._cache[(method, path)] = found
         return found
 
     def _match(self, method: str, path: str) -> tuple[_Route, dict[str, str]]:

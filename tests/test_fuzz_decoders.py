@@ -697,3 +697,48 @@ def test_fuzz_mutation_helper_changes_bytes() -> None:
     assert mutate(data, [("flip", 0.5, 3)]) != data
     assert len(mutate(data, [("truncate", 0.25, 0)])) == 256
     assert zlib.crc32(mutate(data, [("zero", 0.1, 40)])) != zlib.crc32(data)
+
+
+def _tagged_structs() -> list[type]:
+    """Every tagged message struct the node RPC and the local RPC decode (read from the modules)."""
+    import inspect
+
+    from narad.broker import peers
+    from narad.meta import requests
+
+    out = []
+    for mod in (peers, requests):
+        for _name, obj in inspect.getmembers(mod, inspect.isclass):
+            if issubclass(obj, msgspec.Struct) and obj.__module__ == mod.__name__ and obj.__struct_config__.tag:
+                out.append(obj)
+    return out
+
+
+_MSG_TYPES = _tagged_structs()
+# one union per struct layout (a union cannot mix array-like and map structs; each service has one layout)
+_MSG_DECS = [msgspec.msgpack.Decoder(__import__("typing").Union[tuple(g)])  # type: ignore[valid-type]
+             for g in ([t for t in _MSG_TYPES if t.__struct_config__.array_like],
+                       [t for t in _MSG_TYPES if not t.__struct_config__.array_like]) if g]
+_msgpack_any = st.recursive(
+    st.none() | st.booleans() | st.integers(-(1 << 63), (1 << 64) - 1) | st.floats() | st.text(max_size=10)
+    | st.binary(max_size=10) | st.sampled_from([t.__struct_config__.tag for t in _MSG_TYPES]),
+    lambda inner: st.lists(inner, max_size=6) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    max_leaves=20)
+
+
+@FAST
+@given(st.one_of(
+    st.binary(max_size=120),
+    _msgpack_any.map(msgspec.msgpack.encode),
+    st.tuples(st.sampled_from(_MSG_TYPES), st.lists(_msgpack_any, max_size=8)).map(
+        lambda t: msgspec.msgpack.encode([t[0].__struct_config__.tag, *t[1]]))))
+def test_node_rpc_message_bodies(body: bytes) -> None:
+    """The message union a node-RPC or local-RPC service decodes (every tagged request
+    and note struct): random bodies and tag-plus-random-fields arrays give a struct or
+    DecodeError, nothing else; the refusal text is built without raising."""
+    assert len(_MSG_TYPES) >= 8
+    for dec in _MSG_DECS:
+        try:
+            dec.decode(body)
+        except msgspec.DecodeError as e:
+            T._undecodable(msgspec.Raw(body), e)

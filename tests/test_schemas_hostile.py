@@ -142,6 +142,32 @@ def test_unique_items_is_linear_and_keeps_json_equality() -> None:
     assert ends(lambda: v.check(big, inline=False)) is None
 
 
+def nest(depth: int, items: list[bytes]) -> bytes:
+    return b"[" * depth + b",".join(items) + b"]" * depth
+
+
+def test_costs_that_grow_with_the_subtree_are_bounded_never_a_503_forever() -> None:
+    # Two costs grew with the whole subtree at every level and were never charged: jsonschema's eager
+    # error messages (repr of the instance, also the ones anyOf discards) and uniqueItems' canonical
+    # forms (and their tuple hashes). These valid payloads ran past the capacity's deadline: 503 forever.
+    anyof = validator({"anyOf": [{"type": "string"}, {"prefixItems": [{"$ref": "#"}]}]})
+    unique = validator({"uniqueItems": True, "prefixItems": [{"$ref": "#"}]})
+    zeros = nest(250, [b"0"] * 150_000)  # ~300 KB
+    distinct = nest(250, [str(i).encode() for i in range(100_000)])  # ~590 KB
+
+    async def run() -> tuple[str | None, ...]:
+        cap = VAL.ValidationCapacity()
+        return (await cap.check(anyof, zeros), await cap.check(unique, distinct),
+                await cap.check(unique, nest(200, [b"0"] * 50_000)),
+                await cap.check(validator({"type": "string"}), zeros))
+
+    valid1, valid2, dup, wrong = ends(lambda: asyncio.run(run()), 90)
+    assert valid1 is None and valid2 is None
+    assert dup is not None and "non-unique elements" in dup
+    assert wrong is not None and "[[[[[[" in wrong and "...' is not of type 'string'" not in wrong
+    assert len(wrong) < 500 and "is not of type 'string'" in wrong  # a preview of the value, not all of it
+
+
 COSTLY = {"type": "array", "items": {"anyOf": [{"type": "string", "minLength": k} for k in range(59, 0, -1)]}}
 
 

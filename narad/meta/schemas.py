@@ -588,16 +588,20 @@ def analyse(doc: Any) -> Cost:
 
 
 class Budget:
-    """Steps one validation may spend (checked at every keyword), a wall-clock
-    deadline and a cancel flag (both checked every 64 keywords)."""
+    """Steps one validation may spend (checked at every charge), a wall-clock
+    deadline and a cancel flag (both checked every 8 charges and at every
+    charge of more than 64 steps, so they are seen within milliseconds), and the
+    memo of uniqueItems' canonical forms (by object id: the payload is alive
+    and unchanged for the whole validation)."""
 
-    __slots__ = ("cancel", "deadline", "steps", "tick")
+    __slots__ = ("cancel", "canon", "deadline", "steps", "tick")
 
     def __init__(self, steps: int, deadline: float = float("inf"), cancel: threading.Event | None = None) -> None:
         self.steps = steps
         self.deadline = deadline
         self.cancel = cancel
         self.tick = 0
+        self.canon: dict[int, Any] = {}
 
 
 class OverBudget(Exception):
@@ -617,7 +621,7 @@ def _charge(n: int) -> None:
     if b.steps < 0:
         raise OverBudget
     b.tick += 1
-    if not b.tick & 63 and (time.monotonic() > b.deadline or (b.cancel is not None and b.cancel.is_set())):
+    if (not b.tick & 7 or n > 64) and (time.monotonic() > b.deadline or (b.cancel is not None and b.cancel.is_set())):
         raise OutOfTime
 
 
@@ -663,21 +667,56 @@ def _pattern_properties(validator: Any, pp: Any, instance: Any, schema: Any) -> 
 
 
 def _canon(v: Any) -> Any:
-    """A hashable form with JSON equality: 1 == 1.0, true != 1, key order ignored."""
+    """A hashable form with JSON equality: 1 == 1.0, true != 1, key order ignored.
+
+    A container's form is computed once per validation (memo on the Budget) and
+    charged by its length: uniqueItems at every level of a nested array costs
+    the subtree once, not once per level (that was depth x size, uncharged)."""
     if isinstance(v, bool) or v is None:
         return ("b", v)
     if isinstance(v, (int, float)):
         return ("n", int(v) if isinstance(v, float) and v.is_integer() else v)
     if isinstance(v, str):
         return ("s", v)
-    if isinstance(v, list):
-        return ("l", tuple(_canon(x) for x in v))
-    return ("d", frozenset((k, _canon(x)) for k, x in v.items()))
+    memo = _tls.budget.canon
+    c = memo.get(id(v))
+    if c is None:
+        _charge(1 + (len(v) >> 4))
+        if isinstance(v, list):
+            c = _Canon(("l", tuple(_canon(x) for x in v)), len(v))
+        else:
+            c = _Canon(("d", frozenset((k, _canon(x)) for k, x in v.items())), len(v))
+        memo[id(v)] = c
+    return c
+
+
+class _Canon:
+    """A container's canonical form with its hash computed once (a tuple's hash
+    is recomputed at every use: at every level, the whole subtree again);
+    comparing two with equal hashes is charged by their length."""
+
+    __slots__ = ("form", "hash", "size")
+
+    def __init__(self, form: tuple[Any, ...], size: int) -> None:
+        self.form = form
+        self.size = size
+        self.hash = hash(form)  # the children's hashes are cached: O(len)
+
+    def __hash__(self) -> int:
+        return self.hash
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if not isinstance(other, _Canon) or self.hash != other.hash:
+            return False
+        _charge(1 + (min(self.size, other.size) >> 4))
+        return self.form == other.form
 
 
 def _unique_items(validator: Any, ui: Any, instance: Any, schema: Any) -> Any:
     if ui and validator.is_type(instance, "array"):
-        _charge(1 + len(instance))
+        _charge(1 + (len(instance) >> 4))
         seen: set[Any] = set()
         for x in instance:
             c = _canon(x)
@@ -768,6 +807,7 @@ class PayloadValidator:
             return _reason_nesting()
         if inline and depth > INLINE_MAX_NESTING:
             raise NeedsCapacity
+        value = _wrap(value)
         full = STEP_BASE + STEPS_PER_BYTE * len(payload)
         b = Budget(min(full, INLINE_STEPS) if inline else full, deadline, cancel)
         prev = getattr(_tls, "budget", None)
@@ -804,6 +844,85 @@ class PayloadValidator:
 
 
 _decoder = msgspec.json.Decoder()
+_PREVIEW = 120  # characters of a payload value an error message shows
+
+
+class _Full(Exception):
+    pass
+
+
+def _preview(v: Any) -> str:
+    """At most ~_PREVIEW characters of repr(v): the cost of an error message no
+    longer grows with the subtree (jsonschema builds every message eagerly, also
+    the ones anyOf/oneOf/not/if discard; at every level of a nested payload that
+    was depth x size of repr, uncharged)."""
+    out: list[str] = []
+    used = 0
+
+    def emit(text: str) -> None:
+        nonlocal used
+        out.append(text)
+        used += len(text)
+        if used > _PREVIEW:
+            raise _Full
+
+    def walk(x: Any) -> None:
+        if isinstance(x, list):
+            emit("[")
+            for i, y in enumerate(x):
+                emit(", " if i else "")
+                walk(y)
+            emit("]")
+        elif isinstance(x, dict):
+            emit("{")
+            for i, (k, y) in enumerate(x.items()):
+                emit(", " if i else "")
+                emit(str.__repr__(k[:_PREVIEW]) + ": ")
+                walk(y)
+            emit("}")
+        elif isinstance(x, str):
+            emit(str.__repr__(x[:_PREVIEW]))
+        else:
+            emit(repr(x))
+
+    try:
+        walk(v)
+    except _Full:
+        return "".join(out)[:_PREVIEW] + "..."
+    return "".join(out)
+
+
+class _JList(list):  # type: ignore[type-arg]
+    """A payload array whose repr is a short preview."""
+
+    __slots__ = ()
+    __repr__ = _preview
+
+
+class _JDict(dict):  # type: ignore[type-arg]
+    """A payload object whose repr is a short preview."""
+
+    __slots__ = ()
+    __repr__ = _preview
+
+
+class _JStr(str):
+    """A long payload string whose repr is a short preview."""
+
+    __slots__ = ()
+    __repr__ = _preview
+
+
+def _wrap(v: Any) -> Any:
+    """The decoded payload with containers (and long strings) whose repr is
+    bounded; one linear pass (nesting is already checked)."""
+    if isinstance(v, list):
+        return _JList([_wrap(x) for x in v])
+    if isinstance(v, dict):
+        return _JDict({k: _wrap(x) for k, x in v.items()})
+    if isinstance(v, str) and len(v) > _PREVIEW:
+        return _JStr(v)
+    return v
 
 
 def _decode(payload: bytes) -> Any:

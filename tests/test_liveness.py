@@ -9,11 +9,15 @@ socket as $NOTIFY_SOCKET.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
+import logging
 import os
 import signal
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +25,10 @@ from pathlib import Path
 import psutil
 import pytest
 
+from narad.meta import versions as V
+from narad.supervisor import workers as workers_mod
+from narad.supervisor.forkserver import ForkServer
+from narad.supervisor.workers import WorkerManager
 from tests.harness import Node, wait_for
 
 
@@ -290,3 +298,85 @@ def test_wedged_raft_tick_thread_fails_healthz_and_withholds_the_watchdog(tmp_pa
         assert stamps, "the watchdog was never fed"
     finally:
         sock.close()
+
+
+# ---- the fork server's replacement, in process (a real ForkServer and real processes) ----------------
+def _idle_worker(index: int, core: int | None) -> int:
+    time.sleep(600)  # dies with its server (parent-death signal)
+    return 0
+
+
+def _lose_server(portable: object, until: object, bound: float = 1.0) -> tuple[ForkServer, list[str]]:
+    """Start a fork server with one worker, SIGKILL the server, then turn check_stuck
+    every 0.1 s (as the supervisor's heartbeat loop does) until `until(fs, fatal)`."""
+    fatal: list[str] = []
+
+    async def run() -> ForkServer:
+        hb = V.Heartbeats.create(f"/narad-test-{os.getpid()}-hb")
+        fs = ForkServer(_idle_worker, hb_name=hb.name, portable=portable)  # type: ignore[arg-type]
+        fs.start()
+        fs.attach(asyncio.get_running_loop())
+        wm = WorkerManager(fs, 1, [None], heartbeats=hb, on_fatal=fatal.append)
+        wm.fs_boot_bound = 2.0
+        try:
+            wm.start_all()
+            end = time.monotonic() + 20
+            while not wm.workers[0].alive and time.monotonic() < end:
+                await asyncio.sleep(0.02)
+            assert wm.workers[0].alive
+            os.kill(fs.pid, signal.SIGKILL)
+            end = time.monotonic() + 30
+            while not until(fs, fatal) and time.monotonic() < end:  # type: ignore[operator]
+                wm.check_stuck(bound)
+                await asyncio.sleep(0.1)
+            return fs
+        finally:
+            wm.stopping = True
+            for t in list(wm._restart_tasks):
+                t.cancel()
+            if fs.reap() is None:
+                os.kill(fs.pid, signal.SIGKILL)
+                fs.pid_wait()
+            hb.close(unlink=True)
+
+    return asyncio.run(run()), fatal
+
+
+def test_replacement_fork_server_stuck_in_boot_is_killed_and_replaced_again() -> None:
+    hung: list[int] = []
+
+    def until(fs: ForkServer, fatal: list[str]) -> bool:
+        if fs.generation == 1 and not hung:
+            hung.append(fs.pid)
+        return fs.generation >= 2
+
+    # The replacement's boot function never returns: it never reaches its loop.
+    fs, _ = _lose_server(lambda: ("time:sleep", 3600, []), until)
+    assert fs.generation >= 2, "the replacement stuck in boot was never noticed"
+    assert hung and hung[0] != fs.pid
+    assert not psutil.pid_exists(hung[0])  # killed and reaped
+
+
+def test_replacement_that_cannot_be_started_is_logged_retried_then_stops_the_node(
+        caplog: pytest.LogCaptureFixture) -> None:
+    def portable() -> tuple[str, object, list[int]]:
+        raise ValueError("spec cannot be passed on")
+
+    with caplog.at_level(logging.ERROR, logger="narad.supervisor.workers"):
+        _, fatal = _lose_server(portable, lambda fs, fatal: bool(fatal))
+    assert fatal and "the fork server was lost 5 times" in fatal[0], fatal
+    assert "could not start a replacement fork server" in caplog.text
+    assert "ValueError: spec cannot be passed on" in caplog.text
+
+
+def test_a_recycled_pid_is_not_taken_for_a_lost_worker() -> None:
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        created = workers_mod._create_time(p.pid)
+        assert workers_mod._same_process(p.pid, created)
+        assert not workers_mod._same_process(p.pid, created - 1.0)  # another process under that pid
+        assert not workers_mod._same_process(p.pid, 0.0)  # start time unknown: never killed
+    finally:
+        p.kill()
+        p.wait()
+    assert not workers_mod._same_process(p.pid, created)

@@ -223,11 +223,14 @@ class ForkServer:
         death signal follows the thread that started the child. The old server
         must be gone (``reap``)."""
         assert self._portable is not None and self._loop is not None
+        # Everything that can fail on the spec (portable_spec, pickling) runs
+        # before a process exists; a failure after the start kills what started.
         entry, arg, fds = self._portable()
+        payload = pickle.dumps(arg)
         self._close_sock()
         parent, child = socket.socketpair()
         try:
-            self._proc = subprocess.Popen(
+            proc = subprocess.Popen(
                 [sys.executable, "-m", "narad.supervisor.forkserver", str(child.fileno()), str(os.getpid()),
                  self._hb_name],
                 pass_fds=(child.fileno(), *fds), stdin=subprocess.DEVNULL, close_fds=True)
@@ -236,12 +239,19 @@ class ForkServer:
             raise
         finally:
             child.close()
-        self.pid = self._proc.pid
+        self._proc = proc
+        self.pid = proc.pid
         self.generation += 1
         self._sock = parent
         self._buf = bytearray()
-        self._send(("boot", entry, pickle.dumps(arg)))
-        self.attach(self._loop)
+        try:
+            self._send(("boot", entry, payload))
+            self.attach(self._loop)
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            self._close_sock()
+            raise
 
     def reap(self) -> int | None:
         """Collect the exited server; its wait status, or None if it is not gone yet."""

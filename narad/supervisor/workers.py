@@ -35,6 +35,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import psutil
+
 from narad import metrics
 from narad.meta import versions as V
 from narad.supervisor.forkserver import ForkServer
@@ -48,6 +50,7 @@ STARTUP_STUCK_AFTER = 60.0  # least bound for a worker that has not served yet (
 OLD_WORKERS_GONE_WITHIN = 5.0  # a lost server's workers: waited for, then SIGKILLed
 SERVER_LOSSES_FATAL = 5
 SERVER_LOSS_WINDOW = 60.0
+FS_BOOT_STUCK_AFTER = 10.0  # least bound for a replacement fork server that has not said "booted"
 
 
 @dataclass
@@ -63,6 +66,7 @@ class WorkerState:
     last_status: str = ""
     killing: bool = False  # SIGKILLed as stuck; its exit is on the way
     stuck_kills: int = 0
+    created: float = 0.0  # the process's start time (psutil): a recycled pid is never killed
     exited: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -97,6 +101,11 @@ class WorkerManager:
         self._replacing = False
         self._server_backoff = BACKOFF_FIRST
         self._server_losses: deque[float] = deque()
+        # The fork server's silence counts from its start (a replacement stamps
+        # its slot only once it serves); one still booting gets fs_boot_bound.
+        self._fs_started = time.monotonic()
+        self._fs_booted = True
+        self.fs_boot_bound = FS_BOOT_STUCK_AFTER
         self.workers = [WorkerState(i, cores[i % len(cores)] if cores else None) for i in range(count)]
         self._by_pid: dict[int, WorkerState] = {}
         self.stopping = False
@@ -127,6 +136,7 @@ class WorkerManager:
             w = self.workers[index]
             w.pid, w.started, w.alive, w.serving = pid, time.monotonic(), True, False
             w.killing = False
+            w.created = _create_time(pid)
             w.exited = asyncio.Event()
             self._by_pid[pid] = w
             metrics.get().workers_alive.set(sum(x.alive for x in self.workers))
@@ -153,6 +163,8 @@ class WorkerManager:
             task = asyncio.ensure_future(self._restart_later(w, delay))
             self._restart_tasks.add(task)
             task.add_done_callback(self._restart_tasks.discard)
+        elif kind == "booted":
+            self._fs_booted = True
         elif kind == "server_exited":
             self.server_lost.set()
             if not self.stopping and not self._replacing:
@@ -195,16 +207,19 @@ class WorkerManager:
             log.error("worker not responding (its event loop stopped turning); killing and restarting it",
                       extra={"index": w.index, "pid": w.pid, "silent_seconds": round(silent, 1),
                              "bound_seconds": bound})
-            try:
-                os.kill(w.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        fs_age = self.hb.age(V.HB_FORKSERVER, now)
-        if not self._replacing and fs_age is not None and fs_age > bound and self.fs.pid:
+            if _same_process(w.pid, w.created):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(w.pid, signal.SIGKILL)
+        if self._replacing or not self.fs.pid:
+            return
+        fs_age = (now - max(self.hb.load(V.HB_FORKSERVER), int(self._fs_started * 1000))) / 1000.0
+        fs_bound = bound if self._fs_booted else max(bound, self.fs_boot_bound)
+        if fs_age > fs_bound:
             self._replacing = True  # until the kill's EOF arrives: one kill only
             metrics.get().forkserver_restarts.inc()
             log.error("fork server not responding; killing and replacing it",
-                      extra={"pid": self.fs.pid, "silent_seconds": round(fs_age, 1), "bound_seconds": bound})
+                      extra={"pid": self.fs.pid, "silent_seconds": round(fs_age, 1), "bound_seconds": fs_bound,
+                             "booting": not self._fs_booted})
             self.hb.store(V.HB_FORKSERVER, 0)
             try:
                 os.kill(self.fs.pid, signal.SIGKILL)
@@ -238,14 +253,14 @@ class WorkerManager:
         self._server_losses.append(now)
         while self._server_losses and now - self._server_losses[0] > SERVER_LOSS_WINDOW:
             self._server_losses.popleft()
-        lost = [(w, w.pid) for w in self.workers if w.alive]
+        lost = [(w, w.pid, w.created) for w in self.workers if w.alive]
         log.error("fork server lost; its workers died with it; replacing it", extra={
             "pid": old, "status": "unknown" if status is None else describe_status(status),
-            "workers_lost": [pid for _, pid in lost]})
+            "workers_lost": [pid for _, pid, _ in lost]})
         for t in list(self._restart_tasks):
             if t is not asyncio.current_task():
                 t.cancel()
-        for w, pid in lost:
+        for w, pid, _ in lost:
             self._by_pid.pop(pid, None)
             self._mark_dead(w, pid, "killed with the fork server")
             w.restarts += 1
@@ -260,10 +275,11 @@ class WorkerManager:
         # The old workers die with their server (parent-death signal); their
         # successors must not open the same WAL and partition files before.
         end = time.monotonic() + OLD_WORKERS_GONE_WITHIN
-        while any(not _pid_gone(pid) for _, pid in lost) and time.monotonic() < end:
+        while any(not _pid_gone(pid) for _, pid, _ in lost) and time.monotonic() < end:
             await asyncio.sleep(0.02)
-        for _, pid in lost:
-            if not _pid_gone(pid):
+        for _, pid, created in lost:
+            # Not our child (the lost server's): its pid may be recycled by now.
+            if not _pid_gone(pid) and _same_process(pid, created):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
         delay = self._server_backoff
@@ -271,13 +287,16 @@ class WorkerManager:
         await asyncio.sleep(delay)
         if self.stopping:
             return
+        self._fs_started, self._fs_booted = time.monotonic(), False
         try:
             self.fs.replace()
-        except OSError as e:
-            log.error("could not start a replacement fork server", extra={"err": str(e)})
+        except Exception as e:  # OSError, or a spec that cannot be passed on: counted as a loss, retried
+            log.error("could not start a replacement fork server", exc_info=not isinstance(e, OSError),
+                      extra={"err": f"{type(e).__name__}: {e}"})
             self._replacing = False
             self._on_message(("server_exited",))
             return
+        self._fs_started = time.monotonic()
         self.server_replacements += 1
         self._replacing = False
         log.warning("fork server replaced", extra={"pid": self.fs.pid, "replacements": self.server_replacements})
@@ -351,6 +370,18 @@ class WorkerManager:
                 await asyncio.wait_for(asyncio.gather(*(w.exited.wait() for w in live)), 3.0)
             except TimeoutError:
                 pass
+
+
+def _create_time(pid: int) -> float:
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return 0.0
+
+
+def _same_process(pid: int, created: float) -> bool:
+    """`pid` is still the process that started at `created` (not a recycled pid)."""
+    return bool(created) and _create_time(pid) == created
 
 
 def _pid_gone(pid: int) -> bool:

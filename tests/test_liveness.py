@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -380,3 +381,37 @@ def test_a_recycled_pid_is_not_taken_for_a_lost_worker() -> None:
         p.kill()
         p.wait()
     assert not workers_mod._same_process(p.pid, created)
+
+
+def test_readyz_stays_200_while_metadata_is_written(tmp_path: Path, node_factory: list[Node]) -> None:
+    """Commit -> apply lag of ordinary writes is not "replica behind" (one healthy node)."""
+    n = Node(tmp_path / "d", workers=2, security=False)
+    node_factory.append(n)
+    n.start()
+    stop = threading.Event()
+    created: list[int] = []
+
+    def create(k: int) -> None:
+        for i in itertools.count():
+            if stop.is_set():
+                return
+            created.append(n.post("/v1/topics", {"name": f"t{k}-{i}", "partitions": 4}).status)
+
+    threads = [threading.Thread(target=create, args=(k,), daemon=True) for k in range(3)]
+    for th in threads:
+        th.start()
+    bad: list[str] = []
+    probes = 0
+    try:
+        end = time.monotonic() + 90
+        while (probes < 1000 or created.count(201) < 300) and time.monotonic() < end:
+            status, body = _probe(n, "/readyz")
+            probes += 1
+            if status != 200:
+                bad.append(body)
+    finally:
+        stop.set()
+        for th in threads:
+            th.join(30)
+    assert created.count(201) >= 300 and set(created) == {201}, (len(created), set(created))
+    assert not bad, f"{len(bad)} of {probes} probes not ready: {bad[:3]}"

@@ -19,6 +19,7 @@ import shutil
 import signal
 import sys
 import time
+from collections import deque
 from pathlib import Path
 
 import uvloop
@@ -55,6 +56,10 @@ READER_CHECK_EVERY = 5.0
 JOIN_EVERY = 2.0
 METRICS_POLL_EVERY = 10.0
 LEADER_CONTACT_FRESH = 5.0
+# Readiness only: a replica is "behind" once it has not applied the commit index
+# it saw this long ago (commit -> apply lag of ordinary writes is not behind).
+# Destructive decisions use RaftNode.caught_up(), which has no such grace.
+APPLY_GRACE = 1.5
 ORPHAN_SWEEP_WAIT = 60.0  # the startup orphan sweep waits this long for a caught-up replica, else skips
 
 
@@ -109,6 +114,7 @@ class Supervisor:
         self.reconcile_done = False
         self.create_gate: asyncio.Event | None = None
         self.startup_commit_index = 0
+        self._commit_seen: deque[tuple[float, int]] = deque()  # (when, commit target) as readiness saw it
         self.admitted = asyncio.Event()
         self.raft_mode = "single"
         self.join_rounds = 0
@@ -587,13 +593,26 @@ class Supervisor:
                 return False, 3
             if time.monotonic() - st.last_leader_contact > LEADER_CONTACT_FRESH:
                 return False, 4
-        if st.applied_index < max(st.commit_index, st.leader_commit_index, self.startup_commit_index):
+        if st.applied_index < self.startup_commit_index:
+            return False, 5  # the startup rule: ready only once the FSM reached the commit index on disk
+        if st.applied_index < self._commit_target_seen(max(st.commit_index, st.leader_commit_index)):
             return False, 5
         if not self.reconcile_done:
             return False, 6
         if not self.workers.all_serving:
             return False, 10
         return True, 0
+
+    def _commit_target_seen(self, target: int) -> int:
+        """The commit index seen APPLY_GRACE seconds ago (the oldest one seen while
+        none is that old): what the replica must have applied by now."""
+        now = time.monotonic()
+        seen = self._commit_seen
+        if not seen or seen[-1][1] != target:
+            seen.append((now, target))
+        while len(seen) >= 2 and seen[1][0] <= now - APPLY_GRACE:
+            seen.popleft()
+        return seen[0][1]
 
     async def _readiness_loop(self) -> None:
         while True:

@@ -160,8 +160,8 @@ def test_killed_fork_server_is_replaced_and_workers_come_back(tmp_path: Path, no
     assert n.stop() == 0
 
 
-def test_sd_notify_ready_status_and_watchdog_stops_with_a_stopped_loop(tmp_path: Path,
-                                                                      node_factory: list[Node]) -> None:
+def test_sd_notify_ready_status_and_watchdog_stops_while_the_loop_is_blocked(tmp_path: Path,
+                                                                            node_factory: list[Node]) -> None:
     path = str(tmp_path / "notify.sock")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     sock.bind(path)
@@ -177,7 +177,11 @@ def test_sd_notify_ready_status_and_watchdog_stops_with_a_stopped_loop(tmp_path:
                 return
         raise AssertionError(f"timed out waiting for {what}; received {got[-10:]}")
 
-    n = Node(tmp_path / "d", workers=1, env={"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "1000000"})
+    # SIGUSR2 runs a blocking sleep on the supervisor's event loop only: every
+    # other thread (Raft's tick thread) goes on, unlike with SIGSTOP, so a
+    # watchdog fed from a thread would show here.
+    n = Node(tmp_path / "d", workers=1, env={"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "1000000",
+                                             "NARAD_FAULT_BLOCK_LOOP_ON_USR2": "9"})
     node_factory.append(n)
     try:
         n.start()
@@ -187,22 +191,25 @@ def test_sd_notify_ready_status_and_watchdog_stops_with_a_stopped_loop(tmp_path:
         start = len(got)
         drain_until(lambda: sum(m == "WATCHDOG=1" for m in got[start:]) >= 4, 20, "WATCHDOG=1 to keep arriving")
         assert n.proc is not None
-        os.kill(n.proc.pid, signal.SIGSTOP)
-        try:
-            # Whatever was queued before the stop is drained; then nothing arrives
-            # for six watchdog intervals (systemd would kill the unit).
-            sock.settimeout(0.5)
-            with contextlib.suppress(TimeoutError):
-                while True:
-                    sock.recv(4096)
-            sock.settimeout(3.0)
-            with pytest.raises(TimeoutError):
-                got.append(sock.recv(4096).decode())
-        finally:
-            os.kill(n.proc.pid, signal.SIGCONT)
+        os.kill(n.proc.pid, signal.SIGUSR2)
+        # Whatever was queued before the block is drained; then nothing arrives
+        # for six watchdog intervals (systemd would kill the unit).
+        sock.settimeout(0.5)
+        with contextlib.suppress(TimeoutError):
+            while True:
+                sock.recv(4096)
+        sock.settimeout(3.0)
+        with pytest.raises(TimeoutError):
+            got.append(sock.recv(4096).decode())
+        _, body = wait_for(lambda: (s := _probe(n, "/readyz"))[0] == 503 and s, 4, 0.1,
+                           "/readyz to name the blocked supervisor")
+        assert "supervisor not responding for" in body, body
+        status, body = _probe(n, "/healthz")
+        assert status == 503 and "supervisor not responding for" in body, body
         sock.settimeout(0.2)
         start = len(got)
-        drain_until(lambda: "WATCHDOG=1" in got[start:], 20, "WATCHDOG=1 after SIGCONT")
+        drain_until(lambda: "WATCHDOG=1" in got[start:], 20, "WATCHDOG=1 once the loop turns again")
+        wait_for(lambda: _probe(n, "/healthz")[0] == 200, 20, 0.1, "/healthz back to 200")
         assert n.stop() == 0
         drain_until(lambda: any("STOPPING=1" in m for m in got), 5, "STOPPING=1")
     finally:

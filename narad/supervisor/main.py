@@ -227,6 +227,10 @@ class Supervisor:
         # 9. Signals: SIGTERM/SIGINT stop gracefully from here on.
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)
+        #    Fault seam (tests): SIGUSR2 blocks this loop (not the process, not
+        #    Raft's tick thread) for NARAD_FAULT_BLOCK_LOOP_ON_USR2 seconds.
+        if block := os.environ.get("NARAD_FAULT_BLOCK_LOOP_ON_USR2"):
+            loop.add_signal_handler(signal.SIGUSR2, time.sleep, float(block))
         #    The heartbeat loop starts with the loop: it stamps this process's
         #    heartbeat, watches the workers' and the fork server's, feeds
         #    systemd's watchdog and keeps STATUS= current (ends after Raft closes).

@@ -231,6 +231,32 @@ def test_capacity_busy_answers_503_and_gives_the_slot_back(monkeypatch: pytest.M
     ends(lambda: asyncio.run(run()))
 
 
+def test_validators_are_built_once_off_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The cost analysis of a large schema takes seconds: PayloadValidator was built on the event loop.
+    monkeypatch.setattr(VAL, "WAIT_S", 0.3)
+    release = threading.Event()
+    builds: list[str] = []
+
+    def make() -> S.PayloadValidator:
+        builds.append(threading.current_thread().name)
+        assert release.wait(LIVENESS)  # set by the loop: on the loop this build would never end
+        return validator({"type": "string"})
+
+    async def run() -> None:
+        cap = VAL.ValidationCapacity()
+        first = [asyncio.ensure_future(cap.validator(("t", 1), make)) for _ in range(3)]
+        for f in first:  # concurrent first produces share the build; each waits WAIT_S, then 503
+            with pytest.raises(SchemaValidationBusy):
+                await f
+        release.set()
+        v = await cap.validator(("t", 1), make)  # the build went on: the retry gets it
+        assert v is await cap.validator(("t", 1), make) and cap.cached(("t", 1)) is v
+        assert builds == ["narad-schema_0"]
+        assert await cap.check(v, b'"x"') is None and await cap.check(v, b"1") is not None
+
+    ends(lambda: asyncio.run(run()))
+
+
 # ---- real nodes ------------------------------------------------------------------------------------
 OCTET = {"Content-Type": "application/octet-stream"}
 

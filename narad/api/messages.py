@@ -157,7 +157,6 @@ class MessagesAPI:
         self.ctx = ctx
         self.broker = ctx.broker
         self.caps: CAPS.CapTable | None = ctx.caps
-        self._validators: dict[tuple[str, int], PayloadValidator] = {}
         self._validation = ValidationCapacity()  # one slot: this worker's core
         self.max_wait = ctx.cfg.seconds("http", "max_consume_wait")
         self.consume_cap = ctx.cfg.http.max_consume_in_flight_per_identity
@@ -191,20 +190,21 @@ class MessagesAPI:
         who: G.Identity = req.identity
         return who.name if who.name else f"ip:{req.client}"
 
-    def _validator(self, t: TopicRecord) -> PayloadValidator | None:
+    async def _validator(self, t: TopicRecord) -> PayloadValidator | None:
+        """The topic's compiled validator; built on the validation thread (never
+        on the loop), may raise SchemaValidationBusy (503)."""
         if not t.schema_version:
             return None
         key = (t.id, t.schema_version)
-        v = self._validators.get(key)
-        if v is None:
-            with self.ctx.store.read() as r:
-                rec = r.schema(t.name, t.schema_version)
-            if rec is None:
-                return None
-            if len(self._validators) > 1000:
-                self._validators.clear()
-            v = self._validators[key] = PayloadValidator(t.name, t.schema_version, rec.schema)
-        return v
+        v = self._validation.cached(key)
+        if v is not None:
+            return v
+        with self.ctx.store.read() as r:
+            rec = r.schema(t.name, t.schema_version)
+        if rec is None:
+            return None
+        name, version, raw = t.name, t.schema_version, rec.schema
+        return await self._validation.validator(key, lambda: PayloadValidator(name, version, raw))
 
     def _single_query(self, req: Request, name: str) -> str | None:
         vals = req.query.get(name)
@@ -250,7 +250,7 @@ class MessagesAPI:
         key_raw = self._single_query(req, "key")
         partition = self._partition_arg(req, t)
         key = key_raw.encode("utf-8", "surrogateescape") if key_raw else None
-        v = self._validator(t)
+        v = await self._validator(t)
         if v is not None:
             why = await self._validation.check(v, body)
             if why is not None:
@@ -355,10 +355,10 @@ class MessagesAPI:
                 raise BadRequest(f"message {i}: invalid argument: partition out of range")
             prepared.append((payload, key, m.partition, flags))
         # Pass 2: partition range and schema.
-        v = self._validator(t)
         for i, (_payload, _key, part, _flags) in enumerate(prepared):
             if part is not None and part >= t.partitions:
                 raise BadRequest(f"message {i}: invalid argument: partition out of range")
+        v = await self._validator(t)
         if v is not None:
             bad = await self._validation.check_many(v, [p for p, _k, _part, _f in prepared])
             if bad is not None:

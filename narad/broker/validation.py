@@ -17,6 +17,12 @@ worker: GET /readyz answered in 0.3 ms median idle, 6 ms median (p95 10 ms)
 while a validation ran on the thread. A canceled request sets the
 budget's cancel flag; the slot is given back only when the thread has stopped.
 
+Compiled validators (``validator``) are built on the same thread: the static
+cost analysis of a large schema takes seconds, so it never runs on the event
+loop (the node would report not-ready). Concurrent first produces of one
+schema version share one build; each waits for it at most WAIT_S, else the
+same 503 (the build goes on; a retry finds it done).
+
 Test seam: NARAD_FAULT_SCHEMA_HOLD_MS keeps the slot that much longer after
 each validation on the thread (to make the capacity busy on purpose).
 
@@ -32,6 +38,8 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable, Hashable
+from typing import Any
 
 from narad.errors import SchemaValidationBusy
 from narad.meta.schemas import NeedsCapacity, OutOfTime, PayloadValidator
@@ -42,6 +50,7 @@ DEADLINE_S = 10.0  # per MiB of payload in the job, at least this
 # in-place nesting on top: 256 levels need more than the default 1000.
 RECURSION_LIMIT = 6000
 THREAD_STACK = 64 << 20
+MAX_VALIDATORS = 1000  # compiled validators kept per worker (then the cache starts afresh)
 
 
 def _hold_s() -> float:
@@ -58,6 +67,8 @@ class ValidationCapacity:
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._hold = _hold_s()
         self.in_flight = 0
+        self._built: dict[Hashable, PayloadValidator] = {}
+        self._builds: dict[Hashable, asyncio.Future[PayloadValidator]] = {}
 
     def _start(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._pool is None:
@@ -71,6 +82,64 @@ class ValidationCapacity:
             finally:
                 threading.stack_size(old)
         return self._pool
+
+    def cached(self, key: Hashable) -> PayloadValidator | None:
+        return self._built.get(key)
+
+    async def validator(self, key: Hashable, make: Callable[[], PayloadValidator]) -> PayloadValidator:
+        """The compiled validator for ``key``, built once by ``make`` on the slot's
+        thread; raises SchemaValidationBusy if it is not ready within WAIT_S."""
+        v = self._built.get(key)
+        if v is not None:
+            return v
+        fut = self._builds.get(key)
+        if fut is None:
+            fut = self._builds[key] = asyncio.ensure_future(self._build(key, make))
+            fut.add_done_callback(_retrieve)
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), WAIT_S)
+        except TimeoutError:
+            raise SchemaValidationBusy() from None
+
+    async def _build(self, key: Hashable, make: Callable[[], PayloadValidator]) -> PayloadValidator:
+        try:
+            cf = await self._submit(make)
+            v: PayloadValidator = await asyncio.wrap_future(cf)
+            if len(self._built) >= MAX_VALIDATORS:
+                self._built.clear()
+            self._built[key] = v
+            return v
+        finally:
+            self._builds.pop(key, None)
+
+    async def _submit(self, job: Callable[[], Any]) -> concurrent.futures.Future[Any]:
+        """Run ``job`` on the slot (waiting at most WAIT_S for it, else busy); the
+        slot is given back when the thread has finished the job."""
+        if self._sem is None:
+            self._sem = asyncio.Semaphore(self.slots)
+        sem = self._sem
+        try:
+            await asyncio.wait_for(sem.acquire(), WAIT_S)
+        except TimeoutError:
+            raise SchemaValidationBusy() from None
+        loop = asyncio.get_running_loop()
+        try:
+            cf = self._start().submit(job)
+        except BaseException:
+            sem.release()
+            raise
+        self.in_flight += 1
+
+        def give_back() -> None:
+            self.in_flight -= 1
+            sem.release()
+
+        def done(_: object) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop closed (worker stopping)
+                loop.call_soon_threadsafe(give_back)
+
+        cf.add_done_callback(done)
+        return cf
 
     async def check(self, v: PayloadValidator, payload: bytes) -> str | None:
         """None if the payload is valid, else the 400 reason; raises SchemaValidationBusy."""
@@ -99,14 +168,6 @@ class ValidationCapacity:
         return await self._on_slot(v, payloads, start)
 
     async def _on_slot(self, v: PayloadValidator, payloads: list[bytes], start: int) -> tuple[int, str] | None:
-        if self._sem is None:
-            self._sem = asyncio.Semaphore(self.slots)
-        sem = self._sem
-        try:
-            await asyncio.wait_for(sem.acquire(), WAIT_S)
-        except TimeoutError:
-            raise SchemaValidationBusy() from None
-        loop = asyncio.get_running_loop()
         cancel = threading.Event()
         total = sum(len(p) for p in payloads[start:])
 
@@ -124,22 +185,7 @@ class ValidationCapacity:
                 if self._hold:
                     time.sleep(self._hold)
 
-        try:
-            cf = self._start().submit(job)
-        except BaseException:
-            sem.release()
-            raise
-        self.in_flight += 1
-
-        def give_back() -> None:
-            self.in_flight -= 1
-            sem.release()
-
-        def done(_: object) -> None:
-            with contextlib.suppress(RuntimeError):  # the loop closed (worker stopping)
-                loop.call_soon_threadsafe(give_back)
-
-        cf.add_done_callback(done)
+        cf = await self._submit(job)
         try:
             res = await asyncio.wrap_future(cf)
         except asyncio.CancelledError:
@@ -148,3 +194,9 @@ class ValidationCapacity:
         if isinstance(res, OutOfTime):
             raise SchemaValidationBusy()
         return res
+
+
+def _retrieve(fut: asyncio.Future[Any]) -> None:
+    """A build whose waiters all gave up: its outcome is not an unretrieved error."""
+    if not fut.cancelled():
+        fut.exception()

@@ -537,36 +537,68 @@ def _family(label: Label) -> str:
 
 def _max_compatible(per: dict[tuple[Label, ...], int]) -> int:
     """Most paths that can meet at one document place (an upper bound: for each
-    path, how many paths could name the same place), counted on a trie."""
+    path, how many paths could name the same place), counted on a trie.
+
+    The paths are walked as the trie itself (a shared prefix is walked once),
+    and an exact label is looked up from the side that is smaller: the frontier
+    or the trie nodes that have that label (or its wildcard) as a child. This
+    keeps the analysis of a large schema near-linear (it was frontier x paths:
+    seconds for 300 properties that can all meet additionalProperties)."""
     if len(per) == 1:
         return next(iter(per.values()))
     trie: dict[Any, Any] = {}
+    having: dict[Label, list[tuple[dict[Any, Any], Label]]] = {}  # label -> (parent, label) in the trie
     for seq, c in per.items():
         node = trie
         for lab in seq:
-            node = node.setdefault(lab, {})
+            kid = node.get(lab)
+            if kid is None:
+                kid = node[lab] = {}
+                having.setdefault(lab, []).append((node, lab))
+            node = kid
         node[None] = node.get(None, 0) + c
+    by_family: dict[int, dict[str, list[Any]]] = {}
     ops = 0
     best = 0
-    for seq in per:
-        frontier = [trie]
-        for lab in seq:
-            nxt = []
-            for node in frontier:
-                if lab[0] in ("o", "a"):
-                    fam = _family(lab)
-                    kids = [v for k, v in node.items() if k is not None and _family(k) == fam]
-                    ops += len(node)
+    stack: list[tuple[dict[Any, Any], list[dict[Any, Any]]]] = [(trie, [trie])]
+    while stack:
+        q, frontier = stack.pop()
+        ids: set[int] | None = None
+        for lab, qkid in q.items():
+            if lab is None:
+                best = max(best, sum(node.get(None, 0) for node in frontier))
+                ops += len(frontier)
+                continue
+            nxt: list[dict[Any, Any]] = []
+            if lab[0] in ("o", "a"):
+                fam = _family(lab)
+                for node in frontier:
+                    fams = by_family.get(id(node))
+                    if fams is None:
+                        fams = by_family[id(node)] = {}
+                        for k, v in node.items():
+                            if k is not None:
+                                fams.setdefault(_family(k), []).append(v)
+                        ops += len(node)
+                    nxt.extend(fams.get(fam, ()))
+                ops += len(frontier) + len(nxt)
+            else:
+                wild = ("o",) if lab[0] == "p" else ("a",) if lab[0] == "i" else None
+                cand = having.get(lab, []) + (having.get(wild, []) if wild is not None else [])
+                if len(cand) < len(frontier):
+                    if ids is None:
+                        ids = {id(node) for node in frontier}
+                        ops += len(frontier)
+                    nxt = [parent[k] for parent, k in cand if id(parent) in ids]
+                    ops += len(cand)
                 else:
-                    kids = [v for k in (lab, ("o",) if lab[0] == "p" else ("a",) if lab[0] == "i" else None)
-                            if k is not None and (v := node.get(k)) is not None]
-                    ops += 2
-                nxt.extend(kids)
-            frontier = nxt
+                    nxt = [v for node in frontier for k in (lab, wild)
+                           if k is not None and (v := node.get(k)) is not None]
+                    ops += 2 * len(frontier)
             if ops > MAX_ANALYSIS_OPS:
                 raise BadRequest("invalid argument: schema is too costly to validate: too many paths that can "
                                  "meet at one place in a document to count")
-        best = max(best, sum(node.get(None, 0) for node in frontier))
+            stack.append((qkid, nxt))
     return best
 
 

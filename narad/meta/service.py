@@ -59,11 +59,44 @@ FORMING_WAIT = 2.0  # a create waits this long (once) for voters without a membe
 # Checking a schema for registration (meta-schema, RE2 compiles, cost analysis) can take
 # seconds of CPU for a 256 KiB document: it runs on one thread of its own so the
 # supervisor's loop (heartbeats, Raft completions, worker RPC) keeps turning.
+# The queue is bounded: at most SCHEMA_CHECKS_QUEUED checks wait or run, and a check
+# the thread has not started within SCHEMA_CHECK_WAIT_S is withdrawn; both answer 503
+# "retry" before anything is proposed (never a 504 while the write applies later).
 _SCHEMA_CHECKS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="schema-check")
+SCHEMA_CHECKS_QUEUED = 4
+SCHEMA_CHECK_WAIT_S = 5.0
+_schema_checks_pending = 0
+
+
+def _schema_checks_busy() -> Unavailable:
+    return Unavailable("schema checks busy: other schema registrations are being checked; nothing was "
+                       "changed, retry", headers=[("Retry-After", "1")])
 
 
 async def _off_loop(fn: Callable[[bytes], Any], raw: bytes) -> Any:
-    return await asyncio.get_running_loop().run_in_executor(_SCHEMA_CHECKS, fn, raw)
+    global _schema_checks_pending
+    if _schema_checks_pending >= SCHEMA_CHECKS_QUEUED:
+        raise _schema_checks_busy()
+    loop = asyncio.get_running_loop()
+
+    def finished() -> None:
+        global _schema_checks_pending
+        _schema_checks_pending -= 1
+
+    cf = _SCHEMA_CHECKS.submit(fn, raw)
+    _schema_checks_pending += 1
+    def on_done(_: object) -> None:
+        try:
+            loop.call_soon_threadsafe(finished)
+        except RuntimeError:  # the loop closed (stopping)
+            pass
+
+    cf.add_done_callback(on_done)
+    fut = asyncio.wrap_future(cf)
+    done, _ = await asyncio.wait({fut}, timeout=SCHEMA_CHECK_WAIT_S)
+    if not done and cf.cancel():  # not started yet: withdrawn, nothing proposed
+        raise _schema_checks_busy()
+    return await fut
 
 
 class MetaService:

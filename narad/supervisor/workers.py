@@ -11,16 +11,23 @@ worker whose heartbeat slot has not moved for the bound
 (``node.worker_stuck_after``; 60 s at least until it first serves, since a
 large ingress-WAL replay runs on its loop) is logged at error, counted in
 ``narad_worker_stuck_restarts_total``, SIGKILLed and restarted like any dead
-worker. A fork server silent for the bound is killed the same way.
+worker. A fork server silent for the bound is killed the same way; its
+silence counts from its start (a replacement stamps its slot only once it
+serves), with ``FS_BOOT_STUCK_AFTER`` at least until it says "booted", so a
+replacement stuck in boot is killed and replaced too. A worker pid is
+SIGKILLed only while it still has the start time recorded when it was
+spawned (a lost server's workers are not our children: the pid may be reused).
 
 A lost fork server (killed, crashed, or killed as stuck) takes its workers
 with it (parent-death signal). It is replaced by a fresh interpreter
 (``ForkServer.replace``, never a fork of this threaded process) once the old
 workers are gone, and every worker is forked again from the replacement
-(backoff 100 ms doubling to 5 s between replacements). A server lost
+(backoff 100 ms doubling to 5 s between replacements). A replacement that
+cannot be started (any exception) is logged at error and counted as a loss.
+A server lost
 ``SERVER_LOSSES_FATAL`` times within ``SERVER_LOSS_WINDOW`` seconds stops
 the node instead (``on_fatal``: exit code 1, systemd restarts it).
-Imports narad.supervisor.forkserver, narad.meta.versions, narad.metrics.
+Imports narad.supervisor.forkserver, narad.meta.versions, narad.metrics, psutil.
 """
 
 from __future__ import annotations

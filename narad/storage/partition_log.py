@@ -19,7 +19,8 @@ truncated, and its offsets become a gap; sealed segments are only stat'ed,
 their damage surfaces at read time. The active segment is synced before its
 tail is trusted. The high watermark is min(hwm file, verified tail), or the
 verified tail when the file is empty (the file is emptied before the first
-advance after an open and written exactly at clean close).
+advance after an open and written exactly at clean close) or holds a value
+that is no frame boundary of the active segment (a damaged file).
 
 Retention deletes whole sealed segments by the age of their last write.
 Imports narad.storage.{fileio,frames}.

@@ -13,7 +13,10 @@ true outcome of the sync that covers it; a staged record is never withdrawn.
 A write or sync failure fails every waiter of that batch and latches the WAL:
 every later append fails until restart (the region after the failure has
 unknown content). At the next start, recovery cuts the torn tail and
-everything before it is dispatched again.
+everything before it is dispatched again. Damage with valid frames after it
+(a flipped bit, a lost sector) is not a torn tail: nothing is cut, the damaged
+frames are skipped at replay (logged, their records lost) and appends go to a
+new segment; a frame's seq (outside its CRC) must fit where it sits.
 
 The checkpoint moves only when the dispatcher says so; it is overwritten in
 place at once (survives a process crash) and fdatasync'd within 250 ms.

@@ -3,8 +3,10 @@ heartbeats every loop stamps in shared memory drive /readyz and /healthz, the
 supervisor restarts a stuck worker and replaces a lost fork server, and
 systemd's watchdog is fed only while the supervisor's loop turns.
 
-Real nodes (tests/harness.py), real SIGSTOP / SIGKILL, a real Unix datagram
-socket as $NOTIFY_SOCKET.
+Real nodes (tests/harness.py), real SIGSTOP / SIGKILL, a fault seam that blocks
+only the supervisor's event loop (NARAD_FAULT_BLOCK_LOOP_ON_USR2), a real Unix
+datagram socket as $NOTIFY_SOCKET; the fork server's replacement also in process
+(a real ForkServer, its real replacement interpreter, a real heartbeat segment).
 """
 
 from __future__ import annotations

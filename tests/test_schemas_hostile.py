@@ -166,6 +166,10 @@ def test_costs_that_grow_with_the_subtree_are_bounded_never_a_503_forever() -> N
     assert dup is not None and "non-unique elements" in dup
     assert wrong is not None and "[[[[[[" in wrong and "...' is not of type 'string'" not in wrong
     assert len(wrong) < 500 and "is not of type 'string'" in wrong  # a preview of the value, not all of it
+    big = [f"v{i:06d}" for i in range(20_000)]  # schema values too: a 200 KB const was repr'd per message
+    why = validator({"const": big}).check(b"1", inline=False)
+    assert why is not None and "was expected" in why and len(why) < 500
+    assert len(refused({"not": big})) < 1000  # the registration error quotes a preview too
 
 
 COSTLY = {"type": "array", "items": {"anyOf": [{"type": "string", "minLength": k} for k in range(59, 0, -1)]}}
@@ -253,6 +257,52 @@ def test_validators_are_built_once_off_the_loop(monkeypatch: pytest.MonkeyPatch)
         assert v is await cap.validator(("t", 1), make) and cap.cached(("t", 1)) is v
         assert builds == ["narad-schema_0"]
         assert await cap.check(v, b'"x"') is None and await cap.check(v, b"1") is not None
+
+    ends(lambda: asyncio.run(run()))
+
+
+def test_analysis_of_many_properties_meeting_additional_properties_is_linear() -> None:
+    # Every b<j> and a<i> can name the same document place: the old count walked all paths against the
+    # whole frontier (paths x frontier), ran past MAX_ANALYSIS_OPS and refused this schema (and took
+    # seconds for the live repro's 254 KB schema, on the worker's loop).
+    n = 1500
+    doc = {"$defs": {"T": {"type": "string"}},
+           "properties": {f"b{j}": {"properties": {"c": {"$ref": "#/$defs/T"}}} for j in range(n)},
+           "additionalProperties": {"properties": {f"a{i}": {"anyOf": [{"$ref": "#/$defs/T"}]} for i in range(n)}}}
+    assert S.analyse(doc).max_paths == 1
+    two = {"$defs": {"T": {"type": "string"}}, "properties": {"b": {"properties": {"c": {"$ref": "#/$defs/T"}}}},
+           "additionalProperties": {"properties": {"c": {"$ref": "#/$defs/T"}}}}
+    assert S.analyse(two).max_paths == 2  # /b/c and the additional b's /c can meet at one place
+
+
+def test_schema_checks_queue_is_bounded_and_busy_before_proposing(monkeypatch: pytest.MonkeyPatch) -> None:
+    from narad.errors import Unavailable
+    from narad.meta import service as SVC
+
+    monkeypatch.setattr(SVC, "SCHEMA_CHECK_WAIT_S", 0.3)
+    monkeypatch.setattr(SVC, "SCHEMA_CHECKS_QUEUED", 2)
+    release = threading.Event()
+
+    def slow(raw: bytes) -> bytes:
+        assert release.wait(LIVENESS)
+        return raw
+
+    async def run() -> None:
+        running = asyncio.ensure_future(SVC._off_loop(slow, b"1"))
+        while SVC._schema_checks_pending == 0:
+            await asyncio.sleep(0.01)
+        waiting = asyncio.ensure_future(SVC._off_loop(slow, b"2"))
+        await asyncio.sleep(0)
+        with pytest.raises(Unavailable) as e:  # the queue is full: at once
+            await SVC._off_loop(slow, b"3")
+        assert e.value.status == 503 and "retry" in e.value.message
+        with pytest.raises(Unavailable):  # not started within SCHEMA_CHECK_WAIT_S: withdrawn
+            await waiting
+        release.set()
+        assert await running == b"1"
+        while SVC._schema_checks_pending:
+            await asyncio.sleep(0.01)
+        assert await SVC._off_loop(slow, b"4") == b"4"
 
     ends(lambda: asyncio.run(run()))
 

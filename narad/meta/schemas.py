@@ -301,7 +301,7 @@ def _meta_check(cls: Any, doc: Any) -> None:
         if err.validator == "format" and err.validator_value == "regex":
             raise BadRequest(f"invalid argument: schema pattern {str(err.instance)[:100]!r} at {path} is not "
                              f"supported: patterns use RE2 syntax, which has no lookaround or backreferences")
-        raise BadRequest(f"invalid argument: schema is not a valid JSON Schema at {path}: {err.message}")
+        raise BadRequest(f"invalid argument: schema is not a valid JSON Schema at {path}: {err.message[:500]}")
 
 
 # ---- static cost ----------------------------------------------------------------------------------
@@ -808,7 +808,9 @@ class PayloadValidator:
     def __init__(self, topic: str, version: int, raw: bytes) -> None:
         doc = json.loads(raw)
         base = js_validators.validator_for(doc, default=js_validators.Draft202012Validator)
-        self.validator = _budgeted(base)(doc)
+        # The schema's values too are shown as a preview in messages (const, enum, not, ...):
+        # a 200 KB const or subschema was repr'd at every level of a recursive schema.
+        self.validator = _budgeted(base)(_wrap(doc))
         self.uri = f"narad://schema/{topic}/{version}#"
         self.unusable: str | None = None
         try:

@@ -279,9 +279,6 @@ def test_corrupt_consumer_offsets(tmp_path: Path, seed: int) -> None:
         n.close()
 
 
-@pytest.mark.xfail(reason="needs narad/broker/broker.py _open_sync to call offs.load(max_frontier=plog.hwm - 1) "
-                          "(OffsetFile.load refuses a frontier past the log then); not this change's file",
-                   strict=True)
 def test_consumer_offset_level_bitflip_never_skips_unacked(tmp_path: Path) -> None:
     """consumer.offset holds the frontier alone (8 bytes). A flipped high bit would
     move the frontier past every unacked message: it must not be believed."""

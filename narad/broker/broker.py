@@ -258,7 +258,7 @@ class Broker:
         plog = PartitionLog(d)
         plog.open()
         offs = OffsetFile(d)
-        frontier, ahead = offs.load()
+        frontier, ahead = offs.load(max_frontier=plog.hwm - 1)  # a frontier past the log is damage
         p = Partition(topic.name, topic.id, index, plog, offs)
         p.restore(frontier, ahead)
         return p

@@ -112,6 +112,22 @@ def hb_name_for(shm_name: str) -> str:
     return shm_name + "-hb"
 
 
+def _unlink_segment(name: str) -> None:
+    try:
+        posix_ipc.unlink_shared_memory(name)
+    except posix_ipc.ExistentialError:
+        pass
+
+
+def _create_segment(name: str, nbytes: int) -> mmap.mmap:
+    """A new shared-memory segment (any old one of that name unlinked first), mapped."""
+    _unlink_segment(name)
+    shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=nbytes)
+    mm = mmap.mmap(shm.fd, nbytes)
+    shm.close_fd()
+    return mm
+
+
 class Heartbeats:
     """The heartbeat segment: every process maps it read-write and stamps its own slot."""
 
@@ -124,14 +140,7 @@ class Heartbeats:
 
     @classmethod
     def create(cls, name: str) -> Heartbeats:
-        try:
-            posix_ipc.unlink_shared_memory(name)
-        except posix_ipc.ExistentialError:
-            pass
-        shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=HB_SIZE * 8)
-        mm = mmap.mmap(shm.fd, HB_SIZE * 8)
-        shm.close_fd()
-        t = cls(name, mm)
+        t = cls(name, _create_segment(name, HB_SIZE * 8))
         t.store(HB_MAGIC, HB_MAGIC_VALUE)
         return t
 
@@ -163,10 +172,7 @@ class Heartbeats:
         ffi.release(self._buf)
         self._mm.close()
         if unlink:
-            try:
-                posix_ipc.unlink_shared_memory(self.name)
-            except posix_ipc.ExistentialError:
-                pass
+            _unlink_segment(self.name)
 
 
 def not_responding(hb: Heartbeats, workers: int, stale_after: float = STALE_AFTER) -> list[tuple[str, float]]:
@@ -220,14 +226,7 @@ class VersionTable:
 
     @classmethod
     def create(cls, name: str) -> VersionTable:
-        try:
-            posix_ipc.unlink_shared_memory(name)
-        except posix_ipc.ExistentialError:
-            pass
-        shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=SIZE * 8)
-        mm = mmap.mmap(shm.fd, SIZE * 8)
-        shm.close_fd()
-        t = cls(name, mm, True, Heartbeats.create(hb_name_for(name)))
+        t = cls(name, _create_segment(name, SIZE * 8), True, Heartbeats.create(hb_name_for(name)))
         t.store(MAGIC, MAGIC_VALUE)
         return t
 
@@ -259,7 +258,4 @@ class VersionTable:
         ffi.release(self._buf)
         self._mm.close()
         if unlink:
-            try:
-                posix_ipc.unlink_shared_memory(self.name)
-            except posix_ipc.ExistentialError:
-                pass
+            _unlink_segment(self.name)

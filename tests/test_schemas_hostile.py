@@ -191,6 +191,19 @@ def test_step_budget_refuses_a_payload_too_costly_to_validate() -> None:
         v.check(payload, inline=False, deadline=0.0)
 
 
+def test_a_costly_payload_is_refused_by_its_budget_before_the_deadline() -> None:
+    # Entering a subschema was not charged: 59 small anyOf branches per item cost ~13 us per step, so
+    # a ~1 MB payload ran past the capacity's deadline (503 retry, forever) before its budget (400).
+    v = validator(COSTLY)
+    payload = json.dumps(["x"] * 200_000).encode()  # ~1 MB
+
+    async def run() -> str | None:
+        return await VAL.ValidationCapacity().check(v, payload)
+
+    why = ends(lambda: asyncio.run(run()), 90)
+    assert why is not None and "costs more than" in why
+
+
 def test_payload_nesting_and_strict_json() -> None:
     v = validator({"type": "array", "items": {"$ref": "#"}})
     assert v.check(nested(257), inline=False) == "payload nests deeper than 256 levels"

@@ -7,8 +7,11 @@ loop with a small step allowance (narad.meta.schemas.INLINE_STEPS; a batch
 yields to the loop between messages); anything else, or anything that runs out
 of that allowance, waits up to WAIT_S for the slot, else 503 ``schema:
 validation capacity busy, retry``. On the thread a validation runs under its
-step budget and a wall-clock deadline of DEADLINE_S per MiB validated (at
-least DEADLINE_S; past it: the same 503).
+step budget and a wall-clock deadline of DEADLINE_PER_MIB_S per MiB validated
+(at least DEADLINE_S; past it: the same 503). The budget is calibrated to end a
+too-costly validation (400) well before that: at most ~5-8 us of CPU per step
+on a loaded 2-core machine, one step per payload byte, so the deadline only
+answers for an overloaded machine or a canceled request.
 
 The thread holds the GIL while it runs pure-Python jsonschema; the event loop
 still gets the interpreter every switch interval (5 ms), so it keeps turning
@@ -45,7 +48,8 @@ from narad.errors import SchemaValidationBusy
 from narad.meta.schemas import NeedsCapacity, OutOfTime, PayloadValidator
 
 WAIT_S = 5.0
-DEADLINE_S = 10.0  # per MiB of payload in the job, at least this
+DEADLINE_S = 10.0  # at least this ...
+DEADLINE_PER_MIB_S = 20.0  # ... and this per MiB of payload in the job
 # jsonschema needs ~5 Python frames per document level and a schema's own
 # in-place nesting on top: 256 levels need more than the default 1000.
 RECURSION_LIMIT = 6000
@@ -173,7 +177,7 @@ class ValidationCapacity:
 
         def job() -> tuple[int, str] | OutOfTime | None:
             try:
-                deadline = time.monotonic() + DEADLINE_S * max(1.0, total / (1 << 20))
+                deadline = time.monotonic() + max(DEADLINE_S, DEADLINE_PER_MIB_S * total / (1 << 20))
                 for i in range(start, len(payloads)):
                     why = v.check(payloads[i], inline=False, deadline=deadline, cancel=cancel)
                     if why is not None:

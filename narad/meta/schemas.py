@@ -28,9 +28,12 @@ unbounded:
   cost would grow exponentially with nesting).
 
 Validation of one payload (``PayloadValidator.check``): strict JSON (msgspec),
-nesting at most 256 (400), then jsonschema with every keyword charged to a
-step Budget: STEP_BASE + STEPS_PER_BYTE per payload byte (over it: 400), plus a
-wall-clock deadline and a cancel flag (OutOfTime; the caller answers 503).
+nesting at most 256 (400), then jsonschema with every keyword and every
+subschema entered charged to a step Budget (work that grows with a subtree is
+charged by its size or kept bounded: messages show a ~120-character preview of
+a value, uniqueItems' canonical forms are built once): STEP_BASE +
+STEPS_PER_BYTE per payload byte (over it: 400), plus a wall-clock deadline
+and a cancel flag (OutOfTime; the caller answers 503).
 Small payloads (<= 16 KiB, nesting <= 32) of schemas that are not ``costly``
 are validated inline with at most INLINE_STEPS per message; the rest
 (NeedsCapacity) run on the bounded capacity (narad.broker.validation). ``uniqueItems`` is linear
@@ -74,6 +77,7 @@ MAX_REGEX_PROGRAM = 4096  # RE2 instructions (the NFA's worst case per input byt
 MAX_PAYLOAD_NESTING = 256
 STEP_BASE = 10_000  # keyword evaluations one payload may cost ...
 STEPS_PER_BYTE = 1  # ... plus this many per payload byte (a step is ~5-15 us of CPU)
+DESCEND_STEPS = 1  # entering a subschema (a new validator: about as costly as a keyword)
 INLINE_STEPS = 5_000  # at most this much on the event loop at a time (per message)
 INLINE_MAX_BYTES = 16 * 1024
 INLINE_MAX_NESTING = 32
@@ -787,7 +791,19 @@ def _budgeted(base: Any) -> Any:
         for k in ("additionalProperties", "unevaluatedProperties", "unevaluatedItems"):
             if k in base.VALIDATORS:
                 kws[k] = _count_charged(base.VALIDATORS[k], "instance")
-        cls = _CLASSES[base] = js_validators.extend(base, kws)
+        cls = js_validators.extend(base, kws)
+        plain = cls.descend
+
+        def descend(self: Any, instance: Any, schema: Any, path: Any = None, schema_path: Any = None,
+                    resolver: Any = None) -> Any:
+            # entering a subschema (a new validator, its keywords looked up) was not charged: an
+            # anyOf of many small branches cost ~13 us per step, past the deadline (503) before the
+            # budget ran out (400)
+            _charge(DESCEND_STEPS)
+            return plain(self, instance, schema, path=path, schema_path=schema_path, resolver=resolver)
+
+        cls.descend = descend
+        _CLASSES[base] = cls
     return cls
 
 

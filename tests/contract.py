@@ -450,6 +450,23 @@ def message_id(payload: Any) -> str:
     return str(payload).split(":", 1)[0]
 
 
+def record_delivery(h: History, m: dict[str, Any], call: int, ret: int, node: str = "", mid: str | None = None
+                    ) -> Delivery:
+    """Record one consumed message (an object of a single or batch consume answer, with
+    its receipt handle) as a delivery; ``mid`` defaults to ``message_id(payload)``."""
+    p, o, nonce = m["receipt_handle"].split(":", 2)
+    d = Delivery(mid if mid is not None else message_id(m["payload"]), int(p), int(o), nonce, call, ret, node)
+    h.delivered(d)
+    return d
+
+
+def record_settles(h: History, ds: Sequence[Delivery], kind: str, call: int, ret: int,
+                   statuses: Sequence[int | None]) -> None:
+    """Record the per-handle answers of one ack / extend / nack call made by the test itself."""
+    for d, st in zip(ds, statuses, strict=True):
+        h.settled(Settle(d.handle, kind, call, ret, st), d.mid)
+
+
 class Recorder:
     """Produce / consume / settle through a node's HTTP API, recording every answer."""
 

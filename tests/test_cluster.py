@@ -1,7 +1,10 @@
 """A cluster of real nodes on 127.0.0.1: one Raft group, metadata written at
 any node (forwarded to the leader, read-your-writes where it was written),
 produce at any node committed at the owner over node RPC, consume and ack at
-any node, joiners, non-voters, node and leader crashes, quorum loss."""
+any node, joiners, non-voters, node and leader crashes, quorum loss. The tests
+that move messages record a history (tests/contract.py) and end with the
+delivery-contract checker's verdict: strict with no fault, faults mode with the
+kill windows declared."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from tests.contract import History, check, now, record_delivery, record_settles
 from tests.harness import Cluster, Node, wait_for
 
 OCTET = {"Content-Type": "application/octet-stream"}
@@ -26,26 +30,49 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     c.close()
 
 
-def produce(n: Node, topic: str, body: bytes, query: str = "") -> int:
-    return n.request("POST", f"/v1/topics/{topic}/produce{query}", body, headers=OCTET).status
+def produce(n: Node, topic: str, body: bytes, query: str = "", h: History | None = None) -> int:
+    """One produce; with a history, recorded (the message id is the body's text)."""
+    t0 = now()
+    st = n.request("POST", f"/v1/topics/{topic}/produce{query}", body, headers=OCTET).status
+    if h is not None:
+        h.produced([body.decode()], t0, now(), st, n.node_id)
+    return st
 
 
-def drain(n: Node, topic: str, want: int, timeout: float = 30.0, ack_at: Node | None = None) -> list[dict[str, Any]]:
+def drain(n: Node, topic: str, want: int, timeout: float = 30.0, ack_at: Node | None = None,
+          h: History | None = None) -> list[dict[str, Any]]:
+    """Consume and ack batches until `want` messages came; with a history, every
+    delivery and per-handle ack answer recorded."""
     got: list[dict[str, Any]] = []
     end = time.monotonic() + timeout
     ack_node = ack_at or n
     while len(got) < want and time.monotonic() < end:
+        t0 = now()
         r = n.request("GET", f"/v1/topics/{topic}/consume?wait=1s&max=100", headers={"X-Narad-Client": "t"})
+        t1 = now()
         if r.status == 204:
             continue
         assert r.status == 200, r
         msgs = r.json()["messages"]
         got += msgs
+        ds = [record_delivery(h, m, t0, t1, n.node_id) for m in msgs] if h is not None else []
+        t0 = now()
         a = ack_node.request("POST", f"/v1/topics/{topic}/ack",
                              json.dumps({"receipt_handles": [m["receipt_handle"] for m in msgs]}).encode(),
                              headers=JSON)
+        if h is not None:
+            record_settles(h, ds, "ack", t0, now(), [x["status"] for x in a.json()["results"]] if a.status == 200
+                           else [a.status if a.status < 500 else None] * len(ds))
         assert a.status == 200 and all(x["status"] == 204 for x in a.json()["results"]), a
     return got
+
+
+def verdict(h: History, name: str, mode: str = "strict") -> None:
+    """End the history, print the checker's verdict (CI logs carry it) and assert it clean."""
+    h.finish()
+    v = check(h, mode)
+    print("\n" + v.summary(name))
+    assert v.ok, v.summary(name)
 
 
 def test_members_view_and_one_leader(cluster: Cluster) -> None:
@@ -80,11 +107,13 @@ def test_produce_anywhere_consume_and_ack_elsewhere(cluster: Cluster) -> None:
     stats = cluster[a].get("/v1/topics/crossing").json()["partition_stats"]
     on_c = [p["partition"] for p in stats if p["owner_node"] == c]
     assert on_c
+    h = History(30.0)
     for i in range(20):
-        assert produce(cluster[a], "crossing", f"to-c-{i}".encode(), f"?partition={on_c[0]}") == 202
-    got = drain(cluster[b], "crossing", 20, ack_at=cluster[b])
+        assert produce(cluster[a], "crossing", f"to-c-{i}".encode(), f"?partition={on_c[0]}", h) == 202
+    got = drain(cluster[b], "crossing", 20, ack_at=cluster[b], h=h)
     assert sorted(m["payload"] for m in got) == sorted(f"to-c-{i}" for i in range(20))
     assert {m["partition"] for m in got} == {on_c[0]}
+    verdict(h, "produce at a, consume and ack at b, owner c")
     st = cluster[c].get(f"/v1/topics/crossing?partition={on_c[0]}").json()["partition_stats"][0]
     assert st["high_watermark"] == 20 and st["committed_offset"] == 19  # acked at b, settled at the owner c
     # A pinned consume and a replay reach the owner too.
@@ -131,9 +160,11 @@ def test_a_joiner_gets_partitions_of_new_topics(cluster: Cluster) -> None:
     owners = {p["owner_node"] for p in n4.get("/v1/topics/after-join").json()["partition_stats"]}
     assert "n4" in owners and owners <= {"n1", "n2", "n3", "n4"}
     assert n4.get("/v1/topics/everywhere").status == 200  # and it holds the history
+    h = History(30.0)
     for i in range(8):
-        assert produce(cluster["n1"], "after-join", f"j{i}".encode(), f"?partition={i}") == 202
-    assert len(drain(n4, "after-join", 8)) == 8
+        assert produce(cluster["n1"], "after-join", f"j{i}".encode(), f"?partition={i}", h) == 202
+    assert len(drain(n4, "after-join", 8, h=h)) == 8
+    verdict(h, "produce at n1, consume at the joiner n4")
 
 
 def test_follower_kill9_catches_up_and_serves(cluster: Cluster) -> None:
@@ -177,6 +208,8 @@ def test_quorum_loss_answers_503_in_time_while_live_owners_keep_serving(cluster:
     wait_for(lambda: all(cluster[n].get("/v1/topics/quorum").status == 200 for n in (a, b, c)))
     stats = cluster[a].get("/v1/topics/quorum").json()["partition_stats"]
     on_a = [p["partition"] for p in stats if p["owner_node"] == a]
+    h = History(30.0)
+    down = h.begin_fault(f"kill -9 of {b} and {c} (quorum lost) until they are ready again")
     cluster[b].kill9()
     cluster[c].kill9()
     t0 = time.monotonic()
@@ -186,13 +219,15 @@ def test_quorum_loss_answers_503_in_time_while_live_owners_keep_serving(cluster:
     print(f"\nmetadata write without quorum answered {r.status} after {took:.2f} s")
     # The data plane of live owners keeps working.
     for i in range(5):
-        assert produce(cluster[a], "quorum", f"q{i}".encode(), f"?partition={on_a[0]}") == 202
-    got = drain(cluster[a], "quorum", 5, timeout=20)
+        assert produce(cluster[a], "quorum", f"q{i}".encode(), f"?partition={on_a[0]}", h) == 202
+    got = drain(cluster[a], "quorum", 5, timeout=20, h=h)
     assert sorted(m["payload"] for m in got) == [f"q{i}" for i in range(5)]
     cluster[b].start(wait=False)
     cluster[c].start(wait=False)
     for n in (a, b, c):
         cluster[n].wait_ready(60)
+    h.end_fault(down)
+    verdict(h, "data plane of a live owner without quorum", "faults")
     assert cluster[a].post("/v1/topics", {"name": "quorum-back"}).status == 201
 
 
@@ -245,9 +280,11 @@ def test_five_nodes_with_non_voters(tmp_path: Path) -> None:
         assert r.status == 201
         owners = {p["owner_node"] for p in c["n5"].get("/v1/topics/five").json()["partition_stats"]}
         assert owners == {"n1", "n2", "n3", "n4", "n5"}
+        h = History(30.0)
         for i in range(10):
-            assert produce(c["n4"], "five", f"f{i}".encode(), f"?partition={i}") == 202
-        assert len(drain(c["n2"], "five", 10)) == 10
+            assert produce(c["n4"], "five", f"f{i}".encode(), f"?partition={i}", h) == 202
+        assert len(drain(c["n2"], "five", 10, h=h)) == 10
+        verdict(h, "produce at the non-voter n4, consume at n2")
     finally:
         c.close()
 
@@ -296,6 +333,8 @@ def test_silent_member_is_marked_dead_its_partitions_reroute_and_it_comes_back(t
         wait_for(lambda: all(c[n].get("/v1/topics/dead").status == 200 for n in c.initial))
         stats = c[leader].get("/v1/topics/dead").json()["partition_stats"]
         on_b = next(p["partition"] for p in stats if p["owner_node"] == b)
+        h = History(30.0)
+        down = h.begin_fault(f"kill -9 of {b} until it is alive again")
         c[b].kill9()
         t0 = time.monotonic()
 
@@ -311,12 +350,14 @@ def test_silent_member_is_marked_dead_its_partitions_reroute_and_it_comes_back(t
         assert next(p["owner_node"] for p in stats if p["partition"] == on_b) == b
         # A produce pinned to the dead owner's partition is accepted (WAL) and rerouted at once
         # (no 3 s grace for a dead owner) to a live sibling, where it is consumed.
-        assert produce(c[a], "dead", b"to-the-dead", f"?partition={on_b}") == 202
-        got = drain(c[a], "dead", 1, timeout=15)
+        assert produce(c[a], "dead", b"to-the-dead", f"?partition={on_b}", h) == 202
+        got = drain(c[a], "dead", 1, timeout=15, h=h)
         assert [m["payload"] for m in got] == ["to-the-dead"]
         # The member comes back: alive again, with its heartbeat.
         c[b].start()
         wait_for(lambda: status_of(b, leader) == "alive", 20, 0.05, f"{b} alive again")
+        h.end_fault(down)
+        verdict(h, "produce to a dead owner's partition, rerouted", "faults")
         # Graceful leader stop: leadership is handed to another voter first; measure the write gap.
         leader = c.leader()
         writer = c[next(n for n in c.initial if n != leader)]

@@ -1,6 +1,9 @@
 """Durable messages on one node, end to end with real processes: produce,
 consume with leases, ack / extend / nack, long polls, replay, caps, batch
-forms, payload rendering, topic delete and growth, ack persistence."""
+forms, payload rendering, topic delete and growth, ack persistence. The tests that
+move messages through a ledger or a drain record a history (tests/contract.py) and
+end with the delivery-contract checker's verdict (strict; faults mode, with the
+restart windows declared, for the ack persistence test)."""
 
 from __future__ import annotations
 
@@ -8,13 +11,14 @@ import base64
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from narad.storage.offsets import SLOT, _decode
+from tests.contract import Delivery, History, check, now, record_delivery, record_settles
 from tests.harness import Node, Response, basic, wait_for
 
 JSON = {"Content-Type": "application/json"}
@@ -48,48 +52,115 @@ def ack(node: Node, topic: str, handle: str, extend: str | None = None, conn: An
     return node.request("POST", f"/v1/topics/{topic}/ack{q}", conn=conn)
 
 
-def drain(node: Node, topic: str, *, wait: str = "1s", idle_rounds: int = 2) -> list[dict[str, Any]]:
-    """Consume and ack until `idle_rounds` consecutive empty answers."""
+MidOf = Callable[[dict[str, Any]], str]
+
+
+def payload_id(m: dict[str, Any]) -> str:
+    """The message id of a delivered message: its payload's text (a JSON payload re-encoded)."""
+    p = m["payload"]
+    return p if isinstance(p, str) else json.dumps(p, sort_keys=True)
+
+
+def drain(node: Node, topic: str, *, wait: str = "1s", idle_rounds: int = 2, h: History | None = None,
+          mid: MidOf = payload_id) -> list[dict[str, Any]]:
+    """Consume and ack until `idle_rounds` consecutive empty answers; with a history,
+    every delivery (message id: ``mid(message)``) and per-handle ack answer recorded."""
     got: list[dict[str, Any]] = []
     idle = 0
     c = node.conn()
     while idle < idle_rounds:
+        t0 = now()
         r = consume(node, topic, f"?wait={wait}&max=100", conn=c, headers={"X-Narad-Client": "t"})
+        t1 = now()
         if r.status == 204:
             idle += 1
             continue
         assert r.status == 200, r
         msgs = r.json()["messages"]
         got.extend(msgs)
+        ds = [record_delivery(h, m, t0, t1, mid=mid(m)) for m in msgs] if h is not None else []
         body = json.dumps({"receipt_handles": [m["receipt_handle"] for m in msgs]}).encode()
+        t0 = now()
         a = node.request("POST", f"/v1/topics/{topic}/ack", body, headers=JSON, conn=c)
+        if h is not None:
+            record_settles(h, ds, "ack", t0, now(), [x["status"] for x in a.json()["results"]] if a.status == 200
+                           else [a.status if a.status < 500 else None] * len(ds))
         assert a.status == 200 and all(x["status"] == 204 for x in a.json()["results"]), a
         idle = 0
     c.close()
     return got
 
 
+def produce_recorded(h: History, mid: str, node: Node, topic: str, body: bytes, query: str = "", conn: Any = None
+                     ) -> Response:
+    """A produce recorded in the history under message id `mid`."""
+    t0 = now()
+    r = produce(node, topic, body, query, conn)
+    h.produced([mid], t0, now(), r.status)
+    return r
+
+
+def consume_recorded(h: History, node: Node, topic: str, query: str = "", conn: Any = None,
+                     headers: dict[str, str] | None = None, mid: MidOf = payload_id) -> Response:
+    """A single or batch consume; every message answered is recorded as a delivery."""
+    t0 = now()
+    r = consume(node, topic, query, conn, headers)
+    t1 = now()
+    if r.status == 200:
+        j = r.json()
+        for m in j.get("messages", [j]):
+            if "receipt_handle" in m:
+                record_delivery(h, m, t0, t1, mid=mid(m))
+    return r
+
+
+def settle_recorded(h: History, node: Node, topic: str, m: dict[str, Any], extend: str | None = None,
+                    conn: Any = None, mid: MidOf = payload_id) -> Response:
+    """A single-handle ack (extend=None), extend ("true"/"1"...) or nack ("0"), recorded."""
+    t0 = now()
+    r = ack(node, topic, m["receipt_handle"], extend, conn)
+    p, o, nonce = m["receipt_handle"].split(":", 2)
+    d = Delivery(mid(m), int(p), int(o), nonce, 0, 0)
+    kind = "ack" if extend is None else ("nack" if extend == "0" else "extend")
+    record_settles(h, [d], kind, t0, now(), [r.status if r.status < 500 else None])
+    return r
+
+
+def verdict(h: History, name: str, mode: str = "strict") -> None:
+    """End the history, print the checker's verdict (CI logs carry it) and assert it clean."""
+    h.finish()
+    v = check(h, mode)
+    print("\n" + v.summary(name))
+    assert v.ok, v.summary(name)
+
+
+def n_of(m: dict[str, Any]) -> str:
+    return str(m["payload"]["n"])
+
+
 def test_every_message_is_consumed_exactly_once_across_partitions_and_workers(node: Node) -> None:
     mk(node, "exact", partitions=12)
     conns = [node.worker_connection(0), node.worker_connection(1)]
+    h = History(30.0)
     sent = set()
     for i in range(240):
         c = conns[i % 2]
         body = json.dumps({"n": i}).encode()
         q = f"?key=k{i % 17}" if i % 3 else ""
-        assert produce(node, "exact", body, q, conn=c).status == 202
+        assert produce_recorded(h, str(i), node, "exact", body, q, conn=c).status == 202
         sent.add(i)
     seen: list[int] = []
     for i in range(30):  # single consumes on both workers, acked one by one
         c = conns[i % 2]
-        r = consume(node, "exact", "?wait=2s", conn=c)
+        r = consume_recorded(h, node, "exact", "?wait=2s", conn=c, mid=n_of)
         assert r.status == 200, r
         m = r.json()
         seen.append(m["payload"]["n"])
-        assert ack(node, "exact", m["receipt_handle"], conn=c).status == 204
-    seen += [m["payload"]["n"] for m in drain(node, "exact")]
+        assert settle_recorded(h, node, "exact", m, conn=c, mid=n_of).status == 204
+    seen += [m["payload"]["n"] for m in drain(node, "exact", h=h, mid=n_of)]
     assert sorted(seen) == sorted(sent), "every message exactly once"
-    assert consume(node, "exact").status == 204
+    assert consume_recorded(h, node, "exact", mid=n_of).status == 204
+    verdict(h, "exactly once across partitions and workers")
     stats = node.get("/v1/topics/exact").json()["partition_stats"]
     assert sum(s["high_watermark"] for s in stats) == 240
     assert all(s["committed_offset"] == s["high_watermark"] - 1 and s["lag"] == 0 for s in stats)
@@ -131,13 +202,15 @@ def test_extend_keeps_the_lease_and_nack_releases_it(node: Node) -> None:
 
 
 def _parked_consume(node: Node, topic: str, wait: str, conn: Any, out: dict[str, Any]) -> None:
-    t0 = time.monotonic()
+    t0, call = time.monotonic(), now()
     r = consume(node, topic, f"?wait={wait}", conn=conn)
     out["status"], out["seconds"], out["resp"] = r.status, time.monotonic() - t0, r
+    out["call"], out["ret"] = call, now()
 
 
 def test_long_poll_wakes_on_produce_on_the_same_and_another_worker(node: Node) -> None:
     mk(node, "wake", partitions=6)
+    h = History(30.0)
     for consumer_worker in (0, 1):
         c = node.worker_connection(consumer_worker)
         out: dict[str, Any] = {}
@@ -146,14 +219,17 @@ def test_long_poll_wakes_on_produce_on_the_same_and_another_worker(node: Node) -
         node.wait_parked(1)  # the produce must happen while it waits
         t_produce = time.monotonic()
         for p in range(6):  # one message on every partition: owners on both workers
-            assert produce(node, "wake", b"ping", f"?partition={p}").status == 202
+            mid = f"ping-{consumer_worker}-{p}"
+            assert produce_recorded(h, mid, node, "wake", mid.encode(), f"?partition={p}").status == 202
         t.join(15)
         assert out["status"] == 200
         assert out["seconds"] < 5, f"long poll answered after {out['seconds']:.2f}s, not on the produce"
         print(f"long poll on worker {consumer_worker} woke {time.monotonic() - t_produce:.4f}s after produce")
         m = out["resp"].json()
-        assert ack(node, "wake", m["receipt_handle"]).status == 204
-        drain(node, "wake", wait="200ms", idle_rounds=1)
+        record_delivery(h, m, out["call"], out["ret"], mid=payload_id(m))
+        assert settle_recorded(h, node, "wake", m).status == 204
+        drain(node, "wake", wait="200ms", idle_rounds=1, h=h)
+    verdict(h, "long polls woken by produce")
 
 
 def test_wait_is_clamped_and_times_out_with_204(node: Node) -> None:
@@ -167,9 +243,11 @@ def test_wait_is_clamped_and_times_out_with_204(node: Node) -> None:
 
 def test_replay_reads_without_leasing(node: Node) -> None:
     mk(node, "replay")
+    h = History(30.0)
     c = node.conn()  # one connection, one worker, one WAL: partition order is kept
     for i in range(3):
-        assert produce(node, "replay", f'{{"i":{i}}}'.encode(), "?partition=1", conn=c).status == 202
+        assert produce_recorded(h, str(i), node, "replay", f'{{"i":{i}}}'.encode(), "?partition=1",
+                                conn=c).status == 202
     wait_for(lambda: node.get("/v1/topics/replay?partition=1").json()["partition_stats"][0]["high_watermark"] == 3)
     r = consume(node, "replay", "?partition=1&offset=1")
     assert r.status == 200
@@ -182,7 +260,9 @@ def test_replay_reads_without_leasing(node: Node) -> None:
     r = consume(node, "replay", "?partition=1&offset=0&max=2", headers={"X-Narad-Client": "t"})
     assert r.status == 400
     # Nothing was leased by the replays: all three are still consumable.
-    assert sorted(m["payload"]["i"] for m in drain(node, "replay")) == [0, 1, 2]
+    assert sorted(m["payload"]["i"] for m in drain(node, "replay", h=h, mid=lambda m: str(m["payload"]["i"]))) \
+        == [0, 1, 2]
+    verdict(h, "replays lease nothing")
 
 
 def test_payload_and_key_rendering(node: Node) -> None:
@@ -254,9 +334,13 @@ def test_batch_produce_is_all_or_nothing(node: Node) -> None:
     assert node.post("/v1/topics/atomic/produce/batch?key=x", {"messages": [{"payload": {"id": 1}}]}).status == 400
     assert node.post("/v1/topics/atomic/produce/batch", {"messages": []}).status == 400
     assert consume(node, "atomic").status == 204  # nothing of the refused batches was stored
+    h = History(30.0)
+    t0 = now()
     ok = node.post("/v1/topics/atomic/produce/batch", {"messages": [{"payload": {"id": i}} for i in range(1000)]})
+    h.produced([str(i) for i in range(1000)], t0, now(), ok.status)
     assert ok.status == 202 and ok.json()["accepted"] == 1000
-    assert len(drain(node, "atomic")) == 1000
+    assert len(drain(node, "atomic", h=h, mid=lambda m: str(m["payload"]["id"]))) == 1000
+    verdict(h, "an accepted batch of 1000, refused batches stored nothing")
 
 
 def test_produce_rules(node: Node) -> None:
@@ -377,35 +461,40 @@ def test_acks_survive_graceful_restart_and_kill9(tmp_path: Path) -> None:
     n = Node(tmp_path / "data", workers=2).start()
     try:
         mk(n, "persist", partitions=4)
+        h = History(30.0)
         for i in range(60):
-            assert produce(n, "persist", str(i).encode()).status == 202
+            assert produce_recorded(h, str(i), n, "persist", str(i).encode()).status == 202
         acked = set()
         # Ack 40, out of order within each batch (acks held above the frontier persist too).
         while len(acked) < 40:
-            r = consume(n, "persist", "?wait=2s&max=10", headers={"X-Narad-Client": "t"})
+            r = consume_recorded(h, n, "persist", "?wait=2s&max=10", headers={"X-Narad-Client": "t"})
             assert r.status == 200
             msgs = r.json()["messages"][: 40 - len(acked)]
             for m in reversed(msgs):
-                assert ack(n, "persist", m["receipt_handle"]).status == 204
+                assert settle_recorded(h, n, "persist", m).status == 204
                 acked.add(m["payload"])
             for m in r.json()["messages"][len(msgs):]:
-                assert ack(n, "persist", m["receipt_handle"], extend="0").status == 204
-        assert n.stop() == 0
-        n.start()
-        rest = {m["payload"] for m in drain(n, "persist")}
+                assert settle_recorded(h, n, "persist", m, extend="0").status == 204
+        with h.fault("graceful stop and restart"):
+            assert n.stop() == 0
+            n.start()
+        rest = {m["payload"] for m in drain(n, "persist", h=h)}
         assert rest.isdisjoint(acked), "a graceful restart redelivers nothing acked"
         assert len(rest) == 20
         # kill -9: acks older than one commit tick (~100 ms) are already in the page cache.
         for i in range(60, 80):
-            assert produce(n, "persist", str(i).encode()).status == 202
-        second = {m["payload"] for m in drain(n, "persist", wait="500ms", idle_rounds=1)}
+            assert produce_recorded(h, str(i), n, "persist", str(i).encode()).status == 202
+        second = {m["payload"] for m in drain(n, "persist", wait="500ms", idle_rounds=1, h=h)}
         assert len(second) == 20
         hwms = {s["partition"]: s["high_watermark"] for s in n.get("/v1/topics/persist").json()["partition_stats"]}
-        wait_for(lambda: _window_frontiers(n.data_dir, "persist") == {p: h - 1 for p, h in hwms.items()},
+        wait_for(lambda: _window_frontiers(n.data_dir, "persist") == {p: hw - 1 for p, hw in hwms.items()},
                  what="acks written to the offset window")
-        n.kill9()
-        n.start()
-        assert consume(n, "persist", "?wait=1s").status == 204, "acked before the kill, so nothing comes back"
+        with h.fault("kill -9 and restart"):
+            n.kill9()
+            n.start()
+        assert consume_recorded(h, n, "persist", "?wait=1s").status == 204, \
+            "acked before the kill, so nothing comes back"
+        verdict(h, "acks across a graceful restart and a kill -9", "faults")
     finally:
         n.close()
 

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from narad.broker.routing import owner_worker
+from tests.contract import History, check, now, record_delivery, record_settles
 from tests.harness import Cluster, Node, wait_for
 
 OCTET = {"Content-Type": "application/octet-stream"}
@@ -211,51 +212,67 @@ def test_http3_client_giving_up_mid_probe_or_closing_mid_poll_strands_nothing(no
 
 def test_churning_consumers_delay_no_message(node: Node) -> None:
     """Consumers long-poll and hang up at random while records are produced: every
-    record reaches someone within PROMPT seconds of its produce."""
+    record reaches someone within PROMPT seconds of its produce. Every produce,
+    delivery and ack answer is recorded; the checker (strict: no fault) gives the verdict."""
     topic = "hang-churn"
     mk(node, topic)
     total = 60
+    h = History(30.0)
     produced: dict[str, float] = {}
     delivered: dict[str, float] = {}
     kept: list[str] = []  # hang-ups the server did not end within 1 s
     lock = threading.Lock()
     stop = threading.Event()
 
-    def take(raw: bytes, conn_ack: Any) -> None:
+    def settle(m: dict[str, Any], call: int, ret: int, conn_ack: Any) -> None:
+        d = record_delivery(h, m, call, ret)
+        t0 = now()
+        st: int | None = None
+        try:
+            st = node.request("POST", f"/v1/topics/{topic}/ack?receipt_handle={m['receipt_handle']}",
+                              conn=conn_ack).status
+        finally:
+            record_settles(h, [d], "ack", t0, now(), [st if st is None or st < 500 else None])
+
+    def take(raw: bytes, conn_ack: Any, call: int, ret: int) -> None:
         head, _, body = raw.partition(b"\r\n\r\n")
         if not head.startswith(b"HTTP/1.1 200"):
             return
         m = json.loads(body)
         with lock:
             delivered.setdefault(m["payload"], time.monotonic())
-        node.request("POST", f"/v1/topics/{topic}/ack?receipt_handle={m['receipt_handle']}", conn=conn_ack)
+        settle(m, call, ret, conn_ack)
 
     def churner(seed: int) -> None:
         rnd = random.Random(seed)
         c = node.conn()
         while not stop.is_set():
             s = socket.create_connection(("127.0.0.1", node.port))
+            call = now()
             s.sendall(long_poll(node, topic))
             stop.wait(rnd.uniform(0.0, 0.3))  # the client's own whim, not a wait on the server
             s.shutdown(socket.SHUT_WR)
             data, closed = read_to_eof(s, 1.0)  # then the client gives up waiting and closes
+            ret = now()
             s.close()
             if not closed:
                 with lock:
                     kept.append("a hung-up long poll stayed open")
             if data:
-                take(data, c)
+                take(data, c, call, ret)
         c.close()
 
     def steady() -> None:
         c = node.conn()
         while not stop.is_set():
+            call = now()
             r = node.request("GET", f"/v1/topics/{topic}/consume?wait=1s", conn=c)
+            ret = now()
             if r.status == 200:
                 m = r.json()
                 with lock:
                     delivered.setdefault(m["payload"], time.monotonic())
-                node.request("POST", f"/v1/topics/{topic}/ack?receipt_handle={m['receipt_handle']}", conn=c)
+                settle(m, call, ret, c)
         c.close()
 
     threads = [threading.Thread(target=churner, args=(i,)) for i in range(6)]
@@ -267,7 +284,10 @@ def test_churning_consumers_delay_no_message(node: Node) -> None:
         for i in range(total):
             body = f"m{i}"
             produced[body] = time.monotonic()
-            produce(node, topic, body.encode())
+            t0 = now()
+            st = node.request("POST", f"/v1/topics/{topic}/produce", body.encode(), headers=OCTET).status
+            h.produced([body], t0, now(), st)
+            assert st == 202, st
             stop.wait(rnd.uniform(0.0, 0.2))  # produce pacing
         wait_for(lambda: len(delivered) >= total, PROMPT + 5, 0.05, "every record delivered")
     except AssertionError:
@@ -276,10 +296,14 @@ def test_churning_consumers_delay_no_message(node: Node) -> None:
         stop.set()
         for th in threads:
             th.join(30)
+    h.finish()
+    v = check(h, "strict")
+    print("\n" + v.summary("churning consumers") + f"\nchurn: {len(kept)} hang-ups the server had not closed after 1 s")
     late = sorted((delivered.get(b, float("inf")) - t0, b) for b, t0 in produced.items()
                   if delivered.get(b, float("inf")) - t0 > PROMPT)
     assert not late, (f"{len(late)} of {total} records late or missing: {late[:5]} "
                       f"({len(kept)} hang-ups the server had not closed after 1 s)")
+    assert v.ok, v.summary("churning consumers")
 
 
 # ---- cluster -----------------------------------------------------------------------------------

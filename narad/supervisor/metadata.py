@@ -129,7 +129,9 @@ class MetadataRouter:
                 uncertain = uncertain or not isinstance(e, Unavailable) or "in flight" in e.message
                 await asyncio.sleep(min(RETRY_SLEEP, max(0.0, end - time.monotonic())))
                 continue
-            await self.wait_applied(resp.index, APPLY_WAIT)
+            # Read-your-writes here: wait for the local replica until the write's own deadline
+            # (at least APPLY_WAIT), then answer anyway (logged): the write did land.
+            await self.wait_applied(resp.index, max(APPLY_WAIT, end - time.monotonic()))
             typ = RESPONSE_TYPES.get(type(req), Q.Empty)
             return msgspec.msgpack.decode(resp.value, type=typ)
 

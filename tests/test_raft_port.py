@@ -60,8 +60,11 @@ def test_a_second_node_on_a_port_in_use_is_refused_and_the_first_keeps_its_clien
              "cluster": [spare[0], spare[1], node.cluster_port]}[which]
     other = Node(tmp_path / "other", workers=1, node_id="n2", ports=ports)
     other.start(wait=False)
-    assert other.proc is not None
-    code = other.proc.wait(30)
+    try:
+        assert other.proc is not None
+        code = other.proc.wait(30)
+    finally:
+        other.close()  # a node that did not refuse must not outlive the test
     held = {"client": node.port, "Raft": node.raft_port, "cluster": node.cluster_port}[which]
     assert code != 0, other.log()
     lines = [ln for ln in other.log().splitlines() if f"{which} port 127.0.0.1:{held}" in ln and "in use" in ln]
@@ -80,8 +83,11 @@ def test_a_process_holding_the_raft_port_stops_the_start(tmp_path: Path) -> None
         holder.listen(1)
         n = Node(tmp_path / "data", workers=1, ports=ports)
         n.start(wait=False)
-        assert n.proc is not None
-        assert n.proc.wait(30) != 0
+        try:
+            assert n.proc is not None
+            assert n.proc.wait(30) != 0
+        finally:
+            n.close()
     assert f"Raft port 127.0.0.1:{ports[1]} (TCP) is in use" in n.log(), n.log()
 
 

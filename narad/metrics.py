@@ -197,6 +197,12 @@ class _Metrics:
                                         ["op"]))
         self.node_rpc_served = a(Counter("narad_node_rpc_served_total", "node RPC requests and notes handled",
                                          ["op"]))
+        self.schema_seconds = a(Histogram("narad_schema_validation_seconds",
+                                          "payload schema checks (bounded validations), per request"))
+        self.schema_in_flight = a(Gauge("narad_schema_validations_in_flight",
+                                        "validation-thread slots in use"))
+        self.schema_rejections = a(Counter("narad_schema_rejections_total", "why a schema check refused",
+                                           ["reason"]))
         self.consumer_dropped = a(Counter("narad_consumer_dropped_messages_total",
                                           "messages the frontier passed without an ack (retention, corruption)",
                                           ["topic"]))

@@ -409,5 +409,14 @@ def test_busy_capacity_answers_503_while_the_worker_serves(tmp_path: Path) -> No
         assert [r.status for r in got] == [202, 503], got
         assert got[1].json() == {"error": "schema: validation capacity busy, retry"}
         assert got[1].headers.get("retry-after") == "1"
+        assert produce(n, "t", b'{"not": "an array"}').status == 400
+        assert produce(n, "t", b"[" * 300 + b"]" * 300).status == 400
+        text = n.get("/metrics").body.decode()
+        series = {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
+                  if ln.startswith("narad_schema_")}
+        for reason in ("busy", "invalid", "depth"):
+            assert series.get(f'narad_schema_rejections_total{{reason="{reason}"}}', 0) >= 1, series
+        assert series.get("narad_schema_validation_seconds_count", 0) >= 3, series
+        assert "narad_schema_validations_in_flight" in series, series
     finally:
         n.close()

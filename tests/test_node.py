@@ -362,6 +362,10 @@ def test_naradctl_topics_and_users(node: Node) -> None:
     human = subprocess.run([sys.executable, "-m", "narad.ctl.main", "--data-dir", str(node.data_dir), "status"],
                            capture_output=True, text=True, timeout=30)
     assert human.returncode == 0 and "leader" in human.stdout and "RESTARTS" in human.stdout
+    assert "HEARTBEAT" in human.stdout and "supervisor" in human.stdout, human.stdout
+    st = node.ctl("status")
+    assert 0 <= st["heartbeats"]["supervisor"] < 3 and 0 <= st["heartbeats"]["raft tick thread"] < 3, st
+    assert all(w["heartbeat_age_seconds"] is not None and w["heartbeat_age_seconds"] < 3 for w in st["workers"]), st
 
 
 def test_dev_mode_has_no_auth(tmp_path: Path) -> None:

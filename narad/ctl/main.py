@@ -68,12 +68,16 @@ def _fmt_status(d: dict[str, Any]) -> str:
         f"ports     client {d['client_port']}  raft {d['raft_port']}  cluster {d['cluster_port']}",
         f"data      {d['data_dir']}",
         "workers",
-        f"  {'IDX':>3}  {'PID':>7}  {'CORE':>4}  {'UPTIME':>9}  {'RESTARTS':>8}  STATE",
+        f"  {'IDX':>3}  {'PID':>7}  {'CORE':>4}  {'UPTIME':>9}  {'RESTARTS':>8}  {'HEARTBEAT':>9}  STATE",
     ]
     for w in d["workers"]:
         core = "-" if w["core"] is None else str(w["core"])
+        beat = "-" if w.get("heartbeat_age_seconds") is None else f"{w['heartbeat_age_seconds']:.1f}s ago"
         lines.append(f"  {w['index']:>3}  {w['pid']:>7}  {core:>4}  {w['uptime_seconds']:>8.1f}s  "
-                     f"{w['restarts']:>8}  {'up' if w['alive'] else 'down'}")
+                     f"{w['restarts']:>8}  {beat:>9}  {'up' if w['alive'] else 'down'}")
+    beats = d.get("heartbeats") or {}
+    if beats:
+        lines.insert(6, "heartbeat " + "  ".join(f"{k} {v:.1f}s ago" for k, v in beats.items()))
     return "\n".join(lines)
 
 

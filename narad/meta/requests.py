@@ -162,6 +162,7 @@ class WorkerView(msgspec.Struct):
     uptime_seconds: float
     restarts: int
     alive: bool
+    heartbeat_age_seconds: float | None = None  # since its loop last stamped its heartbeat
 
 
 class NodeStatus(msgspec.Struct):
@@ -176,6 +177,8 @@ class NodeStatus(msgspec.Struct):
     raft_port: int
     cluster_port: int
     join_rounds: int = 0  # join-only: rounds of join requests sent while not admitted yet
+    # seconds since each loop stamped its heartbeat: supervisor, raft tick thread, fork server
+    heartbeats: dict[str, float] = msgspec.field(default_factory=dict)
 
 
 class ConfirmGoneReq(msgspec.Struct, tag=True):

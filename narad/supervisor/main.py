@@ -723,6 +723,7 @@ class Supervisor:
                 if st.leader is not None and mrec.raft_addr == st.leader:
                     leader_id = mrec.id
         now = time.monotonic()
+        hb = self.versions.hb
         return Q.NodeStatus(
             node_id=self.node_id, build=BUILD, ready=ready,
             reason=silent[1] if silent is not None and not ready else V.READY_REASONS[reason],
@@ -733,9 +734,14 @@ class Supervisor:
                             leader_contact_age_seconds=contact, voters=self.raft.voters()),
             workers=[Q.WorkerView(index=w.index, pid=w.pid, core=w.core,
                                   uptime_seconds=round(now - w.started, 3) if w.alive else 0.0,
-                                  restarts=w.restarts, alive=w.alive) for w in self.workers.workers],
+                                  restarts=w.restarts, alive=w.alive,
+                                  heartbeat_age_seconds=hb.age(V.worker_slot(w.index)))
+                     for w in self.workers.workers],
             data_dir=str(self.data_dir), client_port=self.cfg.http.port, raft_port=self.cfg.raft_port,
             cluster_port=self.cfg.cluster_port, join_rounds=self.join_rounds,
+            heartbeats={name: age for name, slot in (("supervisor", V.HB_SUPERVISOR), ("raft tick thread", V.HB_RAFT),
+                                                     ("fork server", V.HB_FORKSERVER))
+                        if (age := hb.age(slot)) is not None},
         )
 
     def members_view(self) -> Q.MembersResp:

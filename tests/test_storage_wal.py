@@ -497,3 +497,56 @@ def test_keys_survive_the_wal(tmp_path: Path, pool: ThreadPoolExecutor) -> None:
     again = opened(tmp_path, pool)
     assert [e.key for e in again.replay()] == keys
     again.close()
+
+
+# ---- a client's payload may hold a frame: never replay it ----------------------------------------
+
+def _with_forged_payload(tmp_path: Path, pool: ThreadPoolExecutor) -> tuple[Path, int]:
+    """Two records; the second's payload holds a whole WAL frame (seq 3, another topic)
+    that a client forged, CRC and all. Returns the segment and where the second ends."""
+    from crc32c import crc32c
+
+    async def main() -> None:
+        w = IngressWAL(tmp_path, pool)
+        w.open()
+        await w.append([Entry("t", INC, 0, 1, 0, None, b"honest")])
+        forged = Entry("victim", b"\1" * 16, 0, 1, 0, None, b"FORGED").encode()
+        frame = W.FRAME.pack(W.MAGIC, len(forged), 3, crc32c(forged)) + forged
+        await w.append([Entry("t", INC, 0, 1, 0, None, b"x" * 4000 + frame + b"y" * 4000)])
+        w.close()
+
+    asyncio.run(main())
+    seg = sorted(tmp_path.glob("*.wal"))[-1]
+    return seg, seg.stat().st_size
+
+
+def test_a_torn_record_holding_a_forged_frame_is_cut_not_replayed(tmp_path: Path, pool: ThreadPoolExecutor) -> None:
+    seg, size = _with_forged_payload(tmp_path, pool)
+    os.truncate(seg, size - 2000)  # kill -9 mid-write: the tear falls after the embedded frame
+    w = IngressWAL(tmp_path, pool)
+    w.open()
+    got = [(e.seq, e.topic, e.payload) for e in w.replay()]
+    w.close()
+    assert got == [(1, "t", b"honest")]
+
+
+def test_a_damaged_record_holding_a_forged_frame_is_skipped_whole(tmp_path: Path, pool: ThreadPoolExecutor) -> None:
+    _with_forged_payload(tmp_path, pool)
+
+    async def third() -> None:
+        w = IngressWAL(tmp_path, pool)
+        w.open()
+        await w.append([Entry("t", INC, 0, 1, 0, None, b"after")])
+        w.close()
+
+    asyncio.run(third())
+    segs = sorted(tmp_path.glob("*.wal"))
+    data = bytearray(segs[0].read_bytes())
+    data[100] ^= 0xFF  # a bit flip in the second record's payload, before the embedded frame
+    segs[0].write_bytes(bytes(data))
+    w = IngressWAL(tmp_path, pool)
+    w.open()
+    got = [(e.topic, e.payload) for e in w.replay()]
+    w.close()
+    assert ("victim", b"FORGED") not in got
+    assert got[0] == ("t", b"honest") and got[-1] == ("t", b"after"), got

@@ -149,7 +149,11 @@ class IngressWAL:
             fileio.fdatasync(fd)  # trust only what is on disk
             good_end, last_in_seg = self._scan(fd, first)
             size = os.fstat(fd).st_size
-            later = self._last_after(fd, good_end, last_in_seg) if good_end < size else None
+            # A frame whose header is whole but whose body runs past the end of the file is
+            # a torn tail (the last write, cut by a crash): it is cut, never scanned for
+            # frames inside it (its payload is a client's bytes and may hold a forged frame).
+            later = (self._last_after(fd, good_end, last_in_seg)
+                     if good_end < size and not self._torn_at(fd, good_end, last_in_seg + 1, size) else None)
             if later is not None:
                 # Valid frames follow the damage: not a torn tail. Those records may be
                 # accepted (202) and not yet committed: never cut them. The damaged
@@ -201,6 +205,16 @@ class IngressWAL:
         return pos, last
 
     @staticmethod
+    def _torn_at(fd: int, pos: int, want: int, size: int) -> bool:
+        """Whether the frame at ``pos`` has a whole header (magic, a possible length, the
+        next seq) and a body that runs past the end of the file."""
+        head = os.pread(fd, FRAME_HEADER, pos)
+        if len(head) < FRAME_HEADER:
+            return True  # not even a whole header: torn
+        magic, length, seq, _crc = FRAME.unpack_from(head, 0)
+        return magic == MAGIC and 0 < length <= MAX_RECORD and seq == want and pos + FRAME_HEADER + length > size
+
+    @staticmethod
     def _frames_from(data: bytes, pos: int, after_seq: int) -> Iterator[tuple[int, int, int]]:
         """(position, end, seq) of every frame that verifies from ``pos`` on, skipping
         damage: after a bad frame the scan resumes at the next magic whose frame
@@ -210,15 +224,32 @@ class IngressWAL:
         since the previous good frame (a flipped seq bit is a bad frame, never a jump)."""
         size = len(data)
         last, last_end = after_seq, pos
-        while pos + FRAME_HEADER <= size:
-            magic, length, seq, crc = FRAME.unpack_from(data, pos)
-            end = pos + FRAME_HEADER + length
+
+        def verifies(at: int) -> tuple[int, int] | None:
+            magic, length, seq, crc = FRAME.unpack_from(data, at)
+            end = at + FRAME_HEADER + length
             if (magic == MAGIC and 0 < length <= MAX_RECORD and end <= size
-                    and last < seq <= last + 1 + (pos - last_end) // (FRAME_HEADER + 1)
-                    and crc32c(data[pos + FRAME_HEADER : end]) == crc):
-                yield pos, end, seq
-                last, pos = seq, end
-                last_end = end
+                    and last < seq <= last + 1 + (at - last_end) // (FRAME_HEADER + 1)
+                    and crc32c(data[at + FRAME_HEADER : end]) == crc):
+                return end, seq
+            return None
+
+        while pos + FRAME_HEADER <= size:
+            ok = verifies(pos)
+            if ok is not None:
+                yield pos, ok[0], ok[1]
+                last, pos = ok[1], ok[0]
+                last_end = pos
+                continue
+            # A damaged frame whose header still says where it ends: when a good frame
+            # starts there, resume there, so nothing inside its body (a client's payload,
+            # which may hold a forged frame) is ever taken for a frame. Otherwise the
+            # header is damaged too: resume at the next magic.
+            magic, length, _seq, _crc = FRAME.unpack_from(data, pos)
+            claimed = pos + FRAME_HEADER + length
+            if (magic == MAGIC and 0 < length <= MAX_RECORD and claimed + FRAME_HEADER <= size
+                    and verifies(claimed) is not None):
+                pos = claimed
                 continue
             pos = data.find(MAGIC, pos + 1)
             if pos < 0:

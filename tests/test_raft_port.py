@@ -162,7 +162,7 @@ def test_inbound_connections_are_capped_and_unauthenticated_ones_time_out(node: 
         over = 200 - RAFT.MAX_INBOUND
         wait_for(lambda: sum(_closed(s) for s in socks) >= over, 20, 0.05,
                  f"at least {over} connections refused at accept")
-        assert "refused an inbound connection (too many open)" in node.log()
+        assert "closed the oldest unauthenticated connection to make room (too many open)" in node.log()
         # The node still serves, metadata writes included, while the rest sit idle.
         assert _create_topic(node, "while-idle-conns") == 201
         assert node.get("/readyz", auth=None).status == 200
@@ -171,10 +171,64 @@ def test_inbound_connections_are_capped_and_unauthenticated_ones_time_out(node: 
                  "the idle connections to be closed")
         assert "did not authenticate within" in node.log()
         # One line per reason and peer address per 10 s, not one per connection.
-        assert node.log().count("refused an inbound connection (too many open)") <= 3
+        assert node.log().count("to make room (too many open)") <= 3
     finally:
         for s in socks:
             s.close()
+
+
+def test_idle_unauthenticated_connections_never_keep_a_peer_out(tmp_path: Path) -> None:
+    """A host without the secret holding the port full of idle sockets (reopening each
+    one closed) must not refuse a peer that proves the secret: at the cap the oldest
+    unauthenticated connection makes room."""
+    from pysyncobj.utility import TcpUtility, UtilityException
+
+    secret = "s" * 40
+    n = Node(tmp_path / "data", workers=1, env={"NARAD_CLUSTER_SECRET": secret}).start()
+    util = TcpUtility(raft_password(secret.encode()), timeout=3)
+    addr = f"127.0.0.1:{n.raft_port}"
+
+    def status() -> str:
+        try:
+            return "ok" if util.executeCommand(addr, ["status"]) else "empty"
+        except UtilityException as e:
+            return f"refused: {e}"
+
+    stop = threading.Event()
+    held: list[socket.socket] = []
+
+    def attacker() -> None:
+        while not stop.is_set():
+            for s in list(held):
+                try:
+                    if s.recv(1, socket.MSG_DONTWAIT) == b"":
+                        s.close()
+                        held.remove(s)
+                except BlockingIOError:
+                    pass
+                except OSError:
+                    s.close()
+                    held.remove(s)
+            while len(held) < RAFT.MAX_INBOUND + 6:
+                try:
+                    held.append(socket.create_connection(("127.0.0.1", n.raft_port), timeout=1))
+                except OSError:
+                    break
+            stop.wait(0.05)
+
+    t = threading.Thread(target=attacker, daemon=True)
+    try:
+        assert status() == "ok"
+        t.start()
+        wait_for(lambda: "to make room (too many open)" in n.log(), 20, 0.05, "the port to fill up")
+        got = [status() for _ in range(10)]
+        assert got == ["ok"] * 10, got
+    finally:
+        stop.set()
+        t.join(10)
+        for s in held:
+            s.close()
+        n.close()
 
 
 # ---- legitimate traffic under the limits -------------------------------------------

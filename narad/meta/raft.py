@@ -396,10 +396,23 @@ class _GuardedTransport(TCPTransport):  # type: ignore[misc]
 
     def _onNewIncomingConnection(self, conn: _GuardedConnection) -> None:
         if len(self._narad_inbound) >= MAX_INBOUND:
-            refusals("connection_limit", conn._narad_peer,
-                     "raft port: refused an inbound connection (too many open)", limit=MAX_INBOUND)
-            conn.disconnect()
-            return
+            # Connections that have not proved the secret never keep a peer out: at the cap
+            # the oldest unauthenticated one makes room (anyone can open sockets; a voter
+            # reconnecting proves itself in its first frame). Only a port full of
+            # authenticated connections refuses the newcomer.
+            waiting = [c for c in self._narad_inbound if not c._narad_authed]
+            if waiting:
+                oldest = min(waiting, key=lambda c: c._narad_born)
+                refusals("connection_limit", oldest._narad_peer,
+                         "raft port: closed the oldest unauthenticated connection to make room (too many open)",
+                         limit=MAX_INBOUND)
+                self._narad_inbound.discard(oldest)
+                oldest.disconnect()
+            else:
+                refusals("connection_limit", conn._narad_peer,
+                         "raft port: refused an inbound connection (too many open)", limit=MAX_INBOUND)
+                conn.disconnect()
+                return
         self._narad_inbound.add(conn)
         super()._onNewIncomingConnection(conn)
 

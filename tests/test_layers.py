@@ -58,3 +58,47 @@ def test_no_upward_imports() -> None:
             if RANK.get(d, 99) >= mine and not (pkg == "__init__" and d in ("_native",)):
                 bad.append(f"{path} imports narad.{d}")
     assert not bad, "imports against the layering:\n" + "\n".join(sorted(bad))
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """narad module -> narad modules it imports (anywhere in the file, TYPE_CHECKING
+    blocks and function-level imports included)."""
+    mods = {".".join(("narad",) + f.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+            for f in ROOT.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for f in ROOT.rglob("*.py"):
+        me = ".".join(("narad",) + f.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(f.read_text())):
+            names: list[str] = []
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "narad":
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names if a.name.split(".")[0] == "narad"]
+            deps |= {n for n in names if n in mods and n != me and n != "narad"}
+        graph[me] = deps
+    return graph
+
+
+def test_no_import_cycles_between_modules() -> None:
+    graph = _module_graph()
+    assert "narad.supervisor.main" in graph and graph["narad.supervisor.main"], "the graph must see imports"
+    cycles: list[str] = []
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for d in sorted(graph.get(m, ())):
+            if state.get(d) == 1:
+                cycles.append(" -> ".join(stack[stack.index(d):] + [d]))
+            elif d not in state:
+                visit(d)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)

@@ -6,7 +6,10 @@ throttle, members and status views). ``control_service``: naradctl commands
 operator: the control socket is mode 0600 in the runtime directory, so
 reaching it already proves root-equivalent access to the node.
 
-Imports narad.meta, narad.ipc, narad.supervisor.workers.
+Imports narad.meta, narad.ipc, narad.worker.main (the hello messages) and
+narad.supervisor.{metadata,workers}; never narad.supervisor.main: what these
+services need of the supervisor is the ``SupervisorView`` protocol below, which
+the supervisor satisfies (checked by type checkers, not by import).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import bcrypt
 import msgspec
@@ -26,11 +29,12 @@ from narad.meta import export as EX
 from narad.meta import requests as Q
 from narad.meta import versions as V
 from narad.meta.grants import OPERATOR
+from narad.meta.raft import RaftNode
 from narad.meta.records import Grant, TopicRecord
+from narad.meta.store import MetaStore
+from narad.supervisor.metadata import MetadataRouter
+from narad.supervisor.workers import WorkerManager
 from narad.worker.main import HelloAck, WorkerHello, WorkerServing
-
-if TYPE_CHECKING:
-    from narad.supervisor.main import Supervisor
 
 IMPORT_FORWARD_LIMIT = 12 << 20  # an import forwarded to the leader must fit one node-RPC frame
 log = logging.getLogger("narad.supervisor")
@@ -113,6 +117,25 @@ class LoginThrottle:
         self._buckets = live
 
 
+class SupervisorView(Protocol):
+    """What the worker and control services use of the supervisor."""
+
+    node_id: str
+    worker_conns: dict[int, rpc.Connection]
+    workers: WorkerManager
+    router: MetadataRouter
+    raft: RaftNode
+    store: MetaStore
+    throttle: LoginThrottle
+    metrics: Any
+
+    async def wait_create_gate(self) -> None: ...
+    async def current_replica(self) -> None: ...
+    async def node_metrics(self) -> list[metrics.Family]: ...
+    def node_status(self) -> Q.NodeStatus: ...
+    def members_view(self) -> Q.MembersResp: ...
+
+
 class CtlRequest(msgspec.Struct, tag=True):
     cmd: str
     args: dict[str, Any] = {}
@@ -122,7 +145,7 @@ class CtlReply(msgspec.Struct):
     data: Any
 
 
-def worker_service(sup: Supervisor) -> rpc.Service:
+def worker_service(sup: SupervisorView) -> rpc.Service:
     s = rpc.Service()
 
     async def hello(m: WorkerHello, conn: rpc.Connection) -> HelloAck:
@@ -197,7 +220,7 @@ def _topic_view(t: TopicRecord) -> dict[str, Any]:
     return topic_json(t)
 
 
-def control_service(sup: Supervisor) -> rpc.Service:
+def control_service(sup: SupervisorView) -> rpc.Service:
     s = rpc.Service()
     router = sup.router
 

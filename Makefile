@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install run test lint bench clean
+.PHONY: install run test lint bench vs-redis clean
 
 $(STAMP): pyproject.toml setup.py native/narad_native.c native/build_native.py
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -34,6 +34,10 @@ bench: install
 	$(BIN)/python loadtest/bench_meta.py
 	$(BIN)/python loadtest/bench_hop.py
 	$(BIN)/python loadtest/bench.py
+
+vs-redis: install
+	@# our node, then Redis 7 Streams (appendfsync always), same load generator, back to back
+	$(BIN)/python loadtest/vs_redis.py --sittings 1
 
 clean:
 	rm -rf $(VENV) build *.egg-info narad/_native*.so

@@ -15,6 +15,12 @@ Lives in the worker that owns the partition, on its event-loop thread only.
   message (committed + 1) is deliverable. Acks are never refused.
 * Expired leases are found on every touch and by the worker's 1 s sweep;
   their offsets are delivered again (lowest first).
+* Idle partitions are closed whole (the broker's idle eviction): ``last_used``
+  is stamped by every reserve, settle and commit (never by stats), and
+  ``evictable`` says whether everything the object holds is on disk already
+  (no lease, no commit queued or running, acks written and synced, the held
+  acks fit one offset slot), so closing and reopening loses nothing.
+  ``stats_from_disk`` gives a closed partition's stats from its files alone.
 
 Imports narad.storage.
 """
@@ -29,8 +35,11 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
+from pathlib import Path
 
 from narad.storage import frames as FR
+from narad.storage import offsets as OFF
+from narad.storage import partition_log as PL
 from narad.storage.offsets import OffsetFile
 from narad.storage.partition_log import CorruptRecord, LogClosed, NotVisible, OffsetGone, PartitionLog, Record
 
@@ -81,8 +90,10 @@ class Partition:
         self.cursor = 0
         self.dirty = False
         self.dropped = 0  # offsets the frontier passed without an ack (retention, corruption)
+        self.dropped_reported = 0  # of which counted in the metric already
         self.corrupt_skipped = 0
         self.closed = False
+        self.last_used = time.monotonic()  # the last reserve, settle or commit (stats never stamp it)
         # Commit combining: batches queued while a commit runs go out together.
         self._commit_queue: list[tuple[list[tuple[bytes | None, int, bytes]], asyncio.Future[int]]] = []
         self._committing = False
@@ -133,6 +144,7 @@ class Partition:
                 max_acked_ahead: int) -> list[Delivery]:
         if self.closed:
             return []
+        self.last_used = now
         self.purge(now)
         out: list[Delivery] = []
         while len(out) < max_n:
@@ -214,6 +226,7 @@ class Partition:
         return cur is not None and cur[0] == nonce and cur[1] > now
 
     def ack(self, off: int, nonce: int, now: float) -> bool:
+        self.last_used = now
         if not self._lease_ok(off, nonce, now):
             return False
         del self.leases[off]
@@ -223,6 +236,7 @@ class Partition:
         return True
 
     def extend(self, off: int, nonce: int, now: float, visibility_s: float) -> bool:
+        self.last_used = now
         if not self._lease_ok(off, nonce, now):
             return False
         expiry = now + visibility_s
@@ -231,6 +245,7 @@ class Partition:
         return True
 
     def nack(self, off: int, nonce: int, now: float) -> bool:
+        self.last_used = now
         if not self._lease_ok(off, nonce, now):
             return False
         del self.leases[off]
@@ -247,6 +262,7 @@ class Partition:
         fsync)."""
         if self.closed:
             raise OSError(9, "partition closed")
+        self.last_used = time.monotonic()
         loop = self.loop
         fut: asyncio.Future[int] = loop.create_future()
         self._commit_queue.append((batch, fut))
@@ -318,6 +334,18 @@ class Partition:
                 log.error("partition commit still running at close", extra={"topic": self.topic,
                                                                            "partition": self.index})
 
+    def evictable(self) -> bool:
+        """Everything this object holds is on disk: closing it loses nothing (no
+        lease, no commit queued or in flight, acks written and synced, and the acks
+        held above the frontier fit one offset slot whole)."""
+        if self.closed or self.leases or self._committing or self._commit_queue:
+            return False
+        if self._task is not None and not self._task.done():
+            return False
+        if self.dirty or self.offsets.dirty_since_sync:
+            return False
+        return not self.acked_ahead or OFF.fits(self.committed, sorted(self.acked_ahead))
+
     def next_expiry(self) -> float | None:
         return self._expiry[0][0] if self._expiry else None
 
@@ -340,6 +368,29 @@ class Partition:
 
     def snapshot_offsets(self) -> tuple[int, list[int]]:
         return self.committed, sorted(self.acked_ahead)
+
+
+def stats_from_disk(directory: Path) -> dict[str, int]:
+    """``Partition.stats`` of a partition whose log is not open here, read from its
+    files (nothing opened for writing, created or synced): the same recovery rules
+    as an open, no lease can exist."""
+    ds = PL.peek(directory)
+    hwm = ds.hwm
+    frontier, ahead = OFF.peek(directory, max_frontier=hwm - 1)
+    committed = min(frontier, hwm - 1)
+    held = {a for a in ahead if committed < a < hwm}
+    while committed + 1 in held:
+        held.discard(committed + 1)
+        committed += 1
+    return {
+        "high_watermark": hwm,
+        "next_offset": ds.next_offset,
+        "oldest_offset": ds.oldest,
+        "committed_offset": committed,
+        "lag": max(0, hwm - 1 - committed),
+        "in_flight": 0,
+        "acked_ahead": len(held),
+    }
 
 
 def monotonic() -> float:

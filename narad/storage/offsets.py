@@ -13,7 +13,16 @@ frontier past a real ack; the worst case is redelivery.
 
 Slot: ``'NOFF' | u32 crc32c(rest) | u32 used | u64 seq | i64 frontier |
 u32 count | uvarint deltas`` (acked offsets above the frontier, ascending).
-Too many to fit: the lowest are kept, the rest will be redelivered.
+Too many to fit: the lowest are kept, the rest will be redelivered (``fits``
+says whether a set fits whole: a partition whose held acks do not is never
+closed as idle).
+
+An ``OffsetFile`` is used from the event loop (``write_window``) and from I/O
+threads (``writeout``, ``level``, ``close``): one lock orders them, and after
+``close`` every write is a no-op (a late writeout of a closed partition can
+never touch a reopened one's files). ``close`` writes only what the files do
+not already say. ``peek`` reads a closed partition's progress without opening
+or priming anything.
 
 Imports narad.storage.fileio.
 """
@@ -23,6 +32,7 @@ from __future__ import annotations
 import logging
 import os
 import struct
+import threading
 from pathlib import Path
 
 from crc32c import crc32c
@@ -36,6 +46,29 @@ _HDR = struct.Struct(">4sII")  # magic, crc, used bytes after the header
 _BODY = struct.Struct(">QqI")  # seq, frontier, count
 MAGIC = b"NOFF"
 _I64 = struct.Struct(">q")
+
+
+def _uvarint_len(d: int) -> int:
+    n = 1
+    while d >= 0x80:
+        d >>= 7
+        n += 1
+    return n
+
+
+def fits(frontier: int, ahead: list[int]) -> bool:
+    """Whether a record of `frontier` and these held acks (ascending) fits one slot whole."""
+    room = SLOT - _HDR.size - _BODY.size
+    prev, used = frontier, 0
+    for off in ahead:
+        d = off - prev
+        if d <= 0:
+            continue
+        used += _uvarint_len(d)
+        if used > room:
+            return False
+        prev = off
+    return True
 
 
 def _encode(seq: int, frontier: int, ahead: list[int]) -> bytes:
@@ -92,6 +125,45 @@ def _decode(slot: bytes) -> tuple[int, int, list[int]] | None:
     return seq, frontier, out
 
 
+def _best_slot(slots: list[tuple[int, int, list[int]] | None]) -> int | None:
+    best = None
+    for i, s in enumerate(slots):
+        if s is not None and (best is None or s[0] > slots[best][0]):  # type: ignore[index]
+            best = i
+    return best
+
+
+def _read_level_at(d: Path) -> int:
+    try:
+        raw = (d / "consumer.offset").read_bytes()
+    except FileNotFoundError:
+        return -1
+    return _I64.unpack(raw)[0] if len(raw) == 8 else -1
+
+
+def peek(directory: Path, max_frontier: int | None = None) -> tuple[int, list[int]]:
+    """(frontier, acked-ahead offsets) as ``OffsetFile.load`` would recover them,
+    read-only: nothing is created, primed or synced (a closed partition's stats)."""
+    d = Path(directory)
+    try:
+        with open(d / "consumer.ahead", "rb") as fh:
+            raw = fh.read(2 * SLOT)
+    except FileNotFoundError:
+        raw = b""
+    slots = [_decode(raw[i * SLOT:(i + 1) * SLOT]) for i in (0, 1)]
+    best = _best_slot(slots)
+    frontier, ahead = -1, []
+    if best is not None:
+        _seq, frontier, ahead = slots[best]  # type: ignore[misc]
+    level = _read_level_at(d)
+    if max_frontier is not None and level > max(max_frontier, frontier):
+        level = -1
+    if level > frontier:
+        frontier = level
+        ahead = [a for a in ahead if a > frontier]
+    return frontier, ahead
+
+
 class OffsetFile:
     def __init__(self, directory: Path) -> None:
         self.dir = Path(directory)
@@ -99,6 +171,10 @@ class OffsetFile:
         self._anchor = 0  # slot index of the anchor
         self._seq = 0
         self.dirty_since_sync = False
+        self._lock = threading.Lock()
+        self._anchored: tuple[int, list[int]] | None = None  # what the anchor slot says
+        self._window: tuple[int, list[int]] | None = None  # what the window slot says, once written whole
+        self._level_on_disk = -1  # what consumer.offset holds
 
     def load(self, max_frontier: int | None = None) -> tuple[int, list[int]]:
         """Open (priming the file) and return (frontier, acked-ahead offsets).
@@ -116,14 +192,11 @@ class OffsetFile:
             # new blocks (acks keep persisting on a full disk).
             fileio.pwrite_all(self._fd, bytes(2 * SLOT - size), size)
         slots = [_decode(os.pread(self._fd, SLOT, i * SLOT)) for i in (0, 1)]
-        best = None
-        for i, s in enumerate(slots):
-            if s is not None and (best is None or s[0] > slots[best][0]):  # type: ignore[index]
-                best = i
+        best = _best_slot(slots)
         frontier, ahead = -1, []
         if best is not None:
             self._seq, frontier, ahead = slots[best]  # type: ignore[misc]
-        level = self._read_level()
+        level = self._level_on_disk = self._read_level()
         if max_frontier is not None and level > max(max_frontier, frontier):
             log.error("consumer.offset holds a frontier past the end of the log; ignored (damaged file?)",
                       extra={"dir": str(self.dir), "level": level, "log_end": max_frontier + 1})
@@ -138,6 +211,7 @@ class OffsetFile:
             # rewritten in place (a torn rewrite would lose the only good copy).
             self._anchor = best
             fileio.fdatasync(self._fd)
+            self._anchored = (frontier, list(ahead))
         else:
             # Nothing valid yet, or consumer.offset is ahead of the slots: a new
             # record, into the slot that is not the newest valid one, then anchored.
@@ -145,36 +219,51 @@ class OffsetFile:
             self._seq += 1
             fileio.pwrite_all(self._fd, _encode(self._seq, frontier, ahead), self._anchor * SLOT)
             fileio.fdatasync(self._fd)
+            self._anchored = (frontier, list(ahead))
         self.dirty_since_sync = False
         if created:
             fileio.fsync_dir(self.dir)
         return frontier, ahead
 
     def _read_level(self) -> int:
-        try:
-            raw = (self.dir / "consumer.offset").read_bytes()
-        except FileNotFoundError:
-            return -1
-        return _I64.unpack(raw)[0] if len(raw) == 8 else -1
+        return _read_level_at(self.dir)
 
     def write_window(self, frontier: int, ahead: list[int]) -> None:
         """Page cache only (survives a process crash, not power loss)."""
+        with self._lock:
+            self._write_window(frontier, ahead)
+
+    def _write_window(self, frontier: int, ahead: list[int]) -> None:
+        if self._fd < 0:
+            return  # closed: nothing of this partition is written any more
         self._seq += 1
         # Until the whole record is in, the window holds nothing worth anchoring:
         # a failed (possibly torn) write must not be synced and made the anchor.
         self.dirty_since_sync = False
+        self._window = None
         fileio.pwrite_all(self._fd, _encode(self._seq, frontier, ahead), (1 - self._anchor) * SLOT)
+        self._window = (frontier, list(ahead))
         self.dirty_since_sync = True
 
     def writeout(self) -> None:
         """Sync the window; on success it becomes the anchor. (I/O thread.)"""
-        if not self.dirty_since_sync:
+        with self._lock:
+            self._writeout()
+
+    def _writeout(self) -> None:
+        if not self.dirty_since_sync or self._fd < 0:
             return
         fileio.fdatasync(self._fd)
         self._anchor = 1 - self._anchor
+        self._anchored = self._window
         self.dirty_since_sync = False
 
     def level(self, frontier: int) -> None:
+        with self._lock:
+            if self._fd >= 0:
+                self._level(frontier)
+
+    def _level(self, frontier: int) -> None:
         tmp = self.dir / "consumer.offset.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
@@ -184,14 +273,21 @@ class OffsetFile:
             os.close(fd)
         os.replace(tmp, self.dir / "consumer.offset")
         fileio.fsync_dir(self.dir)
+        self._level_on_disk = frontier
 
     def close(self, frontier: int, ahead: list[int]) -> None:
-        if self._fd < 0:
-            return
-        try:
-            self.write_window(frontier, ahead)
-            self.writeout()
-            self.level(frontier)
-        finally:
-            os.close(self._fd)
-            self._fd = -1
+        """Persist (frontier, ahead) durably and level consumer.offset; only what the
+        files do not already say is written (an untouched partition closes without a
+        sync)."""
+        with self._lock:
+            if self._fd < 0:
+                return
+            try:
+                if self.dirty_since_sync or self._anchored != (frontier, list(ahead)):
+                    self._write_window(frontier, ahead)
+                    self._writeout()
+                if self._level_on_disk != frontier:
+                    self._level(frontier)
+            finally:
+                os.close(self._fd)
+                self._fd = -1

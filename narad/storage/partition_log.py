@@ -23,6 +23,14 @@ advance after an open and written exactly at clean close) or holds a value
 that is no frame boundary of the active segment (a damaged file).
 
 Retention deletes whole sealed segments by the age of their last write.
+
+An open log holds one descriptor (its active segment; a sealed segment only
+while a roll-off is pending or for one read); the ``hwm`` file is opened only
+to empty it before the first advance and to write it at close. A clean close
+of a log nothing was committed to writes nothing. ``peek`` and
+``expired_on_disk`` read a *closed* partition directory without opening the
+log (stats of an idle partition, the cold retention walk): read-only, no
+descriptor kept.
 Imports narad.storage.{fileio,frames}.
 """
 
@@ -101,7 +109,7 @@ class PartitionLog:
         self.hwm = 0  # exclusive: consumers read below it
         self.next_offset = 0  # where the next commit goes (>= hwm: a hidden tail may sit between)
         self.poisoned: OSError | None = None
-        self._hwm_fd = -1
+        self._hwm_file: int | None = None  # what the hwm file held at open (None: empty or missing)
         self._hwm_emptied = False
         self._frame_ends: set[int] = set()  # where the active segment's frames end (open only)
         self._cache: OrderedDict[tuple[int, int], list[Record]] = OrderedDict()
@@ -136,17 +144,17 @@ class PartitionLog:
             # sync before trusting it.
             fileio.fdatasync(active.fd)
             tail = self._scan_active(active)
-            self._hwm_fd = os.open(self.dir / "hwm", os.O_RDWR | os.O_CREAT, 0o600)
+            raw = _read_small(self.dir / "hwm")
         except BaseException:
             os.close(active.fd)
             active.fd = -1
             self.segments = []
             raise
         self.next_offset = tail
-        raw = os.pread(self._hwm_fd, 8, 0)
         self.hwm = tail
         if len(raw) == 8:
             written = _U64.unpack(raw)[0]
+            self._hwm_file = written
             if written >= tail:
                 self.hwm = tail
             elif written in self._frame_ends or written == active.base:
@@ -167,34 +175,8 @@ class PartitionLog:
         """Index the active segment's frames; cut a torn tail. Returns the next offset."""
         size = seg.size
         data = os.pread(seg.fd, size, 0) if size else b""
-        pos = 0
-        next_off = seg.base
-        good_end = 0
-        bad_at = -1
-        while pos + FR.HEADER_SIZE <= size:
-            try:
-                count, base, psize, crc = FR.parse_header(data, pos)
-                end = pos + FR.HEADER_SIZE + psize
-                if end > size or not FR.frame_crc_ok(data, pos, count, base, psize, crc) or base < next_off:
-                    raise FR.FrameError("bad frame")
-            except (FR.FrameError, struct.error):
-                if bad_at < 0:
-                    bad_at = pos
-                nxt = data.find(FR.MAGIC, pos + 1)
-                if nxt < 0:
-                    break
-                pos = nxt
-                continue
-            if bad_at >= 0:
-                log.error("partition log: corrupt bytes inside the active segment; skipped, never truncated",
-                          extra={"dir": str(self.dir), "at": bad_at, "resumed_at": pos})
-                bad_at = -1
-            seg.frame_bases.append(base)
-            seg.frame_pos.append(pos)
-            next_off = base + count
-            self._frame_ends.add(next_off)
-            pos = end
-            good_end = end
+        next_off, good_end = _walk_frames(data, seg.base, seg.frame_bases, seg.frame_pos, self._frame_ends,
+                                          str(self.dir))
         seg.indexed = True
         if good_end < size:
             # A torn tail: a frame that never finished, or a last frame whose bytes
@@ -231,12 +213,16 @@ class PartitionLog:
             # Before the first advance after an open, the hwm file is emptied
             # (a crash or an older binary must not trust a stale value). Part of
             # the commit: if it fails, nothing is written.
-            fileio.ftruncate(self._hwm_fd, 0)
+            hfd = os.open(self.dir / "hwm", os.O_RDWR | os.O_CREAT, 0o600)
             try:
-                fileio.fdatasync(self._hwm_fd)
-            except OSError as e:
-                self.poisoned = e
-                raise
+                fileio.ftruncate(hfd, 0)
+                try:
+                    fileio.fdatasync(hfd)
+                except OSError as e:
+                    self.poisoned = e
+                    raise
+            finally:
+                os.close(hfd)
             self._hwm_emptied = True
         base = self.next_offset
         frame = FR.encode_frame(base, records)
@@ -546,20 +532,140 @@ class PartitionLog:
         if self.closed:
             return
         self.closed = True
-        if clean and self.poisoned is None:
+        # Nothing committed since the open and the file already says this hwm:
+        # nothing to write (an idle log closes without a sync).
+        if clean and self.poisoned is None and self.segments and (self._hwm_emptied or self._hwm_file != self.hwm):
             try:
                 act = self.segments[-1]
                 if act.fd >= 0:
                     fileio.fdatasync(act.fd)
-                fileio.pwrite_all(self._hwm_fd, _U64.pack(self.hwm), 0)
-                fileio.ftruncate(self._hwm_fd, 8)
-                fileio.fdatasync(self._hwm_fd)
+                hfd = os.open(self.dir / "hwm", os.O_RDWR | os.O_CREAT, 0o600)
+                try:
+                    fileio.pwrite_all(hfd, _U64.pack(self.hwm), 0)
+                    fileio.ftruncate(hfd, 8)
+                    fileio.fdatasync(hfd)
+                finally:
+                    os.close(hfd)
             except OSError as e:
                 log.error("partition log: could not write the hwm file at close", extra={"err": str(e)})
         for seg in self.segments:
             if seg.fd >= 0:
                 os.close(seg.fd)
                 seg.fd = -1
-        if self._hwm_fd >= 0:
-            os.close(self._hwm_fd)
-            self._hwm_fd = -1
+        self._cache.clear()
+        self._sizes.clear()
+        self._cache_bytes = 0
+        self._last_frame = None
+
+
+# ---- a closed partition directory, read without opening the log -------------------------------
+
+def _read_small(path: Path) -> bytes:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return b""
+    try:
+        return os.pread(fd, 16, 0)
+    finally:
+        os.close(fd)
+
+
+def _walk_frames(data: bytes, first: int, bases: list[int], positions: list[int], ends: set[int],
+                 where: str) -> tuple[int, int]:
+    """Walk the frames of an active segment's bytes (CRC checked; corruption followed
+    by valid frames is skipped). Appends each good frame's base and position and
+    where it ends; returns (next offset, end of the last good frame)."""
+    size = len(data)
+    pos = 0
+    next_off = first
+    good_end = 0
+    bad_at = -1
+    while pos + FR.HEADER_SIZE <= size:
+        try:
+            count, base, psize, crc = FR.parse_header(data, pos)
+            end = pos + FR.HEADER_SIZE + psize
+            if end > size or not FR.frame_crc_ok(data, pos, count, base, psize, crc) or base < next_off:
+                raise FR.FrameError("bad frame")
+        except (FR.FrameError, struct.error):
+            if bad_at < 0:
+                bad_at = pos
+            nxt = data.find(FR.MAGIC, pos + 1)
+            if nxt < 0:
+                break
+            pos = nxt
+            continue
+        if bad_at >= 0:
+            log.error("partition log: corrupt bytes inside the active segment; skipped, never truncated",
+                      extra={"dir": where, "at": bad_at, "resumed_at": pos})
+            bad_at = -1
+        bases.append(base)
+        positions.append(pos)
+        next_off = base + count
+        ends.add(next_off)
+        pos = end
+        good_end = end
+    return next_off, good_end
+
+
+def _segment_files(d: Path) -> list[tuple[int, os.stat_result]]:
+    out = []
+    try:
+        with os.scandir(d) as it:
+            for e in it:
+                n = e.name
+                if n.endswith(".log") and n[:-4].isdigit():
+                    try:
+                        out.append((int(n[:-4]), e.stat()))
+                    except FileNotFoundError:
+                        continue
+    except FileNotFoundError:
+        return []
+    out.sort(key=lambda x: x[0])
+    return out
+
+
+@dataclass
+class DiskStats:
+    oldest: int
+    hwm: int
+    next_offset: int
+
+
+def peek(directory: Path) -> DiskStats:
+    """Offsets of a partition whose log is not open here, from its files alone
+    (read-only). The hwm file is what a clean close left; when it is empty (a
+    crash, or a log opened elsewhere meanwhile) the active segment's frames are
+    walked, CRC checked, without cutting or syncing anything."""
+    d = Path(directory)
+    segs = _segment_files(d)
+    if not segs:
+        return DiskStats(0, 0, 0)
+    oldest = segs[0][0]
+    raw = _read_small(d / "hwm")
+    if len(raw) == 8:
+        hwm = max(_U64.unpack(raw)[0], oldest)
+        return DiskStats(oldest, hwm, hwm)
+    base = segs[-1][0]
+    try:
+        data = (d / f"{base:020d}.log").read_bytes()
+    except FileNotFoundError:
+        return DiskStats(oldest, base, base)
+    tail, _ = _walk_frames(data, base, [], [], set(), str(d))
+    return DiskStats(oldest, tail, tail)
+
+
+def expired_on_disk(directory: Path, retention_ms: int, now_ms: int) -> bool:
+    """Would a retention sweep of this (closed) partition delete anything? A sealed
+    segment last written before the cutoff, or a non-empty active one (it would be
+    sealed and deleted). Stats only; a hint, the sweep applies the real rules."""
+    if retention_ms <= 0:
+        return False
+    cutoff = now_ms - retention_ms
+    segs = _segment_files(Path(directory))
+    for i, (_base, st) in enumerate(segs):
+        if int(st.st_mtime * 1000) >= cutoff:
+            return False  # segments age from the oldest on
+        if i + 1 < len(segs) or st.st_size > 0:
+            return True
+    return False

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import functools
 import re
 import time
 import zlib
@@ -150,6 +151,22 @@ class AckBody(msgspec.Struct, forbid_unknown_fields=True):
 _batch_dec = msgspec.json.Decoder(BatchBody)
 _ack_dec = msgspec.json.Decoder(AckBody)
 _count_dec = msgspec.json.Decoder(dict[str, list[msgspec.Raw]])
+
+
+_waits = functools.lru_cache(maxsize=256)(parse_go_duration)  # consume's ?wait= (clients repeat one value)
+_HANDLE = re.compile(r"([0-9]{1,20}):([0-9]{1,20}):([0-9]{1,20})")
+
+
+def _handle_fields(h: str) -> tuple[int, int, int] | None:
+    """``partition:offset:nonce`` exactly as _parse_handle reads it (each ASCII digits
+    within int64), in one regular-expression match."""
+    m = _HANDLE.fullmatch(h)
+    if m is None:
+        return None
+    p, off, nonce = int(m[1]), int(m[2]), int(m[3])
+    if p > INT64_MAX or off > INT64_MAX or nonce > INT64_MAX:
+        return None
+    return p, off, nonce
 
 
 class MessagesAPI:
@@ -381,7 +398,7 @@ class MessagesAPI:
         raw_wait = self._single_query(req, "wait")
         if raw_wait is not None:
             try:
-                wait = parse_go_duration(raw_wait)
+                wait = _waits(raw_wait)
             except ValueError:
                 raise BadRequest(f'invalid argument: wait must be a duration such as "500ms" or "10s", '
                                  f"got {raw_wait[:32]!r}") from None
@@ -481,7 +498,7 @@ class MessagesAPI:
             raise BadRequest('invalid argument: extend must be "true"/"1" (extend), "0" (nack) or absent (ack)')
         handle = self._single_query(req, "receipt_handle")
         if handle is not None:
-            item = _parse_handle(handle)
+            item = _handle_fields(handle)
             if item is None:
                 raise BadRequest("invalid argument: receipt_handle is not partition:offset:nonce")
             (status,) = await self.broker.settle(t, [item], mode)
@@ -511,7 +528,7 @@ class MessagesAPI:
         parsed: list[tuple[int, int, int]] = []
         where: list[int] = []
         for i, h in enumerate(handles):
-            it = _parse_handle(h)
+            it = _handle_fields(h)
             if it is None:
                 results[i] = {"status": 400, "error": "receipt_handle is not partition:offset:nonce"}
             else:

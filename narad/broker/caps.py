@@ -56,16 +56,24 @@ class CapTable:
         shm.close_fd()
         return cls(name, workers, mm)
 
-    @staticmethod
-    def slot(identity: str) -> int:
-        return zlib.crc32(identity.encode()) % SLOTS
+    _slots: dict[str, int] = {}
+
+    @classmethod
+    def slot(cls, identity: str) -> int:
+        s = cls._slots.get(identity)
+        if s is None:
+            if len(cls._slots) >= 4096:
+                cls._slots.clear()
+            s = cls._slots[identity] = zlib.crc32(identity.encode()) % SLOTS
+        return s
 
     def _i(self, worker: int, region: int, slot: int) -> int:
         return (worker * REGIONS + region) * SLOTS + slot
 
     def total(self, region: int, slot: int) -> int:
         q = self._q
-        return sum(q[self._i(w, region, slot)] for w in range(self.workers))
+        step = REGIONS * SLOTS
+        return sum(q[region * SLOTS + slot :: step])
 
     def try_take(self, worker: int, region: int, identity: str, n: int, cap: int) -> bool:
         """Count n more for identity on this worker unless the node total would pass cap."""

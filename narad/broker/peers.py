@@ -131,6 +131,7 @@ class ReadyNote(msgspec.Struct, tag=True, array_like=True):
     count: int
     worker: int = -1  # the parked worker to wake (-1: whoever receives it)
     node: str = ""  # the node whose records are ready ("" = this node)
+    src: int = -1  # the worker whose token fired (-1: not said; a trailing field older peers ignore)
 
 
 class Remote(Protocol):

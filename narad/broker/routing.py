@@ -4,7 +4,9 @@
 the partition is the worker count N, fixed in shared memory for the
 supervisor's life): every worker computes the same owner for a partition.
 Keys hash with CRC-32C; keyless messages rotate per topic per worker from a
-random start. Pure functions, no I/O.
+random start, over the partitions the worker owns itself when it owns any (a
+keyless message may go to any partition: this spares it the hop to another
+worker or node), else over all of them. Pure functions, no I/O.
 """
 
 from __future__ import annotations
@@ -36,3 +38,7 @@ class RoundRobin:
         if len(self._next) > 100_000:
             self._next.clear()
         return n % partitions
+
+    def pick_among(self, topic: str, parts: list[int]) -> int:
+        """The next of `parts` (non-empty) in this topic's rotation."""
+        return parts[self.pick(topic, len(parts))]

@@ -51,6 +51,15 @@ def encode_frame(kind: int, rid: int, body: bytes | msgspec.Raw) -> bytes:
     return _LEN.pack(len(payload)) + payload
 
 
+def _frame(kind: int, rid: int, obj: Any) -> bytearray:
+    """The frame of `obj`, encoded in one pass: the same bytes as
+    ``encode_frame(kind, rid, _enc.encode(obj))`` without the copies."""
+    buf = bytearray(4)
+    _enc.encode_into((kind, rid, obj), buf, 4)
+    _LEN.pack_into(buf, 0, len(buf) - 4)
+    return buf
+
+
 class Service:
     """What one end of a connection serves: request handlers keyed by struct type."""
 
@@ -90,6 +99,10 @@ class Connection(asyncio.Protocol):
         self._closed = self._loop.create_future()
         self._tasks: set[asyncio.Task[None]] = set()
         self.peer_info: dict[str, Any] = {}
+        # Frames written while a write of this loop pass already went out wait here and
+        # leave together at the end of the pass (one syscall for many small frames).
+        self._wbuf: list[bytes | bytearray] | None = None
+        self._wrote = False
 
     # ---- asyncio.Protocol ----------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -97,27 +110,34 @@ class Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         buf = self._buf
-        buf += data
+        if buf:
+            buf += data
+            src: bytes | bytearray = buf
+        else:
+            src = data  # nothing held back: frames are cut from the received bytes directly
         pos = 0
-        n = len(buf)
+        n = len(src)
         while n - pos >= 4:
-            (length,) = _LEN.unpack_from(buf, pos)
+            (length,) = _LEN.unpack_from(src, pos)
             if length > MAX_FRAME:
                 log.error("ipc frame too large (%d bytes); closing", length)
                 self.close()
                 return
             if n - pos - 4 < length:
                 break
-            frame = bytes(buf[pos + 4 : pos + 4 + length])
+            frame = src[pos + 4 : pos + 4 + length]
             pos += 4 + length
             try:
-                self._on_frame(frame)
+                self._on_frame(bytes(frame) if src is buf else frame)
             except Exception:
                 log.exception("ipc: bad frame; closing connection")
                 self.close()
                 return
-        if pos:
-            del buf[:pos]
+        if src is buf:
+            if pos:
+                del buf[:pos]
+        elif pos < n:
+            buf += data[pos:]
 
     def connection_lost(self, exc: Exception | None) -> None:
         err = ConnectionLost("local peer process went away")
@@ -177,16 +197,37 @@ class Connection(asyncio.Protocol):
                 self._send_error(rid, 500, f"internal error: {e}")
             return
         if kind == REQ:
-            self._write(encode_frame(OK, rid, _enc.encode(result)))
+            self._write(_frame(OK, rid, result))
 
     def _send_error(
         self, rid: int, status: int, message: str, code: str | None = None, extra: dict[str, Any] | None = None
     ) -> None:
-        self._write(encode_frame(ERR, rid, _enc.encode((status, message, code, extra or {}))))
+        self._write(_frame(ERR, rid, (status, message, code, extra or {})))
 
-    def _write(self, data: bytes) -> None:
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(data)
+    def _write(self, data: bytes | bytearray) -> None:
+        t = self.transport
+        if t is None or t.is_closing():
+            return
+        if self._wbuf is not None:
+            self._wbuf.append(data)
+        elif self._wrote:
+            self._wbuf = [data]
+        else:
+            # The first frame of this loop pass goes out at once; later ones are held
+            # until the end of the pass and written together.
+            t.write(data)
+            self._wrote = True
+            self._loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._wrote = False
+        held, self._wbuf = self._wbuf, None
+        if held:
+            t = self.transport
+            if t is not None and not t.is_closing():
+                t.write(held[0] if len(held) == 1 else b"".join(held))
+                self._wrote = True
+                self._loop.call_soon(self._flush)
 
     # ---- calling the other end ------------------------------------------
     async def call(self, msg: Any, resp_type: type[T], timeout: float | None = 10.0) -> T:
@@ -199,7 +240,7 @@ class Connection(asyncio.Protocol):
         rid = next(self._ids)
         fut: asyncio.Future[msgspec.Raw] = self._loop.create_future()
         self._pending[rid] = fut
-        self._write(encode_frame(REQ, rid, _enc.encode(msg)))
+        self._write(_frame(REQ, rid, msg))
         timer = None
         if timeout is not None:
             timer = self._loop.call_later(timeout, _expire, fut, f"local call {type(msg).__name__} timed out "
@@ -212,7 +253,7 @@ class Connection(asyncio.Protocol):
             self._pending.pop(rid, None)
 
     def notify(self, msg: Any) -> None:
-        self._write(encode_frame(NOTE, 0, _enc.encode(msg)))
+        self._write(_frame(NOTE, 0, msg))
 
     @property
     def closed(self) -> bool:
@@ -223,6 +264,9 @@ class Connection(asyncio.Protocol):
 
     def close(self) -> None:
         if self.transport is not None:
+            held, self._wbuf = self._wbuf, None
+            if held and not self.transport.is_closing():
+                self.transport.write(b"".join(held))  # close() still sends what was written before it
             self.transport.close()
 
 

@@ -539,6 +539,7 @@ class Result:
     client_cpu: float = 0.0
     server_cpu: float = 0.0
     cpu_split: dict[str, float] = field(default_factory=dict)  # supervisor / workerN / other -> CPU seconds
+    thread_split: dict[str, float] = field(default_factory=dict)  # "workerN loop" / "workerN threads" -> CPU s
     server_sys: float = 0.0  # the system (kernel) part of server_cpu
     other_cpu: float = 0.0  # everything else on the machine (other users' jobs make a run noisy)
     check: Check = field(default_factory=Check)
@@ -561,6 +562,20 @@ def _cpu(procs: list[psutil.Process]) -> dict[int, tuple[float, float]]:
         except psutil.NoSuchProcess:
             continue
         out[p.pid] = (t.user, t.system)
+    return out
+
+
+def _thread_cpu(procs: list[psutil.Process]) -> dict[tuple[int, str], float]:
+    """(pid, "loop" | "threads") -> CPU seconds so far: the main (event-loop) thread apart from the rest."""
+    out: dict[tuple[int, str], float] = {}
+    for p in procs:
+        try:
+            threads = p.threads()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        for t in threads:
+            k = (p.pid, "loop" if t.id == p.pid else "threads")
+            out[k] = out.get(k, 0.0) + t.user_time + t.system_time
     return out
 
 
@@ -605,7 +620,7 @@ def run(sc: Scenario, profile_dir: Path | None, profile_which: str = "flow", pro
             barrier.wait(timeout=120)
         except Exception:  # a client failed its setup; its Stats says why
             pass
-        cpu0, busy0 = _cpu(procs), _machine_busy()
+        cpu0, busy0, th0 = _cpu(procs), _machine_busy(), _thread_cpu(procs)
         if profile_dir is not None:
             spies, res.profiles = _start_spies(node, sc, profile_dir, profile_which, profile_rate)
         stats: list[Stats] = []
@@ -613,7 +628,7 @@ def run(sc: Scenario, profile_dir: Path | None, profile_which: str = "flow", pro
             if not rd.poll(sc.seconds + 300):
                 raise BenchFailure("a client process gave no result within the run time + 300 s")
             stats.append(rd.recv())
-        cpu1, busy1 = _cpu(procs), _machine_busy()
+        cpu1, busy1, th1 = _cpu(procs), _machine_busy(), _thread_cpu(procs)
         for p in children:
             p.join(10)
         for spy in spies:
@@ -630,6 +645,10 @@ def run(sc: Scenario, profile_dir: Path | None, profile_which: str = "flow", pro
             split[names.get(pid, "other")] += u - u0 + sy - s0
             res.server_sys += sy - s0
         res.cpu_split = dict(split)
+        for (pid, kind), v in th1.items():
+            name = names.get(pid)
+            if name is not None and name.startswith("worker"):
+                res.thread_split[f"{name} {kind}"] = v - th0.get((pid, kind), 0.0)
         res.server_cpu = sum(split.values())
         res.client_cpu = sum(s.cpu for s in stats)
         res.other_cpu = max(0.0, busy1 - busy0 - res.server_cpu - res.client_cpu)
@@ -921,6 +940,9 @@ def main() -> None:
             split = ", ".join(f"{k} {v / r.wall * 100:.0f}%" for k, v in sorted(r.cpu_split.items()) if v >= 0.005)
             sys_share = r.server_sys / r.server_cpu * 100 if r.server_cpu else 0.0
             print(f"#   {r.sc.name:<18} w{r.sc.workers}: {split}; system time {sys_share:.0f}% of it")
+            if r.thread_split and r.msgs:
+                per = ", ".join(f"{k} {v / r.msgs * 1e6:.0f}" for k, v in sorted(r.thread_split.items()))
+                print(f"#   {'':<18}     µs/msg by thread: {per}")
     problems = [r for r in results if r.failure or r.check.failed]
     for r in problems:
         print(f"\n## {r.sc.name}, {r.sc.workers} worker(s): {'FAILED' if r.failure else 'check failed'}")

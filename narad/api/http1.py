@@ -103,8 +103,8 @@ class _Conn(asyncio.Protocol):
     """One HTTP/1.x connection. Parser callbacks (on_*) run inside feed_data."""
 
     __slots__ = (
-        "_app", "_body", "_body_len", "_busy", "_closing", "_deadline", "_dkind", "_eof", "_expect", "_hang",
-        "_hdr_bytes", "_hdr_done", "_hdr_raw", "_headers", "_hosts", "_in_msg", "_limit", "_limit_status",
+        "_app", "_body", "_body_len", "_busy", "_closing", "_deadline", "_dkind", "_eof", "_expect", "_fast", "_hang",
+        "_hdr_bytes", "_hdr_done", "_hdr_raw", "_headers", "_hosts", "_in_msg", "_in_start", "_limit", "_limit_status",
         "_linger_bytes", "_loop", "_lost", "_max_hdr", "_method", "_parser", "_path", "_peer", "_query", "_queue",
         "_rpaused", "_srv", "_stop_parse", "_task", "_transport", "_url", "_wpaused",
     )
@@ -112,6 +112,10 @@ class _Conn(asyncio.Protocol):
     def __init__(self, srv: Http1Server, peer: str) -> None:
         self._srv = srv
         self._app = srv._app
+        # The app's synchronous entry (RoutedApp.handle_fast): a request it takes runs with
+        # no task, no future and no context of its own; its answer comes by a callback.
+        self._fast = getattr(srv._app, "handle_fast", None)
+        self._in_start = False
         self._loop = srv._loop
         self._peer = peer
         self._max_hdr = srv._limits.max_header_bytes
@@ -445,8 +449,30 @@ class _Conn(asyncio.Protocol):
 
     def _start(self, req: Request, keep: int) -> None:
         self._busy = True
+        fast = self._fast
+        if fast is not None:
+            self._in_start = True
+            try:
+                if fast(req, lambda resp: self._fast_done(req, keep, resp)):
+                    return  # taken: the answer arrives through _fast_done
+            except Exception:
+                log.exception("app.handle_fast raised", extra={"method": req.method, "path": req.path})
+                self._fast_done(req, keep, self._error(InternalError()))
+                return
+            finally:
+                self._in_start = False
         h = self._hang = Hangup(self._eof)  # a request run after EOF meets a client already gone
         h.task = self._task = self._loop.create_task(self._run(req, keep, h))
+
+    def _fast_done(self, req: Request, keep: int, resp: Response) -> None:
+        if self._in_start:
+            # answered inside the parser callback that started it: write from the loop, as a task would
+            self._loop.call_soon(self._fast_done, req, keep, resp)
+            return
+        if not self._busy:
+            return  # answered twice (a bug in a handler): the first answer stands
+        self._busy = False
+        self._respond(req, keep, resp)
 
     async def _run(self, req: Request, keep: int, h: Hangup) -> None:
         enter(h)
@@ -477,6 +503,10 @@ class _Conn(asyncio.Protocol):
             if self._transport is not None:
                 self._transport.close()
             return
+        self._respond(req, keep, resp)
+
+    def _respond(self, req: Request, keep: int, resp: Response) -> None:
+        """Write the answer of the request that just finished, then go on with the connection."""
         if self._lost:
             self._srv._orphans.discard(self)  # the client went away: drop the response
             if resp.on_dropped is not None:
@@ -506,6 +536,22 @@ class _Conn(asyncio.Protocol):
             self._dkind = _D_IDLE
 
     def _write(self, resp: Response, head: bool, close: bool, keep: int) -> None:
+        status = resp.status
+        if not resp.body and not resp.headers:
+            # a bodiless answer with no headers of its own (202 of a produce, 204): its bytes never vary
+            k = (status, resp.content_type, 0 if close else keep, head)
+            heads = self._srv._heads
+            hb = heads.get(k)
+            if hb is None:
+                hb = self._head(resp, head, close, keep)
+                if len(heads) < 256:
+                    heads[k] = hb
+            self._transport.write(hb)  # type: ignore[union-attr]
+            return
+        self._transport.write(self._head(resp, head, close, keep, True))  # type: ignore[union-attr]
+
+    def _head(self, resp: Response, head: bool, close: bool, keep: int, with_body: bool = False) -> bytes:
+        """The response's bytes: the head, and the body too when ``with_body``."""
         status = resp.status
         line = _STATUS_LINES.get(status)
         if line is None:
@@ -537,7 +583,7 @@ class _Conn(asyncio.Protocol):
             hb = s.encode("latin-1")
         except UnicodeEncodeError:
             hb = s.encode("utf-8")
-        self._transport.write(hb + body if body else hb)  # type: ignore[union-attr]
+        return hb + body if body and with_body else hb
 
     def _finish(self) -> None:
         """The last response is written: half-close and linger until the client closes."""
@@ -602,6 +648,9 @@ class Http1Server:
         alt = f"Alt-Svc: {limits.alt_svc}\r\n" if limits.alt_svc else ""
         # end of every response head, by keep-alive flag: 0 close, 1 keep-alive, 2 keep-alive echoed (HTTP/1.0)
         self._tails = (f"{alt}Connection: close\r\n\r\n", f"{alt}\r\n", f"{alt}Connection: keep-alive\r\n\r\n")
+        # (status, content type, keep-alive flag, HEAD) -> the bytes of a bodiless response without headers
+        # of its own (a produce's 202, a 204): they never vary
+        self._heads: dict[tuple[int, str | None, int, bool], bytes] = {}
         self._loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]  # set by start()
         self._conns: set[_Conn] = set()
         self._orphans: set[_Conn] = set()  # connection gone, handler still running (keeps the task alive)

@@ -81,6 +81,11 @@ class App(Protocol):
 
 
 Handler = Callable[[Request], Awaitable[Response]]
+# The answer of a synchronous handler: a Response, or a NaradError to answer as error_response does.
+Reply = Callable[[Response | NaradError], None]
+# A route's synchronous entry: returns False (having done nothing) when the request needs the async
+# handler, True when it took the request: it then calls the reply exactly once, maybe later.
+FastHandler = Callable[[Request, Reply], bool]
 _json = msgspec.json.Encoder()
 
 
@@ -104,6 +109,8 @@ class _Route:
     handler: Handler
     body_limit: int
     oversize_status: int
+    fast: FastHandler | None = None
+    label: str = ""  # "METHOD /pattern": the metrics label
 
 
 _CACHE_ENTRIES = 10_000
@@ -121,10 +128,10 @@ class Router:
 
     def add(
         self, method: str, pattern: str, handler: Handler, *, body_limit: int = GENERAL_BODY_LIMIT,
-        oversize_status: int = 413,
+        oversize_status: int = 413, fast: FastHandler | None = None,
     ) -> None:
         parts = pattern.strip("/").split("/")
-        r = _Route(method, pattern, parts, handler, body_limit, oversize_status)
+        r = _Route(method, pattern, parts, handler, body_limit, oversize_status, fast, f"{method} {pattern}")
         self._routes.append(r)
         if "{" not in pattern:
             self._exact[(method, pattern)] = r
@@ -196,11 +203,15 @@ class RoutedApp:
         router: Router,
         *,
         before: Callable[[Request], Awaitable[None]] | None = None,
+        before_fast: Callable[[Request], bool] | None = None,
         observer: Observer | None = None,
         extra_headers: list[tuple[str, str]] | None = None,
     ) -> None:
         self.router = router
         self.before = before
+        # ``before`` without awaiting (the credential cache hit, the 415 guard passed): True
+        # when the request may take its route's synchronous entry, False for the async path
+        self.before_fast = before_fast
         self.observer = observer
         self.extra_headers = extra_headers or []
 
@@ -219,14 +230,12 @@ class RoutedApp:
                 await self.before(req)
             route, params = self.router.match(req.method, req.raw_path or req.path)
             req.params = dict(params)
-            req.route = f"{route.method} {route.pattern}"
+            req.route = route.label
             resp = await route.handler(req)
         except NaradError as e:
             if not req.route:
                 req.route = "unmatched"
-            resp = error_response(e)
-            if e.status == 404 and e.message == "404 page not found":
-                resp = Response(404, b"404 page not found\n", "text/plain; charset=utf-8")
+            resp = _error(e)
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if task is None or task.cancelling():
@@ -237,9 +246,52 @@ class RoutedApp:
         except Exception as e:  # a bug: answer 500, keep serving
             log.exception("handler failed", extra={"route": req.route, "method": req.method})
             resp = error_response(InternalError(f"internal error: {type(e).__name__}"))
+        return self._finish(req, resp, t0)
+
+    def _finish(self, req: Request, resp: Response, t0: float) -> Response:
         if self.extra_headers:
             resp.headers.extend(self.extra_headers)
         if self.observer is not None:
             self.observer.observe(req.route or "unmatched", req.method, resp.status, time.perf_counter() - t0,
                                   len(req.body), len(resp.body))
         return resp
+
+    def handle_fast(self, req: Request, reply: Callable[[Response], None]) -> bool:
+        """``handle`` without a task, for routes with a synchronous entry: False (nothing
+        done) when the request needs ``handle``; True when taken, and ``reply`` is called
+        once with the very Response ``handle`` would have returned."""
+        bf = self.before_fast
+        if bf is None:
+            return False
+        t0 = time.perf_counter()
+        try:
+            if not bf(req):
+                return False
+            route, params = self.router.match(req.method, req.raw_path or req.path)
+        except NaradError:
+            return False  # 404 / 405: handle answers them
+        fast = route.fast
+        if fast is None:
+            return False
+
+        def done(res: Response | NaradError) -> None:
+            if isinstance(res, NaradError):
+                res = _error(res)
+            reply(self._finish(req, res, t0))
+
+        req.params = dict(params)
+        req.route = route.label
+        try:
+            return fast(req, done)
+        except NaradError as e:
+            done(e)
+        except Exception as e:  # a bug: answer 500, keep serving
+            log.exception("handler failed", extra={"route": req.route, "method": req.method})
+            done(InternalError(f"internal error: {type(e).__name__}"))
+        return True
+
+
+def _error(e: NaradError) -> Response:
+    if e.status == 404 and e.message == "404 page not found":
+        return Response(404, b"404 page not found\n", "text/plain; charset=utf-8")
+    return error_response(e)

@@ -133,6 +133,14 @@ class StorageConfig:
     consumer_offset_commit_interval_ms: int = _s(
         1000, "Acks reach the page cache every 100 ms and are fsynced this often (10-60000).",
         "NARAD_STORAGE_CONSUMER_OFFSET_COMMIT_INTERVAL_MS")
+    idle_log_eviction_ms: int = _s(
+        1800000, "A partition log untouched this long (no produce, consume or ack; stats do not count), with no "
+        "lease out and its acks synced, is closed and reopened on demand (0 = never; else >= 100; Narad's floor "
+        "is 60000, shorter is for tests).", "NARAD_STORAGE_IDLE_LOG_EVICTION_MS")
+    cold_retention_walk_ms: int = _s(
+        300000, "How often each worker lists the partition directories it owns on disk and applies retention to "
+        "those not open (opened, swept once, closed) (0 = never; else >= 100; Narad's floor is 60000).",
+        "NARAD_STORAGE_COLD_RETENTION_WALK_MS")
 
 
 @dataclass(frozen=True)
@@ -424,6 +432,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError("topic.default_max_in_flight/acked_ahead_per_partition must be > 0")
     if not 10 <= cfg.storage.consumer_offset_commit_interval_ms <= 60000:
         raise ConfigError("storage.consumer_offset_commit_interval_ms must be between 10 and 60000")
+    for key in ("idle_log_eviction_ms", "cold_retention_walk_ms"):
+        v = getattr(cfg.storage, key)
+        if v != 0 and not 100 <= v <= 86_400_000:
+            raise ConfigError(f"storage.{key} must be 0 (off) or between 100 and 86400000")
     if cfg.log.level not in ("debug", "info", "warning", "error"):
         raise ConfigError(f"log.level must be debug, info, warning or error, got {cfg.log.level!r}")
     if cfg.log.format not in ("json", "text"):

@@ -17,7 +17,13 @@ One per worker process, on its event loop. It owns:
   watch tokens at the owners (UnwatchNote);
 * the offset committer (page cache every 100 ms, fdatasync every
   ``consumer_offset_commit_interval``), the lease-expiry sweep (1 s) and the
-  retention reaper (60 s);
+  housekeeping loop: idle partitions closed (``storage.idle_log_eviction_ms``;
+  at most ``max_open`` logs open, least recently used idle ones closed first;
+  a close waits for a commit in flight and never touches a partition holding
+  leases or unsynced acks; a reopen waits for the close), retention of open
+  logs (60 s) and the cold retention walk over the partition directories this
+  worker owns on disk (``storage.cold_retention_walk_ms``); stats of a closed
+  partition are read from its files without opening it;
 * topic-change handling: when a topic is deleted or recreated, its partitions
   close, parked consumers are answered, and the data is removed once the
   supervisor confirms the incarnation is gone.
@@ -30,6 +36,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import resource
 import shutil
 import time
 from collections import deque
@@ -41,12 +49,13 @@ from typing import Any
 from narad import metrics
 from narad.broker import peers as P
 from narad.broker.dispatcher import Dispatcher
-from narad.broker.partition import Partition
+from narad.broker.partition import Partition, stats_from_disk
 from narad.broker.routing import RoundRobin, key_partition, owner_worker
 from narad.errors import BadGateway, Conflict, NaradError, NotFound, Unavailable
 from narad.meta import versions as V
 from narad.meta.records import TopicRecord
 from narad.meta.store import MetaStore
+from narad.storage import partition_log as PL
 from narad.storage.offsets import OffsetFile
 from narad.storage.partition_log import OffsetGone, PartitionLog
 from narad.storage.wal import Entry, IngressWAL
@@ -56,6 +65,8 @@ log = logging.getLogger("narad.broker")
 COMMIT_TICK = 0.1
 SWEEP_EVERY = 1.0
 REAP_EVERY = 60.0
+EVICT_EVERY = 1.0  # idle logs are looked for this often (a quarter of a shorter idle setting)
+CLOSE_BATCH = 16  # partition closes run this many at a time
 TOPIC_CHECK_EVERY = 0.05
 LEVEL_EVERY = 30.0
 PARK_RECHECK = 1.0
@@ -65,20 +76,6 @@ ACK, EXTEND, NACK = 0, 1, 2
 
 class Gone(Exception):
     pass
-
-
-class _Placement:
-    """The partitions of a topic this worker owns, and which workers of this node
-    and which other nodes own any of them."""
-
-    __slots__ = ("mine", "mine_set", "nodes", "peers", "workers")
-
-    def __init__(self, mine: list[int], workers: list[int], nodes: list[str], index: int) -> None:
-        self.mine = mine
-        self.mine_set = frozenset(mine)
-        self.workers = workers
-        self.peers = [w for w in workers if w != index]  # the other workers of this node owning some
-        self.nodes = nodes
 
 
 def topic_dir(data_dir: Path, name: str, topic_id: str) -> Path:
@@ -100,6 +97,8 @@ class Broker:
         offset_sync_interval: float = 1.0,
         remote: P.Remote | None = None,
         node_id: str = "local",
+        idle_eviction_ms: int = 1_800_000,
+        cold_walk_ms: int = 300_000,
     ) -> None:
         self.data_dir = Path(data_dir)
         self.store = store
@@ -111,6 +110,11 @@ class Broker:
         self.node_id = self.remote.node_id
         self.confirm_gone = confirm_gone
         self.offset_sync_interval = offset_sync_interval
+        self.idle_eviction_s = idle_eviction_ms / 1000.0  # 0: never
+        self.cold_walk_s = cold_walk_ms / 1000.0  # 0: never
+        self.max_open = max_open_logs()
+        self._closing: dict[tuple[str, int], asyncio.Future[None]] = {}  # closes still writing files
+        self._cap_warned = 0.0
         self.io = ThreadPoolExecutor(max_workers=8, thread_name_prefix=f"io-w{index}")
         self.wal = IngressWAL(self.data_dir / "ingress" / f"w{index}", self.io)
         self.dispatcher = Dispatcher(self.wal, self)
@@ -120,20 +124,24 @@ class Broker:
         # topic -> {(node, worker): None}, oldest first: delivery tokens left by parked consumers
         self._watchers: dict[str, dict[tuple[str, int], None]] = {}
         self._rr = RoundRobin()
-        self._crr = RoundRobin()  # where a consume starts among this worker's partitions
         self._route_cache: dict[tuple[str, int], int] = {}
-        self._owned_cache: dict[Any, _Placement] = {}
+        self._owned_cache: dict[Any, list[int]] = {}
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]  # set in start()
         self._tasks: list[asyncio.Task[None]] = []
         self._late: set[asyncio.Task[Any]] = set()  # consume probes answered after we stopped waiting
         self._armed: dict[tuple[str, str], float] = {}  # (topic, node) -> when our watch token was left there
-        self._armed_w: dict[tuple[str, int], float] = {}  # (topic, worker of this node): the same, for workers
         self._polling: dict[str, int] = {}  # topic -> consumes of it running on this worker
         self._topics_ver = -1
         self._synced: dict[tuple[str, int], float] = {}
         self._leveled: dict[tuple[str, int], float] = {}
         self.closing = False
         self.m = metrics.get()
+        reg = metrics.registry()
+        self.m_open_logs = _metric(reg, metrics.Gauge, "narad_open_partition_logs", "partition logs open")
+        self.m_evicted = _metric(reg, metrics.Counter, "narad_idle_logs_evicted_total",
+                                 "partition logs closed because they were idle (or least recently used at the cap)")
+        self.m_cold_swept = _metric(reg, metrics.Counter, "narad_cold_retention_swept_total",
+                                    "closed partitions the cold retention walk opened to delete expired segments")
         self._register_peer_handlers()
 
     # ---- lifecycle ------------------------------------------------------------------
@@ -192,52 +200,35 @@ class Broker:
             return node, self.route(t.name, partition)
         return node, -1
 
-    def _placement(self, t: TopicRecord) -> _Placement:
-        """Where the partitions of `t` live, seen from this worker (cached per topic
-        record and assignments: the topic's name slot moves with both)."""
-        key = (t.name, t.partitions, t.id, self.versions.load(V.name_slot(t.name)))
-        pl = self._owned_cache.get(key)
-        if pl is None:
-            if len(self._owned_cache) > 10_000:
-                self._owned_cache.clear()
-            mine: list[int] = []
-            workers: set[int] = set()
-            nodes: set[str] = set()
-            for i in range(t.partitions):
-                node, w = self.where(t, i)
-                if node == self.node_id:
-                    workers.add(w)
-                    if w == self.index:
-                        mine.append(i)
-                elif node is not None:
-                    nodes.add(node)
-            pl = self._owned_cache[key] = _Placement(mine, sorted(workers), sorted(nodes), self.index)
-        return pl
-
     def owned(self, t: TopicRecord) -> list[int]:
         """The partitions of `t` this worker owns: assigned to this node and
-        mapped to this worker."""
-        return self._placement(t).mine
+        mapped to this worker (cached per topic record and assignments)."""
+        # The topic's name slot moves with its record and its assignments.
+        key = (t.name, t.partitions, t.id, self.versions.load(V.name_slot(t.name)))
+        parts = self._owned_cache.get(key)
+        if parts is None:
+            if len(self._owned_cache) > 10_000:
+                self._owned_cache.clear()
+            parts = self._owned_cache[key] = [i for i in range(t.partitions)
+                                              if self.where(t, i) == (self.node_id, self.index)]
+        return parts
 
     def owners(self, t: TopicRecord, partition: int | None = None) -> tuple[list[int], list[str]]:
         """(workers of this node, other nodes) owning partitions of `t`."""
-        if partition is None:
-            pl = self._placement(t)
-            return pl.workers, pl.nodes
-        node, w = self.where(t, partition)
-        if node == self.node_id:
-            return [w], []
-        return [], ([node] if node is not None else [])
+        parts = [partition] if partition is not None else range(t.partitions)
+        workers: set[int] = set()
+        nodes: set[str] = set()
+        for i in parts:
+            node, w = self.where(t, i)
+            if node == self.node_id:
+                workers.add(w)
+            elif node is not None:
+                nodes.add(node)
+        return sorted(workers), sorted(nodes)
 
     def choose_partition(self, topic: TopicRecord, key: bytes | None) -> int:
-        """A key hashes to its partition (order per key). A keyless message may go
-        to any partition: it rotates over the partitions this worker owns, so it
-        is committed here without a hop; over all of them when this worker owns none."""
         if key:
             return key_partition(key, topic.partitions)
-        mine = self._placement(topic).mine
-        if mine:
-            return self._rr.pick_among(topic.name, mine)
         return self._rr.pick(topic.name, topic.partitions)
 
     # ---- produce ------------------------------------------------------------------------------
@@ -252,6 +243,7 @@ class Broker:
         key = (topic.name, index)
         p = self.partitions.get(key)
         if p is not None and p.topic_id == topic.id and not p.closed:
+            p.last_used = time.monotonic()
             return p
         for _ in range(3):
             pending = self._opening.get(key)
@@ -279,6 +271,10 @@ class Broker:
     async def _open(self, key: tuple[str, int], old: Partition | None, topic: TopicRecord, index: int) -> Partition:
         if old is not None:
             await self._retire(key, old)
+        fence = self._closing.get(key)
+        if fence is not None:
+            await asyncio.shield(fence)  # its files are still being written by a close: never open under it
+        await self._make_room(key)
         d = topic_dir(self.data_dir, topic.name, topic.id) / f"p{index:05d}"
         p = await self.loop.run_in_executor(self.io, self._open_sync, topic, index, d)
         p.on_visible = self._on_visible
@@ -297,8 +293,36 @@ class Broker:
         return p
 
     async def _close_partition(self, key: tuple[str, int], p: Partition, *, clean: bool) -> None:
-        self.partitions.pop(key, None)
-        await p.quiesce()  # a commit in flight publishes before the hwm file is written
+        await self._finish_close(key, p, self._begin_close(key, p), clean)
+
+    def _begin_close(self, key: tuple[str, int], p: Partition) -> asyncio.Future[None]:
+        """Synchronous first half of a close: the partition leaves the map and a
+        fence is up until its files are written (an open of the same partition
+        waits for it)."""
+        if self.partitions.get(key) is p:
+            del self.partitions[key]
+        self._synced.pop(key, None)
+        self._leveled.pop(key, None)
+        self._report_dropped(p)
+        fence: asyncio.Future[None] = self.loop.create_future()
+        self._closing[key] = fence
+        return fence
+
+    async def _finish_close(self, key: tuple[str, int], p: Partition, fence: asyncio.Future[None],
+                            clean: bool) -> None:
+        def release(_f: object = None) -> None:
+            if self._closing.get(key) is fence:
+                del self._closing[key]
+            if not fence.done():
+                fence.set_result(None)
+
+        try:
+            # Every close of a live log takes the produce side first: a commit in
+            # flight publishes before the hwm file is written (never a close inside one).
+            await p.quiesce()
+        except BaseException:
+            release()
+            raise
         frontier, ahead = p.snapshot_offsets()
 
         def close_sync() -> None:
@@ -308,7 +332,65 @@ class Broker:
                 log.error("could not persist consumer offsets at close", extra={"topic": p.topic, "err": str(e)})
             p.log.close(clean=clean)
 
-        await self.loop.run_in_executor(self.io, close_sync)
+        fut = self.loop.run_in_executor(self.io, close_sync)
+        fut.add_done_callback(release)  # the fence falls when the files are written, even if we are cancelled
+        await asyncio.shield(fut)
+
+    def _report_dropped(self, p: Partition) -> None:
+        n = p.dropped - p.dropped_reported
+        if n:
+            self.m.consumer_dropped.labels(p.topic).inc(n)
+            p.dropped_reported = p.dropped
+
+    def _idle_lru(self, idle_s: float | None, exclude: tuple[str, int] | None = None) -> list[tuple[tuple[str, int],
+                                                                                                   Partition]]:
+        """Partitions closing would lose nothing of (``Partition.evictable``), least
+        recently used first; with `idle_s`, only those unused that long."""
+        now = time.monotonic()
+        cands = [(p.last_used, key, p) for key, p in self.partitions.items()
+                 if key != exclude and (idle_s is None or now - p.last_used >= idle_s) and p.evictable()]
+        cands.sort(key=lambda c: c[0])
+        return [(key, p) for _, key, p in cands]
+
+    async def _evict(self, victims: list[tuple[tuple[str, int], Partition]], used_before: float | None = None
+                     ) -> int:
+        """Close these partitions, CLOSE_BATCH at a time; each is checked again right
+        before its close begins (still ours, still evictable, and unused since
+        `used_before` when given). Returns how many were closed."""
+        done = 0
+        for i in range(0, len(victims), CLOSE_BATCH):
+            batch = []
+            for key, p in victims[i:i + CLOSE_BATCH]:
+                if self.partitions.get(key) is not p or not p.evictable():
+                    continue
+                if used_before is not None and p.last_used > used_before:
+                    continue
+                batch.append((key, p, self._begin_close(key, p)))
+            if not batch:
+                continue
+            res = await asyncio.shield(asyncio.gather(*(self._finish_close(k, p, f, True) for k, p, f in batch),
+                                                      return_exceptions=True))
+            for (k, _p, _f), r in zip(batch, res, strict=True):
+                if isinstance(r, BaseException):
+                    log.error("closing an idle partition failed", extra={"topic": k[0], "partition": k[1],
+                                                                         "err": repr(r)})
+            done += len(batch)
+        return done
+
+    async def _make_room(self, key: tuple[str, int]) -> None:
+        """Before an open at the cap of open logs: close the least recently used
+        idle ones (a few more than needed, so a burst of opens does not pay a close
+        each). Nothing closable: the cap is exceeded (logged), never an open refused."""
+        excess = len(self.partitions) + len(self._opening) - self.max_open
+        if excess <= 0:
+            return
+        victims = self._idle_lru(None, exclude=key)[:excess + max(1, self.max_open // 32)]
+        if len(victims) < excess and time.monotonic() - self._cap_warned > 60:
+            self._cap_warned = time.monotonic()
+            log.warning("more partition logs open than the cap: the others hold leases, commits or unsynced acks",
+                        extra={"open": len(self.partitions), "cap": self.max_open})
+        n = await self._evict(victims)
+        self.m_evicted.inc(n)
 
     async def _retire(self, key: tuple[str, int], p: Partition) -> None:
         """The partition's topic incarnation is gone here: close it; remove its
@@ -370,27 +452,10 @@ class Broker:
 
     # ---- wake-ups ------------------------------------------------------------------------------
     def _on_visible(self, p: Partition, n: int) -> None:
-        """`n` records became visible in `p`: consumers parked here are woken first;
-        the watch tokens of other workers and nodes fire only for what they leave
-        (at once for records beyond the woken count, else after the woken ones took
-        their share: one loop pass later, if any are still unclaimed)."""
-        woke = self._wake(p.topic, n)
-        if woke < n:
-            self._tell_watchers(p.topic, n - woke)
-        elif p.topic in self._watchers:
-            self.loop.call_soon(self._tell_left, p)
-
-    def _tell_left(self, p: Partition) -> None:
-        if not p.closed:
-            left = p.available()
-            if left > 0:
-                self._tell_watchers(p.topic, left)
+        self._wake(p.topic, n)
+        self._tell_watchers(p.topic, n)
 
     def _on_released(self, p: Partition) -> None:
-        """A lease ended (ack, nack, expiry): worth a wake only when it left a record
-        deliverable (a nack or an expiry, or a cap slot freed above waiting records)."""
-        if p.available() <= 0:
-            return
         if self._waiters.get(p.topic):
             self._wake(p.topic, 1)
         self._tell_watchers(p.topic, 1)
@@ -412,9 +477,9 @@ class Broker:
             del self._watchers[topic]
         for node, w in told:
             if node in ("", self.node_id):
-                self.links.notify(w, P.ReadyNote(topic, n, w, "", self.index))
+                self.links.notify(w, P.ReadyNote(topic, n, w))
             else:
-                self.remote.notify(node, P.ReadyNote(topic, n, w, self.node_id, self.index))
+                self.remote.notify(node, P.ReadyNote(topic, n, w, self.node_id))
 
     def _wake(self, topic: str, n: int) -> int:
         """Wake up to `n` consumers parked here on `topic`; returns how many woke."""
@@ -446,10 +511,9 @@ class Broker:
             return []
         out: list[P.Item] = []
         now = time.monotonic()
-        n = len(parts)
-        start = self._crr.pick(t.name, n) if n > 1 else 0
-        for k in range(n):
-            i = parts[(start + k) % n]
+        start = self._rr.pick("\0consume:" + t.name, len(parts))
+        for k in range(len(parts)):
+            i = parts[(start + k) % len(parts)]
             p = self.partitions.get((t.name, i))
             if p is None or p.topic_id != t.id:
                 try:
@@ -487,41 +551,23 @@ class Broker:
             first = True
             while True:
                 got = []
-                if partition is None:
-                    pl = self._placement(t)
-                    peers, nodes, here = pl.peers, pl.nodes, bool(pl.mine)
-                else:
-                    workers, nodes = self.owners(t, partition)
-                    peers = [w for w in workers if w != self.index]
-                    here = self.index in workers
-                if here:
+                workers, nodes = self.owners(t, partition)
+                peers = [w for w in workers if w != self.index]
+                if self.index in workers:
                     got = await self.reserve_owned(t, max_n, partition)  # gives back its own if cancelled
                 if len(got) < max_n and (peers or nodes):
-                    if wait > 0 and not got and first and partition is not None:
+                    if wait > 0 and not got and first:
                         for w in peers:
                             self.links.notify(w, P.WatchNote(name, self.index))
-                        for n in nodes:
-                            self.remote.notify(n, P.WatchNote(name, self.index, self.node_id))
-                    hints_w = self._armed_w
+                        if partition is not None:
+                            for n in nodes:
+                                self.remote.notify(n, P.WatchNote(name, self.index, self.node_id))
                     for w in peers:
+                        req = P.ConsumeReq(name, t.id, max_n - len(got), partition)
+                        got.extend(await self._reserve_at(t, self.links.call(w, req, P.ConsumeResp, timeout=10.0),
+                                                          2.0, f"worker {w}"))
                         if len(got) >= max_n:
                             break
-                        key_w = (name, w)
-                        if partition is None:
-                            # A worker whose probe came back short holds our watch token and says
-                            # when records are left there (ReadyNote): until then, or WATCH_TTL,
-                            # consumes here do not ask it again (no hop per consume).
-                            armed = hints_w.get(key_w)
-                            if armed is not None and loop.time() - armed < WATCH_TTL:
-                                continue
-                        want = max_n - len(got)
-                        req = P.ConsumeReq(name, t.id, want, partition)
-                        items = await self._reserve_at(t, self.links.call(w, req, P.ConsumeResp, timeout=10.0),
-                                                       2.0, f"worker {w}")
-                        got.extend(items)
-                        if len(items) < want and partition is None and wait > 0:
-                            hints_w[key_w] = loop.time()
-                            self.links.notify(w, P.WatchNote(name, self.index))
                     hints = self._armed
                     for n in nodes:
                         if len(got) >= max_n:
@@ -608,7 +654,6 @@ class Broker:
         workers, nodes = self.owners(t)
         for w in workers:
             if w != self.index:
-                self._armed_w.pop((name, w), None)
                 self.links.notify(w, P.UnwatchNote(name, self.index, "", absorbed))
         for n in nodes:
             self._armed.pop((name, n), None)  # the next consume here asks that node at once
@@ -625,10 +670,7 @@ class Broker:
         if m.node and m.node != self.node_id:
             self.remote.notify(m.node, P.UnwatchNote(m.topic, self.index, self.node_id, True))
             return
-        if m.src >= 0:
-            self.links.notify(m.src, P.UnwatchNote(m.topic, self.index, "", True))
-            return
-        workers, _ = self.owners(t)  # a note that does not say which worker sent it
+        workers, _ = self.owners(t)  # a note from this node does not say which worker sent it
         for w in workers:
             if w != self.index:
                 self.links.notify(w, P.UnwatchNote(m.topic, self.index, "", True))
@@ -721,12 +763,7 @@ class Broker:
 
     async def settle(self, t: TopicRecord, items: list[tuple[int, int, int]], mode: int) -> list[int]:
         """Statuses in request order: 204 settled, 410 no live lease, 503 owner
-        down or unknown, 502 a forwarded call got no answer. Items of this
-        worker's own partitions are settled here at once (no task, no hop);
-        the rest go to their owners, one call per owner."""
-        mine = self._placement(t).mine_set
-        if all(it[0] in mine for it in items):
-            return self.settle_owned(t, items, mode)
+        down or unknown, 502 a forwarded call got no answer."""
         result = [410] * len(items)
         groups: dict[tuple[str | None, int], list[int]] = {}
         for i, (part, _, _) in enumerate(items):
@@ -760,11 +797,7 @@ class Broker:
             for i, st in zip(idxs, statuses, strict=True):
                 result[i] = st
 
-        if len(groups) == 1:
-            for loc, idxs in groups.items():
-                await one(loc, idxs)
-        else:
-            await asyncio.gather(*(one(loc, idxs) for loc, idxs in groups.items()))
+        await asyncio.gather(*(one(loc, idxs) for loc, idxs in groups.items()))
         return result
 
     # ---- replay and stats ----------------------------------------------------------------------------
@@ -792,10 +825,31 @@ class Broker:
         return await self.links.call(worker, req, P.ReplayResp)
 
     async def stats_owned(self, t: TopicRecord, parts: list[int]) -> dict[int, dict[str, int]]:
-        out = {}
+        """Stats of partitions this worker owns. An open one answers from memory; a
+        closed (or never opened) one is read from its files: describe never opens a
+        log, so monitoring cannot keep idle logs open (and never stamps last use)."""
+        out: dict[int, dict[str, int]] = {}
+        cold: list[int] = []
         for i in parts:
-            p = await self.partition(t, i)
-            out[i] = p.stats()
+            key = (t.name, i)
+            p = self.partitions.get(key)
+            if p is None or p.topic_id != t.id or p.closed:
+                pending = self._opening.get(key)
+                if pending is not None and not pending.done():
+                    try:
+                        p = await asyncio.shield(pending)
+                    except Exception:
+                        p = None
+            if p is not None and p.topic_id == t.id and not p.closed:
+                out[i] = p.stats()
+            else:
+                cold.append(i)
+        if cold:
+            fences = [f for i in cold if (f := self._closing.get((t.name, i))) is not None]
+            if fences:
+                await asyncio.gather(*(asyncio.shield(f) for f in fences))
+            base = topic_dir(self.data_dir, t.name, t.id)
+            out.update(await self.loop.run_in_executor(self.io, _stats_from_disk_many, base, cold))
         return out
 
     async def stats(self, t: TopicRecord, parts: list[int]) -> dict[int, dict[str, int] | None]:
@@ -935,10 +989,8 @@ class Broker:
 
         async def ready(m: P.ReadyNote, _c: Any) -> None:
             if m.worker in (-1, self.index):
-                if m.node and m.node != self.node_id:
+                if m.node:
                     self._armed.pop((m.topic, m.node), None)
-                elif m.src >= 0:
-                    self._armed_w.pop((m.topic, m.src), None)  # its token fired: ask it again
                 if not self._wake(m.topic, m.count):
                     self._bounce(m)
             else:
@@ -980,37 +1032,104 @@ class Broker:
 
     async def _sweeper(self) -> None:
         """Expired leases come back within a second; gauges stay current."""
-        dropped_seen: dict[tuple[str, int, str], int] = {}
         while True:
             await asyncio.sleep(SWEEP_EVERY)
             now = time.monotonic()
-            for key, p in list(self.partitions.items()):
+            for p in list(self.partitions.values()):
                 if p.leases and p.purge(now):
                     self._on_released(p)
-                k = (key[0], key[1], p.topic_id)
-                if p.dropped != dropped_seen.get(k, 0):
-                    self.m.consumer_dropped.labels(p.topic).inc(p.dropped - dropped_seen.get(k, 0))
-                    dropped_seen[k] = p.dropped
+                self._report_dropped(p)
+            self.m_open_logs.set(len(self.partitions))
             self.m.dispatch_backlog.set(self.wal.backlog)
             self.m.wal_failed.set(1 if self.wal.failed is not None else 0)
 
     async def _reaper(self) -> None:
+        """Housekeeping, one pass at a time (never two closes or sweeps of one
+        partition at once): idle eviction, retention of open logs every
+        REAP_EVERY, the cold retention walk every cold_walk_s."""
         loop = self.loop
+        idle = self.idle_eviction_s
+        evict_every = min(EVICT_EVERY, idle / 4) if idle > 0 else None
+        now = loop.time()
+        next_evict = now + evict_every if evict_every else float("inf")
+        next_reap = now + REAP_EVERY
+        next_cold = now + self.cold_walk_s if self.cold_walk_s > 0 else float("inf")
         while True:
-            await asyncio.sleep(REAP_EVERY)
-            now_ms = int(time.time() * 1000)
-            for p in list(self.partitions.values()):
-                t = self.store.topic(p.topic)
-                if t is None or t.id != p.topic_id or not t.retention_ms:
+            await asyncio.sleep(max(0.0, min(next_evict, next_reap, next_cold) - loop.time()))
+            now = loop.time()
+            try:
+                if now >= next_evict:
+                    next_evict = now + evict_every  # type: ignore[operator]
+                    self.m_evicted.inc(await self._evict(self._idle_lru(idle)))
+                if now >= next_reap:
+                    next_reap = now + REAP_EVERY
+                    now_ms = int(time.time() * 1000)
+                    for p in list(self.partitions.values()):
+                        await self._sweep_retention(p, now_ms)
+                if now >= next_cold:
+                    next_cold = now + self.cold_walk_s
+                    await self._cold_walk()
+            except Exception:
+                log.exception("partition housekeeping pass failed; next pass as planned")
+
+    async def _sweep_retention(self, p: Partition, now_ms: int) -> int:
+        """One retention sweep of an open partition; returns records deleted."""
+        t = self.store.topic(p.topic)
+        if t is None or t.id != p.topic_id or not t.retention_ms or p.closed:
+            return 0
+        with contextlib.suppress(OSError):
+            await self.loop.run_in_executor(self.io, p.log.roll_idle_active, t.retention_ms, now_ms)
+        if p.closed:
+            return 0
+        segs = p.log.expired_segments(t.retention_ms, now_ms)
+        if not segs:
+            return 0
+        n, size = p.log.delete_segments(segs)
+        self.m.retention_deleted.labels(p.topic).inc(n)
+        log.info("retention deleted segments", extra={"topic": p.topic, "partition": p.index,
+                                                      "records": n, "bytes": size})
+        return n
+
+    async def _cold_walk(self) -> None:
+        """Retention for partitions not open here (untouched since the start, or
+        closed as idle): list the topic directories on disk, keep the partitions this
+        worker owns of live topics with a retention, stat their segments; one with
+        an expired segment is opened, swept once and closed again (unless someone
+        used it meanwhile)."""
+        names = await self.loop.run_in_executor(self.io, _list_dirs, self.data_dir / "topics")
+        cands: list[tuple[TopicRecord, int, Path]] = []
+        for dname in names:
+            name, sep, tid = dname.rpartition("@")
+            if not sep:
+                continue
+            t = self.store.topic(name)
+            if t is None or t.id != tid or not t.retention_ms:
+                continue
+            base = self.data_dir / "topics" / dname
+            for i in self.owned(t):
+                q = self.partitions.get((name, i))
+                if (q is not None and q.topic_id == t.id and not q.closed) or (name, i) in self._opening:
                     continue
-                with contextlib.suppress(OSError):
-                    await loop.run_in_executor(self.io, p.log.roll_idle_active, t.retention_ms, now_ms)
-                segs = p.log.expired_segments(t.retention_ms, now_ms)
-                if segs:
-                    n, size = p.log.delete_segments(segs)
-                    self.m.retention_deleted.labels(p.topic).inc(n)
-                    log.info("retention deleted segments", extra={"topic": p.topic, "partition": p.index,
-                                                                  "records": n, "bytes": size})
+                cands.append((t, i, base / f"p{i:05d}"))
+        if not cands:
+            return
+        now_ms = int(time.time() * 1000)
+        hits = await self.loop.run_in_executor(self.io, _expired_dirs, [(d, t.retention_ms) for t, _, d in cands],
+                                               now_ms)
+        for k in hits:
+            t, i, _d = cands[k]
+            cur = self.store.topic(t.name)
+            key = (t.name, i)
+            q = self.partitions.get(key)
+            if cur is None or cur.id != t.id or (q is not None and q.topic_id == t.id and not q.closed):
+                continue
+            p = await self.partition(cur, i)
+            opened_at = p.last_used
+            n = await self._sweep_retention(p, now_ms)
+            self.m_cold_swept.inc()
+            log.info("cold retention walk swept a closed partition", extra={"topic": t.name, "partition": i,
+                                                                           "records": n})
+            await self._evict([(key, p)], used_before=opened_at)
 
     async def _topic_watch(self) -> None:
         """A deleted or recreated topic: close its partitions here and answer
@@ -1053,6 +1172,44 @@ def _writeout_all(parts: list[Partition], level: list[tuple[Partition, int]]) ->
                 p.offsets.level(frontier)
             except OSError as e:
                 log.error("consumer.offset levelling failed", extra={"topic": p.topic, "err": str(e)})
+
+
+def max_open_logs() -> int:
+    """Partition logs a worker keeps open at most (two descriptors each: the active
+    segment and consumer.ahead): 512, fewer under a low descriptor limit."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        soft = 1 << 20
+    return max(16, min(512, soft // 8))
+
+
+def _metric(reg: metrics.Registry, cls: Any, name: str, help: str) -> Any:
+    got = reg.metrics.get(name)
+    return got if got is not None else reg.add(cls(name, help))
+
+
+def _stats_from_disk_many(base: Path, parts: list[int]) -> dict[int, dict[str, int]]:
+    return {i: stats_from_disk(base / f"p{i:05d}") for i in parts}
+
+
+def _list_dirs(root: Path) -> list[str]:
+    try:
+        with os.scandir(root) as it:
+            return [e.name for e in it if e.is_dir(follow_symlinks=False)]
+    except FileNotFoundError:
+        return []
+
+
+def _expired_dirs(dirs: list[tuple[Path, int]], now_ms: int) -> list[int]:
+    out = []
+    for k, (d, retention_ms) in enumerate(dirs):
+        try:
+            if PL.expired_on_disk(d, retention_ms, now_ms):
+                out.append(k)
+        except OSError as e:
+            log.warning("cold retention walk could not read a partition directory", extra={"dir": str(d),
+                                                                                         "err": str(e)})
+    return out
 
 
 def _remove_partition_dir(d: Path) -> None:

@@ -165,7 +165,8 @@ async def _main(spec: WorkerSpec, index: int, core: int | None) -> int:
     broker = Broker(data_dir=spec.data_dir, store=store, versions=versions, index=index, workers=spec.workers,
                     links=links, confirm_gone=confirm_gone,
                     offset_sync_interval=cfg.storage.consumer_offset_commit_interval_ms / 1000.0,
-                    remote=remote, node_id=spec.node_id)
+                    remote=remote, node_id=spec.node_id, idle_eviction_ms=cfg.storage.idle_log_eviction_ms,
+                    cold_walk_ms=cfg.storage.cold_retention_walk_ms)
     await links.serve()
 
     # Node RPC (QUIC on the cluster port): the broker's handlers serve other

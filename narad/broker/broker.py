@@ -78,6 +78,20 @@ class Gone(Exception):
     pass
 
 
+class _Placement:
+    """The partitions of a topic this worker owns, and which workers of this node
+    and which other nodes own any of them."""
+
+    __slots__ = ("mine", "mine_set", "nodes", "peers", "workers")
+
+    def __init__(self, mine: list[int], workers: list[int], nodes: list[str], index: int) -> None:
+        self.mine = mine
+        self.mine_set = frozenset(mine)
+        self.workers = workers
+        self.peers = [w for w in workers if w != index]  # the other workers of this node owning some
+        self.nodes = nodes
+
+
 def topic_dir(data_dir: Path, name: str, topic_id: str) -> Path:
     # One directory per incarnation: a recreated topic can never see old data.
     return data_dir / "topics" / f"{name}@{topic_id}"
@@ -124,12 +138,14 @@ class Broker:
         # topic -> {(node, worker): None}, oldest first: delivery tokens left by parked consumers
         self._watchers: dict[str, dict[tuple[str, int], None]] = {}
         self._rr = RoundRobin()
+        self._crr = RoundRobin()  # where a consume starts among this worker's partitions
         self._route_cache: dict[tuple[str, int], int] = {}
-        self._owned_cache: dict[Any, list[int]] = {}
+        self._owned_cache: dict[Any, _Placement] = {}
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]  # set in start()
         self._tasks: list[asyncio.Task[None]] = []
         self._late: set[asyncio.Task[Any]] = set()  # consume probes answered after we stopped waiting
         self._armed: dict[tuple[str, str], float] = {}  # (topic, node) -> when our watch token was left there
+        self._armed_w: dict[tuple[str, int], float] = {}  # (topic, worker of this node): the same, for workers
         self._polling: dict[str, int] = {}  # topic -> consumes of it running on this worker
         self._topics_ver = -1
         self._synced: dict[tuple[str, int], float] = {}
@@ -200,35 +216,52 @@ class Broker:
             return node, self.route(t.name, partition)
         return node, -1
 
-    def owned(self, t: TopicRecord) -> list[int]:
-        """The partitions of `t` this worker owns: assigned to this node and
-        mapped to this worker (cached per topic record and assignments)."""
-        # The topic's name slot moves with its record and its assignments.
+    def _placement(self, t: TopicRecord) -> _Placement:
+        """Where the partitions of `t` live, seen from this worker (cached per topic
+        record and assignments: the topic's name slot moves with both)."""
         key = (t.name, t.partitions, t.id, self.versions.load(V.name_slot(t.name)))
-        parts = self._owned_cache.get(key)
-        if parts is None:
+        pl = self._owned_cache.get(key)
+        if pl is None:
             if len(self._owned_cache) > 10_000:
                 self._owned_cache.clear()
-            parts = self._owned_cache[key] = [i for i in range(t.partitions)
-                                              if self.where(t, i) == (self.node_id, self.index)]
-        return parts
+            mine: list[int] = []
+            workers: set[int] = set()
+            nodes: set[str] = set()
+            for i in range(t.partitions):
+                node, w = self.where(t, i)
+                if node == self.node_id:
+                    workers.add(w)
+                    if w == self.index:
+                        mine.append(i)
+                elif node is not None:
+                    nodes.add(node)
+            pl = self._owned_cache[key] = _Placement(mine, sorted(workers), sorted(nodes), self.index)
+        return pl
+
+    def owned(self, t: TopicRecord) -> list[int]:
+        """The partitions of `t` this worker owns: assigned to this node and
+        mapped to this worker."""
+        return self._placement(t).mine
 
     def owners(self, t: TopicRecord, partition: int | None = None) -> tuple[list[int], list[str]]:
         """(workers of this node, other nodes) owning partitions of `t`."""
-        parts = [partition] if partition is not None else range(t.partitions)
-        workers: set[int] = set()
-        nodes: set[str] = set()
-        for i in parts:
-            node, w = self.where(t, i)
-            if node == self.node_id:
-                workers.add(w)
-            elif node is not None:
-                nodes.add(node)
-        return sorted(workers), sorted(nodes)
+        if partition is None:
+            pl = self._placement(t)
+            return pl.workers, pl.nodes
+        node, w = self.where(t, partition)
+        if node == self.node_id:
+            return [w], []
+        return [], ([node] if node is not None else [])
 
     def choose_partition(self, topic: TopicRecord, key: bytes | None) -> int:
+        """A key hashes to its partition (order per key). A keyless message may go
+        to any partition: it rotates over the partitions this worker owns, so it
+        is committed here without a hop; over all of them when this worker owns none."""
         if key:
             return key_partition(key, topic.partitions)
+        mine = self._placement(topic).mine
+        if mine:
+            return self._rr.pick_among(topic.name, mine)
         return self._rr.pick(topic.name, topic.partitions)
 
     # ---- produce ------------------------------------------------------------------------------
@@ -452,10 +485,27 @@ class Broker:
 
     # ---- wake-ups ------------------------------------------------------------------------------
     def _on_visible(self, p: Partition, n: int) -> None:
-        self._wake(p.topic, n)
-        self._tell_watchers(p.topic, n)
+        """`n` records became visible in `p`: consumers parked here are woken first;
+        the watch tokens of other workers and nodes fire only for what they leave
+        (at once for records beyond the woken count, else after the woken ones took
+        their share: one loop pass later, if any are still unclaimed)."""
+        woke = self._wake(p.topic, n)
+        if woke < n:
+            self._tell_watchers(p.topic, n - woke)
+        elif p.topic in self._watchers:
+            self.loop.call_soon(self._tell_left, p)
+
+    def _tell_left(self, p: Partition) -> None:
+        if not p.closed:
+            left = p.available()
+            if left > 0:
+                self._tell_watchers(p.topic, left)
 
     def _on_released(self, p: Partition) -> None:
+        """A lease ended (ack, nack, expiry): worth a wake only when it left a record
+        deliverable (a nack or an expiry, or a cap slot freed above waiting records)."""
+        if p.available() <= 0:
+            return
         if self._waiters.get(p.topic):
             self._wake(p.topic, 1)
         self._tell_watchers(p.topic, 1)
@@ -477,9 +527,9 @@ class Broker:
             del self._watchers[topic]
         for node, w in told:
             if node in ("", self.node_id):
-                self.links.notify(w, P.ReadyNote(topic, n, w))
+                self.links.notify(w, P.ReadyNote(topic, n, w, "", self.index))
             else:
-                self.remote.notify(node, P.ReadyNote(topic, n, w, self.node_id))
+                self.remote.notify(node, P.ReadyNote(topic, n, w, self.node_id, self.index))
 
     def _wake(self, topic: str, n: int) -> int:
         """Wake up to `n` consumers parked here on `topic`; returns how many woke."""
@@ -511,9 +561,10 @@ class Broker:
             return []
         out: list[P.Item] = []
         now = time.monotonic()
-        start = self._rr.pick("\0consume:" + t.name, len(parts))
-        for k in range(len(parts)):
-            i = parts[(start + k) % len(parts)]
+        n = len(parts)
+        start = self._crr.pick(t.name, n) if n > 1 else 0
+        for k in range(n):
+            i = parts[(start + k) % n]
             p = self.partitions.get((t.name, i))
             if p is None or p.topic_id != t.id:
                 try:
@@ -551,23 +602,41 @@ class Broker:
             first = True
             while True:
                 got = []
-                workers, nodes = self.owners(t, partition)
-                peers = [w for w in workers if w != self.index]
-                if self.index in workers:
+                if partition is None:
+                    pl = self._placement(t)
+                    peers, nodes, here = pl.peers, pl.nodes, bool(pl.mine)
+                else:
+                    workers, nodes = self.owners(t, partition)
+                    peers = [w for w in workers if w != self.index]
+                    here = self.index in workers
+                if here:
                     got = await self.reserve_owned(t, max_n, partition)  # gives back its own if cancelled
                 if len(got) < max_n and (peers or nodes):
-                    if wait > 0 and not got and first:
+                    if wait > 0 and not got and first and partition is not None:
                         for w in peers:
                             self.links.notify(w, P.WatchNote(name, self.index))
-                        if partition is not None:
-                            for n in nodes:
-                                self.remote.notify(n, P.WatchNote(name, self.index, self.node_id))
+                        for n in nodes:
+                            self.remote.notify(n, P.WatchNote(name, self.index, self.node_id))
+                    hints_w = self._armed_w
                     for w in peers:
-                        req = P.ConsumeReq(name, t.id, max_n - len(got), partition)
-                        got.extend(await self._reserve_at(t, self.links.call(w, req, P.ConsumeResp, timeout=10.0),
-                                                          2.0, f"worker {w}"))
                         if len(got) >= max_n:
                             break
+                        key_w = (name, w)
+                        if partition is None:
+                            # A worker whose probe came back short holds our watch token and says
+                            # when records are left there (ReadyNote): until then, or WATCH_TTL,
+                            # consumes here do not ask it again (no hop per consume).
+                            armed = hints_w.get(key_w)
+                            if armed is not None and loop.time() - armed < WATCH_TTL:
+                                continue
+                        want = max_n - len(got)
+                        req = P.ConsumeReq(name, t.id, want, partition)
+                        items = await self._reserve_at(t, self.links.call(w, req, P.ConsumeResp, timeout=10.0),
+                                                       2.0, f"worker {w}")
+                        got.extend(items)
+                        if len(items) < want and partition is None and wait > 0:
+                            hints_w[key_w] = loop.time()
+                            self.links.notify(w, P.WatchNote(name, self.index))
                     hints = self._armed
                     for n in nodes:
                         if len(got) >= max_n:
@@ -654,6 +723,7 @@ class Broker:
         workers, nodes = self.owners(t)
         for w in workers:
             if w != self.index:
+                self._armed_w.pop((name, w), None)
                 self.links.notify(w, P.UnwatchNote(name, self.index, "", absorbed))
         for n in nodes:
             self._armed.pop((name, n), None)  # the next consume here asks that node at once
@@ -670,7 +740,10 @@ class Broker:
         if m.node and m.node != self.node_id:
             self.remote.notify(m.node, P.UnwatchNote(m.topic, self.index, self.node_id, True))
             return
-        workers, _ = self.owners(t)  # a note from this node does not say which worker sent it
+        if m.src >= 0:
+            self.links.notify(m.src, P.UnwatchNote(m.topic, self.index, "", True))
+            return
+        workers, _ = self.owners(t)  # a note that does not say which worker sent it
         for w in workers:
             if w != self.index:
                 self.links.notify(w, P.UnwatchNote(m.topic, self.index, "", True))
@@ -763,7 +836,12 @@ class Broker:
 
     async def settle(self, t: TopicRecord, items: list[tuple[int, int, int]], mode: int) -> list[int]:
         """Statuses in request order: 204 settled, 410 no live lease, 503 owner
-        down or unknown, 502 a forwarded call got no answer."""
+        down or unknown, 502 a forwarded call got no answer. Items of this
+        worker's own partitions are settled here at once (no task, no hop);
+        the rest go to their owners, one call per owner."""
+        mine = self._placement(t).mine_set
+        if all(it[0] in mine for it in items):
+            return self.settle_owned(t, items, mode)
         result = [410] * len(items)
         groups: dict[tuple[str | None, int], list[int]] = {}
         for i, (part, _, _) in enumerate(items):
@@ -797,7 +875,11 @@ class Broker:
             for i, st in zip(idxs, statuses, strict=True):
                 result[i] = st
 
-        await asyncio.gather(*(one(loc, idxs) for loc, idxs in groups.items()))
+        if len(groups) == 1:
+            for loc, idxs in groups.items():
+                await one(loc, idxs)
+        else:
+            await asyncio.gather(*(one(loc, idxs) for loc, idxs in groups.items()))
         return result
 
     # ---- replay and stats ----------------------------------------------------------------------------
@@ -989,8 +1071,10 @@ class Broker:
 
         async def ready(m: P.ReadyNote, _c: Any) -> None:
             if m.worker in (-1, self.index):
-                if m.node:
+                if m.node and m.node != self.node_id:
                     self._armed.pop((m.topic, m.node), None)
+                elif m.src >= 0:
+                    self._armed_w.pop((m.topic, m.src), None)  # its token fired: ask it again
                 if not self._wake(m.topic, m.count):
                     self._bounce(m)
             else:

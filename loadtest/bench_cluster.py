@@ -8,7 +8,9 @@
 3. full-flow throughput (produce, consume, ack; single-message and batch) with
    one client process per node, each talking to its own node: 2 of every 3
    messages are committed at an owner one node-RPC hop away and most consumes
-   gather from other nodes.
+   gather from other nodes; and, in the same sitting, the same clients against
+   one node with one worker (``--no-baseline`` skips it), with the ratio and
+   the extra server CPU per message that crossed a node hop.
 
 Usage: .venv/bin/python loadtest/bench_cluster.py [--seconds 5] [--writes 300]
 Three nodes (six processes) and the load generator share this machine's
@@ -185,6 +187,7 @@ def main() -> None:
     ap.add_argument("--skip-meta", action="store_true")
     ap.add_argument("--only", help="regex on the flow scenario names")
     ap.add_argument("--profile", type=Path, metavar="DIR", help="py-spy n1's worker during the flow runs")
+    ap.add_argument("--no-baseline", action="store_true", help="skip the one-node, one-worker runs")
     args = ap.parse_args()
     cpus = len(os.sched_getaffinity(0))
     print(f"# narad 3-node loopback cluster benchmark: {cpus} CPUs, {psutil.virtual_memory().total >> 30} GiB, "
@@ -208,6 +211,21 @@ def main() -> None:
             print(r.failure or r.check.text)
         for f in r.profiles:
             print(B.summarise(f) if f.exists() else f"{f}: py-spy wrote nothing")
+        if args.no_baseline or r.failure:
+            continue
+        one = B.run(B.Scenario(f"{sc.name} 1 node", sc.mode, 1, sc.procs, sc.conns, sc.seconds, batch=sc.batch), None)
+        print(B.row(one), flush=True)
+        if one.failure or one.check.failed:
+            failed = True
+            print(one.failure or one.check.text)
+            continue
+        if one.msgs and r.msgs and one.wall and r.wall:
+            ratio = (r.msgs / r.wall) / (one.msgs / one.wall)
+            us3, us1 = r.server_cpu / r.msgs * 1e6, one.server_cpu / one.msgs * 1e6
+            # 2 of every 3 messages are committed one node hop away (B.PARTITIONS spread over 3 owners)
+            hop = (us3 - us1) * 1.5
+            print(f"  -> 3 nodes / 1 node: {ratio:.2f}x msgs/s; server CPU {us3:.0f} vs {us1:.0f} us/msg; "
+                  f"extra per message that crossed a node hop ~{hop:.0f} us", flush=True)
     if failed:
         sys.exit(1)
 

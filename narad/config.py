@@ -103,7 +103,7 @@ class ClusterConfig:
     host: str = _s("127.0.0.1", "Address the Raft and cluster (QUIC node RPC) ports bind to and advertise.",
                    "NARAD_CLUSTER_HOST")
     raft_port: int = _s(0, "Raft TCP port (0 = client port + 1).", "NARAD_CLUSTER_RAFT_PORT")
-    cluster_port: int = _s(0, "Node-to-node QUIC port (0 = client port + 2).", "NARAD_CLUSTER_PORT")
+    cluster_port: int = _s(0, "Node-to-node RPC port, TLS over TCP (0 = client port + 2).", "NARAD_CLUSTER_PORT")
     peers: list[str] = _s([], "Cluster nodes as id@host:raft_port (empty: a single node).", "NARAD_CLUSTER_PEERS")
     initial_members: list[str] = _s([], "Node ids that bootstrap the cluster together; any other node only joins.",
                                     "NARAD_CLUSTER_INITIAL_MEMBERS")

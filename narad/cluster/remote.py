@@ -2,7 +2,7 @@
 
 Who owns a partition comes from the local metastore replica (assignments,
 cached per topic name slot); where a node listens and whether it is alive come
-from its member record. Calls go over node RPC (QUIC, narad.cluster.transport).
+from its member record. Calls go over node RPC (TLS on TCP, narad.cluster.transport).
 Imports narad.meta (read side) and narad.cluster.transport.
 """
 

@@ -45,7 +45,7 @@ from narad.supervisor.controller import Controller
 from narad.supervisor.forkserver import ForkServer
 from narad.supervisor.metadata import MetadataRouter
 from narad.supervisor.services import LoginThrottle, control_service, worker_service
-from narad.supervisor.sockets import DataDirLock, check_port_free, make_client_sockets, make_udp_sockets
+from narad.supervisor.sockets import DataDirLock, check_port_free, make_client_sockets, make_cluster_sockets
 from narad.supervisor.workers import WorkerManager
 from narad.worker import main as worker_main
 
@@ -69,7 +69,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--data-dir", help="data directory (node.data_dir)")
     p.add_argument("--port", type=int, help="client port, TCP and UDP (http.port)")
     p.add_argument("--raft-port", type=int, help="Raft port (cluster.raft_port; default port+1)")
-    p.add_argument("--cluster-port", type=int, help="node-to-node QUIC port (cluster.cluster_port; default port+2)")
+    p.add_argument("--cluster-port", type=int, help="node RPC port, TLS/TCP (cluster.cluster_port; default port+2)")
     p.add_argument("--node-id", help="node id (node.id)")
     p.add_argument("--workers", help='worker processes: a number or "auto" (node.workers)')
     p.add_argument("--peers", help="cluster nodes as id@host:raft_port,... (cluster.peers)")
@@ -171,8 +171,8 @@ class Supervisor:
         self.sockets = make_client_sockets(cfg.http.host, cfg.http.port, self.n_workers, quic=cfg.http.quic)
         #    The Raft port is bound by pysyncobj at step 10; a holder is found now.
         check_port_free(cfg.cluster.host, cfg.raft_port, "Raft")
-        #    The same for the node RPC port (QUIC over UDP): one socket per worker.
-        self.cluster_sockets = make_udp_sockets(cfg.cluster.host, cfg.cluster_port, self.n_workers)
+        #    The same for the node RPC port (TLS over TCP): one listener per worker.
+        self.cluster_sockets = make_cluster_sockets(cfg.cluster.host, cfg.cluster_port, self.n_workers)
         # 7. The fork server, forked now: this process still has no threads, no
         #    event loop and no LMDB environment to copy into workers.
         spec = worker_main.WorkerSpec(

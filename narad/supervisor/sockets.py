@@ -4,7 +4,8 @@ The supervisor creates N SO_REUSEPORT TCP listeners and N SO_REUSEPORT UDP
 sockets on the client port once, keeps them open for its whole life, and
 hands socket i to worker i (re-forked onto the same pair after a crash), so
 the kernel's reuseport group never changes and a restarted worker costs only
-its own QUIC connections (deps-study, aioquic).
+its own QUIC connections (deps-study, aioquic). The cluster (node RPC) port
+gets N SO_REUSEPORT TCP listeners made the same way (``make_cluster_sockets``).
 
 SO_REUSEPORT would let a second process bind a port this node uses (or this
 node bind one another process uses) and silently share its clients, so every
@@ -127,22 +128,26 @@ def make_client_sockets(host: str, port: int, count: int, *, quic: bool) -> list
     return out
 
 
-def make_udp_sockets(host: str, port: int, count: int) -> list[socket.socket]:
-    """N SO_REUSEPORT UDP sockets on one port (the node RPC port), kept for life."""
+def make_cluster_sockets(host: str, port: int, count: int) -> list[socket.socket]:
+    """N listening SO_REUSEPORT TCP sockets on one port (the node RPC port, TLS over TCP),
+    kept for life: worker i accepts on socket i, and a restarted worker gets the same one."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     out: list[socket.socket] = []
-    check_port_free(host, port, "cluster", tcp=False, udp=True)
+    check_port_free(host, port, "cluster", tcp=True, udp=False)
     try:
         for _ in range(count):
-            s = socket.socket(family, socket.SOCK_DGRAM)
+            s = socket.socket(family, socket.SOCK_STREAM)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             s.bind((host, port))
+            s.listen(1024)
             s.set_inheritable(True)
             out.append(s)
     except OSError as e:
         for s in out:
             s.close()
-        raise PortInUse(f"the cluster port {host}:{port} (UDP) cannot be bound: {e.strerror or e}") from None
+        raise PortInUse(f"the cluster port {host}:{port} (TCP) cannot be bound: {e.strerror or e}") from None
     return out
 
 

@@ -169,7 +169,7 @@ async def _main(spec: WorkerSpec, index: int, core: int | None) -> int:
                     cold_walk_ms=cfg.storage.cold_retention_walk_ms)
     await links.serve()
 
-    # Node RPC (QUIC on the cluster port): the broker's handlers serve other
+    # Node RPC (TLS over TCP on the cluster port): the broker's handlers serve other
     # nodes too; forwarded metadata writes go on to this node's supervisor.
     async def forward(m: ForwardReq, _c: object) -> ForwardResp:
         return await sup.call(Forwarded(m.origin, m.request_id, m.request), ForwardResp,

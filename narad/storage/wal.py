@@ -62,6 +62,7 @@ _REC = struct.Struct(">BH")
 _REC2 = struct.Struct(">8sIQBI")
 REC_FORMAT = 2
 NO_KEY = 0xFFFFFFFF
+_TOPIC_HEADS: dict[str, bytes] = {}  # topic -> the record's format byte, topic length and topic
 
 
 class WALFailed(OSError):
@@ -84,14 +85,22 @@ class Entry:
         self.payload = payload
         self.seq = seq
 
-    def encode(self) -> bytes:
-        t = self.topic.encode()
+    def head(self) -> bytes:
+        """The record's bytes before the message."""
+        th = _TOPIC_HEADS.get(self.topic)
+        if th is None:
+            t = self.topic.encode()
+            th = _REC.pack(REC_FORMAT, len(t)) + t
+            if len(_TOPIC_HEADS) >= 4096:
+                _TOPIC_HEADS.clear()
+            _TOPIC_HEADS[self.topic] = th
         k = self.key
-        return b"".join((
-            _REC.pack(REC_FORMAT, len(t)), t,
-            _REC2.pack(self.incarnation, self.partition, self.ts_ms, self.flags, NO_KEY if k is None else len(k)),
-            k or b"", self.payload,
-        ))
+        if k is None:
+            return th + _REC2.pack(self.incarnation, self.partition, self.ts_ms, self.flags, NO_KEY)
+        return th + _REC2.pack(self.incarnation, self.partition, self.ts_ms, self.flags, len(k)) + k
+
+    def encode(self) -> bytes:
+        return self.head() + self.payload
 
     @classmethod
     def decode(cls, data: bytes | memoryview, seq: int) -> Entry:
@@ -387,29 +396,23 @@ class IngressWAL:
             self._start_group()
 
     def _stage(self, entries: list[Entry]) -> None:
-        # Encode and check everything before staging anything: a refused batch
-        # must leave no frame behind (its seqs would be handed out again).
-        if len(entries) == 1:
-            e = entries[0]
-            data = e.encode()
-            if len(data) > MAX_RECORD:
-                raise ValueError("record too large for the WAL")
-            seq = e.seq = self.next_seq
-            self._staging += FRAME.pack(MAGIC, len(data), seq, crc32c(data))
-            self._staging += data
-            self.next_seq = seq + 1
-            self._staged.append(e)
-            return
-        datas = [e.encode() for e in entries]
-        for d in datas:
-            if len(d) > MAX_RECORD:
+        # Check everything before staging anything: a refused batch must leave no
+        # frame behind (its seqs would be handed out again). A record is its head
+        # (everything before the message) and the message, appended apart: the CRC
+        # runs over both without joining them first.
+        heads = [e.head() for e in entries]
+        for e, h in zip(entries, heads, strict=True):
+            if len(h) + len(e.payload) > MAX_RECORD:
                 raise ValueError("record too large for the WAL")
         buf = self._staging
         seq = self.next_seq
-        for e, data in zip(entries, datas, strict=True):
+        pack = FRAME.pack
+        for e, h in zip(entries, heads, strict=True):
             e.seq = seq
-            buf += FRAME.pack(MAGIC, len(data), seq, crc32c(data))
-            buf += data
+            p = e.payload
+            buf += pack(MAGIC, len(h) + len(p), seq, crc32c(p, crc32c(h)))
+            buf += h
+            buf += p
             seq += 1
         self.next_seq = seq
         self._staged.extend(entries)

@@ -121,6 +121,17 @@ def test_idle_partitions_are_closed_and_their_descriptors_released(node: Node) -
     committed(node, "idle", [1, 1, 1, 2, 1, 1, 1, 1])
 
 
+def test_a_deleted_topic_whose_partitions_were_closed_loses_its_data(node: Node) -> None:
+    mk(node, "gone", partitions=3)
+    for i in range(3):
+        assert produce(node, "gone", b"x", i) == 202
+    committed(node, "gone", [1, 1, 1])
+    wait_for(lambda: topic_fds(node, "gone") == 0, 20, 0.1, "the partitions closed as idle")
+    (tdir,) = (node.data_dir / "topics").glob("gone@*")
+    assert node.request("DELETE", "/v1/topics/gone").status in (200, 204)
+    wait_for(lambda: not tdir.exists(), 20, 0.1, "the deleted incarnation's directory removed")
+
+
 def test_a_closed_partition_reopens_and_loses_nothing(node: Node) -> None:
     """Leases keep a partition open; held acks, nacks and the frontier survive a close;
     the delivery-contract checker's strict verdict over the whole history."""

@@ -5,7 +5,14 @@ answers at once), the other sends them one at a time (latency) and with 64 in
 flight (throughput), with 1 record of 1 KiB and with 100 records. Prints p50 /
 p99 round trip and the CPU both processes spend per request.
 
-Usage: .venv/bin/python loadtest/bench_hop.py [--count N]
+With ``--cross``: a real node with two workers and the full flow forced across
+the hop: producers' connections all on worker 0, consumers' (long poll 1 s,
+ack each consume) all on worker 1, once one message per call (16 + 16
+connections) and once in batches (2 producers x 50 per call, 2 consumers
+max=100 and one batch ack each). Prints msgs/s (acked) and the node's server
+CPU per message (psutil over every node process).
+
+Usage: .venv/bin/python loadtest/bench_hop.py [--count N] [--cross [--seconds S]]
 """
 
 from __future__ import annotations
@@ -17,7 +24,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
+import msgspec
 import uvloop
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -63,10 +72,116 @@ async def client(path: str, count: int, records: int, inflight: int) -> tuple[fl
     return lat[len(lat) // 2] * 1e6, lat[int(len(lat) * 0.99)] * 1e6, len(lat) / wall, cpu / len(lat) * 1e6
 
 
+def _conn_class() -> Any:
+    from loadtest.bench import HttpConn
+
+    class Conn(HttpConn):
+        last_worker = ""
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            if name.lower() == b"x-narad-worker":
+                self.last_worker = value.decode()
+
+    return Conn
+
+
+async def _pinned(port: int, worker: int, reqs: Any) -> Any:
+    conn = _conn_class()
+    for _ in range(200):
+        c = await conn.open(port)
+        _s, _b = await c.request(reqs.describe)
+        if c.last_worker == str(worker):
+            return c
+        c.close()
+    raise SystemExit(f"no connection landed on worker {worker}")
+
+
+async def _cross_flow(port: int, auth: str, seconds: float, batch: int, conns: int) -> tuple[int, float]:
+    from loadtest.bench import Requests
+
+    reqs = Requests(port, auth)
+    prod = [await _pinned(port, 0, reqs) for _ in range(conns)]
+    cons = [await _pinned(port, 1, reqs) for _ in range(conns)]
+    end = time.monotonic() + seconds
+    acked = 0
+    backlog = 0
+
+    async def producer(c: Any, gid: int) -> None:
+        nonlocal backlog
+        seq = 0
+        while time.monotonic() < end:
+            if backlog > 5000:
+                await asyncio.sleep(0.005)
+                continue
+            req = reqs.produce(gid << 32 | seq) if batch == 1 else reqs.produce_batch(gid << 32 | seq, batch)
+            st, body = await c.request(req)
+            assert st == 202, (st, body[:200])
+            seq += batch
+            backlog += batch
+
+    async def consumer(c: Any) -> None:
+        nonlocal acked, backlog
+        while time.monotonic() < end:
+            st, body = await c.request(reqs.consume_one if batch == 1 else reqs.consume_many)
+            if st == 204:
+                continue
+            assert st == 200, (st, body[:200])
+            doc = msgspec.json.decode(body)
+            msgs = [doc] if batch == 1 else doc["messages"]
+            handles = [m["receipt_handle"] for m in msgs]
+            st, body = await c.request(reqs.ack_one(handles[0]) if batch == 1 else reqs.ack_many(handles))
+            assert st in (200, 204), (st, body[:200])
+            acked += len(handles)
+            backlog -= len(handles)
+
+    t0 = time.monotonic()
+    await asyncio.gather(*(producer(c, i) for i, c in enumerate(prod)), *(consumer(c) for c in cons))
+    wall = time.monotonic() - t0
+    for c in prod + cons:
+        c.close()
+    return acked, wall
+
+
+def _cpu(procs: list[Any]) -> float:
+    return sum(sum(p.cpu_times()[:2]) for p in procs if p.is_running())
+
+
+def cross(seconds: float) -> None:
+    import shutil
+
+    import psutil
+
+    from tests.harness import Node
+
+    print("# full flow across the hop: producers on worker 0, consumers on worker 1 (node with 2 workers)")
+    for label, batch, conns in (("single", 1, 16), ("batch50", 50, 2)):
+        tmp = Path(tempfile.mkdtemp(prefix="narad-hop-"))
+        node = Node(tmp / "data", workers=2).start()
+        try:
+            r = node.post("/v1/topics", {"name": "bench", "partitions": 6})
+            assert r.status == 201, r
+            procs = [psutil.Process(node.proc.pid)]  # type: ignore[union-attr]
+            procs += procs[0].children(recursive=True)
+
+            c0 = _cpu(procs)
+            acked, wall = uvloop.run(_cross_flow(node.port, node.auth, seconds, batch, conns))
+            used = _cpu(procs) - c0
+            print(f"{label:>8}: {acked:>8,} acked in {wall:4.1f} s  {acked / wall:9,.0f} msgs/s  "
+                  f"server CPU {used / max(acked, 1) * 1e6:7.1f} us/msg")
+        finally:
+            node.close()
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--count", type=int, default=20000)
+    ap.add_argument("--cross", action="store_true", help="full flow on a 2-worker node, across the hop")
+    ap.add_argument("--seconds", type=float, default=6.0)
     args = ap.parse_args()
+    if args.cross:
+        cross(args.seconds)
+        return
     path = os.path.join(tempfile.mkdtemp(), "hop.sock")
     r, w = os.pipe()
     pid = os.fork()

@@ -70,6 +70,8 @@ CLOSE_BATCH = 16  # partition closes run this many at a time
 TOPIC_CHECK_EVERY = 0.05
 LEVEL_EVERY = 30.0
 PARK_RECHECK = 1.0
+PROBE_MAX = 1000  # records one coalesced consume probe asks another worker for
+ACK_MAX = 1000  # receipt handles one coalesced AckReq carries
 WATCH_TTL = 1.0  # a node holding our watch token is asked again after this even without a ReadyNote
 ACK, EXTEND, NACK = 0, 1, 2
 
@@ -146,6 +148,8 @@ class Broker:
         self._late: set[asyncio.Task[Any]] = set()  # consume probes answered after we stopped waiting
         self._armed: dict[tuple[str, str], float] = {}  # (topic, node) -> when our watch token was left there
         self._armed_w: dict[tuple[str, int], float] = {}  # (topic, worker of this node): the same, for workers
+        self._probes: dict[tuple[int, str, str], list[Any]] = {}  # (worker, topic, id) -> [want, [(fut, n)]]
+        self._acks: dict[tuple[int, str, str, int], list[Any]] = {}  # (worker, topic, id, mode) -> [items, waiters]
         self._polling: dict[str, int] = {}  # topic -> consumes of it running on this worker
         self._topics_ver = -1
         self._synced: dict[tuple[str, int], float] = {}
@@ -630,13 +634,18 @@ class Broker:
                             if armed is not None and loop.time() - armed < WATCH_TTL:
                                 continue
                         want = max_n - len(got)
-                        req = P.ConsumeReq(name, t.id, want, partition)
-                        items = await self._reserve_at(t, self.links.call(w, req, P.ConsumeResp, timeout=10.0),
-                                                       2.0, f"worker {w}")
+                        if partition is None:
+                            call = self._probe_at(w, t, want)  # one ConsumeReq per worker per loop pass
+                        else:
+                            call = self.links.call(w, P.ConsumeReq(name, t.id, want, partition), P.ConsumeResp,
+                                                   timeout=10.0)
+                        items = await self._reserve_at(t, call, 2.0, f"worker {w}")
                         got.extend(items)
                         if len(items) < want and partition is None and wait > 0:
-                            hints_w[key_w] = loop.time()
-                            self.links.notify(w, P.WatchNote(name, self.index))
+                            armed = hints_w.get(key_w)
+                            if armed is None or loop.time() - armed >= WATCH_TTL:  # not left by a sibling just now
+                                hints_w[key_w] = loop.time()
+                                self.links.notify(w, P.WatchNote(name, self.index))
                     hints = self._armed
                     for n in nodes:
                         if len(got) >= max_n:
@@ -699,6 +708,91 @@ class Broker:
                 self._polling.pop(name, None)
             if hung_up:
                 self._hung_up(t, left, absorbed)
+
+    # ---- coalesced hops to this node's other workers ------------------------------------------------
+    def _probe_at(self, w: int, t: TopicRecord, want: int) -> Awaitable[P.ConsumeResp]:
+        """A consume probe at worker `w`: every probe of `t` made in this loop pass
+        travels in one ConsumeReq (their wants added up, capped at PROBE_MAX); the
+        records it brings are shared out in request order."""
+        key = (w, t.name, t.id)
+        b = self._probes.get(key)
+        if b is None or b[0] + want > PROBE_MAX:
+            b = self._probes[key] = [0, []]
+            self.loop.call_soon(self._send_probes, key, b)
+        fut: asyncio.Future[list[P.Item]] = self.loop.create_future()
+        b[1].append((fut, want))
+        b[0] += want
+        return _share(fut)
+
+    def _send_probes(self, key: tuple[int, str, str], b: list[Any]) -> None:
+        if self._probes.get(key) is b:
+            del self._probes[key]
+        w, name, tid = key
+        total, waiters = b
+
+        async def send() -> None:
+            try:
+                items = (await self.links.call(w, P.ConsumeReq(name, tid, total), P.ConsumeResp,
+                                               timeout=10.0)).items
+            except Exception as e:
+                for fut, _ in waiters:
+                    if not fut.done():
+                        fut.set_exception(e)
+                        fut.exception()  # retrieved: a waiter that gave up reads nothing
+                return
+            pos = 0
+            for fut, n in waiters:
+                share = items[pos:pos + n]
+                pos += len(share)
+                if not fut.done():
+                    fut.set_result(share)
+                elif share:  # nobody will take these (cannot happen: a share future is never cancelled)
+                    t = self.store.topic(name)
+                    if t is not None and t.id == tid:
+                        self._give_back(t, share, "probe share without a taker")
+            if pos < len(items):  # more than asked (never, but never strand a lease)
+                t = self.store.topic(name)
+                if t is not None and t.id == tid:
+                    self._give_back(t, items[pos:], "probe answered with more than asked")
+
+        task = self.loop.create_task(send())
+        self._late.add(task)
+        task.add_done_callback(self._late.discard)
+
+    async def _ack_at(self, w: int, t: TopicRecord, mode: int, sub: list[tuple[int, int, int]]) -> list[int]:
+        """Settle at worker `w`: every settle of `t` with this mode made in this loop
+        pass travels in one AckReq; statuses come back in order (503 if it failed)."""
+        key = (w, t.name, t.id, mode)
+        b = self._acks.get(key)
+        if b is None or len(b[0]) + len(sub) > ACK_MAX:
+            b = self._acks[key] = [[], []]
+            self.loop.call_soon(self._send_acks, key, b)
+        fut: asyncio.Future[list[int]] = self.loop.create_future()
+        b[1].append((fut, len(b[0]), len(sub)))
+        b[0].extend(sub)
+        return await asyncio.shield(fut)  # a caller that goes away leaves the batch alone
+
+    def _send_acks(self, key: tuple[int, str, str, int], b: list[Any]) -> None:
+        if self._acks.get(key) is b:
+            del self._acks[key]
+        w, name, tid, mode = key
+        items, waiters = b
+
+        async def send() -> None:
+            try:
+                statuses = (await self.links.call(w, P.AckReq(name, tid, mode, items), P.AckResp,
+                                                  timeout=2.0)).statuses
+                if len(statuses) != len(items):
+                    statuses = [503] * len(items)
+            except Exception:
+                statuses = [503] * len(items)
+            for fut, start, n in waiters:
+                if not fut.done():
+                    fut.set_result(statuses[start:start + n])
+
+        task = self.loop.create_task(send())
+        self._late.add(task)
+        task.add_done_callback(self._late.discard)
 
     def _unpark(self, topic: str, fut: asyncio.Future[bool]) -> None:
         q = self._waiters.get(topic)
@@ -856,11 +950,7 @@ class Broker:
             elif node == self.node_id and worker == self.index:
                 statuses = self.settle_owned(t, sub, mode)
             elif node == self.node_id:
-                try:
-                    resp = await self.links.call(worker, P.AckReq(t.name, t.id, mode, sub), P.AckResp, timeout=2.0)
-                    statuses = resp.statuses
-                except Exception:
-                    statuses = [503] * len(sub)
+                statuses = await self._ack_at(worker, t, mode, sub)
             elif not self.remote.node_alive(node):
                 statuses = [503] * len(sub)
             else:
@@ -1179,21 +1269,15 @@ class Broker:
         closed as idle): list the topic directories on disk, keep the partitions this
         worker owns of live topics with a retention, stat their segments; one with
         an expired segment is opened, swept once and closed again (unless someone
-        used it meanwhile). Directories of a deleted incarnation that no open
-        partition covers (closed as idle before the delete) are removed once the
-        supervisor confirms the incarnation gone, as a retire does."""
+        used it meanwhile)."""
         names = await self.loop.run_in_executor(self.io, _list_dirs, self.data_dir / "topics")
         cands: list[tuple[TopicRecord, int, Path]] = []
-        dead: list[tuple[str, str]] = []
         for dname in names:
             name, sep, tid = dname.rpartition("@")
             if not sep:
                 continue
             t = self.store.topic(name)
-            if t is None or t.id != tid:
-                dead.append((name, tid))
-                continue
-            if not t.retention_ms:
+            if t is None or t.id != tid or not t.retention_ms:
                 continue
             base = self.data_dir / "topics" / dname
             for i in self.owned(t):
@@ -1201,8 +1285,6 @@ class Broker:
                 if (q is not None and q.topic_id == t.id and not q.closed) or (name, i) in self._opening:
                     continue
                 cands.append((t, i, base / f"p{i:05d}"))
-        for name, tid in dead:
-            await self._remove_dead(name, tid)
         if not cands:
             return
         now_ms = int(time.time() * 1000)
@@ -1222,31 +1304,6 @@ class Broker:
             log.info("cold retention walk swept a closed partition", extra={"topic": t.name, "partition": i,
                                                                            "records": n})
             await self._evict([(key, p)], used_before=opened_at)
-
-    async def _remove_dead(self, name: str, tid: str) -> None:
-        """Partition directories of a deleted incarnation that this worker serves
-        (by worker routing: the node's assignments of a deleted topic are gone) and
-        holds no open partition of: removed once the supervisor confirms it gone."""
-        base = self.data_dir / "topics" / f"{name}@{tid}"
-        parts = await self.loop.run_in_executor(self.io, _list_dirs, base)
-        mine = [d for d in parts if len(d) == 6 and d[0] == "p" and d[1:].isdigit()
-                and self.route(name, int(d[1:])) == self.index]
-        if not mine:
-            return
-        try:
-            gone = await self.confirm_gone(name, tid)
-        except Exception:
-            gone = False
-        if not gone:
-            return
-        for d in mine:
-            key = (name, int(d[1:]))
-            q = self.partitions.get(key)
-            if (q is not None and q.topic_id == tid) or key in self._opening or key in self._closing:
-                continue  # open (or opening / closing) here: the topic watch retires it
-            await self.loop.run_in_executor(self.io, _remove_partition_dir, base / d)
-            log.info("removed data of a deleted topic partition closed as idle",
-                     extra={"topic": name, "id": tid, "partition": int(d[1:])})
 
     async def _topic_watch(self) -> None:
         """A deleted or recreated topic: close its partitions here and answer
@@ -1269,6 +1326,10 @@ class Broker:
     def health(self) -> dict[str, Any]:
         return {"wal_failed": self.wal.failed is not None, "backlog": self.wal.backlog,
                 "partitions": len(self.partitions)}
+
+
+async def _share(fut: asyncio.Future[list[P.Item]]) -> P.ConsumeResp:
+    return P.ConsumeResp(await asyncio.shield(fut))
 
 
 def _wake_false(fut: asyncio.Future[bool]) -> None:

@@ -1269,15 +1269,21 @@ class Broker:
         closed as idle): list the topic directories on disk, keep the partitions this
         worker owns of live topics with a retention, stat their segments; one with
         an expired segment is opened, swept once and closed again (unless someone
-        used it meanwhile)."""
+        used it meanwhile). Directories of a deleted incarnation that no open
+        partition covers (closed as idle before the delete) are removed once the
+        supervisor confirms the incarnation gone, as a retire does."""
         names = await self.loop.run_in_executor(self.io, _list_dirs, self.data_dir / "topics")
         cands: list[tuple[TopicRecord, int, Path]] = []
+        dead: list[tuple[str, str]] = []
         for dname in names:
             name, sep, tid = dname.rpartition("@")
             if not sep:
                 continue
             t = self.store.topic(name)
-            if t is None or t.id != tid or not t.retention_ms:
+            if t is None or t.id != tid:
+                dead.append((name, tid))
+                continue
+            if not t.retention_ms:
                 continue
             base = self.data_dir / "topics" / dname
             for i in self.owned(t):
@@ -1285,6 +1291,8 @@ class Broker:
                 if (q is not None and q.topic_id == t.id and not q.closed) or (name, i) in self._opening:
                     continue
                 cands.append((t, i, base / f"p{i:05d}"))
+        for name, tid in dead:
+            await self._remove_dead(name, tid)
         if not cands:
             return
         now_ms = int(time.time() * 1000)
@@ -1304,6 +1312,31 @@ class Broker:
             log.info("cold retention walk swept a closed partition", extra={"topic": t.name, "partition": i,
                                                                            "records": n})
             await self._evict([(key, p)], used_before=opened_at)
+
+    async def _remove_dead(self, name: str, tid: str) -> None:
+        """Partition directories of a deleted incarnation that this worker serves
+        (by worker routing: the node's assignments of a deleted topic are gone) and
+        holds no open partition of: removed once the supervisor confirms it gone."""
+        base = self.data_dir / "topics" / f"{name}@{tid}"
+        parts = await self.loop.run_in_executor(self.io, _list_dirs, base)
+        mine = [d for d in parts if len(d) == 6 and d[0] == "p" and d[1:].isdigit()
+                and self.route(name, int(d[1:])) == self.index]
+        if not mine:
+            return
+        try:
+            gone = await self.confirm_gone(name, tid)
+        except Exception:
+            gone = False
+        if not gone:
+            return
+        for d in mine:
+            key = (name, int(d[1:]))
+            q = self.partitions.get(key)
+            if (q is not None and q.topic_id == tid) or key in self._opening or key in self._closing:
+                continue  # open (or opening / closing) here: the topic watch retires it
+            await self.loop.run_in_executor(self.io, _remove_partition_dir, base / d)
+            log.info("removed data of a deleted topic partition closed as idle",
+                     extra={"topic": name, "id": tid, "partition": int(d[1:])})
 
     async def _topic_watch(self) -> None:
         """A deleted or recreated topic: close its partitions here and answer

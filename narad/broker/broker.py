@@ -550,10 +550,8 @@ class Broker:
 
     # ---- consume --------------------------------------------------------------------------------
     def _reserve_in(self, p: Partition, t: TopicRecord, max_n: int, now: float) -> list[P.Item]:
-        ds = p.reserve(now, max_n, t.visibility_timeout_ms / 1000.0, t.max_in_flight_per_partition,
-                       t.max_acked_ahead_per_partition)
-        return [P.Item(d.partition, d.offset, d.nonce, d.record[0], d.record[1], d.record[2], d.record[3])
-                for d in ds]
+        return p.reserve(now, max_n, t.visibility_timeout_ms / 1000.0, t.max_in_flight_per_partition,
+                         t.max_acked_ahead_per_partition, _item)  # type: ignore[return-value]
 
     async def reserve_owned(self, t: TopicRecord, max_n: int, partition: int | None) -> list[P.Item]:
         """Reserve up to max_n from the partitions of `t` this worker owns."""
@@ -576,6 +574,11 @@ class Broker:
                 except BaseException:  # cancelled (the client hung up) or the open failed
                     self._give_back_owned(t, out)
                     raise
+            if p.available() <= 0:
+                nxt = p.next_expiry()
+                if nxt is None or nxt > now:  # nothing deliverable and no lease to expire: skip it
+                    p.last_used = now
+                    continue
             out.extend(self._reserve_in(p, t, max_n - len(out), now))
             if len(out) >= max_n:
                 break
@@ -1359,6 +1362,10 @@ class Broker:
     def health(self) -> dict[str, Any]:
         return {"wal_failed": self.wal.failed is not None, "backlog": self.wal.backlog,
                 "partitions": len(self.partitions)}
+
+
+def _item(partition: int, offset: int, nonce: int, rec: Any) -> P.Item:
+    return P.Item(partition, offset, nonce, rec[0], rec[1], rec[2], rec[3])
 
 
 async def _share(fut: asyncio.Future[list[P.Item]]) -> P.ConsumeResp:

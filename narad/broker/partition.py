@@ -36,6 +36,7 @@ from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from narad.storage import frames as FR
 from narad.storage import offsets as OFF
@@ -141,7 +142,9 @@ class Partition:
         return c if c < hwm else None
 
     def reserve(self, now: float, max_n: int, visibility_s: float, max_in_flight: int,
-                max_acked_ahead: int) -> list[Delivery]:
+                max_acked_ahead: int, make: Callable[[int, int, int, Record], Any] = Delivery) -> list[Any]:
+        """Lease and read up to max_n records; each is returned as make(partition,
+        offset, nonce, record) (a Delivery unless the caller builds its own)."""
         if self.closed:
             return []
         self.last_used = now
@@ -181,7 +184,7 @@ class Partition:
                 del self.leases[off]
                 break
             heapq.heappush(self._expiry, (expiry, off, nonce))
-            out.append(Delivery(self.index, off, nonce, rec))
+            out.append(make(self.index, off, nonce, rec))
         return out
 
     def _skip_to_oldest(self) -> None:

@@ -154,6 +154,8 @@ _count_dec = msgspec.json.Decoder(dict[str, list[msgspec.Raw]])
 
 
 _waits = functools.lru_cache(maxsize=256)(parse_go_duration)  # consume's ?wait= (clients repeat one value)
+_SETTLED: dict[str, Any] = {"status": 204}
+_GONE_RESULT: dict[str, Any] = {"status": 410, "error": GONE_HANDLE}
 _HANDLE = re.compile(r"([0-9]{1,20}):([0-9]{1,20}):([0-9]{1,20})")
 
 
@@ -601,9 +603,9 @@ class MessagesAPI:
         statuses = await self.broker.settle(t, parsed, mode) if parsed else []
         for i, s in zip(where, statuses, strict=True):
             if s == 204:
-                results[i] = {"status": 204}
+                results[i] = _SETTLED  # one shared (never mutated) dict per status
             elif s == 410:
-                results[i] = {"status": 410, "error": GONE_HANDLE}
+                results[i] = _GONE_RESULT
             else:
                 results[i] = {"status": s, "error": "partition owner is unavailable; retry"}
         return Response(200, _enc.encode({"results": results}), "application/json")

@@ -76,6 +76,8 @@ _D_LINGER = 4  # half-closed, discarding input until the client closes
 # raw request path -> the path as sent (absolute form and fragment removed, still
 # percent-encoded: the router splits it before decoding each segment); hot paths repeat; bounded
 _PATHS: dict[bytes, str] = {}
+# raw header name -> its lower-case str (names repeat on every request); bounded, first come
+_NAMES: dict[bytes, str] = {}
 
 
 def _decode_path(rp: bytes) -> str:
@@ -281,7 +283,11 @@ class _Conn(asyncio.Protocol):
         if self._hdr_bytes > self._max_hdr:
             self._fail(_HEADERS_TOO_LARGE)
             raise _Abort
-        n = name.decode("latin-1").lower()
+        n = _NAMES.get(name)
+        if n is None:
+            n = name.decode("latin-1").lower()
+            if len(_NAMES) < 256 and len(name) <= 64:
+                _NAMES[name] = n
         v = value.decode("latin-1")
         if n == "host":
             self._hosts += 1
@@ -343,8 +349,9 @@ class _Conn(asyncio.Protocol):
         b = self._body
         body = b"" if not b else (b[0] if len(b) == 1 else b"".join(b))
         h = self._headers
-        req = Request(self._method, unquote(self._path), self._query, h, body, self._peer, "h1",
-                      raw_path=self._path)
+        path = self._path
+        req = Request(self._method, unquote(path) if "%" in path else path, self._query, h, body, self._peer, "h1",
+                      raw_path=path)
         if self._parser.should_keep_alive():
             c = h.get("connection")
             keep = 2 if c is not None and "keep-alive" in c.lower() else 1  # 2: echo "Connection: keep-alive" (1.0)

@@ -46,6 +46,21 @@ from narad.meta.requests import AuthAttemptReq, AuthAttemptResp, AuthOutcome
 
 log = logging.getLogger("narad.api.auth")
 
+# The credential cache's key function: CPython's own SHA-256 (no OpenSSL). Through
+# OpenSSL 3 every digest takes and frees a context under the provider's locks, which
+# py-spy showed costing several us per request in a worker; the digest is the same.
+try:
+    from _sha256 import sha256 as _sha256  # CPython 3.11
+except ImportError:  # pragma: no cover - other versions
+    try:
+        from _sha2 import sha256 as _sha256  # type: ignore[no-redef]  # CPython 3.12+
+    except ImportError:
+        _sha256 = hashlib.sha256  # type: ignore[assignment]
+
+
+def _key(header: str) -> bytes:
+    return _sha256(header.encode("utf-8", "surrogateescape")).digest()
+
 STATE_CHANGING = frozenset(("POST", "PUT", "PATCH"))
 _CACHE_LIMIT = 50_000
 # What an unknown username's password is checked against: a bcrypt hash of a random
@@ -129,7 +144,7 @@ class Authenticator:
         ver = self.versions.load(V.USERS)
         if ver != self._cache_ver:
             return None
-        return self._cache.get(hashlib.sha256(header.encode("utf-8", "surrogateescape")).digest())
+        return self._cache.get(_key(header))
 
     async def identify(self, req: Request) -> Identity:
         if not self.security:
@@ -139,7 +154,7 @@ class Authenticator:
             raise Unauthorized()
         # Keyed by a digest of the whole header: a hit needs no base64 parse, and
         # no plain credentials are kept in memory.
-        key = hashlib.sha256(header.encode("utf-8", "surrogateescape")).digest()
+        key = _key(header)
         ver = self.versions.load(V.USERS)
         if ver != self._cache_ver:
             self._cache.clear()

@@ -1,6 +1,7 @@
 """The hop between workers of one node, where the contract lets it be avoided:
 a keyless produce is committed at a partition its own worker owns (a keyed one
-still goes to its key's partition, wherever that lives); a consume reaches
+still goes to its key's partition, wherever that lives), and the keyless
+records of one WAL group go to one partition (one commit there); a consume reaches
 records left on another worker (a probe, or that worker's ReadyNote once its
 token fires); local RPC frames written together in one loop pass arrive whole
 and in order, and a close sends what was written before it. Real nodes with
@@ -72,6 +73,30 @@ def test_keyless_produce_is_committed_at_its_own_workers_partitions(node: Node) 
         # every keyless record of worker w sits in w's own partitions, spread evenly over them
         want.update(dict.fromkeys(owned[w], per))
         wait_for(lambda: hwms(node, name) == want, 20.0, what=f"worker {w}'s records at its own partitions")
+
+
+def test_keyless_records_of_one_wal_group_go_to_one_partition_and_groups_rotate(node: Node) -> None:
+    name, owned = split_topic("sticky")
+    mk(node, name)
+    c = node.worker_connection(0)
+    seen: list[int] = []
+    before = hwms(node, name)
+    for b in range(2 * len(owned[0])):
+        body = json.dumps({"messages": [{"payload": {"b": b, "i": i}} for i in range(20)]}).encode()
+        r = node.request("POST", f"/v1/topics/{name}/produce/batch", body,
+                         headers={"Content-Type": "application/json"}, conn=c)
+        assert r.status == 202, r
+        total = sum(before.values()) + 20
+        wait_for(lambda total=total: sum(hwms(node, name).values()) == total, 20.0, what="the batch committed")
+        after = hwms(node, name)
+        grown = [p for p in after if after[p] != before[p]]
+        # one batch is one WAL group: all of its keyless records in one partition of worker 0
+        assert len(grown) == 1 and after[grown[0]] - before[grown[0]] == 20, (before, after)
+        assert grown[0] in owned[0]
+        seen.append(grown[0])
+        before = after
+    assert set(seen) == set(owned[0])  # later groups rotate over every partition worker 0 owns
+    c.close()
 
 
 def test_keyed_produce_still_goes_to_its_keys_partition_on_the_other_worker(node: Node) -> None:

@@ -141,6 +141,8 @@ class Broker:
         self._watchers: dict[str, dict[tuple[str, int], None]] = {}
         self._rr = RoundRobin()
         self._crr = RoundRobin()  # where a consume starts among this worker's partitions
+        self._sticky: dict[str, tuple[int, int]] = {}  # topic -> (WAL group epoch, keyless partition)
+        self._group_epoch = 0
         self._route_cache: dict[tuple[str, int], int] = {}
         self._owned_cache: dict[Any, _Placement] = {}
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]  # set in start()
@@ -168,7 +170,7 @@ class Broker:
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
         await self.loop.run_in_executor(self.io, self.wal.open)
-        self.wal.on_durable = self.dispatcher.feed
+        self.wal.on_durable = self._durable
         replayed = 0
         batch: list[Entry] = []
         for e in self.wal.replay():
@@ -260,13 +262,27 @@ class Broker:
     def choose_partition(self, topic: TopicRecord, key: bytes | None) -> int:
         """A key hashes to its partition (order per key). A keyless message may go
         to any partition: it rotates over the partitions this worker owns, so it
-        is committed here without a hop; over all of them when this worker owns none."""
+        is committed here without a hop; over all of them when this worker owns none.
+        The rotation moves on once per WAL group commit (sticky): the keyless records
+        of one group go to one partition, one commit there, instead of a commit at
+        every partition each carrying a record or two."""
         if key:
             return key_partition(key, topic.partitions)
-        mine = self._placement(topic).mine
-        if mine:
-            return self._rr.pick_among(topic.name, mine)
-        return self._rr.pick(topic.name, topic.partitions)
+        pl = self._placement(topic)
+        st = self._sticky.get(topic.name)
+        if st is not None and st[0] == self._group_epoch and st[1] < topic.partitions and (
+                not pl.mine or st[1] in pl.mine_set):
+            return st[1]
+        p = self._rr.pick_among(topic.name, pl.mine) if pl.mine else self._rr.pick(topic.name, topic.partitions)
+        if len(self._sticky) > 100_000:
+            self._sticky.clear()
+        self._sticky[topic.name] = (self._group_epoch, p)
+        return p
+
+    def _durable(self, entries: list[Entry]) -> None:
+        """A WAL group became durable: to the dispatcher; keyless choices move on."""
+        self._group_epoch += 1
+        self.dispatcher.feed(entries)
 
     # ---- produce ------------------------------------------------------------------------------
     async def produce(self, entries: list[Entry]) -> None:

@@ -6,13 +6,16 @@
 2. the gap in metadata writes while the leader stops gracefully (SIGTERM: it
    hands leadership over first) and after it is killed with SIGKILL;
 3. full-flow throughput (produce, consume, ack; single-message and batch) with
-   one client process per node, each talking to its own node: 2 of every 3
-   messages are committed at an owner one node-RPC hop away and most consumes
-   gather from other nodes; and, in the same sitting, the same clients against
-   one node with one worker (``--no-baseline`` skips it), with the ratio and
-   the extra server CPU per message that crossed a node hop.
+   one client process per node, each talking to its own node (keyless
+   messages are committed at a partition of the node that took them; consumes
+   that find nothing there probe the other nodes), the node RPCs sent per
+   message by operation, and, in the same sitting, the same clients against
+   one node with one worker (``--no-baseline`` skips it) with the ratio. With
+   ``--cross`` every message has a key, so 2 of 3 are committed at an owner one
+   node hop away, and the extra server CPU per message that crossed a hop is
+   printed.
 
-Usage: .venv/bin/python loadtest/bench_cluster.py [--seconds 5] [--writes 300]
+Usage: .venv/bin/python loadtest/bench_cluster.py [--seconds 5] [--writes 300] [--cross]
 Three nodes (six processes) and the load generator share this machine's
 cores: the figures are what the whole cluster does on it, not per node.
 """
@@ -105,6 +108,43 @@ def write_gap(c: Cluster, how: str) -> float:
     return gap
 
 
+KEYS = 24  # keyed messages spread over every partition: 2 of every 3 are committed one node hop away
+
+
+class CrossRequests(B.Requests):
+    """bench.Requests with a key on every message (``--cross``). A keyless message goes to a
+    partition its own node owns (no hop); a keyed one to the partition its key hashes to,
+    whoever owns it, so the dispatcher's commit crosses to the owner node for 2 of 3."""
+
+    def __init__(self, port: int, auth: str, topic: str = B.TOPIC) -> None:
+        super().__init__(port, auth, topic)
+        head = self.produce_head.decode()
+        i = head.index(" HTTP/1.1")
+        self._heads = [(head[:i] + f"?key=k{k}" + head[i:]).encode() for k in range(KEYS)]
+
+    def produce(self, mid: int) -> bytes:
+        return self._heads[mid % KEYS] + B.payload(mid)
+
+    def produce_batch(self, first: int, n: int) -> bytes:
+        body = b'{"messages":[' + b",".join([b'{"key":"k%d","payload":' % ((first + i) % KEYS) + B.payload(first + i)
+                                             + b"}" for i in range(n)]) + b"]}"
+        return self.batch_head + b"%d\r\n\r\n" % len(body) + body
+
+
+_RPC_LINE = re.compile(r'^narad_node_rpc_(calls|served)_total\{op="(\w+)"\} ([0-9.e+]+)$', re.M)
+
+
+def rpc_counts(c: Cluster) -> Counter[tuple[str, str]]:
+    """(calls|served, operation) -> count over every node (from /metrics)."""
+    out: Counter[tuple[str, str]] = Counter()
+    for n in c.initial:
+        r = c[n].get("/metrics")
+        if r.status == 200:
+            for what, op, v in _RPC_LINE.findall(r.body.decode(errors="replace")):
+                out[(what, op)] += int(float(v))
+    return out
+
+
 def flow(sc: B.Scenario, profile: Path | None = None) -> B.Result:
     res = B.Result(sc)
     tmp = Path(tempfile.mkdtemp(prefix="narad-bench-cluster-"))
@@ -133,6 +173,7 @@ def flow(sc: B.Scenario, profile: Path | None = None) -> B.Result:
             barrier.wait(timeout=120)
         except Exception:
             pass
+        rpc0 = rpc_counts(c)
         cpu0, busy0 = B._cpu(procs), B._machine_busy()
         spies: list = []
         if profile is not None:  # py-spy the first node's worker (the nodes are symmetric)
@@ -143,10 +184,12 @@ def flow(sc: B.Scenario, profile: Path | None = None) -> B.Result:
                 raise B.BenchFailure("a client process gave no result within the run time + 300 s")
             stats.append(rd.recv())
         cpu1, busy1 = B._cpu(procs), B._machine_busy()
+        rpc1 = rpc_counts(c)
         for p in children:
             p.join(10)
         for spy in spies:
             spy.wait(60)
+        res.rpc = {k: rpc1[k] - rpc0.get(k, 0) for k in rpc1 if rpc1[k] - rpc0.get(k, 0) > 0}  # type: ignore[attr-defined]
         failures = [s.failure for s in stats if s.failure]
         if failures:
             raise B.BenchFailure(failures[0])
@@ -188,6 +231,8 @@ def main() -> None:
     ap.add_argument("--only", help="regex on the flow scenario names")
     ap.add_argument("--profile", type=Path, metavar="DIR", help="py-spy n1's worker during the flow runs")
     ap.add_argument("--no-baseline", action="store_true", help="skip the one-node, one-worker runs")
+    ap.add_argument("--cross", action="store_true",
+                    help="keyed messages (2 of 3 committed one node hop away) instead of keyless ones (no commit hop)")
     args = ap.parse_args()
     cpus = len(os.sched_getaffinity(0))
     print(f"# narad 3-node loopback cluster benchmark: {cpus} CPUs, {psutil.virtual_memory().total >> 30} GiB, "
@@ -196,7 +241,11 @@ def main() -> None:
         metadata(args)
     if args.skip_flow:
         return
-    print("\n# full flow, one client process per node (3 in all), each on its own node; msgs = acked")
+    if args.cross:
+        B.Requests = CrossRequests  # type: ignore[misc]  # the forked clients build their requests from it
+    print("\n# full flow, one client process per node (3 in all), each on its own node; msgs = acked; "
+          + ("keyed messages: 2 of 3 committed one node hop away" if args.cross else
+             "keyless messages (committed at a partition of their own node)"))
     print(B.HEADER)
     todo = [B.Scenario("flow single", "flow", 1, 3, args.conns, args.seconds),
             B.Scenario("flow batch100", "flow_batch", 1, 3, args.batch_conns, args.seconds, batch=100)]
@@ -206,6 +255,12 @@ def main() -> None:
     for sc in todo:
         r = flow(sc, args.profile)
         print(B.row(r), flush=True)
+        sent = {op: v for (what, op), v in getattr(r, "rpc", {}).items() if what == "calls"}
+        if sent and r.msgs:  # the window includes a little of the warm-up and drain: per message, roughly
+            total = sum(sent.values())
+            print(f"  node RPCs sent (requests and notes) per acked message: {total / r.msgs:.2f} = "
+                  + ", ".join(f"{op} {v / r.msgs:.2f}" for op, v in sorted(sent.items(), key=lambda kv: -kv[1])),
+                  flush=True)
         if r.failure or r.check.failed:
             failed = True
             print(r.failure or r.check.text)
@@ -222,10 +277,10 @@ def main() -> None:
         if one.msgs and r.msgs and one.wall and r.wall:
             ratio = (r.msgs / r.wall) / (one.msgs / one.wall)
             us3, us1 = r.server_cpu / r.msgs * 1e6, one.server_cpu / one.msgs * 1e6
-            # 2 of every 3 messages are committed one node hop away (B.PARTITIONS spread over 3 owners)
-            hop = (us3 - us1) * 1.5
-            print(f"  -> 3 nodes / 1 node: {ratio:.2f}x msgs/s; server CPU {us3:.0f} vs {us1:.0f} us/msg; "
-                  f"extra per message that crossed a node hop ~{hop:.0f} us", flush=True)
+            line = f"  -> 3 nodes / 1 node: {ratio:.2f}x msgs/s; server CPU {us3:.0f} vs {us1:.0f} us/msg"
+            if args.cross:  # 2 of every 3 messages are committed one node hop away
+                line += f"; extra per message that crossed a node hop ~{(us3 - us1) * 1.5:.0f} us"
+            print(line, flush=True)
     if failed:
         sys.exit(1)
 

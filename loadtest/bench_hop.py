@@ -12,7 +12,10 @@ connections) and once in batches (2 producers x 50 per call, 2 consumers
 max=100 and one batch ack each). Prints msgs/s (acked) and the node's server
 CPU per message (psutil over every node process).
 
-Usage: .venv/bin/python loadtest/bench_hop.py [--count N] [--cross [--seconds S]]
+``--cross --spread``: the same, connections wherever the kernel puts them (32 + 32
+single, like the peer harness's unbatched e2e shape).
+
+Usage: .venv/bin/python loadtest/bench_hop.py [--count N] [--cross [--spread] [--seconds S]]
 """
 
 from __future__ import annotations
@@ -96,12 +99,18 @@ async def _pinned(port: int, worker: int, reqs: Any) -> Any:
     raise SystemExit(f"no connection landed on worker {worker}")
 
 
-async def _cross_flow(port: int, auth: str, seconds: float, batch: int, conns: int) -> tuple[int, float]:
+async def _cross_flow(port: int, auth: str, seconds: float, batch: int, conns: int,
+                      spread: bool) -> tuple[int, float]:
     from loadtest.bench import Requests
 
     reqs = Requests(port, auth)
-    prod = [await _pinned(port, 0, reqs) for _ in range(conns)]
-    cons = [await _pinned(port, 1, reqs) for _ in range(conns)]
+    conn = _conn_class()
+    if spread:  # wherever the kernel puts them, producers and consumers on connections of their own
+        prod = [await conn.open(port) for _ in range(conns)]
+        cons = [await conn.open(port) for _ in range(conns)]
+    else:
+        prod = [await _pinned(port, 0, reqs) for _ in range(conns)]
+        cons = [await _pinned(port, 1, reqs) for _ in range(conns)]
     end = time.monotonic() + seconds
     acked = 0
     backlog = 0
@@ -146,15 +155,19 @@ def _cpu(procs: list[Any]) -> float:
     return sum(sum(p.cpu_times()[:2]) for p in procs if p.is_running())
 
 
-def cross(seconds: float) -> None:
+def cross(seconds: float, spread: bool) -> None:
     import shutil
 
     import psutil
 
     from tests.harness import Node
 
-    print("# full flow across the hop: producers on worker 0, consumers on worker 1 (node with 2 workers)")
-    for label, batch, conns in (("single", 1, 16), ("batch50", 50, 2)):
+    if spread:
+        print("# full flow on a node with 2 workers, producers and consumers on connections of their own "
+              "(kernel-placed)")
+    else:
+        print("# full flow across the hop: producers on worker 0, consumers on worker 1 (node with 2 workers)")
+    for label, batch, conns in (("single", 1, 32 if spread else 16), ("batch50", 50, 2)):
         tmp = Path(tempfile.mkdtemp(prefix="narad-hop-"))
         node = Node(tmp / "data", workers=2).start()
         try:
@@ -164,7 +177,7 @@ def cross(seconds: float) -> None:
             procs += procs[0].children(recursive=True)
 
             c0 = _cpu(procs)
-            acked, wall = uvloop.run(_cross_flow(node.port, node.auth, seconds, batch, conns))
+            acked, wall = uvloop.run(_cross_flow(node.port, node.auth, seconds, batch, conns, spread))
             used = _cpu(procs) - c0
             print(f"{label:>8}: {acked:>8,} acked in {wall:4.1f} s  {acked / wall:9,.0f} msgs/s  "
                   f"server CPU {used / max(acked, 1) * 1e6:7.1f} us/msg")
@@ -177,10 +190,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--count", type=int, default=20000)
     ap.add_argument("--cross", action="store_true", help="full flow on a 2-worker node, across the hop")
+    ap.add_argument("--spread", action="store_true", help="with --cross: connections wherever the kernel puts them")
     ap.add_argument("--seconds", type=float, default=6.0)
     args = ap.parse_args()
     if args.cross:
-        cross(args.seconds)
+        cross(args.seconds, args.spread)
         return
     path = os.path.join(tempfile.mkdtemp(), "hop.sock")
     r, w = os.pipe()

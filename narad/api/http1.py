@@ -544,11 +544,16 @@ class _Conn(asyncio.Protocol):
 
     def _write(self, resp: Response, head: bool, close: bool, keep: int) -> None:
         status = resp.status
-        if not resp.body and not resp.headers:
-            # a bodiless answer with no headers of its own (202 of a produce, 204): its bytes never vary
-            k = (status, resp.content_type, 0 if close else keep, head)
+        hdrs = resp.headers
+        if not resp.body and len(hdrs) <= 4:
+            # a bodiless answer (202 of a produce, 204): its bytes repeat
+            k = (status, resp.content_type, 0 if close else keep, head, tuple(hdrs) if hdrs else ())
             heads = self._srv._heads
-            hb = heads.get(k)
+            try:
+                hb = heads.get(k)
+            except TypeError:  # a header given as a list: not a key
+                self._transport.write(self._head(resp, head, close, keep))  # type: ignore[union-attr]
+                return
             if hb is None:
                 hb = self._head(resp, head, close, keep)
                 if len(heads) < 256:
@@ -655,9 +660,9 @@ class Http1Server:
         alt = f"Alt-Svc: {limits.alt_svc}\r\n" if limits.alt_svc else ""
         # end of every response head, by keep-alive flag: 0 close, 1 keep-alive, 2 keep-alive echoed (HTTP/1.0)
         self._tails = (f"{alt}Connection: close\r\n\r\n", f"{alt}\r\n", f"{alt}Connection: keep-alive\r\n\r\n")
-        # (status, content type, keep-alive flag, HEAD) -> the bytes of a bodiless response without headers
-        # of its own (a produce's 202, a 204): they never vary
-        self._heads: dict[tuple[int, str | None, int, bool], bytes] = {}
+        # (status, content type, keep-alive flag, HEAD, headers) -> the bytes of a bodiless response with at
+        # most 4 headers of its own (a produce's 202, a 204); bounded (first come)
+        self._heads: dict[tuple[int, str | None, int, bool, tuple[tuple[str, str], ...]], bytes] = {}
         self._loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]  # set by start()
         self._conns: set[_Conn] = set()
         self._orphans: set[_Conn] = set()  # connection gone, handler still running (keeps the task alive)

@@ -145,6 +145,7 @@ class Broker:
         self._group_epoch = 0
         self._route_cache: dict[tuple[str, int], int] = {}
         self._owned_cache: dict[Any, _Placement] = {}
+        self._name_slots: dict[str, int] = {}  # topic name -> its slot in the version array
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]  # set in start()
         self._tasks: list[asyncio.Task[None]] = []
         self._late: set[asyncio.Task[Any]] = set()  # consume probes answered after we stopped waiting
@@ -225,7 +226,12 @@ class Broker:
     def _placement(self, t: TopicRecord) -> _Placement:
         """Where the partitions of `t` live, seen from this worker (cached per topic
         record and assignments: the topic's name slot moves with both)."""
-        key = (t.name, t.partitions, t.id, self.versions.load(V.name_slot(t.name)))
+        slot = self._name_slots.get(t.name)
+        if slot is None:
+            if len(self._name_slots) > 100_000:
+                self._name_slots.clear()
+            slot = self._name_slots[t.name] = V.name_slot(t.name)
+        key = (t.name, t.partitions, t.id, self.versions.load(slot))
         pl = self._owned_cache.get(key)
         if pl is None:
             if len(self._owned_cache) > 10_000:

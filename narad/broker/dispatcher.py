@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 from collections import deque
@@ -100,13 +101,30 @@ class Dispatcher:
         g = _Group(entries[-1].seq, len(entries))
         self._front.append(g)
         dests = self._dests
-        for e in entries:
-            key = (e.topic, e.incarnation, e.partition)
+        # Runs of records bound for one destination (a batch, or a WAL group of keyless
+        # records, is usually one run) are queued with one lookup and two C-level extends.
+        n = len(entries)
+        i = 0
+        while i < n:
+            e = entries[i]
+            topic, inc, part = e.topic, e.incarnation, e.partition
+            j = i + 1
+            while j < n:
+                f = entries[j]
+                if f.partition != part or f.topic != topic or f.incarnation != inc:
+                    break
+                j += 1
+            key = (topic, inc, part)
             d = dests.get(key)
             if d is None:
                 d = dests[key] = _Dest()
-            d.entries.append(e)
-            d.groups.append(g)
+            if j - i == 1:
+                d.entries.append(e)
+                d.groups.append(g)
+            else:
+                d.entries.extend(entries[i:j])
+                d.groups.extend(itertools.repeat(g, j - i))
+            i = j
         self._pump()
 
     @property

@@ -2,8 +2,8 @@
 
 Both ends of every node-RPC connection run TLS 1.3 (the stdlib ``ssl`` module, OpenSSL) with
 *mutual* certificate authentication, and both present the same certificate: an Ed25519 key
-pair derived from the cluster secret (``HKDF-SHA256(secret, info="narad-cluster-tls-key-v1")``
-as the 32-byte Ed25519 seed) in a self-signed certificate whose every field is fixed, so every
+pair derived from the cluster secret (``PBKDF2-HMAC-SHA256(secret, salt="narad-cluster-tls-key-v1",
+KEY_ROUNDS)`` as the 32-byte Ed25519 seed) in a self-signed certificate whose every field is fixed, so every
 node builds the identical DER (Ed25519 signatures are deterministic). Each end trusts exactly
 that certificate (``CERT_REQUIRED``, it is the only trust anchor) and, after the handshake,
 checks that the peer's certificate is byte-for-byte it (``pinned``).
@@ -28,8 +28,15 @@ HMAC challenge-response run *inside* a TLS session whose certificates nobody che
 bound to that session: an active man in the middle terminates one TLS session towards each
 node and simply relays the challenges and answers between the two, ending up authenticated on
 both with the plaintext in hand. Making the secret the TLS identity lets TLS itself do the
-binding, with nothing hand-rolled: HKDF and Ed25519 from ``cryptography``, the handshake and
+binding, with nothing hand-rolled: PBKDF2 from hashlib, Ed25519 from ``cryptography``, the handshake and
 record protection from OpenSSL.
+
+What an unauthenticated peer learns: in TLS 1.3 the server sends its certificate before it has
+checked the client's, so anyone who reaches the port sees the public key, and can test guesses
+of the secret against it offline (the QUIC proofs showed nothing derived from the secret to a
+peer that had not proved it). A multi-node cluster requires a secret of at least 32 bytes; a
+random one (``openssl rand -hex 32``) is out of reach, and the slow derivation (``KEY_ROUNDS``
+PBKDF2 rounds, ~50-100 ms once per process) makes each guess at a weak one cost that much.
 
 What an unauthenticated peer can cost: nothing of ours runs or buffers until the handshake
 completed. During the handshake OpenSSL reads TLS records of at most 16 KiB and caps a
@@ -39,12 +46,13 @@ keeps at most ``MAX_HANDSHAKING`` connections handshaking at once (the oldest is
 make room), see narad.cluster.rpc_server.
 
 The secret's key is derived once per process and secret (cached). Imports the stdlib and
-``cryptography`` only.
+``cryptography`` only (HMAC/PBKDF2 from hashlib, Ed25519 and X.509 from cryptography).
 """
 
 from __future__ import annotations
 
 import datetime
+import hashlib
 import os
 import ssl
 import tempfile
@@ -52,13 +60,13 @@ from functools import lru_cache
 from pathlib import Path
 
 from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
-from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from cryptography.x509.oid import NameOID
 
 ALPN = "narad-cluster-tls-v1"
-KEY_INFO = b"narad-cluster-tls-key-v1"
+KEY_INFO = b"narad-cluster-tls-key-v1"  # the PBKDF2 salt (fixed: every node must derive the same key)
+KEY_ROUNDS = 100_000
 HANDSHAKE_TIMEOUT = 5.0  # seconds a server gives a peer to complete the TLS handshake
 MAX_HANDSHAKING = 64  # connections a server lets handshake at once
 
@@ -69,7 +77,7 @@ def identity(secret: bytes) -> tuple[bytes, bytes]:
     node holding it."""
     if not secret:
         raise ValueError("the cluster secret must not be empty")
-    seed = HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=KEY_INFO).derive(secret)
+    seed = hashlib.pbkdf2_hmac("sha256", secret, KEY_INFO, KEY_ROUNDS, 32)
     key = ed25519.Ed25519PrivateKey.from_private_bytes(seed)
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "narad-cluster")])
     cert = (

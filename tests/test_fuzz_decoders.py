@@ -192,11 +192,10 @@ def _write_log(d: Path, n_commits: int, seg_bytes: int, rnd: random.Random) -> d
         written.update({base + i: _payload(base + i) for i in range(k)})
     if rnd.random() < 0.5:
         plog.close()
-    else:  # a crash: nothing written at close, the hwm file stays empty
+    else:  # a crash: nothing written at close (the hwm file, emptied at the first advance, stays empty)
         for s in plog.segments:
             if s.fd >= 0:
                 os.close(s.fd)
-        os.close(plog._hwm_fd)
     return written
 
 

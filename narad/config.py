@@ -100,7 +100,7 @@ class HttpConfig:
 
 @dataclass(frozen=True)
 class ClusterConfig:
-    host: str = _s("127.0.0.1", "Address the Raft and cluster (QUIC node RPC) ports bind to and advertise.",
+    host: str = _s("127.0.0.1", "Address the Raft and cluster (TLS node RPC) ports bind to and advertise.",
                    "NARAD_CLUSTER_HOST")
     raft_port: int = _s(0, "Raft TCP port (0 = client port + 1).", "NARAD_CLUSTER_RAFT_PORT")
     cluster_port: int = _s(0, "Node-to-node RPC port, TLS over TCP (0 = client port + 2).", "NARAD_CLUSTER_PORT")

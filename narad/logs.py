@@ -72,7 +72,7 @@ def setup(role: str, level: str = "info", fmt: str = "json") -> None:
     # pysyncobj logs every reconnect attempt at warning; keep its errors only.
     logging.getLogger("pysyncobj").setLevel(logging.ERROR)
     # aioquic logs every handshake and stream reset at info: keep its warnings
-    # (NARAD_QUIC_LOG=info brings them back when debugging the node transport).
+    # (NARAD_QUIC_LOG=info brings them back when debugging HTTP/3).
     logging.getLogger("quic").setLevel(os.environ.get("NARAD_QUIC_LOG", "warning").upper())
 
 

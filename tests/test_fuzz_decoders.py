@@ -620,40 +620,6 @@ def test_frame_envelope_decoders(data: bytes) -> None:
     assert isinstance(err, Exception)
 
 
-class _FakeQuic:
-    def __init__(self) -> None:
-        self._streams: dict[int, Any] = {}
-
-    def __getattr__(self, name: str) -> Any:
-        return lambda *a, **k: None
-
-
-@FAST
-@given(st.lists(st.binary(max_size=48), min_size=1, max_size=6), st.booleans())
-def test_node_rpc_stream_reader(chunks: list[bytes], with_proof: bool) -> None:
-    """The node-RPC stream reader (proof, u32 length, frame) on random data: a
-    frame, None (incomplete), or _StreamError; a returned frame has exactly the
-    announced length."""
-    proof = bytes(range(32))
-    reader = T._Base.__new__(T._ServerConn)
-    reader._authed = True
-    reader._quic = _FakeQuic()
-    stv = T._ReadState(0)
-    for i, c in enumerate(chunks):
-        data = (proof + c) if (with_proof and i == 0) else c
-        try:
-            frame = reader._read(stv, data, proof)
-        except T._StreamError:
-            return
-        if frame is not None:
-            assert len(frame) == stv.length
-            try:
-                T._frame_dec.decode(frame)
-            except msgspec.DecodeError:
-                pass
-            return
-
-
 @FAST
 @given(st.binary(max_size=200))
 def test_node_rpc_undecodable_message(body: bytes) -> None:

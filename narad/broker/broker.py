@@ -702,6 +702,17 @@ class Broker:
                         self.m.messages_consumed.labels(name).inc(len(got))
                     return got
                 got = []
+                if partition is None and peers:
+                    # Parking: every other worker owning partitions of the topic must hold our
+                    # token, or its records would wake nobody here until the re-check (a token
+                    # is spent by its ReadyNote; the probe that follows may not leave a new one).
+                    tnow = loop.time()
+                    for w in peers:
+                        key_w = (name, w)
+                        armed = self._armed_w.get(key_w)
+                        if armed is None or tnow - armed >= WATCH_TTL:
+                            self._armed_w[key_w] = tnow
+                            self.links.notify(w, P.WatchNote(name, self.index))
                 fut: asyncio.Future[bool] = loop.create_future()
                 self._waiters.setdefault(name, deque()).append(fut)
                 self.m.consume_waiters.inc()
@@ -1192,6 +1203,15 @@ class Broker:
                     self._armed_w.pop((m.topic, m.src), None)  # its token fired: ask it again
                 if not self._wake(m.topic, m.count):
                     self._bounce(m)
+                elif self._waiters.get(m.topic):
+                    # Consumers are still parked here: the owner gets a new token at once (the
+                    # one it spent told only the ones just woken).
+                    if m.node and m.node != self.node_id:
+                        self._armed[(m.topic, m.node)] = self.loop.time()
+                        self.remote.notify(m.node, P.WatchNote(m.topic, self.index, self.node_id))
+                    elif m.src >= 0:
+                        self._armed_w[(m.topic, m.src)] = self.loop.time()
+                        self.links.notify(m.src, P.WatchNote(m.topic, self.index))
             else:
                 self.links.notify(m.worker, m)
 

@@ -263,3 +263,37 @@ def test_stats_from_disk_match_an_open_partition_after_a_crash(tmp_path: Path) -
     assert stats_from_disk(tmp_path / "never-created") == {
         "high_watermark": 0, "next_offset": 0, "oldest_offset": 0, "committed_offset": -1, "lag": 0,
         "in_flight": 0, "acked_ahead": 0}
+
+
+def test_polling_consumers_do_not_reopen_drained_closed_partitions(node: Node) -> None:
+    """A consume skips a partition closed with nothing deliverable instead of
+    opening it (a poll over many idle partitions would otherwise reopen, and
+    churn, every one); a produce to one of them reopens it and the waiting
+    consumer gets the record."""
+    mk(node, "drained", partitions=8)
+    h = History(60.0)
+    for i in range(8):
+        t0 = now()
+        st = produce(node, "drained", f"d{i}".encode(), i)
+        h.produced([f"d{i}"], t0, now(), st)
+        assert st == 202
+    committed(node, "drained", [1] * 8)
+    got = [d for i in range(8) for d in consume(h, node, "drained", f"partition={i}&max=1")]
+    assert len(got) == 8
+    assert settle(h, node, "drained", got) == [204] * 8
+    wait_for(lambda: topic_fds(node, "drained") == 0, 20, 0.1, "every drained partition closed")
+    opened0 = node.metric("narad_idle_logs_evicted_total")
+    for _ in range(20):
+        assert consume(h, node, "drained", "max=10") == []
+        assert topic_fds(node, "drained") == 0, "a poll opened a drained partition"
+    assert node.metric("narad_idle_logs_evicted_total") == opened0  # nothing was reopened to be closed again
+    t0 = now()
+    st = produce(node, "drained", b"late", 5)
+    h.produced(["late"], t0, now(), st)
+    assert st == 202
+    late = consume(h, node, "drained", "max=10&wait=5s")
+    assert [d.mid for d in late] == ["late"], "the record produced to a closed partition is delivered"
+    assert settle(h, node, "drained", late) == [204]
+    h.finish()
+    v = check(h, "strict")
+    assert v.ok, v.summary("drained partitions skipped")

@@ -67,6 +67,7 @@ SWEEP_EVERY = 1.0
 REAP_EVERY = 60.0
 EVICT_EVERY = 1.0  # idle logs are looked for this often (a quarter of a shorter idle setting)
 CLOSE_BATCH = 16  # partition closes run this many at a time
+DRAINED_LIMIT = 1 << 17  # closed-and-drained partitions remembered (a cache of "no need to open")
 TOPIC_CHECK_EVERY = 0.05
 LEVEL_EVERY = 30.0
 PARK_RECHECK = 1.0
@@ -130,6 +131,11 @@ class Broker:
         self.cold_walk_s = cold_walk_ms / 1000.0  # 0: never
         self.max_open = max_open_logs()
         self._closing: dict[tuple[str, int], asyncio.Future[None]] = {}  # closes still writing files
+        # Partitions closed with nothing deliverable (topic, index, incarnation): a
+        # consume skips them without opening them. Whatever can make one
+        # deliverable again (a commit, a cold-walk sweep) opens it first, and the
+        # open forgets it; a restart starts with none (they open once, then close).
+        self._drained: set[tuple[str, int, str]] = set()
         self._cap_warned = 0.0
         self.io = ThreadPoolExecutor(max_workers=8, thread_name_prefix=f"io-w{index}")
         self.wal = IngressWAL(self.data_dir / "ingress" / f"w{index}", self.io)
@@ -334,6 +340,7 @@ class Broker:
         if fence is not None:
             await asyncio.shield(fence)  # its files are still being written by a close: never open under it
         await self._make_room(key)
+        self._drained.discard((topic.name, index, topic.id))
         d = topic_dir(self.data_dir, topic.name, topic.id) / f"p{index:05d}"
         p = await self.loop.run_in_executor(self.io, self._open_sync, topic, index, d)
         p.on_visible = self._on_visible
@@ -360,6 +367,10 @@ class Broker:
         waits for it)."""
         if self.partitions.get(key) is p:
             del self.partitions[key]
+        if not p.leases and p.available() <= 0:
+            if len(self._drained) >= DRAINED_LIMIT:
+                self._drained.clear()  # a cache: forgetting only costs an open
+            self._drained.add((p.topic, p.index, p.topic_id))
         self._synced.pop(key, None)
         self._leveled.pop(key, None)
         self._report_dropped(p)
@@ -591,6 +602,8 @@ class Broker:
             i = parts[(start + k) % n]
             p = self.partitions.get((t.name, i))
             if p is None or p.topic_id != t.id:
+                if (t.name, i, t.id) in self._drained and (t.name, i) not in self._opening:
+                    continue  # closed with nothing deliverable, nothing committed since: never opened for a poll
                 try:
                     p = await self.partition(t, i)
                 except BaseException:  # cancelled (the client hung up) or the open failed
@@ -599,8 +612,7 @@ class Broker:
             if p.available() <= 0:
                 nxt = p.next_expiry()
                 if nxt is None or nxt > now:  # nothing deliverable and no lease to expire: skip it
-                    p.last_used = now
-                    continue
+                    continue  # (not a use: a partition only polled may close when idle)
             out.extend(self._reserve_in(p, t, max_n - len(out), now))
             if len(out) >= max_n:
                 break

@@ -11,7 +11,8 @@ doubling to 2 s) after a failure; a failure in the TLS handshake is reported as
 
 Liveness: a connection that received nothing for ``PING_AFTER`` seconds sends a PING; if
 nothing at all arrives within ``PING_TIMEOUT`` of it, the connection is dropped and its calls
-fail at once (the next call redials). A call that times out sends a PING at once. A peer that
+fail at once (the next call redials); while our own output is still draining (a large frame
+ahead of the PING on a slow link) the peer counts as alive. A call that times out sends a PING at once. A peer that
 dies or restarts closes or resets the TCP connection: its calls fail at once. A connection with
 no call for ``idle_timeout`` seconds is closed.
 
@@ -167,8 +168,12 @@ class _ClientConn(FrameConn):
         if self.dead:
             return
         now = self._loop.time()
+        self.tx_progress(now)
         if self._ping is not None:
-            if now - self._ping[1] >= PING_TIMEOUT and self.last_rx < self._ping[1]:
+            # the PING may sit behind a large frame of ours still leaving: a peer that keeps
+            # taking our bytes is alive, so the PING's clock starts when that stops
+            since = max(self._ping[1], self.last_tx_progress)
+            if now - since >= PING_TIMEOUT and self.last_rx < self._ping[1]:
                 log.warning("cluster client: %s did not answer a PING within %gs; dropping the connection",
                             self.name, PING_TIMEOUT)
                 self.abort("liveness probe unanswered")
@@ -180,7 +185,8 @@ class _ClientConn(FrameConn):
             self._send_ping(now)
         delay = _TICK
         if self._ping is not None:  # wake up exactly at the PING's deadline
-            delay = min(_TICK, max(0.0, self._ping[1] + PING_TIMEOUT - now) + 0.001)
+            since = max(self._ping[1], self.last_tx_progress)
+            delay = min(_TICK, max(0.0, since + PING_TIMEOUT - now) + 0.001)
         self._ticker = self._loop.call_later(delay, self._tick)
 
     def teardown(self, reason: str) -> None:

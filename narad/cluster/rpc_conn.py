@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
+import struct
 from typing import Any
 
 from narad.cluster.rpc_frames import HEADER, FrameReader, ProtocolError
@@ -25,6 +27,26 @@ def fmt_addr(addr: Any) -> str:
     if host.startswith("::ffff:"):
         host = host[7:]
     return f"[{host}]:{addr[1]}" if ":" in host else f"{host}:{addr[1]}"
+
+
+_TCP_INFO = getattr(socket, "TCP_INFO", None)
+_BYTES_ACKED = struct.Struct("=Q")  # struct tcp_info's tcpi_bytes_acked, at offset 120 (Linux >= 4.1)
+
+
+def _bytes_acked(transport: asyncio.BaseTransport | None) -> int:
+    """How many of our bytes the peer's TCP acknowledged so far (0 where unknown). uvloop's TLS
+    transport hands everything it encrypted to its TCP transport at once, so the TLS write
+    buffer does not show a large frame draining; the peer's ACKs do."""
+    if _TCP_INFO is None or transport is None:
+        return 0
+    try:
+        sock = transport.get_extra_info("socket")
+        if sock is None:
+            return 0
+        info = sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, 136)
+        return _BYTES_ACKED.unpack_from(info, 120)[0] if len(info) >= 128 else 0
+    except (OSError, ValueError, struct.error):
+        return 0
 
 
 class RateLimitedLog:
@@ -59,6 +81,10 @@ class FrameConn(asyncio.BufferedProtocol):
         self.rx_frames = 0
         self._out: list[bytes] = []
         self._flush_pending = False
+        self.write_paused = False  # the transport's output is over its high-water mark
+        self._tx_seen = 0  # write_buffered when last sampled (see tx_progress)
+        self._acked_seen = 0  # the kernel's count of our bytes the peer acknowledged, then
+        self.last_tx_progress = self.last_rx
 
     # -- input -----------------------------------------------------------------------------
 
@@ -122,6 +148,27 @@ class FrameConn(asyncio.BufferedProtocol):
             t.write(out[0] if len(out) == 1 else b"".join(out))
         except Exception as e:  # closing under us
             log.debug("cluster %s: write to %s failed: %s", self.role, fmt_addr(self.peer), e)
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+        self.on_write_pressure()
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        self.on_write_pressure()
+
+    def on_write_pressure(self) -> None:
+        """``write_paused`` changed (subclasses stop producing output while it is set)."""
+
+    def tx_progress(self, now: float) -> None:
+        """Sample the output queue: if it shrank since the last sample the peer is taking our
+        bytes (it is alive even if a large frame of ours keeps its answers from coming back)."""
+        wb = self.write_buffered
+        acked = _bytes_acked(self.transport)
+        if wb < self._tx_seen or acked > self._acked_seen:
+            self.last_tx_progress = now
+        self._tx_seen = wb
+        self._acked_seen = acked
 
     @property
     def write_buffered(self) -> int:

@@ -97,7 +97,7 @@ class FrameReader:
     ``body=None`` and its body is then read into a scratch buffer and dropped as it streams
     in (``skipping`` counts what is left of it)."""
 
-    __slots__ = ("_buf", "_cap", "_len", "_need", "_on_frame", "_skip_view", "skipping")
+    __slots__ = ("_buf", "_cap", "_len", "_need", "_on_frame", "_skip_view", "paused", "skipping")
 
     MIN_FREE = 64 << 10
     INITIAL = 128 << 10
@@ -110,6 +110,9 @@ class FrameReader:
         self._need = 0  # total size of the incomplete frame at the start of _buf, once known
         self._skip_view = False
         self.skipping = 0
+        # set (by on_frame or its owner) to stop delivering frames: what is buffered waits for
+        # the next ``parse()`` (reading must be paused meanwhile, or the buffer grows)
+        self.paused = False
 
     @property
     def buffered(self) -> int:
@@ -157,7 +160,7 @@ class FrameReader:
         self._need = 0
         mv = memoryview(buf)
         try:
-            while end_ - pos >= HEADER_LEN:
+            while end_ - pos >= HEADER_LEN and not self.paused:
                 length, kind, rid = unpack(buf, pos)
                 if kind not in KINDS:
                     raise ProtocolError(f"unknown frame kind {kind}")

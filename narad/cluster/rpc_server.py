@@ -139,14 +139,38 @@ class _ServerConn(FrameConn):
         task = self._loop.create_task(self._run(rid, handler, msg))
         self.tasks[rid] = task
         srv._track(task)
-        if len(self.tasks) >= MAX_IN_FLIGHT and not self._paused and self.transport is not None:
-            self._paused = True
-            self.transport.pause_reading()
+        if len(self.tasks) >= MAX_IN_FLIGHT:
+            self._check_resume()
+
+    def on_write_pressure(self) -> None:
+        self._check_resume()
 
     def _check_resume(self) -> None:
-        if self._paused and len(self.tasks) < MAX_IN_FLIGHT and self.transport is not None and not self.dead:
-            self._paused = False
+        """Read (and parse) requests only while fewer than MAX_IN_FLIGHT run and our output is
+        under the transport's high-water mark: a peer that stops reading its answers, or floods
+        requests, stops being read (TCP backpressure) instead of growing our memory. Frames
+        already buffered wait in the reader too (one socket read can hold thousands)."""
+        if self.dead or self.transport is None:
+            return
+        want = len(self.tasks) >= MAX_IN_FLIGHT or self.write_paused
+        if want == self._paused:
+            return
+        self._paused = want
+        self.reader.paused = want
+        if want:
+            self.transport.pause_reading()
+        else:
             self.transport.resume_reading()
+            if self.reader.buffered:
+                self._loop.call_soon(self._parse_held)
+
+    def _parse_held(self) -> None:
+        if self.dead or self.reader.paused or not self._attached:
+            return
+        try:
+            self.reader.parse()
+        except ProtocolError as e:
+            self._protocol_error(e)
 
     def _note(self, body: bytes | None) -> None:
         srv = self._srv
@@ -343,7 +367,8 @@ class NodeRpcServer:
             return
         now = asyncio.get_running_loop().time()
         for c in list(self._conns):
-            if now - c.last_rx > self._idle_timeout:
+            c.tx_progress(now)  # a peer still taking a long answer of ours is not idle
+            if now - max(c.last_rx, c.last_tx_progress) > self._idle_timeout:
                 log.warning("cluster server: %s silent for %.0fs; dropping the connection",
                             fmt_addr(c.peer), now - c.last_rx)
                 c.abort("idle")

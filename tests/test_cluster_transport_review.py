@@ -8,15 +8,31 @@ real TCP relays for a slow link. Waits are on states with deadlines.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import socket
+import threading
+import time
+from typing import Any
 
+import pytest
+
+from narad.cluster import rpc_auth
+from narad.cluster.transport import NodeRpcClient, NodeRpcServer
+from narad.errors import BadGateway, GatewayTimeout, Unavailable
 from tests.test_cluster_transport import (
     Echo,
     EchoReply,
+    Hang,
     Huge,
+    State,
     client,
     conn_of,
+    make_service,
     node,
     run,
+    serve_process,
+    tcp_listener,
 )
 
 
@@ -33,8 +49,6 @@ class SlowRelay:
         self._writers: list[asyncio.StreamWriter] = []
 
     async def start(self) -> tuple[str, int]:
-        import socket
-
         ls = socket.socket()
         ls.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32 << 10)
         ls.bind(("127.0.0.1", 0))
@@ -119,3 +133,78 @@ def test_a_large_request_on_a_slow_link_is_not_mistaken_for_a_dead_peer() -> Non
                 await relay.close()
 
     run(main(), timeout=40.0)
+
+
+def test_the_key_derivation_never_runs_on_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PBKDF2 of the secret takes 50-100 ms (more on a loaded box): a worker that builds its
+    node-RPC client and server inside its running loop must not stall that loop on it."""
+    real = rpc_auth.hashlib.pbkdf2_hmac
+    threads: list[int] = []
+
+    def spy(*a: Any, **kw: Any) -> bytes:
+        threads.append(threading.get_ident())
+        return real(*a, **kw)
+
+    monkeypatch.setattr(rpc_auth.hashlib, "pbkdf2_hmac", spy)
+    secret = b"a secret this process never derived before, 32+ bytes"
+
+    async def main() -> None:
+        loop_thread = threading.get_ident()
+        state = State()
+        sock = tcp_listener()
+        server = NodeRpcServer(sock, secret, make_service(state))
+        c = NodeRpcClient(secret)
+        try:
+            await server.start()
+            assert (await c.call(sock.getsockname(), Echo(text="hi"), EchoReply)).text == "hi"
+        finally:
+            await c.close()
+            await server.close(grace=0.2)
+            sock.close()
+        assert threads, "the key was never derived"
+        assert loop_thread not in threads, "PBKDF2 ran on the event loop's thread"
+
+    run(main())
+
+
+def test_a_stopped_peer_is_detected_within_two_seconds_and_a_continued_one_serves_again() -> None:
+    """SIGSTOP (no FIN, no RST: the kernel still ACKs): a waiting call fails with BadGateway,
+    new calls fail fast (504 / 503, never hang), and after SIGCONT calls succeed again."""
+    probe = tcp_listener()
+    port = probe.getsockname()[1]
+    probe.close()
+    addr = ("127.0.0.1", port)
+    proc = serve_process(port)
+
+    async def main() -> None:
+        async with client() as c:
+            assert (await c.call(addr, Echo(text="one"), EchoReply)).text == "one"
+            waiting = asyncio.ensure_future(c.call(addr, Hang(), EchoReply, timeout=30.0))
+            await asyncio.sleep(0.1)  # let the request reach the server
+            os.kill(proc.pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            with pytest.raises(BadGateway, match="liveness probe unanswered"):
+                await waiting
+            assert time.monotonic() - t0 < 2.5  # 0.5 s quiet + 1 s for the PING (+ ticks)
+            with pytest.raises((GatewayTimeout, Unavailable)):  # the stopped peer cannot finish a handshake
+                await c.call(addr, Echo(text="two"), EchoReply, timeout=3.0)
+            assert time.monotonic() - t0 < 6.0
+            os.kill(proc.pid, signal.SIGCONT)
+
+            async def served() -> bool:
+                try:
+                    return (await c.call(addr, Echo(text="three"), EchoReply, timeout=1.0)).text == "three"
+                except (Unavailable, GatewayTimeout, BadGateway):
+                    return False
+
+            deadline = time.monotonic() + 5.0
+            while not await served():
+                assert time.monotonic() < deadline, "the continued peer was not redialled"
+                await asyncio.sleep(0.05)
+
+    try:
+        run(main(), timeout=30.0)
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.kill()
+        proc.wait(5)

@@ -45,12 +45,14 @@ KiB, uvloop's fixed buffer); the server gives a handshake ``HANDSHAKE_TIMEOUT`` 
 keeps at most ``MAX_HANDSHAKING`` connections handshaking at once (the oldest is dropped to
 make room), see narad.cluster.rpc_server.
 
-The secret's key is derived once per process and secret (cached). Imports the stdlib and
+The secret's key is derived once per process and secret (cached), off the event loop
+(``context_off_loop``; NodeRpcServer.start and NodeRpcClient's first dial use it). Imports the stdlib and
 ``cryptography`` only (HMAC/PBKDF2 from hashlib, Ed25519 and X.509 from cryptography).
 """
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import hashlib
 import os
@@ -135,6 +137,20 @@ def context(secret: bytes, *, server: bool) -> ssl.SSLContext:
         ctx.num_tickets = 0  # no resumption: every connection proves the secret in full
     ctx.options |= ssl.OP_NO_TICKET
     return ctx
+
+
+async def context_off_loop(secret: bytes, *, server: bool) -> ssl.SSLContext:
+    """``context``, with the slow derivation (``KEY_ROUNDS`` of PBKDF2, 50-100 ms, more on a
+    loaded box) run on a thread when this process has not derived the secret's key yet:
+    hashlib releases the GIL for it, so the event loop keeps serving meanwhile."""
+    await asyncio.to_thread(identity, bytes(secret))
+    return context(secret, server=server)
+
+
+def warm(secret: bytes) -> None:
+    """Derive the secret's key now (a process about to fork workers calls this so that they
+    inherit it instead of each deriving it)."""
+    identity(bytes(secret))
 
 
 def pinned(ssl_object: ssl.SSLObject | None, secret: bytes) -> str | None:

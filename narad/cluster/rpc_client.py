@@ -223,7 +223,16 @@ class NodeRpcClient:
         if not secret:
             raise ValueError("the cluster secret must not be empty")
         self._secret = bytes(secret)
-        self._ssl = rpc_auth.context(self._secret, server=False)
+        # the TLS context needs the secret's key: derived on a thread (it takes 50-100 ms of
+        # PBKDF2, which must not stall the loop), started now if a loop runs, awaited by dials
+        self._ssl: ssl.SSLContext | None = None
+        self._ssl_task: asyncio.Task[ssl.SSLContext] | None = None
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            pass
+        else:
+            self._ssl_context_task()
         self._dial_timeout = dial_timeout
         self._idle_timeout = idle_timeout
         self._peers: dict[tuple[str, int], _PeerState] = {}
@@ -321,6 +330,8 @@ class NodeRpcClient:
 
     async def close(self) -> None:
         self._closed = True
+        if self._ssl_task is not None and not self._ssl_task.done():
+            self._ssl_task.cancel()
         for t in list(self._notes):
             t.cancel()
         peers = list(self._peers.values())
@@ -363,10 +374,19 @@ class NodeRpcClient:
             raise GatewayTimeout(f"no answer from node {fmt_addr(addr)}: call deadline passed while "
                                  f"connecting ({what})") from None
 
+    def _ssl_context_task(self) -> asyncio.Task[ssl.SSLContext]:
+        if self._ssl_task is None:
+            self._ssl_task = asyncio.get_running_loop().create_task(
+                rpc_auth.context_off_loop(self._secret, server=False))
+            self._ssl_task.add_done_callback(_retrieve)
+        return self._ssl_task
+
     async def _dial(self, addr: tuple[str, int], p: _PeerState) -> _ClientConn:
         loop = asyncio.get_running_loop()
         conn: _ClientConn | None = None
         try:
+            if self._ssl is None:  # once per client (the first dial waits for the derivation)
+                self._ssl = await asyncio.shield(self._ssl_context_task())
             async with asyncio.timeout(self._dial_timeout):
                 infos = await loop.getaddrinfo(addr[0], addr[1], type=socket.SOCK_STREAM)
                 family, _, _, _, sockaddr = infos[0]

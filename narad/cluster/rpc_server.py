@@ -257,7 +257,7 @@ class NodeRpcServer:
         self.service = service
         self._sock = sock
         self._secret = bytes(secret)
-        self._ssl = rpc_auth.context(self._secret, server=True)
+        self._ssl: ssl.SSLContext | None = None  # built in start(): the key derivation runs off the loop
         self._idle_timeout = idle_timeout
         self._conns: set[_ServerConn] = set()
         self._conns_gone: asyncio.Event | None = None
@@ -295,6 +295,8 @@ class NodeRpcServer:
         if self._listen is not None:
             raise RuntimeError("NodeRpcServer already started")
         loop = asyncio.get_running_loop()
+        if self._ssl is None:
+            self._ssl = await rpc_auth.context_off_loop(self._secret, server=True)
         self._idle = asyncio.Event()
         self._idle.set()
         sock = self._sock.dup()  # we close ours; the caller's must stay open

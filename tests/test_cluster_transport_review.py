@@ -15,12 +15,14 @@ import threading
 import time
 from typing import Any
 
+import msgspec
 import pytest
 
-from narad.cluster import rpc_auth
+from narad.cluster import rpc_auth, rpc_server
 from narad.cluster.transport import NodeRpcClient, NodeRpcServer
 from narad.errors import BadGateway, GatewayTimeout, Unavailable
 from tests.test_cluster_transport import (
+    SECRET,
     Echo,
     EchoReply,
     Hang,
@@ -208,3 +210,64 @@ def test_a_stopped_peer_is_detected_within_two_seconds_and_a_continued_one_serve
         os.kill(proc.pid, signal.SIGCONT)
         proc.kill()
         proc.wait(5)
+
+
+class SlowNote(msgspec.Struct, tag=True):
+    n: int
+
+
+def test_notes_count_towards_the_in_flight_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One-way notes run handlers too: a peer sending notes faster than they finish must be
+    paused like one sending requests, not make the server spawn a task per note without bound."""
+    monkeypatch.setattr(rpc_server, "MAX_IN_FLIGHT", 32)
+
+    async def main() -> None:
+        state = State()
+        svc = make_service(state)
+        release = asyncio.Event()
+        started = 0
+
+        async def slow_note(m: SlowNote, peer: Any) -> None:
+            nonlocal started
+            started += 1
+            await release.wait()
+
+        svc.register(SlowNote, slow_note)  # type: ignore[arg-type]
+        sock = tcp_listener()
+        server = NodeRpcServer(sock, SECRET, svc)
+        await server.start()
+        addr = sock.getsockname()
+        try:
+            async with client() as c:
+                await c.call(addr, Echo(text="up"), EchoReply)
+                for i in range(500):
+                    c.notify(addr, SlowNote(n=i))
+                await asyncio.sleep(0.3)  # the notes arrive (no event for "not processed")
+                assert started <= 32, f"{started} note handlers running at once"
+                release.set()
+                deadline = time.monotonic() + 10.0
+                while started < 500:  # and all of them run once earlier ones finished
+                    assert time.monotonic() < deadline, f"only {started} of 500 notes handled"
+                    await asyncio.sleep(0.01)
+        finally:
+            await server.close(grace=0.2)
+            sock.close()
+
+    run(main())
+
+
+def test_a_call_on_a_connection_that_died_meanwhile_fails_at_once() -> None:
+    """A caller resumed after its dial may find the connection already gone (it died in the
+    loop passes between): its request must fail at once, not wait out its whole deadline."""
+
+    async def main() -> None:
+        async with node() as n, client() as c:
+            conn = await conn_of(c, n.addr)
+            conn.abort("gone")
+            fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            conn.request(b"\x80", fut)
+            assert fut.done(), "a request queued on a dead connection is never answered"
+            with pytest.raises(BadGateway, match="connection lost"):
+                fut.result()
+
+    run(main())

@@ -140,6 +140,9 @@ class _ClientConn(FrameConn):
 
     def request(self, body: bytes, fut: asyncio.Future[msgspec.Raw]) -> int:
         rid = next(self._ids)
+        if self.dead:  # died between the dial and this caller resuming: nobody would answer
+            fut.set_exception(BadGateway(f"no answer from {self.name}: connection lost ({self.lost_reason})"))
+            return rid
         self.calls[rid] = fut
         self._last_call = self._loop.time()
         self.send(REQ, rid, body)

@@ -8,7 +8,7 @@ handshake proves the cluster secret). Then the server checks the pinned certific
 HELLO and serves frames: each REQ runs its handler in a task of its own (``handler(msg, peer)``
 with ``peer`` a ``NodePeer``) and is answered OK / ERR with the request's id, in any order; a
 NOTE runs its handler and is never answered; CANCEL cancels the handler of that request (its
-answer is never sent); PING is answered PONG. At most ``MAX_IN_FLIGHT`` requests run per
+answer is never sent); PING is answered PONG. At most ``MAX_IN_FLIGHT`` requests and notes run per
 connection: reading pauses at the limit (TCP backpressure), like QUIC's stream limit did. A
 frame over the cap is answered 413 and its body skipped unread. A connection silent for
 ``idle_timeout`` (clients PING every half second while connected) is dropped and its handlers
@@ -75,6 +75,7 @@ class _ServerConn(FrameConn):
         self.peer = peer
         self.node_peer = NodePeer(addr=peer)
         self.tasks: dict[int, asyncio.Task[None]] = {}
+        self.notes = 0  # note handlers running for this connection (they count towards MAX_IN_FLIGHT)
         self._attached = False  # the pin check passed: frames are parsed
         self._paused = False
 
@@ -152,7 +153,7 @@ class _ServerConn(FrameConn):
         already buffered wait in the reader too (one socket read can hold thousands)."""
         if self.dead or self.transport is None:
             return
-        want = len(self.tasks) >= MAX_IN_FLIGHT or self.write_paused
+        want = len(self.tasks) + self.notes >= MAX_IN_FLIGHT or self.write_paused
         if want == self._paused:
             return
         self._paused = want
@@ -189,7 +190,10 @@ class _ServerConn(FrameConn):
             log.warning("cluster server: note from %s: unsupported %s", fmt_addr(self.peer), type(msg).__name__)
             return
         metrics.get().node_rpc_served.labels(type(msg).__name__).inc()
+        self.notes += 1
         srv._spawn(self._run_note(handler, msg))
+        if len(self.tasks) + self.notes >= MAX_IN_FLIGHT:
+            self._check_resume()
 
     async def _run(self, rid: int, handler: Any, msg: Any) -> None:
         peer = self.node_peer
@@ -226,6 +230,10 @@ class _ServerConn(FrameConn):
             raise
         except Exception:
             log.exception("cluster note handler %s failed (peer %s)", type(msg).__name__, fmt_addr(self.peer))
+        finally:
+            self.notes -= 1
+            if self._paused:
+                self._check_resume()
 
     def _answer_error(self, rid: int, status: int, message: str) -> None:
         log.warning("cluster server: %s from %s (request %d)", message, fmt_addr(self.peer), rid)

@@ -8,9 +8,11 @@ real TCP relays for a slow link. Waits are on states with deadlines.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
+import ssl
 import threading
 import time
 from typing import Any
@@ -19,6 +21,7 @@ import msgspec
 import pytest
 
 from narad.cluster import rpc_auth, rpc_server
+from narad.cluster.rpc_frames import HEADER, REQ
 from narad.cluster.transport import NodeRpcClient, NodeRpcServer
 from narad.errors import BadGateway, GatewayTimeout, Unavailable
 from tests.test_cluster_transport import (
@@ -269,5 +272,51 @@ def test_a_call_on_a_connection_that_died_meanwhile_fails_at_once() -> None:
             assert fut.done(), "a request queued on a dead connection is never answered"
             with pytest.raises(BadGateway, match="connection lost"):
                 fut.result()
+
+    run(main())
+
+
+def test_no_certificate_another_alpn_or_tls_1_2_gets_nothing() -> None:
+    """A TLS client without a certificate, one with the cluster's certificate but another (or
+    no) ALPN protocol, and one limited to TLS 1.2 are all refused before any handler runs."""
+
+    def no_cert() -> ssl.SSLContext:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+        ctx.set_alpn_protocols([rpc_auth.ALPN])
+        return ctx
+
+    def with_alpn(alpn: list[str]) -> ssl.SSLContext:
+        """The cluster's own certificate and key, offering ``alpn`` (nothing if empty)."""
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+        rpc_auth._load_chain(ctx, rpc_auth.identity(SECRET)[1])
+        if alpn:
+            ctx.set_alpn_protocols(alpn)
+        return ctx
+
+    def tls12() -> ssl.SSLContext:
+        ctx = with_alpn([rpc_auth.ALPN])
+        ctx.minimum_version = ctx.maximum_version = ssl.TLSVersion.TLSv1_2
+        return ctx
+
+    async def main() -> None:
+        async with node() as n:
+            body = msgspec.msgpack.encode(Echo(text="x"))
+            wire = HEADER.pack(len(body), REQ, 1) + body
+            for make in (no_cert, lambda: with_alpn(["h2"]), lambda: with_alpn([]), tls12):
+                got = b""
+                with contextlib.suppress(OSError, ssl.SSLError):
+                    r, w = await asyncio.open_connection(*n.addr, server_hostname="", ssl=make())
+                    w.write(wire)
+                    try:
+                        got = await asyncio.wait_for(r.read(), 3.0)
+                    finally:
+                        w.close()
+                assert got == b""  # not even HELLO
+            assert n.state.calls == 0 and n.server.handshakes == 0 and n.server.connections == 0
+            assert n.server.rejected >= 3
 
     run(main())

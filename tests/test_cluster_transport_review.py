@@ -320,3 +320,38 @@ def test_no_certificate_another_alpn_or_tls_1_2_gets_nothing() -> None:
             assert n.server.rejected >= 3
 
     run(main())
+
+
+def test_a_peer_that_closes_before_hello_is_unreachable_not_an_auth_failure() -> None:
+    """A node shutting down (or restarting) may finish a handshake and close without HELLO: the
+    caller must see 503 node_unreachable and a short backoff, not 502 cluster_auth ("secret
+    mismatch?") for a cluster whose secrets agree; a dial error always says what happened."""
+
+    async def main() -> None:
+        async def drop(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            w.close()  # the handshake (with the right certificate) is done: close cleanly
+
+        srv = await asyncio.start_server(drop, "127.0.0.1", 0, ssl=rpc_auth.context(SECRET, server=True))
+        addr = srv.sockets[0].getsockname()
+        try:
+            async with client() as c:
+                with pytest.raises(Unavailable) as ei:
+                    await c.call(addr, Echo(text="x"), EchoReply)
+                assert ei.value.code == "node_unreachable"
+        finally:
+            srv.close()
+
+        async def eof(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            await r.read(65536)  # the ClientHello, then a plain FIN (not TLS at all)
+            w.close()
+
+        plain = await asyncio.start_server(eof, "127.0.0.1", 0)
+        try:
+            async with client() as c:
+                with pytest.raises(Unavailable) as ei:
+                    await c.call(plain.sockets[0].getsockname(), Echo(text="x"), EchoReply)
+                assert not ei.value.message.rstrip().endswith(":"), ei.value.message  # says what failed
+        finally:
+            plain.close()
+
+    run(main())

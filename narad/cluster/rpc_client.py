@@ -101,9 +101,9 @@ class _ClientConn(FrameConn):
     def connection_lost(self, exc: Exception | None) -> None:
         if not self.hello.done():
             # the server refused our certificate after our side of the handshake completed
-            self._fail_dial(_AuthFailed(f"the peer closed the connection during authentication ({exc})")
-                            if isinstance(exc, ssl.SSLError) or exc is None
-                            else ConnectionError(str(exc)))
+            self._fail_dial(_AuthFailed(f"the peer refused our certificate ({exc})")
+                            if isinstance(exc, ssl.SSLError)
+                            else ConnectionError(f"the peer closed the connection before HELLO ({exc})"))
         super().connection_lost(exc)
 
     def _fail_dial(self, exc: BaseException) -> None:
@@ -415,7 +415,7 @@ class NodeRpcClient:
             elif auth:
                 why = f"TLS authentication failed: {e}"
             else:
-                why = f"dial failed: {e or type(e).__name__}"
+                why = f"dial failed: {str(e) or type(e).__name__}"
             p.last_error = why
             p.auth_failed = auth
             p.retry_at = loop.time() + p.backoff

@@ -355,3 +355,77 @@ def test_a_peer_that_closes_before_hello_is_unreachable_not_an_auth_failure() ->
             plain.close()
 
     run(main())
+
+
+def test_a_server_at_its_in_flight_limit_is_not_mistaken_for_a_dead_peer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At MAX_IN_FLIGHT running requests the server stopped reading, so the client's PING (and
+    CANCELs) waited unread behind the next request: the client dropped a healthy connection
+    (failing every long call on it) 1.5 s later. PINGs and CANCELs must still be served."""
+    monkeypatch.setattr(rpc_server, "MAX_IN_FLIGHT", 16)
+
+    async def main() -> None:
+        async with node() as n, client() as c:
+            hangs = [asyncio.ensure_future(c.call(n.addr, Hang(), EchoReply, timeout=20.0)) for _ in range(16)]
+            echo = asyncio.ensure_future(c.call(n.addr, Echo(text="behind"), EchoReply, timeout=20.0))
+            deadline = time.monotonic() + 3.0
+            while not (n.state.calls == 16 and n.server.connections == 1
+                       and len(next(iter(n.server._conns))._deferred) == 1):
+                assert time.monotonic() < deadline, "the 17th request is not waiting for a slot"
+                await asyncio.sleep(0.01)
+            assert not echo.done()
+            deadline = time.monotonic() + 3.0  # twice the liveness window
+            while time.monotonic() < deadline:
+                assert c.connections == 1 and not echo.done(), "the client dropped a live, busy server"
+                await asyncio.sleep(0.05)
+            for h in hangs:
+                h.cancel()
+            assert (await echo).text == "behind"  # read and served once slots freed
+            assert c.dials == 1
+
+    run(main())
+
+
+class Gate(msgspec.Struct, tag=True):
+    pad: bytes = b""
+
+
+def test_a_server_paused_on_held_requests_keeps_the_connection_alive(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past DEFER_CAP bytes of held requests the server stops reading altogether (PINGs unread):
+    its unsolicited PONGs keep the client from dropping it, and it resumes once slots free."""
+    monkeypatch.setattr(rpc_server, "MAX_IN_FLIGHT", 4)
+    monkeypatch.setattr(rpc_server, "DEFER_CAP", 64 << 10)
+
+    async def main() -> None:
+        state = State()
+        svc = make_service(state)
+        gate = asyncio.Event()
+
+        async def gated(m: Gate, peer: Any) -> EchoReply:
+            await gate.wait()
+            return EchoReply(text="through")
+
+        svc.register(Gate, gated)  # type: ignore[arg-type]
+        sock = tcp_listener()
+        server = NodeRpcServer(sock, SECRET, svc)
+        await server.start()
+        addr = sock.getsockname()
+        try:
+            async with client() as c:
+                calls = [asyncio.ensure_future(c.call(addr, Gate(pad=b"p" * (16 << 10)), EchoReply, timeout=20.0))
+                         for _ in range(40)]
+                deadline = time.monotonic() + 3.0
+                while not any(sc._paused for sc in server._conns):
+                    assert time.monotonic() < deadline, "reading never paused on held requests"
+                    await asyncio.sleep(0.01)
+                t0 = time.monotonic()
+                while time.monotonic() - t0 < 3.0:  # twice the liveness window, paused all along
+                    assert c.connections == 1, "the client dropped a live server paused on held requests"
+                    await asyncio.sleep(0.05)
+                gate.set()
+                replies = await asyncio.gather(*calls)
+                assert all(r.text == "through" for r in replies) and c.dials == 1
+        finally:
+            await server.close(grace=0.2)
+            sock.close()
+
+    run(main())

@@ -9,7 +9,11 @@ HELLO and serves frames: each REQ runs its handler in a task of its own (``handl
 with ``peer`` a ``NodePeer``) and is answered OK / ERR with the request's id, in any order; a
 NOTE runs its handler and is never answered; CANCEL cancels the handler of that request (its
 answer is never sent); PING is answered PONG. At most ``MAX_IN_FLIGHT`` requests and notes run per
-connection: reading pauses at the limit (TCP backpressure), like QUIC's stream limit did. A
+connection: past it they wait, in order, for a slot, while PINGs and CANCELs are still read and
+served; reading pauses (TCP backpressure) once ``DEFER_CAP`` bytes of them wait, and while our
+output to the peer is over the transport's high-water mark (a peer that stops reading its answers
+is not read either). While paused the server sends an unsolicited PONG every ``KEEPALIVE``
+seconds (the client's PINGs wait unread meanwhile). A
 frame over the cap is answered 413 and its body skipped unread. A connection silent for
 ``idle_timeout`` (clients PING every half second while connected) is dropped and its handlers
 cancelled; a peer that closes or resets the connection cancels its handlers at once.
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import socket
 import ssl
@@ -53,6 +58,8 @@ from narad.errors import NaradError
 from narad.ipc.rpc import Service
 
 MAX_IN_FLIGHT = 1024  # requests handled at once per connection
+DEFER_CAP = 4 << 20  # bytes of requests held (read at the in-flight limit) before reading pauses
+KEEPALIVE = 0.25  # seconds between two unsolicited PONGs while a connection's reading is paused
 PRE_AUTH_CAP = 64 << 10  # bytes held for a connection between its handshake and its pin check
 
 
@@ -78,6 +85,12 @@ class _ServerConn(FrameConn):
         self.notes = 0  # note handlers running for this connection (they count towards MAX_IN_FLIGHT)
         self._attached = False  # the pin check passed: frames are parsed
         self._paused = False
+        self._keepalive: asyncio.TimerHandle | None = None
+        # requests and notes read while MAX_IN_FLIGHT run, in arrival order (key: request id,
+        # or a negative number for a note); their bodies' bytes
+        self._deferred: OrderedDict[int, tuple[int, bytes]] = OrderedDict()
+        self._deferred_bytes = 0
+        self._note_keys = itertools.count(-1, -1)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -101,15 +114,23 @@ class _ServerConn(FrameConn):
                 self._protocol_error(e)
 
     def on_frame(self, kind: int, rid: int, body: bytes | None) -> None:
-        if kind == REQ:
-            self._request(rid, body)
-        elif kind == NOTE:
-            self._note(body)
+        if kind in (REQ, NOTE):
+            if body is not None and (self._deferred or len(self.tasks) + self.notes >= MAX_IN_FLIGHT):
+                self._defer(kind, rid, body)
+            elif kind == REQ:
+                self._request(rid, body)
+            else:
+                self._note(body)
         elif kind == CANCEL:
             task = self.tasks.pop(rid, None)
             if task is not None:
                 task.cancel()
-                self._check_resume()
+                self._start_deferred()
+            else:
+                waiting = self._deferred.pop(rid, None)
+                if waiting is not None:
+                    self._deferred_bytes -= len(waiting[1])
+                    self._check_resume()
         elif kind == PING:
             self.send(PONG, rid)
         else:
@@ -140,10 +161,33 @@ class _ServerConn(FrameConn):
         task = self._loop.create_task(self._run(rid, handler, msg))
         self.tasks[rid] = task
         srv._track(task)
-        if len(self.tasks) >= MAX_IN_FLIGHT:
-            self._check_resume()
 
     def on_write_pressure(self) -> None:
+        self._check_resume()
+
+    def _defer(self, kind: int, rid: int, body: bytes) -> None:
+        """At the in-flight limit: keep reading (so PINGs and CANCELs are seen at once) but hold
+        the request until a slot frees; past DEFER_CAP bytes held, reading pauses."""
+        if kind == REQ:
+            if rid in self.tasks or rid in self._deferred:
+                raise ProtocolError(f"request id {rid} reused while in flight")
+            key = rid
+        else:
+            key = next(self._note_keys)
+        self._deferred[key] = (kind, body)
+        self._deferred_bytes += len(body)
+        if self._deferred_bytes > DEFER_CAP:
+            self._check_resume()
+
+    def _start_deferred(self) -> None:
+        """A slot freed: start held requests in order, then see whether reading may resume."""
+        while self._deferred and len(self.tasks) + self.notes < MAX_IN_FLIGHT and not self.dead:
+            key, (kind, body) = self._deferred.popitem(last=False)
+            self._deferred_bytes -= len(body)
+            if kind == REQ:
+                self._request(key, body)
+            else:
+                self._note(body)
         self._check_resume()
 
     def _check_resume(self) -> None:
@@ -153,17 +197,31 @@ class _ServerConn(FrameConn):
         already buffered wait in the reader too (one socket read can hold thousands)."""
         if self.dead or self.transport is None:
             return
-        want = len(self.tasks) + self.notes >= MAX_IN_FLIGHT or self.write_paused
+        want = self._deferred_bytes > DEFER_CAP or self.write_paused
         if want == self._paused:
             return
         self._paused = want
         self.reader.paused = want
         if want:
             self.transport.pause_reading()
+            if self._keepalive is None:
+                self._keepalive = self._loop.call_later(KEEPALIVE, self._send_keepalive)
         else:
             self.transport.resume_reading()
+            if self._keepalive is not None:
+                self._keepalive.cancel()
+                self._keepalive = None
             if self.reader.buffered:
                 self._loop.call_soon(self._parse_held)
+
+    def _send_keepalive(self) -> None:
+        """While reading is paused the client's PINGs sit unread behind requests: show we are
+        alive anyway (any frame counts for the client's liveness check; id 0 answers no PING)."""
+        self._keepalive = None
+        if self.dead or not self._paused:
+            return
+        self.send(PONG, 0)
+        self._keepalive = self._loop.call_later(KEEPALIVE, self._send_keepalive)
 
     def _parse_held(self) -> None:
         if self.dead or self.reader.paused or not self._attached:
@@ -192,8 +250,6 @@ class _ServerConn(FrameConn):
         metrics.get().node_rpc_served.labels(type(msg).__name__).inc()
         self.notes += 1
         srv._spawn(self._run_note(handler, msg))
-        if len(self.tasks) + self.notes >= MAX_IN_FLIGHT:
-            self._check_resume()
 
     async def _run(self, rid: int, handler: Any, msg: Any) -> None:
         peer = self.node_peer
@@ -220,8 +276,8 @@ class _ServerConn(FrameConn):
             kind, out = ERR, encode_error(500, f"internal error: {type(e).__name__}: {e}")
         if self.tasks.pop(rid, None) is not None and not self.dead:
             self.send(kind, rid, out)
-            if self._paused:
-                self._check_resume()
+            if self._deferred or self._paused:
+                self._start_deferred()
 
     async def _run_note(self, handler: Any, msg: Any) -> None:
         try:
@@ -232,8 +288,8 @@ class _ServerConn(FrameConn):
             log.exception("cluster note handler %s failed (peer %s)", type(msg).__name__, fmt_addr(self.peer))
         finally:
             self.notes -= 1
-            if self._paused:
-                self._check_resume()
+            if self._deferred or self._paused:
+                self._start_deferred()
 
     def _answer_error(self, rid: int, status: int, message: str) -> None:
         log.warning("cluster server: %s from %s (request %d)", message, fmt_addr(self.peer), rid)
@@ -244,8 +300,13 @@ class _ServerConn(FrameConn):
             return
         self.dead = True
         self._srv._conns.discard(self)
+        if self._keepalive is not None:
+            self._keepalive.cancel()
+            self._keepalive = None
         tasks = list(self.tasks.values())
         self.tasks.clear()
+        self._deferred.clear()
+        self._deferred_bytes = 0
         for t in tasks:
             t.cancel()
         if self._srv._conns_gone is not None and not self._srv._conns:
@@ -296,7 +357,7 @@ class NodeRpcServer:
         for c in list(self._conns):
             rids = ", ".join(str(r) for r in list(c.tasks)[:20])
             lines.append(f"  from {fmt_addr(c.peer)}: quiet={now - c.last_rx:.1f}s frames={c.rx_frames} "
-                         f"paused={c._paused} out={c.write_buffered}B running=[{rids}]")
+                         f"paused={c._paused} held={len(c._deferred)} out={c.write_buffered}B running=[{rids}]")
         return "\n".join(lines)
 
     async def start(self) -> None:

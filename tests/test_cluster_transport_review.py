@@ -429,3 +429,32 @@ def test_a_server_paused_on_held_requests_keeps_the_connection_alive(monkeypatch
             sock.close()
 
     run(main())
+
+
+def test_a_stopped_peer_is_detected_while_we_keep_sending_small_notes() -> None:
+    """A stopped process's kernel still ACKs what we send until its receive buffer fills: small
+    steady traffic must not pass for liveness (only a draining backlog ahead of our PING does)."""
+    probe = tcp_listener()
+    port = probe.getsockname()[1]
+    probe.close()
+    addr = ("127.0.0.1", port)
+    proc = serve_process(port)
+
+    async def main() -> None:
+        async with client() as c:
+            assert (await c.call(addr, Echo(text="one"), EchoReply)).text == "one"
+            os.kill(proc.pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            i = 0
+            while c.connections:
+                assert time.monotonic() - t0 < 3.0, "a stopped peer that ACKs small notes still passes for alive"
+                c.notify(addr, Echo(text=f"note {i}"))
+                i += 1
+                await asyncio.sleep(0.05)
+
+    try:
+        run(main(), timeout=30.0)
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.kill()
+        proc.wait(5)

@@ -8,9 +8,11 @@ Imports narad.cluster.rpc_frames and the stdlib.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
 import socket
 import struct
+import termios
 from typing import Any
 
 from narad.cluster.rpc_frames import HEADER, FrameReader, ProtocolError
@@ -31,22 +33,28 @@ def fmt_addr(addr: Any) -> str:
 
 _TCP_INFO = getattr(socket, "TCP_INFO", None)
 _BYTES_ACKED = struct.Struct("=Q")  # struct tcp_info's tcpi_bytes_acked, at offset 120 (Linux >= 4.1)
+_OUTQ = getattr(termios, "TIOCOUTQ", None)  # SIOCOUTQ: bytes in the socket's send queue
+BACKLOG = 64 << 10  # bytes queued ahead of a PING that can delay its PONG noticeably
 
 
-def _bytes_acked(transport: asyncio.BaseTransport | None) -> int:
-    """How many of our bytes the peer's TCP acknowledged so far (0 where unknown). uvloop's TLS
-    transport hands everything it encrypted to its TCP transport at once, so the TLS write
-    buffer does not show a large frame draining; the peer's ACKs do."""
+def _send_state(transport: asyncio.BaseTransport | None) -> tuple[int, int]:
+    """(our bytes the peer's TCP acknowledged so far, our bytes in the kernel's send queue);
+    zeros where unknown. uvloop's TLS transport hands everything it encrypted to its TCP
+    transport at once, so the TLS write buffer does not show a large frame draining; these do."""
     if _TCP_INFO is None or transport is None:
-        return 0
+        return 0, 0
     try:
         sock = transport.get_extra_info("socket")
         if sock is None:
-            return 0
+            return 0, 0
         info = sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, 136)
-        return _BYTES_ACKED.unpack_from(info, 120)[0] if len(info) >= 128 else 0
+        acked = _BYTES_ACKED.unpack_from(info, 120)[0] if len(info) >= 128 else 0
+        queued = 0
+        if _OUTQ is not None:
+            queued = struct.unpack("i", fcntl.ioctl(sock.fileno(), _OUTQ, b"\0\0\0\0"))[0]
+        return acked, queued
     except (OSError, ValueError, struct.error):
-        return 0
+        return 0, 0
 
 
 class RateLimitedLog:
@@ -84,6 +92,7 @@ class FrameConn(asyncio.BufferedProtocol):
         self.write_paused = False  # the transport's output is over its high-water mark
         self._tx_seen = 0  # write_buffered when last sampled (see tx_progress)
         self._acked_seen = 0  # the kernel's count of our bytes the peer acknowledged, then
+        self._backlog_seen = 0  # our bytes still queued (ours, the TLS layer's and the kernel's), then
         self.last_tx_progress = self.last_rx
 
     # -- input -----------------------------------------------------------------------------
@@ -164,11 +173,15 @@ class FrameConn(asyncio.BufferedProtocol):
         """Sample the output queue: if it shrank since the last sample the peer is taking our
         bytes (it is alive even if a large frame of ours keeps its answers from coming back)."""
         wb = self.write_buffered
-        acked = _bytes_acked(self.transport)
-        if wb < self._tx_seen or acked > self._acked_seen:
+        acked, queued = _send_state(self.transport)
+        backlog = max(wb, queued)
+        # ACKs count only while a backlog is draining: a stopped process's kernel keeps ACKing
+        # small writes until its receive buffer fills, which must not pass for liveness
+        if wb < self._tx_seen or (acked > self._acked_seen and max(backlog, self._backlog_seen) >= BACKLOG):
             self.last_tx_progress = now
         self._tx_seen = wb
         self._acked_seen = acked
+        self._backlog_seen = backlog
 
     @property
     def write_buffered(self) -> int:

@@ -27,6 +27,7 @@ import uvloop
 from narad import BUILD, logs, metrics
 from narad.broker.caps import CapTable
 from narad.broker.caps import shm_name_for as caps_shm_name_for
+from narad.cluster import rpc_auth
 from narad.cluster.transport import NodeRpcClient
 from narad.config import Config, check_start, load_config, worker_count
 from narad.errors import ConfigError, FailStop, Unavailable
@@ -189,6 +190,9 @@ class Supervisor:
             pspec, fds = worker_main.portable_spec(spec)
             return "narad.worker.main:forkserver_entry", pspec, fds
 
+        # The node-RPC key is derived from the secret here (PBKDF2, ~80 ms, before any
+        # loop runs) so every worker forked below inherits it instead of deriving its own.
+        rpc_auth.warm(self.secret)
         self.forkserver = ForkServer(lambda index, core: worker_main.run(spec, index, core),
                                      hb_name=self.versions.hb.name, portable=portable)
         self.forkserver.start(close_fds=(self.lock.fd,))

@@ -30,6 +30,7 @@ from tests.test_cluster_transport import (
     EchoReply,
     Hang,
     Huge,
+    Relay,
     State,
     client,
     conn_of,
@@ -41,17 +42,14 @@ from tests.test_cluster_transport import (
 )
 
 
-class SlowRelay:
+class SlowRelay(Relay):
     """A TCP relay that forwards client -> server at ``rate`` bytes per second (a slow link)
     and server -> client at full speed. Small socket buffers on the relay's side, so the
     kernel does not absorb what the link has not carried yet."""
 
     def __init__(self, target: tuple[str, int], rate: int) -> None:
-        self.target = target
+        super().__init__(target)
         self.rate = rate
-        self._server: asyncio.AbstractServer | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._writers: list[asyncio.StreamWriter] = []
 
     async def start(self) -> tuple[str, int]:
         ls = socket.socket()
@@ -80,14 +78,13 @@ class SlowRelay:
             task = asyncio.ensure_future(t)
             self._tasks.add(task)
 
-    async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-        for t in self._tasks:
-            t.cancel()
-        for w in self._writers:
-            w.close()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+def served_elsewhere() -> tuple[tuple[str, int], Any]:
+    """A node-RPC server in a process of its own on a free port: (address, process)."""
+    probe = tcp_listener()
+    port = probe.getsockname()[1]
+    probe.close()
+    return ("127.0.0.1", port), serve_process(port)
 
 
 def test_a_peer_that_stops_reading_does_not_grow_our_write_buffer() -> None:
@@ -175,11 +172,7 @@ def test_the_key_derivation_never_runs_on_the_event_loop(monkeypatch: pytest.Mon
 def test_a_stopped_peer_is_detected_within_two_seconds_and_a_continued_one_serves_again() -> None:
     """SIGSTOP (no FIN, no RST: the kernel still ACKs): a waiting call fails with BadGateway,
     new calls fail fast (504 / 503, never hang), and after SIGCONT calls succeed again."""
-    probe = tcp_listener()
-    port = probe.getsockname()[1]
-    probe.close()
-    addr = ("127.0.0.1", port)
-    proc = serve_process(port)
+    addr, proc = served_elsewhere()
 
     async def main() -> None:
         async with client() as c:
@@ -434,11 +427,7 @@ def test_a_server_paused_on_held_requests_keeps_the_connection_alive(monkeypatch
 def test_a_stopped_peer_is_detected_while_we_keep_sending_small_notes() -> None:
     """A stopped process's kernel still ACKs what we send until its receive buffer fills: small
     steady traffic must not pass for liveness (only a draining backlog ahead of our PING does)."""
-    probe = tcp_listener()
-    port = probe.getsockname()[1]
-    probe.close()
-    addr = ("127.0.0.1", port)
-    proc = serve_process(port)
+    addr, proc = served_elsewhere()
 
     async def main() -> None:
         async with client() as c:

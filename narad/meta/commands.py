@@ -45,7 +45,8 @@ class EntryType(IntEnum):
     UPDATE_TOPIC_CAS = 24  # alter only the incarnation read; never shrinks partitions
     DELETE_TOPIC_CAS = 25  # delete only the incarnation checked
     PUT_SCHEMA_CAS = 26  # append a schema version to the incarnation checked, within the byte budgets
-    # 27 and 28 (fan-out attach / detach) come with fan-out topics.
+    ATTACH_CHILD_CAS = 27  # link a child only if parent and child are the incarnations checked
+    DETACH_CHILD_CAS = 28  # unlink a child only if parent and child are the incarnations checked
     PLACE_PARTITIONS = 29  # insert-only placement: never replaces an owner
     PRUNE_ASSIGNMENTS = 30  # delete assignment rows that belong to no partition
     MARK_DEAD_OBSERVED = 31  # dead mark refused when a newer heartbeat is on record
@@ -207,6 +208,31 @@ class PutSchemaCas(msgspec.Struct, array_like=True):
     schema: bytes
 
 
+class AttachChildCas(msgspec.Struct, array_like=True):
+    """Type 27. Refused (CHANGED) unless parent and child are the incarnations
+    checked and ``len(attach_offsets)`` is the parent's partition count; refused
+    (INVALID, 409) when a fan-out rule breaks at apply: the child has a parent or
+    children, the parent is a child or has 108 children, the schema histories
+    differ (compared as JSON values), delay vs. the parent's retention."""
+
+    parent: str
+    parent_id: str
+    child: str
+    child_id: str
+    delay_ms: int
+    epoch: str  # fresh, 16 hex chars, stamped at propose time
+    attach_offsets: list[int]  # the parent's committed high watermark per partition
+
+
+class DetachChildCas(msgspec.Struct, array_like=True):
+    """Type 28. Unlinks only if parent and child are the incarnations checked."""
+
+    parent: str
+    parent_id: str
+    child: str
+    child_id: str
+
+
 class PlacePartitions(msgspec.Struct, array_like=True):
     name: str
     topic_id: str
@@ -266,6 +292,8 @@ PAYLOAD_TYPES: dict[int, type[msgspec.Struct]] = {
     EntryType.UPDATE_TOPIC_CAS: UpdateTopicCas,
     EntryType.DELETE_TOPIC_CAS: DeleteTopicCas,
     EntryType.PUT_SCHEMA_CAS: PutSchemaCas,
+    EntryType.ATTACH_CHILD_CAS: AttachChildCas,
+    EntryType.DETACH_CHILD_CAS: DetachChildCas,
     EntryType.PLACE_PARTITIONS: PlacePartitions,
     EntryType.PRUNE_ASSIGNMENTS: PruneAssignments,
     EntryType.MARK_DEAD_OBSERVED: MarkDeadObserved,
@@ -278,6 +306,8 @@ FALLBACK: dict[int, int | None] = {
     EntryType.UPDATE_TOPIC_CAS: EntryType.UPDATE_TOPIC,
     EntryType.DELETE_TOPIC_CAS: EntryType.DELETE_TOPIC,
     EntryType.PUT_SCHEMA_CAS: EntryType.PUT_SCHEMA,
+    EntryType.ATTACH_CHILD_CAS: None,  # no base equivalent: refused (412) until every member applies it
+    EntryType.DETACH_CHILD_CAS: None,
     EntryType.PLACE_PARTITIONS: EntryType.ASSIGN_PARTITIONS,
     EntryType.PRUNE_ASSIGNMENTS: None,  # no base equivalent: orphan rows are only logged
     EntryType.MARK_DEAD_OBSERVED: EntryType.MARK_DEAD,

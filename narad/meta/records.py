@@ -38,6 +38,27 @@ class TopicRecord(msgspec.Struct):
     owner: str | None = None
     schema_version: int = 0
     revision: int = 0  # bumped by every change to the record
+    # Fan-out (issue 11). On a child: the parent it copies from (name and the
+    # incarnation linked), the delay, the attach epoch (16 hex chars, stamped at
+    # propose time, new for every attach) and the attach point: the parent's
+    # committed high watermark per parent partition when the attach was proposed
+    # (a parent partition past this list, added later, is copied from offset 0).
+    parent: str | None = None
+    parent_id: str | None = None
+    delay_ms: int = 0
+    attach_epoch: str | None = None
+    attach_offsets: list[int] = []
+    # On a parent: its children's names, sorted (deterministic).
+    children: list[str] = []
+
+    @property
+    def role(self) -> str | None:
+        """Narad's ``role``: "parent", "child", or None (standalone: absent)."""
+        if self.parent is not None:
+            return "child"
+        if self.children:
+            return "parent"
+        return None
 
 
 class AssignmentRecord(msgspec.Struct):

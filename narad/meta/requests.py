@@ -20,6 +20,13 @@ class CreateTopicReq(msgspec.Struct, tag=True):
     max_in_flight_per_partition: int | None = None
     max_acked_ahead_per_partition: int | None = None
     schema: bytes | None = None
+    # Create-as-child (type 23 with a link): the parent, the delay, and the attach
+    # point the receiving node asked the parent's partition owners for (one
+    # committed high watermark per parent partition of parent incarnation parent_id).
+    parent: str | None = None
+    fanout_delay_ms: int = 0
+    parent_id: str | None = None
+    attach_offsets: list[int] = []
 
 
 class AlterTopicReq(msgspec.Struct, tag=True):
@@ -190,6 +197,52 @@ class ConfirmGoneReq(msgspec.Struct, tag=True):
 
 class ConfirmGoneResp(msgspec.Struct):
     gone: bool
+
+
+class AttachChildReq(msgspec.Struct, tag=True):
+    """Link an existing topic as a fan-out child (entry type 27). ``attach_offsets``
+    is the attach point the receiving node asked the owners of parent incarnation
+    ``parent_id`` for: one committed high watermark per parent partition."""
+
+    who: Identity
+    parent: str
+    child: str
+    delay_ms: int = 0
+    parent_id: str = ""
+    attach_offsets: list[int] = []
+
+
+class DetachChildReq(msgspec.Struct, tag=True):
+    """Unlink a child (entry type 28); it becomes a standalone topic."""
+
+    who: Identity
+    parent: str
+    child: str
+
+
+class ConfirmEpochReq(msgspec.Struct, tag=True):
+    """Before anchoring a fan-out cursor or deleting a cursor file: is ``child``
+    (incarnation ``child_id``) still linked to ``parent`` (``parent_id``) under
+    ``epoch``? Answered by the leader only, after a barrier and a re-read."""
+
+    parent: str
+    parent_id: str
+    child: str
+    child_id: str
+    epoch: str
+
+
+class ConfirmEpochResp(msgspec.Struct):
+    linked: bool  # True: definitely linked under that epoch
+    known: bool = True  # False: no definite answer (not the leader, no barrier): do nothing destructive
+
+
+class CaughtUpReq(msgspec.Struct, tag=True):
+    """Is this node's replica provably current (RaftNode.caught_up())?"""
+
+
+class CaughtUpResp(msgspec.Struct):
+    caught_up: bool
 
 
 class RegisterReq(msgspec.Struct, tag=True):

@@ -177,6 +177,21 @@ def test_same_script_gives_identical_databases(tmp_path: Path) -> None:
         C.PruneAssignments([("gone", 0)]), C.MarkDeadObserved("n2", 0),  # refused: newer heartbeat
         C.MarkDeadObserved("n2", 10_000), C.DeleteUserReleasing("u"), C.DeleteTopicCas("c", "00000000000000cc"),
         C.DeleteUser("nobody"), C.Noop(),
+        # Fan-out: attach (adopting the parent's schema), create-as-child, schema copies, the
+        # delay-vs-retention refusal, detach, and a parent's delete unlinking its children.
+        C.CreateTopic(topic("p", "00000000000000a1"), schema=b'{"type": "object"}'),
+        C.CreateTopic(topic("k1", "00000000000000a2")),
+        C.AttachChildCas("p", "00000000000000a1", "k1", "00000000000000a2", 0, "e1e1e1e1e1e1e1e1", [0, 0, 0]),
+        C.AttachChildCas("p", "00000000000000a1", "a", "00000000000000aa", 0, "e2e2e2e2e2e2e2e2", [0]),  # refused
+        C.CreateTopicChecked(msgspec.structs.replace(
+            topic("k2", "00000000000000a3"), parent="p", parent_id="00000000000000a1", delay_ms=60_000,
+            attach_epoch="e3e3e3e3e3e3e3e3", attach_offsets=[1, 2, 3]), None, [(0, "n1"), (1, "n2"), (2, "n1")]),
+        C.PutSchemaCas("p", "00000000000000a1", 2, b'{"type": "object", "title": "x"}'),
+        C.PutSchema("p", 3, b'{"title": "y"}'),
+        C.UpdateTopicCas("p", "00000000000000a1", retention_ms=3_600_000),  # refused: delay child
+        C.DetachChildCas("p", "00000000000000a1", "k1", "00000000000000a2"),
+        C.DetachChildCas("p", "00000000000000a1", "k1", "00000000000000a2"),  # refused: not linked
+        C.DeleteTopic("p"),
         C.ImportMetastore(False, [topic("x", "00000000000000ee")], [], [], []),  # refused: the cluster holds state
         C.ImportMetastore(True, [msgspec.structs.replace(topic("x", "00000000000000ee", parts=2), schema_version=1)],
                           [C.ImportedSchema("x", SchemaRecord("00000000000000ee", 1, b"{}", 5))],
@@ -191,7 +206,7 @@ def test_same_script_gives_identical_databases(tmp_path: Path) -> None:
         results.append(one.apply(p, rid=f"r{i}", stamp=1000 + i))
         two.apply(p, rid=f"r{i}", stamp=1000 + i, commit=(i % 4 == 3))  # different batching
     two.fsm.commit()
-    assert sum(not r.ok for r in results) == 6, [r.message for r in results if not r.ok]
+    assert sum(not r.ok for r in results) == 9, [r.message for r in results if not r.ok]
     assert _digest(one.fsm) == _digest(two.fsm)
     one.fsm.close()
     two.fsm.close()

@@ -18,6 +18,7 @@ Imports narad.meta.{commands,records,versions} and lmdb; nothing above.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -56,6 +57,10 @@ MAX_READERS = 512
 SCHEMA_VERSION_CAP = 1000
 SCHEMA_TOPIC_BYTES = 4 << 20  # stored schema versions per topic (checked by type 26)
 SCHEMA_CLUSTER_BYTES = 256 << 20  # every schema version in the cluster (checked by type 26)
+MAX_CHILDREN = 108  # fan-out children per parent
+MAX_DELAY_MS = 31_536_000_000  # a delay child's delay: at most one year
+DELAY_RETENTION_MARGIN_MS = 3_600_000  # a parent keeps messages at least delay + 1 h
+CHILD_NAME_BYTES = 230  # a longer name cannot become a child
 REQUEST_MEMORY_MS = 10 * 60 * 1000  # idempotency keys are remembered this long (stamp time)
 PRUNE_PER_ENTRY = 64
 DISK_RETRY_FIRST = 0.1
@@ -123,6 +128,37 @@ def _ranges(types: frozenset[int] | set[int]) -> str:
     return ", ".join(out)
 
 
+def json_same(a: Any, b: Any) -> bool:
+    """Two decoded JSON values are the same value: key order, whitespace and number
+    spelling do not matter (1, 1.0 and 1e0 are one number), but true is not 1."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return isinstance(a, bool) and isinstance(b, bool) and a == b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return a == b
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(json_same(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(json_same(x, y) for x, y in zip(a, b, strict=True))
+    return type(a) is type(b) and a == b
+
+
+def schema_docs_same(a: bytes, b: bytes) -> bool:
+    """Two stored schema versions are the same JSON value (undecodable: compared as bytes)."""
+    try:
+        return json_same(json.loads(a), json.loads(b))
+    except (ValueError, RecursionError):
+        return a == b
+
+
+def delay_retention_refusal(parent: str, retention_ms: int, child: str, delay_ms: int) -> str | None:
+    """Why a parent keeping messages ``retention_ms`` (0: forever) cannot feed a delay
+    child of ``delay_ms`` (None: it can)."""
+    if delay_ms <= 0 or retention_ms == 0 or retention_ms >= delay_ms + DELAY_RETENTION_MARGIN_MS:
+        return None
+    return (f'the retention of "{parent}" ({retention_ms} ms) must be at least the delay of its child "{child}" '
+            f"plus 1 h ({delay_ms + DELAY_RETENTION_MARGIN_MS} ms)")
+
+
 def _ok(msg: str = "") -> C.ApplyResult:
     return C.ApplyResult(C.Result.OK, msg)
 
@@ -177,6 +213,8 @@ class FSM:
             C.EntryType.UPDATE_TOPIC_CAS: self._update_topic_cas,
             C.EntryType.DELETE_TOPIC_CAS: self._delete_topic_cas,
             C.EntryType.PUT_SCHEMA_CAS: self._put_schema_cas,
+            C.EntryType.ATTACH_CHILD_CAS: self._attach_child_cas,
+            C.EntryType.DETACH_CHILD_CAS: self._detach_child_cas,
             C.EntryType.PLACE_PARTITIONS: self._place_partitions,
             C.EntryType.PRUNE_ASSIGNMENTS: self._prune_assignments,
             C.EntryType.MARK_DEAD_OBSERVED: self._mark_dead_observed,
@@ -547,6 +585,14 @@ class FSM:
 
     def _create_topic(self, txn: Any, p: C.CreateTopic, stamp: int) -> tuple[C.ApplyResult, set[int]]:
         t = p.topic
+        # A new topic has no children, and only type 23 links one to a parent (a release
+        # without fan-out drops those fields of a type-2 entry: so does this one).
+        t.children = []
+        t.parent, t.parent_id, t.delay_ms, t.attach_epoch, t.attach_offsets = None, None, 0, None, []
+        return self._create_record(txn, p, stamp)
+
+    def _create_record(self, txn: Any, p: C.CreateTopic, stamp: int) -> tuple[C.ApplyResult, set[int]]:
+        t = p.topic
         if t.partitions < 1:
             return _refuse(C.Result.INVALID, "partitions must be positive"), set()
         for part, owner in p.owners:
@@ -584,7 +630,23 @@ class FSM:
         txn.delete(R.fold_key(p.name), db=self.dbs["topic_index"])
         self._drop_prefix(txn, "assignments", R.part_prefix(p.name))
         self._drop_prefix(txn, "schemas", R.part_prefix(p.name))
-        return _ok(), {V.TOPICS, V.SCHEMAS, V.ASSIGNMENTS, V.name_slot(p.name)}
+        slots = {V.TOPICS, V.SCHEMAS, V.ASSIGNMENTS, V.name_slot(p.name)}
+        # Fan-out links: every child of a deleted parent becomes standalone; a deleted
+        # child leaves its parent's list (children are sorted: a deterministic order).
+        for name in t.children:
+            c = self._get_topic(txn, name)
+            if c is not None and c.parent == t.name and c.parent_id == t.id:
+                self._unlink(c)
+                self._put_topic(txn, c)
+                slots.add(V.name_slot(c.name))
+        if t.parent is not None:
+            par = self._get_topic(txn, t.parent)
+            if par is not None and par.id == t.parent_id and t.name in par.children:
+                par.children = [n for n in par.children if n != t.name]
+                par.revision += 1
+                self._put_topic(txn, par)
+                slots.add(V.name_slot(par.name))
+        return _ok(), slots
 
     def _update_topic(self, txn: Any, p: C.UpdateTopic, stamp: int) -> tuple[C.ApplyResult, set[int]]:
         t = self._get_topic(txn, p.name)
@@ -612,13 +674,37 @@ class FSM:
             return _refuse(C.Result.CHANGED, f"schema version {p.version} is not {t.schema_version} + 1"), set()
         if p.version > SCHEMA_VERSION_CAP:
             return _refuse(C.Result.INVALID, f"a topic keeps at most {SCHEMA_VERSION_CAP} schema versions"), set()
-        rec = R.SchemaRecord(topic_id=t.id, version=p.version, schema=p.schema, registered_ms=stamp)
-        txn.put(R.part_key(t.name, p.version), R.ENCODER.encode(rec), db=self.dbs["schemas"])
-        self._schema_bytes_add(txn, len(p.schema))
-        t.schema_version = p.version
-        t.revision += 1
-        self._put_topic(txn, t)
-        return _ok(), {V.TOPICS, V.SCHEMAS, V.name_slot(t.name)}
+        children = self._linked_children(txn, t)
+        for c in children:
+            if c.schema_version + 1 > SCHEMA_VERSION_CAP:
+                return _refuse(C.Result.INVALID, f'child "{c.name}" keeps at most {SCHEMA_VERSION_CAP} schema '
+                                                 "versions"), set()
+        slots = {V.TOPICS, V.SCHEMAS, V.name_slot(t.name)}
+        # A parent manages its children's schemas: the same version goes to each of them.
+        for topic_rec in [t, *children]:
+            version = topic_rec.schema_version + 1
+            rec = R.SchemaRecord(topic_id=topic_rec.id, version=version, schema=p.schema, registered_ms=stamp)
+            txn.put(R.part_key(topic_rec.name, version), R.ENCODER.encode(rec), db=self.dbs["schemas"])
+            self._schema_bytes_add(txn, len(p.schema))
+            topic_rec.schema_version = version
+            topic_rec.revision += 1
+            self._put_topic(txn, topic_rec)
+            slots.add(V.name_slot(topic_rec.name))
+        return _ok(), slots
+
+    def _linked_children(self, txn: Any, t: R.TopicRecord) -> list[R.TopicRecord]:
+        """The children of ``t`` that are linked to this incarnation, in name order."""
+        out = []
+        for name in t.children:
+            c = self._get_topic(txn, name)
+            if c is not None and c.parent == t.name and c.parent_id == t.id:
+                out.append(c)
+        return out
+
+    @staticmethod
+    def _unlink(c: R.TopicRecord) -> None:
+        c.parent, c.parent_id, c.delay_ms, c.attach_epoch, c.attach_offsets = None, None, 0, None, []
+        c.revision += 1
 
     def _assign(self, txn: Any, p: C.AssignPartitions, stamp: int) -> tuple[C.ApplyResult, set[int]]:
         t = self._get_topic(txn, p.name)
@@ -728,12 +814,162 @@ class FSM:
             if not self._live_owner(txn, owner):
                 return _refuse(C.Result.CHANGED, f"partition {part}'s owner {owner} is not a member "
                                                  "(removed, or never registered)"), set()
-        if p.schema is not None and len(p.schema) > SCHEMA_TOPIC_BYTES:
-            return _refuse(C.Result.INVALID, f"a topic's schemas may hold at most {SCHEMA_TOPIC_BYTES} bytes"), set()
-        if p.schema is not None and self._schema_bytes(txn) + len(p.schema) > SCHEMA_CLUSTER_BYTES:
-            return _refuse(C.Result.INVALID,
-                           f"the cluster's schemas may hold at most {SCHEMA_CLUSTER_BYTES} bytes"), set()
-        return self._create_topic(txn, C.CreateTopic(p.topic, p.schema, p.owners), stamp)
+        t = p.topic
+        t.children = []
+        if t.parent is None:
+            t.parent_id, t.delay_ms, t.attach_epoch, t.attach_offsets = None, 0, None, []
+            if p.schema is not None and len(p.schema) > SCHEMA_TOPIC_BYTES:
+                return _refuse(C.Result.INVALID,
+                               f"a topic's schemas may hold at most {SCHEMA_TOPIC_BYTES} bytes"), set()
+            if p.schema is not None and self._schema_bytes(txn) + len(p.schema) > SCHEMA_CLUSTER_BYTES:
+                return _refuse(C.Result.INVALID,
+                               f"the cluster's schemas may hold at most {SCHEMA_CLUSTER_BYTES} bytes"), set()
+            return self._create_record(txn, C.CreateTopic(t, p.schema, p.owners), stamp)
+        # Create-as-child: the record, the parent's schema history and the link in one
+        # transaction, only while the parent is the incarnation the create was checked against.
+        par, res = self._checked_topic(txn, t.parent, t.parent_id or "")
+        if par is None:
+            return res, set()
+        if len(t.attach_offsets) != par.partitions:
+            return _refuse(C.Result.CHANGED, f'topic "{par.name}" changed since it was read (it has '
+                                             f"{par.partitions} partitions, the attach point names "
+                                             f"{len(t.attach_offsets)})"), set()
+        why = self._link_refusal(par, t, t.delay_ms)
+        if why is not None:
+            return _refuse(C.Result.INVALID, why), set()
+        history = self._schema_history(txn, par.name)
+        if p.schema is not None:
+            if not history:
+                return _refuse(C.Result.INVALID, f'topic "{t.name}" would have a schema and its parent '
+                                                 f'"{par.name}" has none'), set()
+            if len(history) != 1 or not schema_docs_same(history[0].schema, p.schema):
+                return _refuse(C.Result.INVALID, f'the schema of "{t.name}" differs from the schema history of '
+                                                 f'its parent "{par.name}"; leave it out to adopt the parent\'s'), set()
+        why = self._adopt_budget(txn, t.name, history)
+        if why is not None:
+            return _refuse(C.Result.INVALID, why), set()
+        res, slots = self._create_record(txn, C.CreateTopic(t, None, p.owners), stamp)
+        if not res.ok:
+            return res, slots
+        created = self._get_topic(txn, t.name)
+        assert created is not None
+        self._adopt(txn, created, history)
+        self._put_topic(txn, created)
+        self._add_child(txn, par, created.name)
+        return _ok(), slots | {V.SCHEMAS, V.name_slot(par.name)}
+
+    # ---- fan-out links (23, 27, 28) ---------------------------------------------------------
+    @staticmethod
+    def _link_refusal(par: R.TopicRecord, child: R.TopicRecord, delay_ms: int) -> str | None:
+        """Which fan-out rule linking ``child`` under ``par`` breaks (None: none)."""
+        if par.name == child.name:
+            return "a topic cannot be its own child"
+        if len(child.name.encode()) > CHILD_NAME_BYTES:
+            return f'topic "{child.name}" has a name longer than {CHILD_NAME_BYTES} bytes and cannot become a child'
+        if not 0 <= delay_ms <= MAX_DELAY_MS:
+            return f"delay_ms must be between 0 and {MAX_DELAY_MS} (1 year)"
+        if child.children:
+            return f'topic "{child.name}" has children; a child cannot have children'
+        if par.parent is not None:
+            return f'topic "{par.name}" is a child of "{par.parent}"; a child cannot have children'
+        if child.name not in par.children and len(par.children) >= MAX_CHILDREN:
+            return f'topic "{par.name}" already has {MAX_CHILDREN} children, the most a parent may have'
+        return delay_retention_refusal(par.name, par.retention_ms, child.name, delay_ms)
+
+    def _schema_history(self, txn: Any, name: str) -> list[R.SchemaRecord]:
+        prefix = R.part_prefix(name)
+        cur = txn.cursor(db=self.dbs["schemas"])
+        out: list[R.SchemaRecord] = []
+        if cur.set_range(prefix):
+            for key, raw in cur:
+                if not key.startswith(prefix):
+                    break
+                out.append(R.SCHEMA_DEC.decode(raw))
+        return out
+
+    def _adopt_budget(self, txn: Any, child: str, history: list[R.SchemaRecord]) -> str | None:
+        """Why the child cannot hold a copy of ``history`` (None: it can)."""
+        size = sum(len(s.schema) for s in history)
+        if not size:
+            return None
+        if self._topic_schema_bytes(txn, child) + size > SCHEMA_TOPIC_BYTES:
+            return f'topic "{child}" would hold more than {SCHEMA_TOPIC_BYTES} bytes of schema versions'
+        if self._schema_bytes(txn) + size > SCHEMA_CLUSTER_BYTES:
+            return f"the cluster would hold more than {SCHEMA_CLUSTER_BYTES} bytes of schema versions"
+        return None
+
+    def _adopt(self, txn: Any, child: R.TopicRecord, history: list[R.SchemaRecord]) -> None:
+        """Copy the parent's schema history into a child without one."""
+        db = self.dbs["schemas"]
+        self._drop_prefix(txn, "schemas", R.part_prefix(child.name))
+        for s in history:
+            rec = R.SchemaRecord(topic_id=child.id, version=s.version, schema=s.schema, registered_ms=s.registered_ms)
+            txn.put(R.part_key(child.name, s.version), R.ENCODER.encode(rec), db=db)
+        self._schema_bytes_add(txn, sum(len(s.schema) for s in history))
+        child.schema_version = history[-1].version if history else 0
+
+    def _add_child(self, txn: Any, par: R.TopicRecord, child: str) -> None:
+        par.children = sorted({*par.children, child})
+        par.revision += 1
+        self._put_topic(txn, par)
+
+    def _attach_child_cas(self, txn: Any, p: C.AttachChildCas, stamp: int) -> tuple[C.ApplyResult, set[int]]:
+        par, res = self._checked_topic(txn, p.parent, p.parent_id)
+        if par is None:
+            return res, set()
+        child, res = self._checked_topic(txn, p.child, p.child_id)
+        if child is None:
+            return res, set()
+        if len(p.attach_offsets) != par.partitions:
+            return _refuse(C.Result.CHANGED, f'topic "{par.name}" changed since it was read (it has '
+                                             f"{par.partitions} partitions, the attach point names "
+                                             f"{len(p.attach_offsets)})"), set()
+        if child.parent is not None:
+            return _refuse(C.Result.INVALID, f'topic "{child.name}" already has a parent ("{child.parent}"); '
+                                             "a child has exactly one parent"), set()
+        why = self._link_refusal(par, child, p.delay_ms)
+        if why is not None:
+            return _refuse(C.Result.INVALID, why), set()
+        slots = {V.TOPICS, V.name_slot(par.name), V.name_slot(child.name)}
+        parent_history = self._schema_history(txn, par.name)
+        if child.schema_version:
+            if not parent_history:
+                return _refuse(C.Result.INVALID, f'topic "{child.name}" has a schema and its parent "{par.name}" '
+                                                 "has none"), set()
+            mine = self._schema_history(txn, child.name)
+            if len(mine) != len(parent_history) or not all(
+                    schema_docs_same(a.schema, b.schema) for a, b in zip(mine, parent_history, strict=True)):
+                return _refuse(C.Result.INVALID, f'the schema history of "{child.name}" differs from the schema '
+                                                 f'history of its parent "{par.name}"'), set()
+        elif parent_history:
+            why = self._adopt_budget(txn, child.name, parent_history)
+            if why is not None:
+                return _refuse(C.Result.INVALID, why), set()
+            self._adopt(txn, child, parent_history)
+            slots.add(V.SCHEMAS)
+        child.parent, child.parent_id, child.delay_ms = par.name, par.id, p.delay_ms
+        child.attach_epoch, child.attach_offsets = p.epoch, list(p.attach_offsets)
+        child.revision += 1
+        self._put_topic(txn, child)
+        self._add_child(txn, par, child.name)
+        return _ok(), slots
+
+    def _detach_child_cas(self, txn: Any, p: C.DetachChildCas, stamp: int) -> tuple[C.ApplyResult, set[int]]:
+        par, res = self._checked_topic(txn, p.parent, p.parent_id)
+        if par is None:
+            return res, set()
+        child, res = self._checked_topic(txn, p.child, p.child_id)
+        if child is None:
+            return res, set()
+        if child.parent != par.name or child.parent_id != par.id or child.name not in par.children:
+            return _refuse(C.Result.CHANGED, f'topic "{child.name}" is not a child of "{par.name}"'), set()
+        # The child keeps its data and schema history; only the link goes.
+        self._unlink(child)
+        self._put_topic(txn, child)
+        par.children = [n for n in par.children if n != child.name]
+        par.revision += 1
+        self._put_topic(txn, par)
+        return _ok(), {V.TOPICS, V.name_slot(par.name), V.name_slot(child.name)}
 
     def _checked_topic(self, txn: Any, name: str, topic_id: str) -> tuple[R.TopicRecord | None, C.ApplyResult]:
         t = self._get_topic(txn, name)
@@ -748,6 +984,11 @@ class FSM:
         t, res = self._checked_topic(txn, p.name, p.topic_id)
         if t is None:
             return res, set()
+        if p.retention_ms is not None:
+            for c in self._linked_children(txn, t):
+                why = delay_retention_refusal(t.name, p.retention_ms, c.name, c.delay_ms)
+                if why is not None:
+                    return _refuse(C.Result.INVALID, why), set()
         return self._update_topic(txn, C.UpdateTopic(p.name, p.retention_ms, p.max_in_flight_per_partition,
                                                      p.max_acked_ahead_per_partition, p.partitions), stamp)
 
@@ -761,10 +1002,15 @@ class FSM:
         t, res = self._checked_topic(txn, p.name, p.topic_id)
         if t is None:
             return res, set()
-        if self._topic_schema_bytes(txn, p.name) + len(p.schema) > SCHEMA_TOPIC_BYTES:
-            return _refuse(C.Result.INVALID, f'topic "{p.name}" would hold more than {SCHEMA_TOPIC_BYTES} '
-                                             "bytes of schema versions"), set()
-        if self._schema_bytes(txn) + len(p.schema) > SCHEMA_CLUSTER_BYTES:
+        if t.parent is not None:
+            return _refuse(C.Result.INVALID, f'the schema of "{t.name}" is managed by its parent "{t.parent}"'), set()
+        children = self._linked_children(txn, t)
+        # Each child's copy counts against the child's budget and the cluster's.
+        for name in [t.name, *(c.name for c in children)]:
+            if self._topic_schema_bytes(txn, name) + len(p.schema) > SCHEMA_TOPIC_BYTES:
+                return _refuse(C.Result.INVALID, f'topic "{name}" would hold more than {SCHEMA_TOPIC_BYTES} '
+                                                 "bytes of schema versions"), set()
+        if self._schema_bytes(txn) + len(p.schema) * (1 + len(children)) > SCHEMA_CLUSTER_BYTES:
             return _refuse(C.Result.INVALID, f"the cluster would hold more than {SCHEMA_CLUSTER_BYTES} bytes "
                                              "of schema versions"), set()
         return self._put_schema(txn, C.PutSchema(p.name, p.version, p.schema), stamp)

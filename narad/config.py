@@ -159,6 +159,16 @@ class TopicConfig:
 
 
 @dataclass(frozen=True)
+class FanoutConfig:
+    max_batch_records: int = _s(4096, "Records a fan-out cursor reads into one slab at most (1-65536).",
+                                "NARAD_FANOUT_MAX_BATCH_RECORDS")
+    max_batch_bytes: int = _s(4194304, "Key and payload bytes of one fan-out slab at most (4096-8388608).",
+                              "NARAD_FANOUT_MAX_BATCH_BYTES")
+    linger_ms: int = _s(25, "How long a fan-out cursor waits for more records to fill a slab (0-1000).",
+                        "NARAD_FANOUT_LINGER_MS")
+
+
+@dataclass(frozen=True)
 class SecurityConfig:
     enabled: bool = _s(True, "HTTP Basic auth and grants on every /v1 route.", "NARAD_SECURITY_ENABLED")
     allow_insecure_cluster: bool = _s(False, "Allow a multi-node cluster with security off (client API "
@@ -185,6 +195,7 @@ class Config:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
     topic: TopicConfig = field(default_factory=TopicConfig)
+    fanout: FanoutConfig = field(default_factory=FanoutConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
@@ -436,6 +447,13 @@ def validate(cfg: Config) -> None:
         v = getattr(cfg.storage, key)
         if v != 0 and not 100 <= v <= 86_400_000:
             raise ConfigError(f"storage.{key} must be 0 (off) or between 100 and 86400000")
+    f = cfg.fanout
+    if not 1 <= f.max_batch_records <= 65536:
+        raise ConfigError("fanout.max_batch_records must be between 1 and 65536")
+    if not 4096 <= f.max_batch_bytes <= 8 << 20:
+        raise ConfigError("fanout.max_batch_bytes must be between 4096 and 8388608")
+    if not 0 <= f.linger_ms <= 1000:
+        raise ConfigError("fanout.linger_ms must be between 0 and 1000")
     if cfg.log.level not in ("debug", "info", "warning", "error"):
         raise ConfigError(f"log.level must be debug, info, warning or error, got {cfg.log.level!r}")
     if cfg.log.format not in ("json", "text"):

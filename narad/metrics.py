@@ -206,6 +206,17 @@ class _Metrics:
         self.consumer_dropped = a(Counter("narad_consumer_dropped_messages_total",
                                           "messages the frontier passed without an ack (retention, corruption)",
                                           ["topic"]))
+        # Fan-out (set by the worker owning the parent partition; labels name topics, not "topic").
+        self.fanout_lag = a(Gauge("narad_fanout_lag_messages", "parent high watermark minus the child cursor",
+                                  ["parent", "child", "partition"]))
+        self.fanout_due_lag = a(Gauge("narad_fanout_due_lag_seconds",
+                                      "how far a child cursor is behind its due records (delay children: "
+                                      "committed-at + delay)", ["parent", "child", "partition"]))
+        self.fanout_committed = a(Counter("narad_fanout_committed_total", "copies committed at child partitions",
+                                          ["parent", "child"]))
+        self.fanout_dropped = a(Counter("narad_fanout_child_dropped_messages",
+                                        "parent records never copied: aged out of parent retention before the "
+                                        "cursor read them, or unreadable (loss)", ["parent", "child"]))
 
 
 _registry = Registry()

@@ -97,6 +97,20 @@ class Segment:
         return f"{self.base:020d}.log"
 
 
+@dataclass
+class BatchRead:
+    """What ``read_batch`` found: the records (in offset order), the offset to
+    read next (after every record returned or skipped as corrupt), the key and
+    payload bytes returned, records skipped as unreadable, and the committed-at
+    of the first record that was not due yet (None: the read did not stop at one)."""
+
+    records: list[Record]
+    next_offset: int
+    nbytes: int = 0
+    corrupt: int = 0
+    not_due_ms: int | None = None
+
+
 def _seg_path(d: Path, base: int) -> Path:
     return d / f"{base:020d}.log"
 
@@ -440,6 +454,45 @@ class PartitionLog:
         self._cache.move_to_end(key)
         self._last_frame = (fbase, fbase + len(recs), recs)
         return recs[idx]
+
+    def read_batch(self, offset: int, max_records: int, max_bytes: int,
+                   max_committed_ms: int | None = None) -> BatchRead:
+        """Committed records from `offset` on (below hwm): up to `max_records`
+        records or `max_bytes` of keys and payloads (at least one record), stopping
+        before the first record committed after `max_committed_ms` (the delay
+        gate: committed-at never decreases along a partition, so nothing after it
+        is due either). Every record is read as ``read`` reads it (CRC checked when
+        its frame comes from disk); a record that cannot be read back intact is
+        skipped and counted (``corrupt``), never served. Raises OffsetGone when
+        `offset` was deleted by retention (the caller skips to ``oldest`` and
+        counts the loss) and LogClosed once the log is closed."""
+        if self.closed:
+            raise LogClosed(offset)
+        if offset < self.oldest:
+            raise OffsetGone(self.oldest)
+        out = BatchRead([], offset)
+        hwm = self.hwm
+        off = offset
+        size = 0
+        while off < hwm and len(out.records) < max_records:
+            try:
+                rec = self.read(off)
+            except CorruptRecord:
+                out.corrupt += 1
+                off += 1
+                continue
+            if max_committed_ms is not None and rec[1] > max_committed_ms:
+                out.not_due_ms = rec[1]
+                break
+            n = len(rec[3]) + (len(rec[0]) if rec[0] else 0)
+            if out.records and size + n > max_bytes:
+                break
+            out.records.append(rec)
+            size += n
+            off += 1
+        out.next_offset = off
+        out.nbytes = size
+        return out
 
     def _read_frame(self, seg: Segment, pos: int, base: int) -> list[Record]:
         fd = seg.fd if seg.fd >= 0 else os.open(seg.path, os.O_RDONLY)

@@ -82,6 +82,14 @@ class Gone(NaradError):
     default_message = "gone"
 
 
+class PreconditionFailed(NaradError):
+    """The cluster cannot do this yet: a member that holds a needed Raft entry type
+    back (an older release) is named in the message."""
+
+    status = 412
+    default_message = "precondition failed"
+
+
 class PayloadTooLarge(NaradError):
     status = 413
     default_message = "request body too large"
@@ -168,6 +176,7 @@ _BY_STATUS: dict[int, type[NaradError]] = {
         NotFound,
         Conflict,
         Gone,
+        PreconditionFailed,
         PayloadTooLarge,
         UnsupportedMediaType,
         Misdirected,

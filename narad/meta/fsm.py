@@ -159,6 +159,24 @@ def delay_retention_refusal(parent: str, retention_ms: int, child: str, delay_ms
             f"plus 1 h ({delay_ms + DELAY_RETENTION_MARGIN_MS} ms)")
 
 
+def link_refusal(par: R.TopicRecord, child: R.TopicRecord, delay_ms: int) -> str | None:
+    """Which fan-out rule linking ``child`` under ``par`` breaks (None: none). The
+    child's own parent and the schema histories are checked by the caller."""
+    if par.name == child.name:
+        return "a topic cannot be its own child"
+    if len(child.name.encode()) > CHILD_NAME_BYTES:
+        return f'topic "{child.name}" has a name longer than {CHILD_NAME_BYTES} bytes and cannot become a child'
+    if not 0 <= delay_ms <= MAX_DELAY_MS:
+        return f"delay_ms must be between 0 and {MAX_DELAY_MS} (1 year)"
+    if child.children:
+        return f'topic "{child.name}" has children; a child cannot have children'
+    if par.parent is not None:
+        return f'topic "{par.name}" is a child of "{par.parent}"; a child cannot have children'
+    if child.name not in par.children and len(par.children) >= MAX_CHILDREN:
+        return f'topic "{par.name}" already has {MAX_CHILDREN} children, the most a parent may have'
+    return delay_retention_refusal(par.name, par.retention_ms, child.name, delay_ms)
+
+
 def _ok(msg: str = "") -> C.ApplyResult:
     return C.ApplyResult(C.Result.OK, msg)
 
@@ -834,7 +852,7 @@ class FSM:
             return _refuse(C.Result.CHANGED, f'topic "{par.name}" changed since it was read (it has '
                                              f"{par.partitions} partitions, the attach point names "
                                              f"{len(t.attach_offsets)})"), set()
-        why = self._link_refusal(par, t, t.delay_ms)
+        why = link_refusal(par, t, t.delay_ms)
         if why is not None:
             return _refuse(C.Result.INVALID, why), set()
         history = self._schema_history(txn, par.name)
@@ -842,9 +860,9 @@ class FSM:
             if not history:
                 return _refuse(C.Result.INVALID, f'topic "{t.name}" would have a schema and its parent '
                                                  f'"{par.name}" has none'), set()
-            if len(history) != 1 or not schema_docs_same(history[0].schema, p.schema):
-                return _refuse(C.Result.INVALID, f'the schema of "{t.name}" differs from the schema history of '
-                                                 f'its parent "{par.name}"; leave it out to adopt the parent\'s'), set()
+            if not schema_docs_same(history[-1].schema, p.schema):
+                return _refuse(C.Result.INVALID, f'the schema of "{t.name}" differs from the schema of its parent '
+                                                 f'"{par.name}"; leave it out to adopt the parent\'s'), set()
         why = self._adopt_budget(txn, t.name, history)
         if why is not None:
             return _refuse(C.Result.INVALID, why), set()
@@ -859,23 +877,6 @@ class FSM:
         return _ok(), slots | {V.SCHEMAS, V.name_slot(par.name)}
 
     # ---- fan-out links (23, 27, 28) ---------------------------------------------------------
-    @staticmethod
-    def _link_refusal(par: R.TopicRecord, child: R.TopicRecord, delay_ms: int) -> str | None:
-        """Which fan-out rule linking ``child`` under ``par`` breaks (None: none)."""
-        if par.name == child.name:
-            return "a topic cannot be its own child"
-        if len(child.name.encode()) > CHILD_NAME_BYTES:
-            return f'topic "{child.name}" has a name longer than {CHILD_NAME_BYTES} bytes and cannot become a child'
-        if not 0 <= delay_ms <= MAX_DELAY_MS:
-            return f"delay_ms must be between 0 and {MAX_DELAY_MS} (1 year)"
-        if child.children:
-            return f'topic "{child.name}" has children; a child cannot have children'
-        if par.parent is not None:
-            return f'topic "{par.name}" is a child of "{par.parent}"; a child cannot have children'
-        if child.name not in par.children and len(par.children) >= MAX_CHILDREN:
-            return f'topic "{par.name}" already has {MAX_CHILDREN} children, the most a parent may have'
-        return delay_retention_refusal(par.name, par.retention_ms, child.name, delay_ms)
-
     def _schema_history(self, txn: Any, name: str) -> list[R.SchemaRecord]:
         prefix = R.part_prefix(name)
         cur = txn.cursor(db=self.dbs["schemas"])
@@ -927,7 +928,7 @@ class FSM:
         if child.parent is not None:
             return _refuse(C.Result.INVALID, f'topic "{child.name}" already has a parent ("{child.parent}"); '
                                              "a child has exactly one parent"), set()
-        why = self._link_refusal(par, child, p.delay_ms)
+        why = link_refusal(par, child, p.delay_ms)
         if why is not None:
             return _refuse(C.Result.INVALID, why), set()
         slots = {V.TOPICS, V.name_slot(par.name), V.name_slot(child.name)}

@@ -14,6 +14,7 @@ Imports narad.meta.* and narad.errors; used by the supervisor.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import json
 import logging
@@ -21,22 +22,23 @@ import secrets
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import msgspec
 
 from narad.config import Config
-from narad.errors import BadRequest, Conflict, Forbidden, NotFound, Unavailable
+from narad.errors import BadRequest, Conflict, Forbidden, NotFound, PreconditionFailed, Unavailable
 from narad.meta import commands as C
 from narad.meta import export as EX
+from narad.meta import fsm as F
 from narad.meta import grants as G
 from narad.meta import requests as Q
 from narad.meta import schemas as S
 from narad.meta import validate as VAL
 from narad.meta.raft import RaftNode, RaftUnavailable
-from narad.meta.records import Grant, MemberRecord, TopicRecord, UserRecord
+from narad.meta.records import AssignmentRecord, Grant, MemberRecord, TopicRecord, UserRecord
 from narad.meta.store import MetaStore
 
 log = logging.getLogger("narad.meta.service")
@@ -242,6 +244,22 @@ class MetaService:
             await self.barrier()
             self._barrier_term = st.term
 
+    def _require_type(self, t: int, what: str) -> None:
+        """412 naming what holds entry type ``t`` back, for writes that have no older
+        entry to fall back to."""
+        if not self.use_type(t):
+            raise PreconditionFailed(f"{what} needs every member to apply raft entry type {int(t)}: "
+                                     f"{self.holds_back(t) or 'a member does not apply it yet'}")
+
+    @contextlib.asynccontextmanager
+    async def _name_locks(self, *names: str) -> AsyncIterator[None]:
+        """The per-name locks of several topics, taken in casefolded-name order (two
+        requests locking the same pair can never each hold one and wait for the other)."""
+        async with contextlib.AsyncExitStack() as stack:
+            for key in sorted({n.casefold() for n in names}):
+                await stack.enter_async_context(self._locks[key])
+            yield
+
     # ---- helpers ----------------------------------------------------------------
     def _user(self, who: G.Identity) -> UserRecord | None:
         if who.name is None:
@@ -284,7 +302,18 @@ class MetaService:
     async def create_topic(self, req: Q.CreateTopicReq) -> TopicRecord:
         name = VAL.topic_name(req.name)
         d_parts, d_ret, d_vis, d_inflight, d_ahead = self._topic_defaults()
-        parts = VAL.partitions(req.partitions or d_parts, self.cfg.topic.max_partitions)
+        if req.parent is None:
+            if req.fanout_delay_ms:
+                raise BadRequest("invalid argument: fanout_delay_ms needs parent")
+            parts = VAL.partitions(req.partitions or d_parts, self.cfg.topic.max_partitions)
+        else:
+            if not req.parent:
+                raise BadRequest("invalid argument: parent must name a topic")
+            if req.parent == name:
+                raise BadRequest(f'invalid argument: a topic cannot be its own parent ("{name}")')
+            _check_delay("fanout_delay_ms", req.fanout_delay_ms)
+            # 0: the parent's partition count, read under the lock.
+            parts = VAL.partitions(req.partitions, self.cfg.topic.max_partitions) if req.partitions else 0
         retention = d_ret if req.retention_ms is None else VAL.retention_ms(req.retention_ms)
         vis = VAL.positive_or_default("visibility_timeout_ms", req.visibility_timeout_ms, d_vis)
         inflight = VAL.positive_or_default("max_in_flight_per_partition", req.max_in_flight_per_partition, d_inflight)
@@ -298,6 +327,8 @@ class MetaService:
         user = self._require_known(req.who)
         if not req.who.unrestricted and not G.has_grant(user, "create", name):
             raise Forbidden(f'create not allowed for topic name "{name}"')
+        if req.parent is not None:
+            return await self._create_child(req, name, parts, retention, vis, inflight, ahead, schema, user)
         async with self._locks[name.casefold()]:
             await self._leader_view()
             if self.request_applied():
@@ -335,6 +366,195 @@ class MetaService:
             raise NotFound(f'topic "{name}" not found')
         return t
 
+    # ---- fan-out children ------------------------------------------------------------
+    def _may_manage(self, who: G.Identity, user: UserRecord | None, t: TopicRecord) -> None:
+        if not who.unrestricted and not G.can_manage_topic(user, t):
+            raise Forbidden(f'only the owner of topic "{t.name}" or an admin may modify it')
+
+    def _linked_children(self, t: TopicRecord) -> list[TopicRecord]:
+        with self.store.read() as r:
+            kids = [r.topic(n) for n in t.children]
+        return [c for c in kids if c is not None and c.parent == t.name and c.parent_id == t.id]
+
+    @staticmethod
+    def _attach_point(par: TopicRecord, parent_id: str | None, offsets: list[int]) -> None:
+        """The attach point the receiving node read must belong to the parent as it is now."""
+        if not parent_id:
+            raise Unavailable(f'could not ask the owners of every partition of "{par.name}" for the attach point; '
+                              "nothing was linked, retry", headers=[("Retry-After", "1")])
+        if parent_id != par.id or len(offsets) != par.partitions or any(o < 0 for o in offsets):
+            raise Unavailable("parent changed while the attach point was read; retry", headers=[("Retry-After", "1")])
+
+    def _schema_fit(self, par: TopicRecord, child: TopicRecord | None, schema: bytes | None, name: str) -> None:
+        """409 when the child's schema (an existing child's history, or the schema a
+        create-as-child sent) differs from the parent's: a child adopts its parent's."""
+        with self.store.read() as r:
+            parent_history = r.schemas(par.name)
+            mine = r.schemas(child.name) if child is not None and child.schema_version else []
+        if child is not None and child.schema_version:
+            if not parent_history:
+                raise Conflict(f'topic "{name}" has a schema and its parent "{par.name}" has none')
+            if len(mine) != len(parent_history) or not all(
+                    F.schema_docs_same(a.schema, b.schema) for a, b in zip(mine, parent_history, strict=True)):
+                raise Conflict(f'the schema history of "{name}" differs from the schema history of its parent '
+                               f'"{par.name}"')
+        if schema is not None:
+            if not parent_history:
+                raise Conflict(f'topic "{name}" would have a schema and its parent "{par.name}" has none')
+            if not F.schema_docs_same(parent_history[-1].schema, schema):
+                raise Conflict(f'the schema of "{name}" differs from the schema of its parent "{par.name}"; '
+                               "leave it out to adopt the parent's")
+
+    @staticmethod
+    def _link_rules(par: TopicRecord, child: TopicRecord, delay_ms: int, *, new: bool = False) -> None:
+        """409 naming the fan-out rule the link breaks (``new``: a create-as-child's record)."""
+        if len(child.name.encode()) > F.CHILD_NAME_BYTES:
+            raise Conflict(f'topic "{child.name}" has a name longer than {F.CHILD_NAME_BYTES} bytes and cannot '
+                           "become a child")
+        if not new and child.parent is not None:
+            raise Conflict(f'topic "{child.name}" already has a parent ("{child.parent}"); a child has exactly '
+                           "one parent")
+        why = F.link_refusal(par, child, delay_ms)
+        if why is not None:
+            raise Conflict(why)
+
+    async def _create_child(self, req: Q.CreateTopicReq, name: str, parts: int, retention: int, vis: int,
+                            inflight: int, ahead: int, schema: bytes | None,
+                            user: UserRecord | None) -> TopicRecord:
+        """Create-as-child: the record, the parent's schema history and the link in one
+        type-23 entry (nothing to undo when the link is refused: nothing was created)."""
+        parent = req.parent
+        assert parent is not None
+        delay = req.fanout_delay_ms
+        async with self._name_locks(name, parent):
+            await self._leader_view()
+            if self.request_applied():
+                return self._read_topic(name)  # this very request created it before a leader change
+            res = C.ApplyResult(C.Result.REFUSED)
+            for attempt in (1, 2):
+                par = self._read_topic(parent)
+                self._may_manage(req.who, user, par)
+                with self.store.read() as r:
+                    if r.topic(name) is not None:
+                        raise Conflict(f'topic "{name}" already exists')
+                    clash = r.topic_clash(name)
+                    if clash is not None:
+                        raise Conflict(f'topic "{name}" clashes with existing topic "{clash}" '
+                                       "(names are unique regardless of letter case)")
+                self._require_type(C.EntryType.CREATE_TOPIC_CHECKED, "creating a topic as a child")
+                rec = TopicRecord(
+                    name=name, id=secrets.token_hex(8), partitions=parts or par.partitions, retention_ms=retention,
+                    visibility_timeout_ms=vis, max_in_flight_per_partition=inflight,
+                    max_acked_ahead_per_partition=ahead, created_at=int(self.clock()),
+                    owner=req.who.name if req.who.security and not req.who.operator else None,
+                    parent=par.name, parent_id=par.id, delay_ms=delay, attach_epoch=secrets.token_hex(8),
+                    attach_offsets=list(req.attach_offsets),
+                )
+                self._link_rules(par, rec, delay, new=True)
+                self._schema_fit(par, None, schema, name)
+                self._attach_point(par, req.parent_id, req.attach_offsets)
+                await self.wait_forming()
+                owners = self.placement(name, range(rec.partitions), parent=par)
+                res = await self.write(C.CreateTopicChecked(rec, schema, owners))
+                if res.code != C.Result.CHANGED:
+                    break
+                if attempt == 2:
+                    raise Conflict("topic changed since it was read", code="topic_changed")
+                log.info("parent changed since it was read; checking the create again", extra={"topic": name})
+            if res.code == C.Result.INVALID:
+                raise Conflict(res.message)
+            self._check(res, "topic")
+            audit.info("topic created", extra={"topic": name, "id": rec.id, "parent": parent, "by": req.who.name,
+                                               "outcome": "ok"})
+            return self._read_topic(name)
+
+    async def attach_child(self, req: Q.AttachChildReq) -> TopicRecord:
+        """Link an existing topic as a child (type 27); answers the parent after it."""
+        if not req.child:
+            raise BadRequest("invalid argument: child required")
+        if not req.parent:
+            raise BadRequest("invalid argument: parent required")
+        if req.parent == req.child:
+            raise BadRequest(f'invalid argument: a topic cannot be its own child ("{req.child}")')
+        _check_delay("delay_ms", req.delay_ms)
+        user = self._require_known(req.who)
+        async with self._name_locks(req.parent, req.child):
+            await self._leader_view()
+            if self.request_applied():
+                return self._read_topic(req.parent)  # this very request attached it before a leader change
+            for attempt in (1, 2):
+                par = self._read_topic(req.parent)
+                child = self._read_topic(req.child)
+                self._may_manage(req.who, user, par)
+                self._may_manage(req.who, user, child)
+                self._require_type(C.EntryType.ATTACH_CHILD_CAS, "attaching a child")
+                self._link_rules(par, child, req.delay_ms)
+                self._schema_fit(par, child, None, child.name)
+                self._attach_point(par, req.parent_id, req.attach_offsets)
+                res = await self.write(C.AttachChildCas(par.name, par.id, child.name, child.id, req.delay_ms,
+                                                        secrets.token_hex(8), list(req.attach_offsets)))
+                if res.code == C.Result.OK:
+                    audit.info("child attached", extra={"topic": par.name, "child": child.name,
+                                                        "delay_ms": req.delay_ms, "by": req.who.name,
+                                                        "outcome": "ok"})
+                    return self._read_topic(req.parent)
+                if res.code == C.Result.INVALID:
+                    raise Conflict(res.message)
+                if res.code != C.Result.CHANGED:
+                    self._check(res, "topic")
+                if attempt == 2:
+                    raise Conflict("topic changed since it was read", code="topic_changed")
+                log.info("topic changed since it was read; checking the attach again", extra={"topic": par.name})
+        raise AssertionError("unreachable")
+
+    async def detach_child(self, req: Q.DetachChildReq) -> None:
+        """Unlink a child (type 28): it becomes standalone and keeps its data and schemas."""
+        if not req.child or not req.parent:
+            raise BadRequest("invalid argument: parent and child required")
+        user = self._require_known(req.who)
+        async with self._name_locks(req.parent, req.child):
+            await self._leader_view()
+            if self.request_applied():
+                return  # this very request detached it before a leader change
+            for attempt in (1, 2):
+                par = self._read_topic(req.parent)
+                child = self._read_topic(req.child)
+                if not req.who.unrestricted and not (G.can_manage_topic(user, par)
+                                                     or G.can_manage_topic(user, child)):
+                    raise Forbidden(f'only the owner of topic "{par.name}" or of topic "{child.name}", or an admin, '
+                                    "may detach them")
+                if child.parent != par.name or child.parent_id != par.id or child.name not in par.children:
+                    raise NotFound(f'topic "{child.name}" is not a child of "{par.name}"')
+                self._require_type(C.EntryType.DETACH_CHILD_CAS, "detaching a child")
+                res = await self.write(C.DetachChildCas(par.name, par.id, child.name, child.id))
+                if res.code == C.Result.OK:
+                    audit.info("child detached", extra={"topic": par.name, "child": child.name,
+                                                        "by": req.who.name, "outcome": "ok"})
+                    return
+                if res.code != C.Result.CHANGED:
+                    self._check(res, "topic")
+                if attempt == 2:
+                    raise Conflict("topic changed since it was read", code="topic_changed")
+                log.info("topic changed since it was read; checking the detach again", extra={"topic": par.name})
+
+    async def confirm_epoch(self, req: Q.ConfirmEpochReq) -> Q.ConfirmEpochResp:
+        """Whether ``req.child`` is definitely linked to ``req.parent`` under ``req.epoch``:
+        only the leader answers (known), after a barrier (everything committed applied)
+        and a re-read. Not the leader, or no barrier: known=False (do nothing destructive)."""
+        if not self.raft.is_leader():
+            return Q.ConfirmEpochResp(False, known=False)
+        try:
+            await self.barrier()
+        except Unavailable:
+            return Q.ConfirmEpochResp(False, known=False)
+        if not self.raft.is_leader():
+            return Q.ConfirmEpochResp(False, known=False)
+        with self.store.read() as r:
+            c = r.topic(req.child)
+        linked = (c is not None and c.id == req.child_id and c.parent == req.parent
+                  and c.parent_id == req.parent_id and c.attach_epoch == req.epoch)
+        return Q.ConfirmEpochResp(linked, known=True)
+
     def _unregistered_voters(self) -> list[str]:
         with self.store.read() as r:
             registered = {m.raft_addr for m in r.members()}
@@ -359,17 +579,44 @@ class MetaService:
         log.info("cluster still forming; placing partitions over the members registered so far",
                  extra={"unregistered_voters": self._unregistered_voters()})
 
-    def placement(self, name: str, parts: range | list[int]) -> list[tuple[int, str]]:
+    def placement(self, name: str, parts: range | list[int],
+                  parent: TopicRecord | None = None) -> list[tuple[int, str]]:
         """Owners for partitions, round-robin over alive members from a random
         start. Empty when no member is alive yet (the controller places them
-        within about a second of the first member turning alive)."""
+        within about a second of the first member turning alive).
+
+        ChildAwareOwner: a fan-out child's partition p skips the owner of its parent's
+        partition p when another alive member exists, so a replica child's copy sits
+        on another disk. ``parent`` is read from the record of ``name`` when not given."""
         members = self.alive_members()
         if not members:
             log.warning("topic created without immediate partition assignment",
                         extra={"topic": name, "error": "no alive member to own new partitions"})
             return []
-        start = secrets.randbelow(len(members))
-        return [(p, members[(start + i) % len(members)].id) for i, p in enumerate(parts)]
+        n = len(members)
+        start = secrets.randbelow(n)
+        owners = [(p, members[(start + i) % n].id) for i, p in enumerate(parts)]
+        if n < 2:
+            return owners
+        parent_rows: dict[int, AssignmentRecord] = {}
+        with self.store.read() as r:
+            if parent is None:
+                me = r.topic(name)
+                if me is not None and me.parent is not None:
+                    parent = r.topic(me.parent)
+                    if parent is not None and parent.id != me.parent_id:
+                        parent = None
+            if parent is not None:
+                parent_rows = r.assignments(parent.name)
+        if parent is None:
+            return owners
+        out = []
+        for i, (p, owner) in enumerate(owners):
+            row = parent_rows.get(p)
+            if row is not None and row.topic_id == parent.id and row.owner == owner:
+                owner = members[(start + i + 1) % n].id  # the next member: still spread evenly
+            out.append((p, owner))
+        return out
 
     async def place_partitions(self, name: str, topic_id: str, parts: range | list[int]) -> bool:
         """Propose owners for partitions that have none on record."""
@@ -407,7 +654,10 @@ class MetaService:
                 if not req.who.unrestricted and not G.can_manage_topic(user, t):
                     raise Forbidden(f'only the owner of topic "{name}" or an admin may modify it')
 
-            may_manage(self._read_topic(name))
+            current = self._read_topic(name)
+            may_manage(current)
+            if req.schema is not None and current.parent is not None:
+                raise Conflict(_managed_schema(current))
             _, _, _, d_inflight, d_ahead = self._topic_defaults()
             # Field groups apply in Narad's order, each its own entry, each checked
             # against the incarnation it was read from.
@@ -418,6 +668,10 @@ class MetaService:
                     may_manage(t)
                     if retention and t.visibility_timeout_ms > retention:
                         raise BadRequest("invalid argument: retention_ms must not be below visibility_timeout_ms")
+                    for c in self._linked_children(t):
+                        why = F.delay_retention_refusal(t.name, retention, c.name, c.delay_ms)
+                        if why is not None:
+                            raise Conflict(why)
                     return self._update(t, retention_ms=retention)
 
                 await self._topic_write(name, set_retention)
@@ -471,7 +725,8 @@ class MetaService:
                 return  # nothing to write (idempotent)
             res = await self.write(payload)
             if res.code != C.Result.CHANGED:
-                if res.code == C.Result.INVALID and isinstance(payload, (C.PutSchema, C.PutSchemaCas)):
+                if res.code == C.Result.INVALID and isinstance(payload, (C.PutSchema, C.PutSchemaCas,
+                                                                         C.UpdateTopicCas)):
                     raise Conflict(res.message)
                 self._check(res, "topic")
                 return
@@ -486,6 +741,8 @@ class MetaService:
         def register(t: TopicRecord) -> msgspec.Struct | None:
             if may_manage is not None:
                 may_manage(t)
+            if t.parent is not None:
+                raise Conflict(_managed_schema(t))
             if base_version is not None and base_version != t.schema_version:
                 raise Conflict(f"schema version conflict: schema_base_version {base_version} does not match "
                                f'the current version {t.schema_version} of "{name}"')
@@ -769,6 +1026,13 @@ class MetaService:
             return await self.heartbeat(req)
         if isinstance(req, Q.ConfirmGoneReq):
             return Q.ConfirmGoneResp(await self.confirm_gone(req.topic, req.topic_id))
+        if isinstance(req, Q.AttachChildReq):
+            return await self.attach_child(req)
+        if isinstance(req, Q.DetachChildReq):
+            await self.detach_child(req)
+            return Q.Empty()
+        if isinstance(req, Q.ConfirmEpochReq):
+            return await self.confirm_epoch(req)
         if isinstance(req, Q.ForgetServerReq):
             return await self.forget_server(req)
         if isinstance(req, Q.ImportMetastoreReq):
@@ -778,7 +1042,16 @@ class MetaService:
 
 FORWARDABLE = (Q.CreateTopicReq, Q.AlterTopicReq, Q.DeleteTopicReq, Q.CreateUserReq, Q.SetGrantsReq,
                Q.SetPasswordReq, Q.DeleteUserReq, Q.RegisterReq, Q.HeartbeatReq, Q.ConfirmGoneReq,
-               Q.ForgetServerReq, Q.ImportMetastoreReq)
+               Q.ForgetServerReq, Q.ImportMetastoreReq, Q.AttachChildReq, Q.DetachChildReq, Q.ConfirmEpochReq)
+
+
+def _check_delay(field: str, value: int) -> None:
+    if not 0 <= value <= F.MAX_DELAY_MS:
+        raise BadRequest(f"invalid argument: {field} must be between 0 and {F.MAX_DELAY_MS} (1 year), got {value}")
+
+
+def _managed_schema(t: TopicRecord) -> str:
+    return f'the schema of "{t.name}" is managed by its parent "{t.parent}"'
 
 
 def public_user(u: UserRecord) -> UserRecord:

@@ -46,6 +46,8 @@ RESPONSE_TYPES: dict[type, type] = {
     Q.ConfirmGoneReq: Q.ConfirmGoneResp,
     Q.ForgetServerReq: Q.ForgetServerResp,
     Q.ImportMetastoreReq: Q.ImportMetastoreResp,
+    Q.AttachChildReq: TopicRecord,  # the parent after the attach
+    Q.ConfirmEpochReq: Q.ConfirmEpochResp,
 }
 _req_dec = msgspec.msgpack.Decoder(Union[FORWARDABLE])  # type: ignore[valid-type]  # noqa: UP007
 _enc = msgspec.msgpack.Encoder()

@@ -193,6 +193,16 @@ def worker_service(sup: SupervisorView) -> rpc.Service:
             return Q.ConfirmGoneResp(False)
         return await router.execute(m)  # type: ignore[no-any-return]
 
+    async def confirm_epoch(m: Q.ConfirmEpochReq, conn: rpc.Connection) -> Q.ConfirmEpochResp:
+        # Anchoring a fan-out cursor or deleting its file: as for a WAL discard, a
+        # provably current replica here first, then the leader's definite answer.
+        if not sup.raft.caught_up():
+            return Q.ConfirmEpochResp(False, known=False)
+        return await router.execute(m)  # type: ignore[no-any-return]
+
+    async def caught_up(m: Q.CaughtUpReq, conn: rpc.Connection) -> Q.CaughtUpResp:
+        return Q.CaughtUpResp(sup.raft.caught_up())
+
     async def node_metrics(m: metrics.NodeMetricsReq, conn: rpc.Connection) -> metrics.Snapshot:
         return metrics.Snapshot(await sup.node_metrics())
 
@@ -202,6 +212,8 @@ def worker_service(sup: SupervisorView) -> rpc.Service:
         (Q.SetPasswordReq, write), (Q.DeleteUserReq, write), (Q.Forwarded, forward), (Q.AuthAttemptReq, auth_attempt),
         (Q.AuthOutcome, auth_outcome), (Q.MembersReq, members), (Q.StatusReq, status),
         (metrics.NodeMetricsReq, node_metrics), (Q.ConfirmGoneReq, confirm_gone), (Q.ForgetServerReq, write),
+        (Q.AttachChildReq, write), (Q.DetachChildReq, write), (Q.ConfirmEpochReq, confirm_epoch),
+        (Q.CaughtUpReq, caught_up),
     ):
         s.register(typ, fn)  # type: ignore[arg-type]
     return s

@@ -528,3 +528,44 @@ def test_service_confirm_epoch_answers_only_a_definite_link(node: Node) -> None:
 
     follower = MetaService(node.cfg, Follower(), node.store, "n2")  # type: ignore[arg-type]
     assert node.run(follower.confirm_epoch(ask)) == Q.ConfirmEpochResp(linked=False, known=False)
+
+
+# ---- routing through a real supervisor ------------------------------------------------------
+def test_the_supervisor_routes_fanout_requests_and_answers_caught_up_itself(tmp_path: Path) -> None:
+    """What a worker sends over the supervisor's worker socket: CaughtUpReq answered
+    from the node's own Raft replica, attach/detach/confirm-epoch run on the leader,
+    each answered with its own type; a refusal crosses with its status."""
+    from narad.ipc import rpc
+    from tests.harness import Node as ProcNode
+
+    proc = ProcNode(tmp_path / "n1", workers=1, security=False).start()
+    try:
+        async def main() -> None:
+            conn = await rpc.connect_unix(str(proc.runtime_dir / "worker.sock"))
+            try:
+                deadline = time.monotonic() + 20
+                while not (await conn.call(Q.CaughtUpReq(), Q.CaughtUpResp)).caught_up:
+                    assert time.monotonic() < deadline, "never caught up"
+                    await asyncio.sleep(0.05)
+                anyone = Identity(None, False, False)
+                p = await conn.call(Q.CreateTopicReq(who=anyone, name="rt-p"), TopicRecord)
+                c = await conn.call(Q.CreateTopicReq(who=anyone, name="rt-c"), TopicRecord)
+                with pytest.raises(NotFound, match='"rt-none"'):
+                    await conn.call(Q.AttachChildReq(anyone, "rt-p", "rt-none", 0, p.id, [0] * 3), TopicRecord)
+                parent = await conn.call(Q.AttachChildReq(anyone, "rt-p", "rt-c", 0, p.id, [0] * 3), TopicRecord)
+                assert parent.children == ["rt-c"]
+                kid = await conn.call(Q.CreateTopicReq(who=anyone, name="rt-k", parent="rt-p", parent_id=p.id,
+                                                       attach_offsets=[0] * 3), TopicRecord)
+                assert kid.parent == "rt-p" and kid.attach_epoch
+                ask = Q.ConfirmEpochReq("rt-p", p.id, "rt-k", kid.id, kid.attach_epoch)
+                assert await conn.call(ask, Q.ConfirmEpochResp) == Q.ConfirmEpochResp(True, True)
+                assert isinstance(await conn.call(Q.DetachChildReq(anyone, "rt-p", "rt-c"), Q.Empty), Q.Empty)
+                with pytest.raises(NotFound, match="is not a child of"):
+                    await conn.call(Q.DetachChildReq(anyone, "rt-p", "rt-c"), Q.Empty)
+                assert proc.get("/v1/topics/rt-c").json()["id"] == c.id
+            finally:
+                conn.close()
+
+        asyncio.run(main())
+    finally:
+        proc.close()

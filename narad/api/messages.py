@@ -30,6 +30,7 @@ from narad.broker.peers import Item
 from narad.broker.validation import ValidationCapacity
 from narad.errors import (
     BadRequest,
+    Conflict,
     Forbidden,
     Gone,
     InternalError,
@@ -206,6 +207,11 @@ class MessagesAPI:
         if not G.has_grant(user, action, t.name):
             raise Forbidden(f"{action} not allowed on this topic")
 
+    def _delay_child(self, t: TopicRecord) -> Conflict:
+        """A delay child is fed only by its parent: a produce to it is a 409 (counted)."""
+        self.m.produce_rejections.labels(t.name, "delayed_child").inc()
+        return Conflict(f'topic "{t.name}" is a delay child of "{t.parent}"; produce to the parent')
+
     def _identity_key(self, req: Request) -> str:
         who: G.Identity = req.identity
         return who.name if who.name else f"ip:{req.client}"
@@ -305,6 +311,8 @@ class MessagesAPI:
     def _produce_args(self, req: Request, t: TopicRecord) -> tuple[bytes, bytes | None, int | None]:
         """The checks of a single produce before its schema: (body, key, partition)."""
         self._require(req, t, "produce")
+        if t.delay_ms and t.parent is not None:  # a delay child (one attribute check when not)
+            raise self._delay_child(t)
         body = req.body
         if not body:
             raise BadRequest("message required")
@@ -363,6 +371,8 @@ class MessagesAPI:
     async def produce_batch(self, req: Request) -> Response:
         t = self._topic(req)
         self._require(req, t, "produce")
+        if t.delay_ms and t.parent is not None:
+            raise self._delay_child(t)
         if req.query.get("key") or req.query.get("partition"):
             raise BadRequest("invalid argument: key and partition go in each message of a batch, not the query")
         body = req.body

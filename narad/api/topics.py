@@ -1,30 +1,47 @@
-"""Topic routes: create, list, describe, alter, delete, schema history.
+"""Topic routes: create, list, describe, alter, delete, schema history, and
+the fan-out children routes (attach, list, detach; create-as-child).
 
 Reads come from the local replica (narad.meta.store, cached); writes are
 checked here (early 400/403), then sent to the supervisor's metadata service,
 which checks again against the replica, proposes through Raft and answers
 once the local FSM applied the entry. Response bodies follow Narad's /v1
-shapes (``Topic``, ``TopicDetails``, ``{topics, next_page_token}``).
+shapes (``Topic``, ``TopicDetails``, ``{topics, next_page_token}``, ``ChildList``).
+
+An attach (and a create-as-child) needs the attach point: this worker asks the
+owners of every parent partition for its committed high watermark
+(``Broker.stats``) and sends the offsets, with the parent's incarnation, in the
+request; any owner that does not answer is a 503 and nothing is linked. The
+leader proposes them unchanged and the FSM refuses them unless the parent is
+still that incarnation with that partition count.
+
+``ctl_fanout`` serves naradctl's ``topics attach|detach|children`` in the
+supervisor, which has no broker: it asks the partition owners over node RPC.
 
 Imports narad.api.{context,router}, narad.meta.{grants,requests,records,
-validate,schemas}, narad.errors.
+validate,schemas,store}, narad.broker.peers (the stats request), narad.errors.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
 
 from narad.api.context import ApiContext, decode_json, query_bool, query_int
-from narad.api.router import Request, Response, Router, empty, json_response
-from narad.errors import BadRequest, Forbidden, NotFound, NotImplementedYet
+from narad.api.router import GENERAL_BODY_LIMIT, Request, Response, Router, empty, json_response
+from narad.errors import BadRequest, Forbidden, NotFound, NotImplementedYet, Unavailable
 from narad.meta import grants as G
 from narad.meta import requests as Q
 from narad.meta import validate as VAL
 from narad.meta.records import AssignmentRecord, TopicRecord
+from narad.meta.store import MetaStore
 
 UNSET = msgspec.UNSET
+MAX_FANOUT_DELAY_MS = 31_536_000_000  # one year
+REMOTE_501 = "remote children are not implemented by this node yet"
 
 
 class CreateTopicBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -40,6 +57,20 @@ class CreateTopicBody(msgspec.Struct, forbid_unknown_fields=True):
     owner: str | None = None  # accepted and ignored: the owner is always the caller
 
 
+class AttachChildBody(msgspec.Struct, forbid_unknown_fields=True):
+    """Narad's ``AttachChildRequest`` (the delay is ``delay_ms`` here, ``fanout_delay_ms``
+    on create: the other name is an unknown field, 400). The remote-child fields are
+    known so that they answer 501 (``remote``) or 400 (the others without ``remote``)."""
+
+    child: str | None = None
+    delay_ms: VAL.Int64 = 0
+    remote: str | None = None
+    remote_topic: str | None = None
+    from_: str | None = msgspec.field(default=None, name="from")
+    lanes: VAL.Int64 | None = None
+    dry_run: bool | None = None
+
+
 class AlterTopicBody(msgspec.Struct, forbid_unknown_fields=True):
     retention_ms: VAL.Int64 | None = None
     max_in_flight_per_partition: VAL.Int64 | None = None
@@ -51,6 +82,11 @@ class AlterTopicBody(msgspec.Struct, forbid_unknown_fields=True):
 
 
 def topic_json(t: TopicRecord) -> dict[str, Any]:
+    """Narad's ``Topic``, with the fan-out fields of issue 11's contract: ``role``
+    "parent" or "child" (absent when standalone); a parent carries ``children``
+    (sorted); a child ``parent``, ``attach_epoch``, ``attach_offsets`` and its delay,
+    as ``delay_ms`` (our contract) and, on a delay child, ``fanout_delay_ms`` (the
+    name Narad's openapi gives the field)."""
     out: dict[str, Any] = {
         "name": t.name,
         "id": t.id,
@@ -63,6 +99,20 @@ def topic_json(t: TopicRecord) -> dict[str, Any]:
     }
     if t.owner is not None:
         out["owner"] = t.owner
+    role = t.role
+    if role is None:
+        return out
+    out["role"] = role
+    if t.children:
+        out["children"] = list(t.children)
+    if t.parent is not None:
+        out["parent"] = t.parent
+        out["delay_ms"] = t.delay_ms
+        if t.attach_epoch is not None:
+            out["attach_epoch"] = t.attach_epoch
+        if t.delay_ms:
+            out["fanout_delay_ms"] = t.delay_ms
+        out["attach_offsets"] = list(t.attach_offsets)
     return out
 
 
@@ -86,6 +136,11 @@ class TopicsAPI:
         r.add("PATCH", "/v1/topics/{topic}", self.alter)
         r.add("DELETE", "/v1/topics/{topic}", self.delete)
         r.add("GET", "/v1/topics/{topic}/schema", self.schema)
+        # Narad answers an oversized attach body 400, not 413.
+        r.add("POST", "/v1/topics/{parent}/children", self.attach, body_limit=GENERAL_BODY_LIMIT,
+              oversize_status=400)
+        r.add("GET", "/v1/topics/{parent}/children", self.children)
+        r.add("DELETE", "/v1/topics/{parent}/children/{child}", self.detach)
 
     # ---- helpers ------------------------------------------------------------
     def _user(self, req: Request) -> Any:
@@ -104,17 +159,57 @@ class TopicsAPI:
             raise NotFound(f'topic "{name}" not found')
         return t
 
+    def _manages(self, req: Request, t: TopicRecord) -> bool:
+        who: G.Identity = req.identity
+        return who.unrestricted or G.can_manage_topic(self._user(req), t)
+
+    @staticmethod
+    def _not_managed(name: str) -> Forbidden:
+        return Forbidden(f'only the owner of topic "{name}" or an admin may modify it')
+
+    async def _attach_point(self, parent: TopicRecord) -> list[int]:
+        """The committed high watermark of every partition of ``parent``, asked of each
+        partition's owner now: an owner that does not answer (down, slow, unassigned)
+        is a 503, and nothing is linked."""
+        parts = list(range(parent.partitions))
+        live = await self.ctx.broker.stats(parent, parts) if self.ctx.broker is not None else {}
+        offsets: list[int] = []
+        for p in parts:
+            s = live.get(p)
+            if s is None or "high_watermark" not in s:
+                raise Unavailable(f'could not ask the owners of every partition of "{parent.name}" for the '
+                                  "attach point; nothing was linked, retry")
+            offsets.append(int(s["high_watermark"]))
+        return offsets
+
     # ---- routes -------------------------------------------------------------
     async def create(self, req: Request) -> Response:
         body = decode_json(req, CreateTopicBody)
         if body.name is None:
             raise BadRequest("invalid argument: name required")
         name = VAL.topic_name(body.name)
-        if body.parent is not None or body.fanout_delay_ms:
-            raise NotImplementedYet("fan-out children (parent, fanout_delay_ms) are not implemented by this node yet")
+        parent_name = None
+        if body.parent is not None:
+            parent_name = VAL.topic_name(body.parent)
+            if parent_name == name:
+                raise BadRequest("invalid argument: a topic cannot be its own parent")
+        if body.fanout_delay_ms and parent_name is None:
+            raise BadRequest("invalid argument: fanout_delay_ms needs parent")
+        _check_delay("fanout_delay_ms", body.fanout_delay_ms)
         who: G.Identity = req.identity
         if not who.unrestricted and not G.has_grant(self._user(req), "create", name):
             raise Forbidden(f'create not allowed for topic name "{name}"')
+        parent_id: str | None = None
+        offsets: list[int] = []
+        if parent_name is not None:
+            # Missing here: the leader decides (404 once caught up; a parent this replica
+            # has not seen yet gets 503 "changed", as no attach point could be read).
+            parent = self.ctx.store.topic(parent_name)
+            if parent is not None:
+                if not self._manages(req, parent):
+                    raise self._not_managed(parent_name)
+                parent_id = parent.id
+                offsets = await self._attach_point(parent)
         rec = await self.ctx.call(
             Q.CreateTopicReq(
                 who=who,
@@ -125,6 +220,10 @@ class TopicsAPI:
                 max_in_flight_per_partition=body.max_in_flight_per_partition or None,
                 max_acked_ahead_per_partition=body.max_acked_ahead_per_partition or None,
                 schema=_schema_raw(body.schema),
+                parent=parent_name,
+                fanout_delay_ms=body.fanout_delay_ms,
+                parent_id=parent_id,
+                attach_offsets=offsets,
             ),
             TopicRecord,
         )
@@ -239,3 +338,153 @@ class TopicsAPI:
                 "versions": [{"version": s.version, "schema": msgspec.Raw(s.schema)} for s in versions],
             },
         )
+
+    # ---- fan-out children (routes 7-9) ----------------------------------------------
+    async def attach(self, req: Request) -> Response:
+        parent_name = req.params["parent"]
+        body = decode_json(req, AttachChildBody)
+        if body.remote is not None:
+            raise NotImplementedYet(REMOTE_501)
+        extra = [f for f, v in (("remote_topic", body.remote_topic), ("from", body.from_),
+                                ("lanes", body.lanes), ("dry_run", body.dry_run)) if v is not None]
+        if extra:
+            raise BadRequest(f"invalid argument: {', '.join(extra)} only with remote")
+        if body.child is None or body.child == "":
+            raise BadRequest("invalid argument: child required")
+        child_name = VAL.topic_name(body.child)
+        if child_name == parent_name:
+            raise BadRequest("invalid argument: a topic cannot be its own child")
+        _check_delay("delay_ms", body.delay_ms)
+        who: G.Identity = req.identity
+        parent = self.ctx.store.topic(parent_name)
+        child = self.ctx.store.topic(child_name)
+        # Early checks on what this replica holds; the leader checks again (and answers
+        # 404 for a topic still missing once it caught up).
+        if parent is not None and not self._manages(req, parent):
+            raise self._not_managed(parent_name)
+        if child is not None and not self._manages(req, child):
+            raise self._not_managed(child_name)
+        parent_id = ""
+        offsets: list[int] = []
+        if parent is not None and child is not None:
+            parent_id = parent.id
+            offsets = await self._attach_point(parent)
+        rec = await self.ctx.call(
+            Q.AttachChildReq(who=who, parent=parent_name, child=child_name, delay_ms=body.delay_ms,
+                             parent_id=parent_id, attach_offsets=offsets),
+            TopicRecord,
+        )
+        return json_response(200, topic_json(rec))
+
+    async def children(self, req: Request) -> Response:
+        name = req.params["parent"]
+        query_bool(req, "partitions")  # remote children's rows: a bad value is still a 400
+        t = self._topic_or_404(name)
+        if not self._visible(req, t):
+            raise Forbidden("no grant on this topic")
+        lag: dict[str, tuple[int, bool]] = {}
+        if t.children:
+            gather = getattr(self.ctx.broker, "fanout_lag", None)
+            if gather is not None:
+                lag = await gather(t)
+        return json_response(200, children_json(self.ctx.store, t, lag))
+
+    async def detach(self, req: Request) -> Response:
+        parent_name = req.params["parent"]
+        child_name = req.params["child"]
+        query_bool(req, "force")  # remote children only; a bad value is still a 400
+        parent = self.ctx.store.topic(parent_name)
+        child = self.ctx.store.topic(child_name)
+        # Manage rights on either topic; refused early only when this replica holds both.
+        if parent is not None and child is not None and not (self._manages(req, parent)
+                                                             or self._manages(req, child)):
+            raise Forbidden(f'only the owner of topic "{parent_name}" or of topic "{child_name}", '
+                            "or an admin, may detach them")
+        who: G.Identity = req.identity
+        await self.ctx.call(Q.DetachChildReq(who=who, parent=parent_name, child=child_name), Q.Empty)
+        return empty(204)
+
+
+def _check_delay(field: str, value: int) -> None:
+    if not 0 <= value <= MAX_FANOUT_DELAY_MS:
+        raise BadRequest(f"invalid argument: {field} must be from 0 to {MAX_FANOUT_DELAY_MS} (one year)")
+
+
+# ---- naradctl (the supervisor's control socket) ----------------------------------------
+NodeCall = Callable[[str, Any, type, float], Awaitable[Any]]  # (node id, request, answer type, timeout)
+
+
+async def attach_point_over_rpc(store: MetaStore, parent: TopicRecord, call_node: NodeCall) -> list[int]:
+    """The attach point as ``TopicsAPI._attach_point`` reads it, for a process without
+    a broker (the supervisor, for naradctl): each partition owner's node is asked over
+    node RPC (any worker of it routes to the owning one); one not answering is a 503."""
+    from narad.broker import peers as P
+
+    rows = store.assignments(parent.name)
+    groups: dict[str, list[int]] = {}
+    for p in range(parent.partitions):
+        a = rows.get(p)
+        if a is None or a.topic_id != parent.id:
+            raise Unavailable(f'could not ask the owners of every partition of "{parent.name}" for the '
+                              "attach point; nothing was linked, retry")
+        groups.setdefault(a.owner, []).append(p)
+    got: dict[int, dict[str, int]] = {}
+
+    async def one(node: str, parts: list[int]) -> None:
+        with contextlib.suppress(Exception):
+            resp = await call_node(node, P.StatsReq(parent.name, parent.id, parts), P.StatsResp, 2.0)
+            got.update(resp.stats)
+
+    await asyncio.gather(*(one(n, ps) for n, ps in groups.items()))
+    offsets = []
+    for p in range(parent.partitions):
+        s = got.get(p)
+        if s is None or "high_watermark" not in s:
+            raise Unavailable(f'could not ask the owners of every partition of "{parent.name}" for the '
+                              "attach point; nothing was linked, retry")
+        offsets.append(int(s["high_watermark"]))
+    return offsets
+
+
+def children_json(store: MetaStore, parent: TopicRecord, lag: dict[str, tuple[int, bool]]) -> dict[str, Any]:
+    """Narad's ``ChildList`` for ``parent``; a child missing from ``lag`` did not report
+    (0, lag_complete false: the count is a lower bound)."""
+    rows = []
+    for c in parent.children:
+        rec = store.topic(c)
+        n, complete = lag.get(c, (0, False))
+        rows.append({"name": c, "delay_ms": rec.delay_ms if rec is not None else 0,
+                     "lag_messages": n, "lag_complete": complete})
+    return {"parent": parent.name, "parent_id": parent.id, "children": rows}
+
+
+async def ctl_fanout(cmd: str, args: dict[str, Any], store: MetaStore, call_node: NodeCall,
+                     execute: Callable[[Any], Awaitable[Any]]) -> Any:
+    """naradctl ``topics attach|detach|children``, as the local operator (every grant
+    check passes; the leader applies the same fan-out rules as for HTTP)."""
+    parent_name = str(args.get("parent", ""))
+    if cmd == "topics.children":
+        t = store.topic(parent_name)
+        if t is None:
+            raise NotFound(f'topic "{parent_name}" not found')
+        return children_json(store, t, {})  # lag: only workers can gather it (see the report)
+    child_name = str(args.get("child", ""))
+    if cmd == "topics.detach":
+        await execute(Q.DetachChildReq(who=G.OPERATOR, parent=parent_name, child=child_name))
+        return {"detached": child_name, "parent": parent_name}
+    if cmd != "topics.attach":
+        raise BadRequest(f"unknown command {cmd!r}")
+    delay = args.get("delay_ms") or 0
+    if not isinstance(delay, int) or isinstance(delay, bool):
+        raise BadRequest("invalid argument: delay_ms must be an integer")
+    _check_delay("delay_ms", delay)
+    if parent_name == child_name:
+        raise BadRequest("invalid argument: a topic cannot be its own child")
+    parent, child = store.topic(parent_name), store.topic(child_name)
+    parent_id, offsets = "", []
+    if parent is not None and child is not None:
+        parent_id = parent.id
+        offsets = await attach_point_over_rpc(store, parent, call_node)
+    rec = await execute(Q.AttachChildReq(who=G.OPERATOR, parent=parent_name, child=child_name, delay_ms=delay,
+                                         parent_id=parent_id, attach_offsets=offsets))
+    return topic_json(rec)

@@ -82,10 +82,18 @@ def _fmt_status(d: dict[str, Any]) -> str:
 
 
 def _fmt_topics(rows: list[dict[str, Any]]) -> str:
-    lines = [f"{'NAME':<40} {'PARTITIONS':>10} {'RETENTION':>12}  ID"]
+    lines = [f"{'NAME':<40} {'PARTITIONS':>10} {'RETENTION':>12}  {'ROLE':<10}  ID"]
     for t in rows:
         ret = "forever" if t["retention_ms"] == 0 else f"{t['retention_ms'] // 1000}s"
-        lines.append(f"{t['name']:<40} {t['partitions']:>10} {ret:>12}  {t['id']}")
+        lines.append(f"{t['name']:<40} {t['partitions']:>10} {ret:>12}  {t.get('role', 'standalone'):<10}  {t['id']}")
+    return "\n".join(lines)
+
+
+def _fmt_children(d: dict[str, Any]) -> str:
+    lines = [f"parent    {d['parent']} ({d['parent_id']})", f"{'CHILD':<40} {'DELAY_MS':>12}  LAG"]
+    for c in d["children"]:
+        lag = str(c["lag_messages"]) if c["lag_complete"] else "unknown"
+        lines.append(f"{c['name']:<40} {c['delay_ms']:>12}  {lag}")
     return "\n".join(lines)
 
 
@@ -142,6 +150,15 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--max-acked-ahead", type=int)
     r = topics.add_parser("rm")
     r.add_argument("name")
+    at = topics.add_parser("attach", help="attach an existing topic as a fan-out (or delay) child of parent")
+    at.add_argument("parent")
+    at.add_argument("child")
+    at.add_argument("--delay-ms", type=int, default=0, help="make it a delay child (0 to one year)")
+    de = topics.add_parser("detach", help="detach a child: it becomes a standalone topic, keeping its data")
+    de.add_argument("parent")
+    de.add_argument("child")
+    ch = topics.add_parser("children", help="a parent's children and their delay")
+    ch.add_argument("parent")
     ms = sub.add_parser("metastore", help="export / import the metastore (disaster recovery)")
     ms_sub = ms.add_subparsers(dest="action", required=True)
     ex = ms_sub.add_parser("export", help="write a consistent JSON export of the metastore to FILE")
@@ -186,6 +203,14 @@ def main(argv: list[str] | None = None) -> int:
             if ns.action == "create":
                 args["visibility_timeout_ms"] = ns.visibility_timeout_ms
                 args["schema"] = ns.schema
+        elif ns.action == "attach":
+            args = {"parent": ns.parent, "child": ns.child, "delay_ms": ns.delay_ms}
+        elif ns.action in ("detach", "children"):
+            args = {"parent": ns.parent}
+            if ns.action == "detach":
+                args["child"] = ns.child
+            else:
+                fmt = _fmt_children
         else:
             args = {"name": ns.name}
     elif ns.command == "metastore":

@@ -253,8 +253,15 @@ class RacingMeta(MetaService):
     deleted and created again (a new incarnation)."""
 
     races = 0
+    grow_parent = False  # instead: the parent gains a partition between the read and the apply
 
     async def write(self, payload: msgspec.Struct, *args: Any, **kw: Any) -> C.ApplyResult:
+        if self.grow_parent and isinstance(payload, C.AttachChildCas):
+            self.grow_parent = False
+            with self.store.read() as r:
+                par = r.topic(payload.parent)
+            assert par is not None
+            assert (await super().write(C.UpdateTopicCas(par.name, par.id, partitions=par.partitions + 1))).ok
         if self.races and isinstance(payload, C.AttachChildCas):
             self.races -= 1
             with self.store.read() as r:
@@ -488,24 +495,37 @@ def test_service_cas_retry_once_then_409(node: Node) -> None:
         node.attach("sr-p", "sr-d")
     assert e.value.code == "topic_changed" and node.topic("sr-d").parent is None  # type: ignore[union-attr]
     assert node.meta.races == 0
+    # The parent grew after the receiving node read the attach point: the point no
+    # longer covers every partition, so nothing is linked and the caller asks again.
+    node.meta.grow_parent = True
+    with pytest.raises(Unavailable, match="parent changed while the attach point was read; retry"):
+        node.attach("sr-p", "sr-d")
+    assert node.topic("sr-p").partitions == 4 and node.topic("sr-d").parent is None  # type: ignore[union-attr]
 
 
 def test_service_gating_names_the_member_holding_the_type_back(node: Node) -> None:
     node.create("sgate-p")
     node.create("sgate-c")
-    old = sorted(C.APPLIED_TYPES - {27, 28})
+    node.create("sgate-l")
+    node.attach("sgate-p", "sgate-l")
+    old = sorted(C.APPLIED_TYPES - {23, 27, 28})
     assert node.run(node.meta.write(C.RegisterMember(MemberRecord("n-old", "127.0.0.1:3", build="v-old",
                                                                   newest_entry_type=38, entry_types=old)))).ok
     try:
         with pytest.raises(PreconditionFailed, match="raft entry type 27: member n-old") as e:
             node.attach("sgate-p", "sgate-c")
         assert e.value.status == 412
+        with pytest.raises(PreconditionFailed, match="raft entry type 28: member n-old"):
+            node.run(node.meta.detach_child(Q.DetachChildReq(OPERATOR, "sgate-p", "sgate-l")))
+        with pytest.raises(PreconditionFailed, match="raft entry type 23: member n-old"):
+            node.create_child("sgate-new", "sgate-p")
+        assert node.topic("sgate-new") is None and node.topic("sgate-l").parent == "sgate-p"  # type: ignore[union-attr]
         assert isinstance(error_for_status(412, "x"), PreconditionFailed)  # the status crosses RPC as itself
         assert node.topic("sgate-c").parent is None  # type: ignore[union-attr]
     finally:
         every = sorted(C.APPLIED_TYPES)
         assert node.run(node.meta.write(C.Heartbeat("n-old", "v-new", 38, entry_types=every))).ok
-    assert node.attach("sgate-p", "sgate-c").children == ["sgate-c"]
+    assert node.attach("sgate-p", "sgate-c").children == ["sgate-c", "sgate-l"]
 
 
 def test_service_confirm_epoch_answers_only_a_definite_link(node: Node) -> None:

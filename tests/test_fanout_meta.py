@@ -587,5 +587,11 @@ def test_the_supervisor_routes_fanout_requests_and_answers_caught_up_itself(tmp_
                 conn.close()
 
         asyncio.run(main())
+        # naradctl over the control socket: the attach point asked over node RPC.
+        proc.ctl("topics", "create", "rt-x")
+        out = proc.ctl("topics", "attach", "rt-p", "rt-x", "--delay-ms", "1000")
+        assert out["name"] == "rt-p" and "rt-x" in out["children"]
+        proc.ctl("topics", "detach", "rt-p", "rt-x")
+        assert proc.get("/v1/topics/rt-p").json()["children"] == ["rt-k"]
     finally:
         proc.close()

@@ -294,6 +294,14 @@ def control_service(sup: SupervisorView) -> rpc.Service:
         if m.cmd == "topics.rm":
             await router.execute(Q.DeleteTopicReq(who=OPERATOR, name=str(a.get("name", ""))))
             return CtlReply({"deleted": a.get("name")})
+        if m.cmd in ("topics.attach", "topics.detach", "topics.children"):
+            # naradctl's fan-out commands (narad.api.topics owns the logic); the attach point
+            # is asked of the parent partitions' owners over node RPC (this process has no broker)
+            from narad.api.topics import ctl_fanout
+            from narad.cluster.remote import ClusterRemote
+
+            nodes = ClusterRemote(sup.node_id, sup.store, router.client)
+            return CtlReply(await ctl_fanout(m.cmd, a, sup.store, nodes.call, router.execute))
         if m.cmd == "users.ls":
             from narad.api.users import user_json
 

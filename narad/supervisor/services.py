@@ -23,7 +23,7 @@ import bcrypt
 import msgspec
 
 from narad import BUILD, metrics
-from narad.errors import BadRequest, NotFound
+from narad.errors import BadRequest, NaradError, NotFound
 from narad.ipc import rpc
 from narad.meta import export as EX
 from narad.meta import requests as Q
@@ -196,9 +196,14 @@ def worker_service(sup: SupervisorView) -> rpc.Service:
     async def confirm_epoch(m: Q.ConfirmEpochReq, conn: rpc.Connection) -> Q.ConfirmEpochResp:
         # Anchoring a fan-out cursor or deleting its file: as for a WAL discard, a
         # provably current replica here first, then the leader's definite answer.
+        # Anything but the leader's definite answer (no leader, a hop failing) is "not known".
         if not sup.raft.caught_up():
             return Q.ConfirmEpochResp(False, known=False)
-        return await router.execute(m)  # type: ignore[no-any-return]
+        try:
+            return await router.execute(m)  # type: ignore[no-any-return]
+        except NaradError as e:
+            log.info("fan-out epoch not confirmed", extra={"parent": m.parent, "child": m.child, "err": e.message})
+            return Q.ConfirmEpochResp(False, known=False)
 
     async def caught_up(m: Q.CaughtUpReq, conn: rpc.Connection) -> Q.CaughtUpResp:
         return Q.CaughtUpResp(sup.raft.caught_up())

@@ -49,11 +49,13 @@ from typing import Any
 from narad import metrics
 from narad.broker import peers as P
 from narad.broker.dispatcher import Dispatcher
+from narad.broker.fanout import FanoutEngine, FanoutSettings
 from narad.broker.partition import Partition, stats_from_disk
 from narad.broker.routing import RoundRobin, key_partition, owner_worker
 from narad.errors import BadGateway, Conflict, NaradError, NotFound, Unavailable
 from narad.meta import versions as V
 from narad.meta.records import TopicRecord
+from narad.meta.requests import ConfirmEpochReq, ConfirmEpochResp
 from narad.meta.store import MetaStore
 from narad.storage import partition_log as PL
 from narad.storage.offsets import OffsetFile
@@ -116,6 +118,9 @@ class Broker:
         node_id: str = "local",
         idle_eviction_ms: int = 1_800_000,
         cold_walk_ms: int = 300_000,
+        caught_up: Callable[[], Awaitable[bool]] | None = None,
+        confirm_epoch: Callable[[ConfirmEpochReq], Awaitable[ConfirmEpochResp]] | None = None,
+        fanout: FanoutSettings | None = None,
     ) -> None:
         self.data_dir = Path(data_dir)
         self.store = store
@@ -171,6 +176,9 @@ class Broker:
                                  "partition logs closed because they were idle (or least recently used at the cap)")
         self.m_cold_swept = _metric(reg, metrics.Counter, "narad_cold_retention_swept_total",
                                     "closed partitions the cold retention walk opened to delete expired segments")
+        # Fan-out cursors for the parent partitions this worker owns (off without the
+        # supervisor's caught-up and confirm-epoch answers: nothing would start safely).
+        self.fanout = FanoutEngine(self, fanout or FanoutSettings(), caught_up, confirm_epoch)
         self._register_peer_handlers()
 
     # ---- lifecycle ------------------------------------------------------------------
@@ -195,10 +203,12 @@ class Broker:
         loop = self.loop
         for coro in (self._committer(), self._sweeper(), self._reaper(), self._topic_watch()):
             self._tasks.append(loop.create_task(coro))
+        self.fanout.start()
 
     async def close(self) -> None:
         """Graceful: stop dispatching, persist every partition's offsets and hwm."""
         self.closing = True
+        await self.fanout.stop()  # cursors first: their files stay where the last committed slab left them
         for t in [*self._tasks, *self._late]:
             t.cancel()
         await self.dispatcher.close()
@@ -509,6 +519,26 @@ class Broker:
         self.m.messages_produced.labels(topic).inc(len(entries))
         return "ok"
 
+    async def commit_to(self, t: TopicRecord, partition: int, records: list[tuple[bytes | None, int, bytes]]
+                        ) -> int:
+        """Commit (key, flags, payload) records at partition `partition` of `t` wherever
+        its owner is: here, another worker (one hop), another node (CommitReq over node
+        RPC, 30 s). The fan-out path: like ``deliver`` without the WAL (the records are
+        durable in the parent's log already). Returns the first offset; raises when the
+        owner refused or did not answer (nothing rerouted)."""
+        node, worker = self.where(t, partition)
+        if node is None:
+            raise Unavailable(f"partition {partition} of {t.name} has no owner yet")
+        req = P.CommitReq(t.name, t.id, partition, records)
+        if node != self.node_id:
+            base = (await self.remote.call(node, req, P.CommitResp, timeout=30)).base
+        elif worker == self.index:
+            base = await self.commit_local(t.name, t.id, partition, records)
+        else:
+            base = (await self.links.call(worker, req, P.CommitResp, timeout=30)).base
+        self.m.messages_produced.labels(t.name).inc(len(records))
+        return base
+
     def partition_count(self, topic: str, topic_id: str) -> int:
         t = self.store.topic(topic)
         return t.partitions if t is not None and t.id == topic_id else 0
@@ -526,6 +556,8 @@ class Broker:
         the watch tokens of other workers and nodes fire only for what they leave
         (at once for records beyond the woken count, else after the woken ones took
         their share: one loop pass later, if any are still unclaimed)."""
+        if self.fanout.by_part:
+            self.fanout.on_visible(p)  # cursors reading this parent partition copy at once
         woke = self._wake(p.topic, n)
         if woke < n:
             self._tell_watchers(p.topic, n - woke)
@@ -1101,6 +1133,44 @@ class Broker:
         await asyncio.gather(*(one(loc, idxs) for loc, idxs in groups.items()))
         return out
 
+    async def fanout_lag(self, parent: TopicRecord) -> dict[str, tuple[int, bool]]:
+        """child name -> (parent messages not yet copied into it, whether every
+        partition's owner answered), gathered from the owners of every partition of
+        `parent` (their running cursors, else their cursor files; no log is opened).
+        An owner that is down or slow (2 s) leaves its partitions out: the count is a
+        lower bound and the flag False."""
+        groups: dict[tuple[str | None, int], list[int]] = {}
+        for i in range(parent.partitions):
+            groups.setdefault(self.where(parent, i), []).append(i)
+        got: dict[str, dict[int, int]] = {}
+
+        async def one(loc: tuple[str | None, int], idxs: list[int]) -> None:
+            node, worker = loc
+            try:
+                if node is None:
+                    raise Unavailable("unassigned")
+                if node != self.node_id and not self.remote.node_alive(node):
+                    raise Unavailable("owner marked dead")
+                if node == self.node_id and worker == self.index:
+                    lags = await self.fanout.lag_owned(parent, idxs)
+                else:
+                    req = P.FanoutLagReq(parent.name, parent.id, idxs, P.NODE if node != self.node_id else P.WORKER)
+                    call = (self.links.call(worker, req, P.FanoutLagResp, timeout=2.0) if node == self.node_id
+                            else self.remote.call(node, req, P.FanoutLagResp, timeout=2.0))
+                    lags = (await call).lags
+            except Exception as e:
+                log.debug("fan-out lag: an owner did not answer", extra={"topic": parent.name, "err": str(e)})
+                return
+            for child, row in lags.items():
+                got.setdefault(child, {}).update({i: n for i, n in row.items() if i in idxs})
+
+        await asyncio.gather(*(one(loc, idxs) for loc, idxs in groups.items()))
+        out: dict[str, tuple[int, bool]] = {}
+        for child in parent.children:
+            row = got.get(child, {})
+            out[child] = (sum(row.values()), len(row) == parent.partitions)
+        return out
+
     # ---- peer handlers ------------------------------------------------------------------------------
     def _topic_for(self, name: str, topic_id: str) -> TopicRecord:
         t = self.store.topic(name)
@@ -1227,8 +1297,26 @@ class Broker:
             else:
                 self.links.notify(m.worker, m)
 
+        async def fanout_lag(m: P.FanoutLagReq, _c: Any) -> P.FanoutLagResp:
+            t = self._topic_for(m.parent, m.parent_id)
+            parts = [i for i in m.partitions if 0 <= i < t.partitions]
+            mine = [i for i in parts if self.route(m.parent, i) == self.index]
+            out = await self.fanout.lag_owned(t, mine)
+            if m.scope == P.NODE:
+                others: dict[int, list[int]] = {}
+                for i in parts:
+                    w = self.route(m.parent, i)
+                    if w != self.index:
+                        others.setdefault(w, []).append(i)
+                for w, idxs in others.items():
+                    sub = P.FanoutLagReq(m.parent, m.parent_id, idxs)
+                    for child, row in (await self.links.call(w, sub, P.FanoutLagResp, timeout=2.0)).lags.items():
+                        out.setdefault(child, {}).update(row)
+            return P.FanoutLagResp(out)
+
         for typ, fn in ((P.CommitReq, commit), (P.ConsumeReq, consume), (P.AckReq, ack), (P.ReplayReq, replay),
-                        (P.StatsReq, stats), (P.WatchNote, watch), (P.UnwatchNote, unwatch), (P.ReadyNote, ready)):
+                        (P.StatsReq, stats), (P.WatchNote, watch), (P.UnwatchNote, unwatch), (P.ReadyNote, ready),
+                        (P.FanoutLagReq, fanout_lag)):
             s.register(typ, fn)  # type: ignore[arg-type]
 
     # ---- background work -----------------------------------------------------------------------------

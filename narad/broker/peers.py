@@ -3,7 +3,7 @@
 A request that lands on a worker which does not own the partition reaches
 the owner in one local hop over a Unix socket (``<runtime>/w<i>.sock``):
 commit a batch (dispatcher -> owner), reserve for a consumer (probe), ack /
-extend / nack, replay, partition stats, and the watch / unwatch / data-ready
+extend / nack, replay, partition stats, fan-out lag, and the watch / unwatch / data-ready
 notes that wake a long-poll parked on another worker. Links reconnect on demand (a
 restarted peer comes back on the same path).
 
@@ -101,6 +101,21 @@ class StatsReq(msgspec.Struct, tag=True, array_like=True):
 
 class StatsResp(msgspec.Struct, array_like=True):
     stats: dict[int, dict[str, int]]
+
+
+class FanoutLagReq(msgspec.Struct, tag=True, array_like=True):
+    """Fan-out cursor positions of these parent partitions, as lag behind the parent's
+    high watermark (the children listing). Scope NODE: the receiving worker asks
+    this node's other owning workers too."""
+
+    parent: str
+    parent_id: str
+    partitions: list[int]
+    scope: int = WORKER
+
+
+class FanoutLagResp(msgspec.Struct, array_like=True):
+    lags: dict[str, dict[int, int]]  # child -> {parent partition: messages not yet copied}
 
 
 class WatchNote(msgspec.Struct, tag=True, array_like=True):

@@ -40,13 +40,24 @@ from narad.api.context import ApiContext
 from narad.api.http1 import Http1Limits, Http1Server
 from narad.broker.broker import Broker
 from narad.broker.caps import CapTable
+from narad.broker.fanout import FanoutSettings
 from narad.broker.peers import PeerLinks
 from narad.cluster.remote import ClusterRemote
 from narad.cluster.transport import NodeRpcClient, NodeRpcServer
 from narad.config import Config
 from narad.ipc import rpc
 from narad.meta import versions as V
-from narad.meta.requests import ConfirmGoneReq, ConfirmGoneResp, Forwarded, ForwardReq, ForwardResp
+from narad.meta.requests import (
+    CaughtUpReq,
+    CaughtUpResp,
+    ConfirmEpochReq,
+    ConfirmEpochResp,
+    ConfirmGoneReq,
+    ConfirmGoneResp,
+    Forwarded,
+    ForwardReq,
+    ForwardResp,
+)
 from narad.meta.store import MetaStore
 
 log = logging.getLogger("narad.worker")
@@ -160,13 +171,24 @@ async def _main(spec: WorkerSpec, index: int, core: int | None) -> int:
         resp = await sup.call(ConfirmGoneReq(topic, topic_id), ConfirmGoneResp, timeout=15.0)
         return resp.gone
 
+    # Fan-out's stale-replica defenses: is this node's replica provably current, and
+    # does the leader (barrier, then a re-read) confirm an attach epoch?
+    async def caught_up() -> bool:
+        return (await sup.call(CaughtUpReq(), CaughtUpResp, timeout=5.0)).caught_up
+
+    async def confirm_epoch(req: ConfirmEpochReq) -> ConfirmEpochResp:
+        return await sup.call(req, ConfirmEpochResp, timeout=15.0)
+
     rpc_client = NodeRpcClient(spec.secret)
     remote = ClusterRemote(spec.node_id, store, rpc_client) if cfg.clustered else None
     broker = Broker(data_dir=spec.data_dir, store=store, versions=versions, index=index, workers=spec.workers,
                     links=links, confirm_gone=confirm_gone,
                     offset_sync_interval=cfg.storage.consumer_offset_commit_interval_ms / 1000.0,
                     remote=remote, node_id=spec.node_id, idle_eviction_ms=cfg.storage.idle_log_eviction_ms,
-                    cold_walk_ms=cfg.storage.cold_retention_walk_ms)
+                    cold_walk_ms=cfg.storage.cold_retention_walk_ms, caught_up=caught_up,
+                    confirm_epoch=confirm_epoch,
+                    fanout=FanoutSettings(cfg.fanout.max_batch_records, cfg.fanout.max_batch_bytes,
+                                          cfg.fanout.linger_ms))
     await links.serve()
 
     # Node RPC (TLS over TCP on the cluster port): the broker's handlers serve other

@@ -366,7 +366,7 @@ class TopicsAPI:
             raise self._not_managed(child_name)
         parent_id = ""
         offsets: list[int] = []
-        if parent is not None and child is not None:
+        if parent is not None:  # missing here: the leader answers 404 once caught up
             parent_id = parent.id
             offsets = await self._attach_point(parent)
         rec = await self.ctx.call(
@@ -414,20 +414,27 @@ def _check_delay(field: str, value: int) -> None:
 NodeCall = Callable[[str, Any, type, float], Awaitable[Any]]  # (node id, request, answer type, timeout)
 
 
+def _owner_groups(store: MetaStore, parent: TopicRecord) -> tuple[dict[str, list[int]], bool]:
+    """Parent partitions by owner node; False when a partition has no owner of this incarnation."""
+    rows = store.assignments(parent.name)
+    groups: dict[str, list[int]] = {}
+    every = True
+    for p in range(parent.partitions):
+        a = rows.get(p)
+        if a is None or a.topic_id != parent.id:
+            every = False
+            continue
+        groups.setdefault(a.owner, []).append(p)
+    return groups, every
+
+
 async def attach_point_over_rpc(store: MetaStore, parent: TopicRecord, call_node: NodeCall) -> list[int]:
     """The attach point as ``TopicsAPI._attach_point`` reads it, for a process without
     a broker (the supervisor, for naradctl): each partition owner's node is asked over
     node RPC (any worker of it routes to the owning one); one not answering is a 503."""
     from narad.broker import peers as P
 
-    rows = store.assignments(parent.name)
-    groups: dict[str, list[int]] = {}
-    for p in range(parent.partitions):
-        a = rows.get(p)
-        if a is None or a.topic_id != parent.id:
-            raise Unavailable(f'could not ask the owners of every partition of "{parent.name}" for the '
-                              "attach point; nothing was linked, retry")
-        groups.setdefault(a.owner, []).append(p)
+    groups, _ = _owner_groups(store, parent)
     got: dict[int, dict[str, int]] = {}
 
     async def one(node: str, parts: list[int]) -> None:
@@ -444,6 +451,29 @@ async def attach_point_over_rpc(store: MetaStore, parent: TopicRecord, call_node
                               "attach point; nothing was linked, retry")
         offsets.append(int(s["high_watermark"]))
     return offsets
+
+
+async def fanout_lag_over_rpc(store: MetaStore, parent: TopicRecord,
+                              call_node: NodeCall) -> dict[str, tuple[int, bool]]:
+    """``Broker.fanout_lag`` for the supervisor: the cursors' lag asked of each parent
+    partition owner's node over node RPC; an owner not answering (2 s) leaves its
+    partitions out (lag_complete False)."""
+    from narad.broker import peers as P
+
+    req_type, resp_type = getattr(P, "FanoutLagReq", None), getattr(P, "FanoutLagResp", None)
+    if req_type is None or resp_type is None or not parent.children:
+        return {}
+    groups, _ = _owner_groups(store, parent)
+    got: dict[str, dict[int, int]] = {}
+
+    async def one(node: str, parts: list[int]) -> None:
+        with contextlib.suppress(Exception):
+            resp = await call_node(node, req_type(parent.name, parent.id, parts, P.NODE), resp_type, 2.0)
+            for child, row in resp.lags.items():
+                got.setdefault(child, {}).update({i: n for i, n in row.items() if i in parts})
+
+    await asyncio.gather(*(one(n, ps) for n, ps in groups.items()))
+    return {c: (sum(got.get(c, {}).values()), len(got.get(c, {})) == parent.partitions) for c in parent.children}
 
 
 def children_json(store: MetaStore, parent: TopicRecord, lag: dict[str, tuple[int, bool]]) -> dict[str, Any]:
@@ -467,7 +497,7 @@ async def ctl_fanout(cmd: str, args: dict[str, Any], store: MetaStore, call_node
         t = store.topic(parent_name)
         if t is None:
             raise NotFound(f'topic "{parent_name}" not found')
-        return children_json(store, t, {})  # lag: only workers can gather it (see the report)
+        return children_json(store, t, await fanout_lag_over_rpc(store, t, call_node))
     child_name = str(args.get("child", ""))
     if cmd == "topics.detach":
         await execute(Q.DetachChildReq(who=G.OPERATOR, parent=parent_name, child=child_name))
@@ -480,9 +510,9 @@ async def ctl_fanout(cmd: str, args: dict[str, Any], store: MetaStore, call_node
     _check_delay("delay_ms", delay)
     if parent_name == child_name:
         raise BadRequest("invalid argument: a topic cannot be its own child")
-    parent, child = store.topic(parent_name), store.topic(child_name)
+    parent = store.topic(parent_name)
     parent_id, offsets = "", []
-    if parent is not None and child is not None:
+    if parent is not None:
         parent_id = parent.id
         offsets = await attach_point_over_rpc(store, parent, call_node)
     rec = await execute(Q.AttachChildReq(who=G.OPERATOR, parent=parent_name, child=child_name, delay_ms=delay,

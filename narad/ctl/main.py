@@ -242,6 +242,17 @@ def main(argv: list[str] | None = None) -> int:
     except NaradError as e:
         print(f"naradctl: {e.message} (HTTP {e.status})", file=sys.stderr)
         return 1
+    if ns.command == "topics" and ns.action == "describe" and data.get("role") in ("parent", "child"):
+        # the fan-out lag: of each child (a parent), of this child behind its parent (a child)
+        parent = data["name"] if data["role"] == "parent" else data.get("parent", "")
+        with contextlib.suppress(NaradError, OSError):
+            kids = asyncio.run(_call(path, "topics.children", {"parent": parent}, ns.timeout))["children"]
+            if data["role"] == "parent":
+                data["children_lag"] = kids
+            else:
+                for row in kids:
+                    if row["name"] == data["name"]:
+                        data["lag_messages"], data["lag_complete"] = row["lag_messages"], row["lag_complete"]
     if ns.command == "metastore" and ns.action == "export":
         tmp = f"{ns.file}.tmp"
         try:

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from narad.api.topics import topic_json
+from narad.broker.routing import owner_worker
 from narad.meta.records import TopicRecord
 from tests.harness import Node, basic, wait_for
 
@@ -191,7 +192,7 @@ def test_attach_and_create_as_child_answer_503_when_an_owner_does_not_answer(nod
     owners = {s["owner_node"] for s in describe(node, "fo-stall")["partition_stats"]}
     assert owners == {node.node_id}
     workers = node.status()["workers"]
-    assert len(workers) == 2
+    assert len(workers) == 2 and 1 in {owner_worker("fo-stall", p, 2) for p in range(12)}
     # Ask through worker 0 while worker 1 (which owns some of the 12 partitions) is stopped.
     conn = node.worker_connection(0)
     victim = next(w["pid"] for w in workers if w["index"] == 1)

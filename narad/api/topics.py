@@ -202,8 +202,8 @@ class TopicsAPI:
         parent_id: str | None = None
         offsets: list[int] = []
         if parent_name is not None:
-            # Missing here: the leader decides (404 once caught up; a parent this replica
-            # has not seen yet gets 503 "changed", as no attach point could be read).
+            # Missing here: the leader decides (404 once caught up; a parent only this
+            # replica has not seen yet is a 503: no attach point could be read here).
             parent = self.ctx.store.topic(parent_name)
             if parent is not None:
                 if not self._manages(req, parent):

@@ -166,6 +166,32 @@ def test_an_adopted_history_counts_against_the_cluster_budget(tmp_path: Path, mo
     assert [v for v, _, _ in a.schemas("c")] == [1, 2] and a.schema_bytes() == len(doc) * 2 + len(new) * 2
 
 
+def test_a_childs_own_budgets_and_name_length_refuse_the_link(tmp_path: Path, monkeypatch: Any) -> None:
+    a = Applier(tmp_path / "fsm")
+    assert a.apply(C.CreateTopic(topic("p", PID), schema=b'{"type": "object"}')).ok
+    long = "l" * (F.CHILD_NAME_BYTES + 1)  # a legacy name (an import) longer than a child may have
+    assert a.apply(C.CreateTopic(topic(long, CID))).ok
+    assert refused(a.apply(attach("p", long)), C.Result.INVALID, f"longer than {F.CHILD_NAME_BYTES} bytes")
+    assert a.apply(C.CreateTopic(topic("c", KID))).ok
+    assert a.apply(attach("p", "c", cid=KID)).ok
+    # The child's copy of a new parent version counts against the child's own budget...
+    monkeypatch.setattr(F, "SCHEMA_TOPIC_BYTES", len(b'{"type": "object"}') + 1)
+    monkeypatch.setattr(F, "SCHEMA_CLUSTER_BYTES", 1 << 30)
+    with a.fsm.env.begin(write=True) as txn:  # the parent's own history is smaller than the child's
+        a.fsm._drop_prefix(txn, "schemas", b"p\0")
+    assert refused(a.apply(C.PutSchemaCas("p", PID, 2, b"{}")), C.Result.INVALID, 'topic "c" would hold more')
+    # ...and its version cap.
+    monkeypatch.setattr(F, "SCHEMA_TOPIC_BYTES", 1 << 30)
+    monkeypatch.setattr(F, "SCHEMA_VERSION_CAP", 2)
+    with a.fsm.env.begin(write=True) as txn:
+        t = Reader(txn, a.fsm.dbs).topic("c")
+        assert t is not None
+        t.schema_version = 2
+        txn.put(b"c", msgspec.msgpack.encode(t), db=a.fsm.dbs["topics"])
+    assert refused(a.apply(C.PutSchema("p", 2, b"{}")), C.Result.INVALID, 'child "c" keeps at most 2')
+    assert a.topic("p").schema_version == 1
+
+
 def test_schema_appends_on_a_parent_reach_every_child_and_a_child_refuses_its_own(tmp_path: Path) -> None:
     a = Applier(tmp_path / "fsm")
     assert a.apply(C.CreateTopic(topic("p", PID))).ok

@@ -167,6 +167,8 @@ def test_detach_stops_the_copy_and_the_child_keeps_its_data(node: Node) -> None:
     create(node, "fx-gone", 3)
     attach(node, "fx-par", "fx-stay")
     attach(node, "fx-par", "fx-gone")
+    # Cursors anchor on a parent nothing was produced to yet (its directories do not exist before).
+    wait_for(lambda: len(_cursor_files(node, "fx-par", "fx-stay")) == 3, 15, 0.1, "cursors anchored on an empty parent")
     for i in range(6):
         assert produce(node, "fx-par", f"one-{i}".encode()) == 202
     wait_for(lambda: copied(node, "fx-par"), 30, 0.1, "the first copies")

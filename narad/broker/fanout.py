@@ -429,6 +429,9 @@ class Cursor:
             with contextlib.suppress(BaseException):
                 await asyncio.shield(self._after)
         spec = self.spec
+        # The parent partition is opened first: its directory (where the file lives)
+        # exists from then on, made by the log's own open (never by the cursor).
+        await self.b.partition(self._parent_rec(), spec.partition)
         try:
             st = await self._io(self.file.read)
         except CF.CursorCorrupt as e:

@@ -151,8 +151,6 @@ class FanoutEngine:
         if tasks:
             with contextlib.suppress(Exception):
                 await asyncio.wait(tasks, timeout=STOP_WAIT)
-        for c in list(self.cursors.values()):
-            c.file.close()
         self.cursors.clear()
         self.by_part.clear()
 
@@ -258,7 +256,8 @@ class FanoutEngine:
             del cs[c.spec.child]
             if not cs:
                 del self.by_part[pk]
-        c.clear_gauges()
+        if key not in self.cursors:  # a successor of the same key keeps the series
+            c.clear_gauges()
 
     def _exited(self, key: tuple[str, int, str], c: Cursor) -> None:
         self._forget(key, c)
@@ -359,8 +358,7 @@ class Cursor:
         self.max_bytes = s.max_batch_bytes
         self.linger = s.linger_ms / 1000.0
         self._labels = (spec.parent, spec.child, str(spec.partition))
-        self._lag = engine.m.fanout_lag.labels(*self._labels)
-        self._due = engine.m.fanout_due_lag.labels(*self._labels)
+        self._io_fut: asyncio.Future[Any] | None = None  # the file operation in flight (one at a time)
         self._committed = engine.m.fanout_committed.labels(spec.parent, spec.child)
         self._dropped = engine.m.fanout_dropped.labels(spec.parent, spec.child)
 
@@ -373,6 +371,12 @@ class Cursor:
     def cancel(self) -> None:
         if self.task is not None and not self.task.done():
             self.task.cancel()
+
+    def _set_lag(self, value: float) -> None:
+        self.e.m.fanout_lag.labels(*self._labels).set(value)
+
+    def _set_due(self, value: float) -> None:
+        self.e.m.fanout_due_lag.labels(*self._labels).set(value)
 
     def clear_gauges(self) -> None:
         self.e.m.fanout_lag.children.pop(self._labels, None)
@@ -393,7 +397,17 @@ class Cursor:
             log.warning(msg, extra={"parent": s.parent, "partition": s.partition, "child": s.child, **extra})
 
     async def _io(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return await self.b.loop.run_in_executor(self.b.io, fn, *args)
+        """A file operation on an I/O thread. A cancelled caller does not stop the
+        thread: the descriptor is closed only once it finished (see run)."""
+        fut = self.b.loop.run_in_executor(self.b.io, fn, *args)
+        self._io_fut = fut
+        return await fut
+
+    async def _io_done(self) -> None:
+        f = self._io_fut
+        if f is not None and not f.done():
+            with contextlib.suppress(BaseException):
+                await asyncio.shield(f)
 
     # ---- records of the link --------------------------------------------------------------
     def _parent_rec(self) -> TopicRecord:
@@ -422,7 +436,13 @@ class Cursor:
             await self._position()
             await self._copy()
         finally:
-            self.file.close()
+            f = self._io_fut
+            if f is not None and not f.done():
+                # Never close a descriptor under a write still running on its thread (a
+                # reused number would take the bytes): close once it finished.
+                f.add_done_callback(lambda _f: self.file.close())
+            else:
+                self.file.close()
 
     async def _position(self) -> None:
         if self._after is not None and not self._after.done():
@@ -515,7 +535,7 @@ class Cursor:
 
     async def _sleep_until_due(self, committed_ms: int) -> None:
         due_in = (committed_ms + self.spec.delay_ms - self._now_ms()) / 1000.0
-        self._due.set(0.0)
+        self._set_due(0.0)
         await asyncio.sleep(min(DUE_WAKE_CAP, max(0.001, due_in)))
 
     def _bound(self) -> int | None:
@@ -543,7 +563,7 @@ class Cursor:
             self._dropped.inc(batch.corrupt)
         if batch.records:
             first = batch.records[0][1]
-            self._due.set(max(0, self._now_ms() - first - self.spec.delay_ms) / 1000.0)
+            self._set_due(max(0, self._now_ms() - first - self.spec.delay_ms) / 1000.0)
         if not batch.records or batch.not_due_ms is not None or self.linger <= 0:
             return batch
         loop = self.b.loop
@@ -632,11 +652,11 @@ class Cursor:
             self._warn("could not advance a fan-out cursor file; retrying with the next slab", err=str(e))
 
     def _gauges(self, hwm: int, due_lag: float | None) -> None:
-        self._lag.set(max(0, hwm - self.next))
+        self._set_lag(max(0, hwm - self.next))
         if hwm <= self.next:
-            self._due.set(0.0)
+            self._set_due(0.0)
         elif due_lag is not None:
-            self._due.set(due_lag)
+            self._set_due(due_lag)
 
     # ---- retirement -------------------------------------------------------------------------
     async def retire(self) -> None:
@@ -645,6 +665,7 @@ class Cursor:
         if self.task is not None and not self.task.done():
             with contextlib.suppress(BaseException):
                 await asyncio.wait({self.task}, timeout=STOP_WAIT)
+        await self._io_done()
         for _ in range(3):
             resp = await self.e.confirm(self.spec)
             if resp.known and resp.linked:

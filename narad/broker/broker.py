@@ -26,7 +26,12 @@ One per worker process, on its event loop. It owns:
   partition are read from its files without opening it;
 * topic-change handling: when a topic is deleted or recreated, its partitions
   close, parked consumers are answered, and the data is removed once the
-  supervisor confirms the incarnation is gone.
+  supervisor confirms the incarnation is gone;
+* the fan-out engine (``narad.broker.fanout``) for the parent partitions this
+  worker owns: a commit wakes their cursors (``_on_visible``), copies go out
+  through ``commit_to`` (here, one hop, or node RPC; no WAL: the records are
+  durable in the parent's log), and ``fanout_lag`` gathers every owner's
+  cursor positions for the children listing (``FanoutLagReq``).
 
 Imports narad.storage, narad.meta (read side), narad.broker.*, narad.errors.
 """

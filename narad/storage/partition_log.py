@@ -24,6 +24,11 @@ that is no frame boundary of the active segment (a damaged file).
 
 Retention deletes whole sealed segments by the age of their last write.
 
+``read_batch`` serves fan-out cursors: committed records from an offset, up to
+a record and byte cap, stopping at the first record committed after a bound
+(the delay gate); aged-out offsets raise OffsetGone, unreadable records are
+skipped and counted, every frame read from disk is CRC checked as ``read`` does.
+
 An open log holds one descriptor (its active segment; a sealed segment only
 while a roll-off is pending or for one read); the ``hwm`` file is opened only
 to empty it before the first advance and to write it at close. A clean close

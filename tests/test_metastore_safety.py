@@ -94,10 +94,11 @@ def test_a_database_or_snapshot_newer_than_the_build_is_refused() -> None:
     snap = RS.RaftState(21, 40, 20, snapshot_newest_type=23, snapshot_types=frozenset({1, 2, 23}))
     d = RS.decide(fsm(), snap, joining=False, applies=older)
     assert d.action == RS.REFUSE and "snapshot" in d.reason
-    # Sets, not a number: a build without type 27 refuses a database that applied it,
-    # though its own newest type (38) is higher.
-    gap = RS.FsmState(present=True, holds_anything=True, index=10, trusted=True, newest_type=27,
-                      types=frozenset({1, 2, 27}))
+    # Sets, not a number: a build without type 33 (reserved for remotes) refuses a
+    # database that applied it, though its own newest type (38) is higher.
+    assert 33 not in C.APPLIED_TYPES
+    gap = RS.FsmState(present=True, holds_anything=True, index=10, trusted=True, newest_type=33,
+                      types=frozenset({1, 2, 33}))
     assert RS.decide(gap, RS.RaftState(1, 40, None), joining=False, applies=C.APPLIED_TYPES).action == RS.REFUSE
 
 

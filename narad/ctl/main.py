@@ -26,7 +26,7 @@ from typing import Any
 from narad.config import load_config
 from narad.errors import ConfigError, NaradError
 from narad.ipc import rpc
-from narad.supervisor.services import CtlReply, CtlRequest
+from narad.ipc.control import CtlReply, CtlRequest
 
 
 def _socket_path(ns: argparse.Namespace) -> Path:

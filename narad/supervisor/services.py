@@ -25,6 +25,7 @@ import msgspec
 from narad import BUILD, metrics
 from narad.errors import BadRequest, NaradError, NotFound
 from narad.ipc import rpc
+from narad.ipc.control import CtlReply, CtlRequest
 from narad.meta import export as EX
 from narad.meta import requests as Q
 from narad.meta import versions as V
@@ -134,15 +135,6 @@ class SupervisorView(Protocol):
     async def node_metrics(self) -> list[metrics.Family]: ...
     def node_status(self) -> Q.NodeStatus: ...
     def members_view(self) -> Q.MembersResp: ...
-
-
-class CtlRequest(msgspec.Struct, tag=True):
-    cmd: str
-    args: dict[str, Any] = {}
-
-
-class CtlReply(msgspec.Struct):
-    data: Any
 
 
 def worker_service(sup: SupervisorView) -> rpc.Service:

@@ -260,9 +260,16 @@ class FanoutEngine:
             c.clear_gauges()
 
     def _exited(self, key: tuple[str, int, str], c: Cursor) -> None:
+        mine = self.cursors.get(key) is c  # False: stopped by the reconciler (which saw to its file)
         self._forget(key, c)
         self._force = True  # a full pass after any cursor exit
-        if not c.task.cancelled() and (e := c.task.exception()) is not None and not isinstance(e, _Unlinked):
+        if c.task.cancelled():
+            return
+        e = c.task.exception()
+        if isinstance(e, _Unlinked):
+            if mine:  # it noticed the link change before the reconciler did
+                self._maybe_retire(key, c)
+        elif e is not None:
             log.error("fan-out cursor failed; the reconciler restarts it", extra={
                 "parent": c.spec.parent, "partition": c.spec.partition, "child": c.spec.child, "err": repr(e)})
 
@@ -271,13 +278,16 @@ class FanoutEngine:
         (not just moved away), its own file is deleted once the leader says so."""
         self._forget(key, c)
         c.cancel()
+        self._maybe_retire(key, c)
+
+    def _maybe_retire(self, key: tuple[str, int, str], c: Cursor) -> None:
         spec = c.spec
         par = self.b.store.topic(spec.parent)
         gone = not linked(self.b.store.topic(spec.child), spec)
         log.info("fan-out cursor stopped", extra={"parent": spec.parent, "partition": spec.partition,
                                                   "child": spec.child, "epoch": spec.epoch,
                                                   "link_gone": gone})
-        if gone and par is not None and par.id == spec.parent_id:
+        if gone and par is not None and par.id == spec.parent_id and key not in self._retiring:
             t = self.b.loop.create_task(c.retire())
             self._retiring[key] = t
             t.add_done_callback(lambda _t, key=key: self._retired(key, _t))
@@ -462,6 +472,14 @@ class Cursor:
             st = None
         if st is not None and st.epoch == spec.epoch:
             self.next = self.durable = st.next_offset
+            p = self._open_parent()
+            if p is not None and self.next > p.log.next_offset:
+                # Past anything the log holds (damage): re-copy from its end rather than skip
+                # whatever is committed at those offsets later (duplicates, never a gap).
+                log.error("fan-out cursor file is past the end of the parent log; resuming at its end",
+                          extra={"parent": spec.parent, "partition": spec.partition, "child": spec.child,
+                                 "file": self.next, "log_end": p.log.next_offset})
+                self.next = p.log.next_offset
             return
         # Anchoring: the only destructive step (it overwrites whatever file is there).
         # Only on the leader's word that this epoch is the live link.

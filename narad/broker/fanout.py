@@ -10,8 +10,10 @@ Runs in every worker, for the parent partitions that worker owns
   stopped; when its link is gone (detach, child deleted or re-linked) it asks
   the leader and deletes its own file only on a definite "not linked". Before
   it starts any cursor it asks the supervisor whether this node's replica is
-  provably current (``CaughtUpReq``) and reads the desired set again after the
-  answer: nothing starts from a stale view (lifecycle seed, chaos bug 2).
+  provably current (``CaughtUpReq``; and, once per worker life, that the node
+  reported ready, i.e. its FSM reached the commit index saved on its disk) and
+  reads the desired set again after the answer: nothing starts from a stale view
+  (lifecycle seed, chaos bug 2).
 * **Position**: the cursor file (``narad.storage.cursor_file``) of the cursor's
   own attach epoch is resumed. Anything else (no file, another epoch's, a
   corrupt one) means anchoring, the one destructive step: only after the
@@ -129,6 +131,11 @@ class FanoutEngine:
         self._force = True
         self._task: asyncio.Task[None] | None = None
         self._stale_logged = 0.0
+        # Defence in depth beside CaughtUpReq: no cursor starts before this node was ready
+        # once (its FSM applied the commit index saved on its disk). Right after a restart a
+        # leader's in-memory commit index may still trail what it had committed before.
+        self._ready_seen = False
+        self._failed: dict[tuple[str, int, str], float] = {}  # when each key's cursor last failed (logged)
         self.rr = RoundRobin()
         self.m = metrics.get()
 
@@ -223,7 +230,9 @@ class FanoutEngine:
             if want.get(key) != c.spec:
                 self._stop(key, c)
         if any(k not in self.cursors for k in want):
-            if not await self.caught_up():
+            if not self._ready_seen and vs.load(V.READY) == 1:
+                self._ready_seen = True  # the node's startup rule passed: its FSM reached its own commit index
+            if not self._ready_seen or not await self.caught_up():
                 # Never start a cursor from a view that may be stale: ask again next second.
                 self._force = True
                 if now - self._stale_logged > WARN_EVERY:
@@ -270,8 +279,14 @@ class FanoutEngine:
             if mine:  # it noticed the link change before the reconciler did
                 self._maybe_retire(key, c)
         elif e is not None:
-            log.error("fan-out cursor failed; the reconciler restarts it", extra={
-                "parent": c.spec.parent, "partition": c.spec.partition, "child": c.spec.child, "err": repr(e)})
+            now = time.monotonic()
+            if now - self._failed.get(key, float("-inf")) >= WARN_EVERY:  # a failure loop logs twice a minute
+                if len(self._failed) > 10_000:
+                    self._failed.clear()
+                self._failed[key] = now
+                log.error("fan-out cursor failed; the reconciler restarts it", extra={
+                    "parent": c.spec.parent, "partition": c.spec.partition, "child": c.spec.child,
+                    "err": repr(e)})
 
     def _stop(self, key: tuple[str, int, str], c: Cursor) -> None:
         """Stop a cursor whose link, epoch or ownership changed. When its link is gone

@@ -286,7 +286,7 @@ def test_nothing_committed_before_the_attach_is_copied(cluster: Cluster) -> None
     wait_hwm(n1, "late", len(before))  # all committed at their owners before the attach
     hwms = [s["high_watermark"] for s in describe(n3, "late")["partition_stats"]]
     attach(n3, "late", "late-c")
-    child = describe(n1, "late-c")
+    child = describe(n3, "late-c")  # read-your-writes at the node that answered
     assert child["attach_offsets"] == hwms, (child, hwms)  # the attach point: each owner's committed HWM
     h = History(30.0)
     after = [f"after-{n.node_id}-{i}" for n in (n1, n2, n3) for i in range(10)]
@@ -314,6 +314,7 @@ def test_detach_stops_the_copy_and_the_child_keeps_its_data(cluster: Cluster) ->
         produce_batch(n, "det", [m for m in first if m.startswith(f"d1-{n.node_id}-")])
     wait_hwm(n1, "det-c", len(first))
     wait_hwm(n1, "det-k", len(first))
+    assert not cursors_gone(cluster, "det", "det-c")  # the owners export a lag gauge per running cursor
     r = n2.request("DELETE", "/v1/topics/det/children/det-c")
     assert r.status == 204, r
     wait_everywhere(cluster, "det-c", lambda j: "role" not in j and "parent" not in j)
@@ -335,17 +336,17 @@ def test_detach_stops_the_copy_and_the_child_keeps_its_data(cluster: Cluster) ->
     produce_one(n1, "det-c", "direct")
     again = attach(n1, "det", "det-c")
     assert again["children"] == ["det-c", "det-k"]
-    assert describe(n2, "det-c")["attach_offsets"] == [s["high_watermark"]
-                                                        for s in describe(n2, "det")["partition_stats"]]
+    assert describe(n1, "det-c")["attach_offsets"] == [s["high_watermark"]
+                                                        for s in describe(n1, "det")["partition_stats"]]
 
 
 def cursors_gone(c: Cluster, parent: str, child: str) -> bool:
-    """No node exports a fan-out lag gauge for (parent, child) any more (the cursors
-    stopped); a node exporting no fan-out gauge at all counts as stopped."""
-    needle = f'parent="{parent}",child="{child}"'
+    """No node exports a fan-out lag gauge for (parent, child) any more: the owners'
+    cursors for the link stopped (a cursor drops its gauge series when it ends)."""
+    p, ch = f'parent="{parent}"', f'child="{child}"'
     for nid in c.initial:
         body = c[nid].get("/metrics").body.decode(errors="replace")
-        if any(ln.startswith("narad_fanout_lag_messages{") and needle in ln for ln in body.splitlines()):
+        if any(ln.startswith("narad_fanout_lag_messages{") and p in ln and ch in ln for ln in body.splitlines()):
             return False
     return True
 

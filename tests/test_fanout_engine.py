@@ -5,7 +5,9 @@ land by the child's partitioner (keyless records keep their partition index
 when the counts match); a delay child delivers nothing before committed-at +
 delay and everything soon after; detach stops the copy (the cursor's own file
 goes once the leader confirms); kill -9 under produce loses no acknowledged
-parent message in the child (duplicates counted)."""
+parent message in the child (duplicates counted). Idle logs close after 300 ms
+on this node, so waiting cursors must let their parent's logs close and copy
+again after a commit reopened them."""
 
 from __future__ import annotations
 
@@ -28,7 +30,9 @@ CLIENT = {"X-Narad-Client": "tests"}
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
-    n = Node(tmp_path_factory.mktemp("fanout-engine") / "data", workers=2).start()
+    # Idle logs close after 300 ms: cursors must reopen their parent's log on demand.
+    n = Node(tmp_path_factory.mktemp("fanout-engine") / "data", workers=2,
+             env={"NARAD_STORAGE_IDLE_LOG_EVICTION_MS": "300"}).start()
     try:
         yield n
     finally:
@@ -130,6 +134,13 @@ def test_every_message_after_the_attach_reaches_every_child_with_its_key(node: N
                 assert m["partition"] == part
     text = node.get("/metrics").body.decode()
     assert 'narad_fanout_committed_total{child="fe-same",parent="fe-par"} 40.0' in text, text[-2000:]
+    # Waiting cursors do not keep their parent's logs open (idle eviction is 300 ms here): a
+    # commit reopens the log and wakes them.
+    wait_for(lambda: node.metric("narad_idle_logs_evicted_total") >= 3, 15, 0.1, "idle logs closed")
+    for i in range(3):
+        assert produce(node, "fe-par", f"late-{i}".encode(), f"?partition={i}") == 202
+    for child in ("fe-same", "fe-wide"):
+        assert payloads(drain(node, child, 3)) == [f"late-{i}" for i in range(3)]
 
 
 def test_a_delay_child_delivers_nothing_early_and_everything_soon_after(node: Node) -> None:

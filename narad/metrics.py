@@ -301,23 +301,32 @@ class _Collector:
                 yield h
 
 
+TOPIC_LABELS = frozenset(("topic", "parent", "child"))  # labels whose values are topic names
+
+
 def filter_topics(families: list[Family], visible: Callable[[str], bool]) -> list[Family]:
-    """The families with only the per-topic samples (label ``topic``) whose topic
-    ``visible`` accepts: /metrics follows the topic-visibility rule, so a caller
-    learns no topic name it could not list."""
+    """The families with only the per-topic samples (labels ``topic``, and the
+    fan-out series' ``parent`` and ``child``) whose every topic ``visible``
+    accepts: /metrics follows the topic-visibility rule, so a caller learns no
+    topic name it could not list."""
     out: list[Family] = []
     for fam in families:
-        if "topic" not in fam.labelnames:
+        idx = [i for i, n in enumerate(fam.labelnames) if n in TOPIC_LABELS]
+        if not idx:
             out.append(fam)
             continue
-        i = fam.labelnames.index("topic")
         seen: dict[str, bool] = {}
         keep = []
         for labels, vals in fam.samples:
-            name = labels[i]
-            ok = seen.get(name)
-            if ok is None:
-                ok = seen[name] = visible(name)
+            ok = True
+            for i in idx:
+                name = labels[i]
+                v = seen.get(name)
+                if v is None:
+                    v = seen[name] = visible(name)
+                if not v:
+                    ok = False
+                    break
             if ok:
                 keep.append((labels, vals))
         out.append(Family(fam.name, fam.kind, fam.help, fam.labelnames, fam.buckets, keep))

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from narad.broker.routing import key_partition
-from tests.harness import Node, wait_for
+from tests.harness import Node, basic, wait_for
 
 OCTET = {"Content-Type": "application/octet-stream"}
 CLIENT = {"X-Narad-Client": "tests"}
@@ -134,6 +134,13 @@ def test_every_message_after_the_attach_reaches_every_child_with_its_key(node: N
                 assert m["partition"] == part
     text = node.get("/metrics").body.decode()
     assert 'narad_fanout_committed_total{child="fe-same",parent="fe-par"} 40.0' in text, text[-2000:]
+    # The fan-out series name two topics: a caller sees them only if it may see both.
+    r = node.post("/v1/users", {"username": "dora", "password": "dora-pw",
+                                "grants": [{"action": "consume", "patterns": ["fe-same"]}]})
+    assert r.status == 201, r
+    seen = node.get("/metrics", auth=basic("dora", "dora-pw")).body.decode()
+    assert "narad_messages_produced_total{topic=\"fe-same\"}" in seen
+    assert "fe-par" not in seen and "fe-wide" not in seen
     # Waiting cursors do not keep their parent's logs open (idle eviction is 300 ms here): a
     # commit reopens the log and wakes them.
     wait_for(lambda: node.metric("narad_idle_logs_evicted_total") >= 3, 15, 0.1, "idle logs closed")

@@ -212,6 +212,18 @@ def test_detach_stops_the_copy_and_the_child_keeps_its_data(node: Node) -> None:
     assert "parent" not in d and sum(p["high_watermark"] for p in d["partition_stats"]) == len(kept)
 
 
+def test_a_partition_added_to_the_parent_later_is_copied_from_offset_0(node: Node) -> None:
+    create(node, "fg-par", 3)
+    create(node, "fg-kid", 3)
+    attach(node, "fg-par", "fg-kid")
+    r = node.request("PATCH", "/v1/topics/fg-par", {"partitions": 4})
+    assert r.status == 200, r
+    for i in range(4):
+        assert produce(node, "fg-par", f"grown-{i}".encode(), "?partition=3") == 202
+    wait_for(lambda: copied(node, "fg-par"), 30, 0.1, "the new partition's records copied")
+    assert payloads(drain(node, "fg-kid", 4)) == [f"grown-{i}" for i in range(4)]
+
+
 def test_kill9_under_produce_loses_no_acknowledged_message_in_the_child(node: Node) -> None:
     create(node, "fk-par", 3)
     create(node, "fk-kid", 4)

@@ -7,11 +7,19 @@ delay and everything soon after; detach stops the copy (the cursor's own file
 goes once the leader confirms); kill -9 under produce loses no acknowledged
 parent message in the child (duplicates counted). Idle logs close after 300 ms
 on this node, so waiting cursors must let their parent's logs close and copy
-again after a commit reopened them."""
+again after a commit reopened them.
+
+Two tests run in one process instead (a real broker, partition logs, cursor
+files and an FSM applied directly; the one seam is a commit_to refusing chosen
+child partitions, as an owner that does not answer): only the failed bucket is
+retried and the cursor file waits for it; a cursor behind retention delivers
+the slab it holds, skips to the oldest offset and counts the loss."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 import threading
 import time
 from collections import Counter
@@ -21,7 +29,20 @@ from typing import Any
 
 import pytest
 
+from narad import metrics
+from narad.broker import fanout as FO
+from narad.broker.broker import Broker
+from narad.broker.fanout import FanoutSettings
+from narad.broker.peers import PeerLinks
 from narad.broker.routing import key_partition
+from narad.errors import Unavailable
+from narad.meta import commands as C
+from narad.meta import requests as Q
+from narad.meta import versions as V
+from narad.meta.fsm import FSM
+from narad.meta.records import TopicRecord
+from narad.meta.store import MetaStore
+from narad.storage import cursor_file as CF
 from tests.harness import Node, basic, wait_for
 
 OCTET = {"Content-Type": "application/octet-stream"}
@@ -267,3 +288,150 @@ def test_kill9_under_produce_loses_no_acknowledged_message_in_the_child(node: No
     print(f"kill -9 under produce: {len(acked)} acknowledged, {len(missing)} missing, {dups} duplicates in the child")
     assert not missing, f"acknowledged but never copied: {missing[:20]}"
     assert set(seen) <= {f"k9-{i}" for i in range(len(acked) + 1000)}, json.dumps(sorted(seen)[:10])
+
+
+# ---- in one process: a real broker, partition logs, cursor files and metastore; the only
+# seam is a commit_to that refuses chosen child partitions (an owner that does not answer) ----
+
+class _FlakyBroker(Broker):
+    """Refuses commits to the chosen partitions of the child (as a dead owner would)."""
+
+    fail: set[int]
+    refused: int
+    landed: list[tuple[int, int]]
+
+    async def commit_to(self, t: TopicRecord, partition: int, records: list[tuple[bytes | None, int, bytes]]
+                        ) -> int:
+        if t.name == "kid" and partition in self.fail:
+            self.refused += 1
+            raise Unavailable("injected: the child partition's owner does not answer")
+        base = await super().commit_to(t, partition, records)
+        self.landed.append((partition, len(records)))
+        return base
+
+
+class _World:
+    """A metastore (real FSM and LMDB, applied directly) and a broker on this loop."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.versions = V.VersionTable.create(f"/narad-fo-eng-{os.getpid()}-{time.monotonic_ns()}")
+        self.fsm = FSM(tmp / "fsm", on_commit=lambda touched, _i: self.versions.bump(touched))
+        self.store = MetaStore(tmp / "fsm", self.versions, fsm=self.fsm)
+        self.index = 0
+        self.tmp = tmp
+
+    def apply(self, payload: Any) -> None:
+        self.index += 1
+        res = self.fsm.apply(self.index, C.encode(payload, request_id="", stamp_ms=1000 + self.index))
+        self.fsm.commit()
+        assert res.ok, res
+
+    def topic(self, name: str) -> TopicRecord:
+        t = self.store.topic(name)
+        assert t is not None
+        return t
+
+    async def broker(self) -> _FlakyBroker:
+        async def caught_up() -> bool:
+            return True
+
+        async def confirm(req: Q.ConfirmEpochReq) -> Q.ConfirmEpochResp:  # the leader's re-read
+            c = self.store.topic(req.child)
+            return Q.ConfirmEpochResp(c is not None and c.id == req.child_id and c.attach_epoch == req.epoch
+                                      and c.parent == req.parent and c.parent_id == req.parent_id)
+
+        async def gone(_t: str, _i: str) -> bool:
+            return False
+
+        b = _FlakyBroker(data_dir=self.tmp / "data", store=self.store, versions=self.versions, index=0, workers=1,
+                         links=PeerLinks(self.tmp, 0, 1), confirm_gone=gone, node_id="n1", caught_up=caught_up,
+                         confirm_epoch=confirm, fanout=FanoutSettings(linger_ms=0))
+        b.fail, b.refused, b.landed = set(), 0, []
+        self.versions.store(V.READY, 1)
+        await b.start()
+        return b
+
+    def close(self) -> None:
+        self.fsm.close()
+        self.versions.close(unlink=True)
+
+
+def _record(name: str, tid: str) -> TopicRecord:
+    return TopicRecord(name=name, id=tid, partitions=3, retention_ms=0, visibility_timeout_ms=30000,
+                       max_in_flight_per_partition=1024, max_acked_ahead_per_partition=1024, created_at=1)
+
+
+@pytest.fixture
+def world(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[_World]:
+    monkeypatch.setattr(FO, "RECONCILE_EVERY", 0.05)  # the 1 s cadences, shortened for these tests
+    monkeypatch.setattr(FO, "RETRY_BACKOFF", 0.05)
+    w = _World(tmp_path)
+    w.apply(C.CreateTopic(_record("par", "00000000000000a1")))
+    w.apply(C.CreateTopic(_record("kid", "00000000000000a2")))
+    w.apply(C.AttachChildCas("par", "00000000000000a1", "kid", "00000000000000a2", 0, "e1e1e1e1e1e1e1e1", [0, 0, 0]))
+    try:
+        yield w
+    finally:
+        w.close()
+
+
+async def _until(cond: Any, timeout: float = 10.0, what: str = "condition") -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+def _file_at(w: _World, partition: int) -> int | None:
+    st = CF.CursorFile(w.tmp / "data" / "topics" / "par@00000000000000a1" / f"p{partition:05d}", "kid").read()
+    return None if st is None else st.next_offset
+
+
+def test_a_failed_bucket_alone_is_retried_and_the_cursor_waits_for_it(world: _World) -> None:
+    async def main() -> None:
+        b = await world.broker()
+        try:
+            b.fail = {1}
+            keys = [f"key-{i}".encode() for i in range(30)]
+            want = Counter(key_partition(k, 3) for k in keys)
+            assert set(want) == {0, 1, 2}
+            await b.commit_local("par", "00000000000000a1", 0, [(k, 0, b"v" + k) for k in keys])
+            await _until(lambda: b.refused >= 2, 10, "the refused bucket retried")
+            # The healthy buckets landed once; the refused one holds the file back.
+            assert sorted(b.landed) == sorted((p, n) for p, n in want.items() if p != 1)
+            assert _file_at(world, 0) == 0, "the cursor file passed records a child did not acknowledge"
+            b.fail = set()
+            await _until(lambda: _file_at(world, 0) == 30, 10, "the cursor file advanced")
+            assert sorted(b.landed) == sorted(want.items()), "only the failed bucket was sent again"
+            for i in range(3):
+                assert (await b.partition(world.topic("kid"), i)).log.hwm == want[i]
+        finally:
+            await b.close()
+
+    asyncio.run(main())
+
+
+def test_a_cursor_behind_retention_skips_to_the_oldest_offset_and_counts_the_loss(world: _World) -> None:
+    async def main() -> None:
+        b = await world.broker()
+        try:
+            b.fail = {0, 1, 2}
+            await b.commit_local("par", "00000000000000a1", 1, [(None, 0, f"a{i}".encode()) for i in range(10)])
+            await _until(lambda: b.refused >= 1, 10, "the cursor holding its first slab")
+            await b.commit_local("par", "00000000000000a1", 1, [(None, 0, f"b{i}".encode()) for i in range(10)])
+            p = await b.partition(world.topic("par"), 1)
+            far = int(time.time() * 1000) + 10**9
+            assert p.log.roll_idle_active(1, far)  # retention ages out everything committed so far
+            assert p.log.delete_segments(p.log.expired_segments(1, far))[0] == 20 and p.log.oldest == 20
+            dropped = metrics.get().fanout_dropped.labels("par", "kid")
+            before = dropped.value
+            b.fail = set()
+            await _until(lambda: _file_at(world, 1) == 20, 10, "the cursor past the aged-out records")
+            assert dropped.value - before == 10, "the ten records never read were counted as lost"
+            # The slab read before the records aged out was still delivered.
+            kid = world.topic("kid")
+            assert sum([(await b.partition(kid, i)).log.hwm for i in range(3)]) == 10
+        finally:
+            await b.close()
+
+    asyncio.run(main())

@@ -672,6 +672,10 @@ class Cursor:
             self._warn("fan-out copies not committed at a child partition; retrying those only",
                        failed=[cp for cp, _ in failed], err=failed[0][1])
             pending = [r for cp, _ in failed for r in buckets[cp]]
+            # Stalled: keep the gauges moving (how far behind, and behind due, it falls).
+            self._set_due(max(0, self._now_ms() - batch.records[0][1] - self.spec.delay_ms) / 1000.0)
+            if (p := self._open_parent()) is not None:
+                self._set_lag(max(0, p.log.hwm - self.next))
             await asyncio.sleep(RETRY_BACKOFF)
 
     async def _persist(self) -> None:

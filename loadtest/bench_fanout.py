@@ -14,11 +14,14 @@ worker per node. Prints a table with, per run:
   copies. The describes of the sampler are included (a few per second).
 
 Every child has the parent's 6 partitions (keyless records keep their partition
-index); on the cluster the children are placed round-robin like any topic, so most
-copies cross to another node. Afterwards each child's high watermarks must add up to
+index); on the cluster the children are placed round-robin like any topic, so a
+share of the copies (column x-node) crosses to another node. Afterwards each child's high watermarks must add up to
 the parent's (more: duplicates; fewer: a loss) and the parent's to what got 202.
 
-Usage: .venv/bin/python loadtest/bench_fanout.py [--seconds 5] [--children 0,1,3,10] [--nodes 1,3]
+Usage: .venv/bin/python loadtest/bench_fanout.py [--seconds 5] [--children 0,1,3,10] [--nodes 1,3] [--replica]
+``--replica``: on the cluster the children are created as replica children instead
+(create-as-child: child partition p off the node of parent partition p, every copy
+crosses node RPC).
 The nodes and the load generator share this machine's cores: the figures are what the
 whole set-up does on it, a floor for the server alone.
 """
@@ -30,6 +33,7 @@ import math
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -75,21 +79,33 @@ def hwms(node: Node, topic: str) -> int | None:
     return sum(s["high_watermark"] for s in j["partition_stats"])
 
 
-def copies_total(node: Node, children: list[str]) -> int:
+def copies_total(node: Node, children: list[str], tries: int = 20) -> int:
+    """Every child's high watermarks summed; a describe with a partition missing
+    (its owner slower than 2 s to answer) is asked again, never counted as 0."""
     total = 0
     for ch in children:
-        v = hwms(node, ch)
-        total += v or 0
+        for _ in range(tries):
+            v = hwms(node, ch)
+            if v is not None:
+                break
+        else:
+            raise B.BenchFailure(f"describe {ch}: an owner did not answer {tries} times in a row")
+        total += v
     return total
 
 
-def make_topics(members: list[Node], parent: str, k: int) -> list[str]:
+def make_topics(members: list[Node], parent: str, k: int, replica: bool) -> list[str]:
     a = members[0]
     r = a.post("/v1/topics", {"name": parent, "partitions": PARTITIONS})
     if r.status != 201:
         raise B.BenchFailure(f"create {parent} -> {r.status} {r.body[:300]!r}")
     children = [f"{parent}-c{i}" for i in range(k)]
     for ch in children:
+        if replica:  # create-as-child: partition p placed off the owner of parent partition p
+            r = a.post("/v1/topics", {"name": ch, "parent": parent})
+            if r.status != 201:
+                raise B.BenchFailure(f"create {ch} as a child -> {r.status} {r.body[:300]!r}")
+            continue
         r = a.post("/v1/topics", {"name": ch, "partitions": PARTITIONS})
         if r.status != 201:
             raise B.BenchFailure(f"create {ch} -> {r.status} {r.body[:300]!r}")
@@ -109,7 +125,7 @@ def owners(node: Node, topic: str) -> list[str]:
 def one_run(setup: str, members: list[Node], k: int, args: argparse.Namespace) -> Row:
     row = Row(setup, k)
     parent = f"fan{k}"
-    children = make_topics(members, parent, k)
+    children = make_topics(members, parent, k, args.replica and len(members) > 1)
     if children:
         po = owners(members[0], parent)
         cross = [o != po[p] for ch in children for p, o in enumerate(owners(members[0], ch))]
@@ -143,15 +159,20 @@ def one_run(setup: str, members: list[Node], k: int, args: argparse.Namespace) -
     t_end: float | None = None
     at_end = 0
     deadline = t0 + args.seconds + 300
-    while len(stats) < len(pipes) and time.monotonic() < deadline:
+    pending = list(pipes)
+    while pending and time.monotonic() < deadline:
         row.samples.append((time.monotonic() - t0, copies_total(probe, children)))
-        for rd in pipes:
+        for rd in list(pending):
             if rd.poll(0):
-                stats.append(rd.recv())
-        if len(stats) < len(pipes):
+                pending.remove(rd)
+                try:
+                    stats.append(rd.recv())
+                except EOFError:
+                    stats.append(B.Stats(failure="a client process exited without a result"))
+        if pending:
             time.sleep(args.sample)
-    t_end = time.monotonic()
     at_end = copies_total(probe, children)
+    t_end = time.monotonic()
     for p in clients:
         p.join(10)
     failures = [s.failure for s in stats if s.failure]
@@ -221,12 +242,17 @@ def main() -> None:
     ap.add_argument("--conns", type=int, default=3, help="batch-produce connections per client process (per node)")
     ap.add_argument("--sample", type=float, default=0.5, help="seconds between reads of the children's HWMs")
     ap.add_argument("--catchup-timeout", type=float, default=180.0, help="max wait for the children to catch up")
+    ap.add_argument("--replica", action="store_true",
+                    help="on the cluster, create the children as replica children (POST /v1/topics with parent): "
+                         "every child partition off the node of the same-index parent partition")
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a stopped run still stops its nodes (finally)
     ks = [int(x) for x in args.children.split(",")]
     cpus = len(os.sched_getaffinity(0))
     print(f"# narad fan-out benchmark: {cpus} CPUs, {psutil.virtual_memory().total >> 30} GiB, "
           f"{time.strftime('%Y-%m-%d %H:%M')}, code {B.code_version()}; 1 KiB messages, batch produce 100, "
-          f"{args.conns} connections per node, {args.seconds:.0f} s windows, one worker per node")
+          f"{args.conns} connections per node, {args.seconds:.0f} s windows, one worker per node"
+          + ("; cluster children created as replica children" if args.replica else ""))
     print(HEADER, flush=True)
     failed = False
     for nodes in (int(x) for x in args.nodes.split(",")):

@@ -55,7 +55,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from narad import metrics
 from narad.broker.routing import RoundRobin, key_partition
@@ -66,8 +66,34 @@ from narad.storage import cursor_file as CF
 from narad.storage.partition_log import BatchRead, LogClosed, OffsetGone
 
 if TYPE_CHECKING:
-    from narad.broker.broker import Broker
+    from concurrent.futures import Executor
+    from pathlib import Path
+
     from narad.broker.partition import Partition
+    from narad.meta.store import MetaStore
+
+
+class Broker(Protocol):
+    """What the engine uses of its worker's broker (narad.broker.broker.Broker
+    satisfies it; a Protocol keeps the import one-way: broker -> fanout)."""
+
+    data_dir: Path
+    io: Executor
+    loop: asyncio.AbstractEventLoop
+    store: MetaStore
+    versions: V.VersionTable
+    partitions: dict[tuple[str, int], Partition]
+
+    def owned(self, t: TopicRecord) -> list[int]: ...
+
+    async def partition(self, topic: TopicRecord, index: int) -> Partition: ...
+
+    def partition_count(self, topic: str, topic_id: str) -> int: ...
+
+    async def stats_owned(self, t: TopicRecord, parts: list[int]) -> dict[int, dict[str, int]]: ...
+
+    async def commit_to(self, t: TopicRecord, partition: int,
+                        records: list[tuple[bytes | None, int, bytes]]) -> int: ...
 
 log = logging.getLogger("narad.broker.fanout")
 

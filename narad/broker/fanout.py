@@ -603,6 +603,8 @@ class Cursor:
     async def _read(self, p: Partition) -> BatchRead | None:
         """One slab from `next`: what is committed (and due), topped up for linger_ms.
         None: nothing to copy this time (skipped ahead, or the log closed under us)."""
+        if p.closed:
+            return None  # closing: its log is closed on an I/O thread from now on (never read it)
         try:
             batch = p.log.read_batch(self.next, self.max_records, self.max_bytes, self._bound())
         except OffsetGone as e:

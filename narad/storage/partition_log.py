@@ -470,7 +470,8 @@ class PartitionLog:
         its frame comes from disk); a record that cannot be read back intact is
         skipped and counted (``corrupt``), never served. Raises OffsetGone when
         `offset` was deleted by retention (the caller skips to ``oldest`` and
-        counts the loss) and LogClosed once the log is closed."""
+        counts the loss) and LogClosed once the log is closed, also when a close
+        ran under the read (a failed read of a closing log is never counted)."""
         if self.closed:
             raise LogClosed(offset)
         if offset < self.oldest:
@@ -482,7 +483,13 @@ class PartitionLog:
         while off < hwm and len(out.records) < max_records:
             try:
                 rec = self.read(off)
-            except CorruptRecord:
+            except (CorruptRecord, OSError) as e:
+                if self.closed:
+                    # A close on an I/O thread took the descriptor under this read (a reused
+                    # number reads another file's bytes): the record is intact, not damage.
+                    raise LogClosed(off) from None
+                if not isinstance(e, CorruptRecord):
+                    raise
                 out.corrupt += 1
                 off += 1
                 continue

@@ -1,0 +1,194 @@
+"""Hostile review of the fan-out engine (issue 11), in one process: a real broker,
+real partition logs and cursor files, a real FSM applied directly. The seams are
+named in each test: a partition closed at a chosen moment (as idle eviction or
+the open-log cap would), a descriptor taken by a concurrent close (what a pread
+of a reused number returns: bytes failing the CRC), a parent whose log cannot be
+opened.
+
+* A log being closed under a read is an error, never a corrupt record skipped
+  and counted as lost (the record is intact on disk).
+* A cursor file past the end of the parent log is caught even when the log was
+  closed while the file was read.
+* A slab is read in steps that give the event loop back between them (one 4 MiB
+  slab decoded in one go held a worker's loop for tens of milliseconds).
+* A cursor failing on every start does not log its start every second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from narad import metrics
+from narad.broker import fanout as FO
+from narad.broker.broker import Broker
+from narad.broker.fanout import FanoutSettings
+from narad.broker.partition import Partition
+from narad.broker.peers import PeerLinks
+from narad.meta import commands as C
+from narad.meta import requests as Q
+from narad.meta import versions as V
+from narad.meta.fsm import FSM
+from narad.meta.records import TopicRecord
+from narad.meta.store import MetaStore
+from narad.storage import cursor_file as CF
+from narad.storage import partition_log as PL
+
+PAR, PAR_ID = "par", "00000000000000b1"
+KID, KID_ID = "kid", "00000000000000b2"
+EPOCH = "e2e2e2e2e2e2e2e2"
+
+
+class _Broker(Broker):
+    """A real broker; `close_on_open` closes the parent partition right after handing
+    it out once (idle eviction landing between the open and the caller's next step);
+    `broken_parent` makes opening the parent fail."""
+
+    close_on_open = False
+    broken_parent = False
+    opens = 0
+
+    async def partition(self, topic: TopicRecord, index: int) -> Partition:
+        if topic.name == PAR:
+            self.opens += 1
+            if self.broken_parent:
+                raise OSError(5, "injected: the parent partition cannot be opened")
+        p = await super().partition(topic, index)
+        if topic.name == PAR and self.close_on_open:
+            self.close_on_open = False
+            await self._close_partition((topic.name, index), p, clean=True)
+        return p
+
+
+class _World:
+    def __init__(self, tmp: Path) -> None:
+        self.versions = V.VersionTable.create(f"/narad-fo-rev-{os.getpid()}-{time.monotonic_ns()}")
+        self.fsm = FSM(tmp / "fsm", on_commit=lambda touched, _i: self.versions.bump(touched))
+        self.store = MetaStore(tmp / "fsm", self.versions, fsm=self.fsm)
+        self.index = 0
+        self.tmp = tmp
+
+    def apply(self, payload: Any) -> None:
+        self.index += 1
+        res = self.fsm.apply(self.index, C.encode(payload, request_id="", stamp_ms=1000 + self.index))
+        self.fsm.commit()
+        assert res.ok, res
+
+    def topic(self, name: str) -> TopicRecord:
+        t = self.store.topic(name)
+        assert t is not None
+        return t
+
+    async def broker(self, **settings: Any) -> _Broker:
+        async def caught_up() -> bool:
+            return True
+
+        async def confirm(req: Q.ConfirmEpochReq) -> Q.ConfirmEpochResp:
+            c = self.store.topic(req.child)
+            return Q.ConfirmEpochResp(c is not None and c.id == req.child_id and c.attach_epoch == req.epoch
+                                      and c.parent == req.parent and c.parent_id == req.parent_id)
+
+        async def gone(_t: str, _i: str) -> bool:
+            return False
+
+        b = _Broker(data_dir=self.tmp / "data", store=self.store, versions=self.versions, index=0, workers=1,
+                    links=PeerLinks(self.tmp, 0, 1), confirm_gone=gone, node_id="n1", caught_up=caught_up,
+                    confirm_epoch=confirm, fanout=FanoutSettings(**settings))
+        self.versions.store(V.READY, 1)
+        await b.start()
+        return b
+
+    def close(self) -> None:
+        self.fsm.close()
+        self.versions.close(unlink=True)
+
+
+def _record(name: str, tid: str, partitions: int = 1) -> TopicRecord:
+    return TopicRecord(name=name, id=tid, partitions=partitions, retention_ms=0, visibility_timeout_ms=30000,
+                       max_in_flight_per_partition=1024, max_acked_ahead_per_partition=1024, created_at=1)
+
+
+@pytest.fixture
+def world(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[_World]:
+    monkeypatch.setattr(FO, "RECONCILE_EVERY", 0.05)
+    monkeypatch.setattr(FO, "RETRY_BACKOFF", 0.05)
+    w = _World(tmp_path)
+    w.apply(C.CreateTopic(_record(PAR, PAR_ID)))
+    w.apply(C.CreateTopic(_record(KID, KID_ID)))
+    try:
+        yield w
+    finally:
+        w.close()
+
+
+def _attach(w: _World, offsets: list[int] | None = None) -> None:
+    w.apply(C.AttachChildCas(PAR, PAR_ID, KID, KID_ID, 0, EPOCH, offsets or [0]))
+
+
+def _spec(start: int = 0) -> FO.LinkSpec:
+    return FO.LinkSpec(PAR, PAR_ID, 0, KID, KID_ID, EPOCH, 0, start)
+
+
+def _cursor_file(w: _World) -> CF.CursorFile:
+    return CF.CursorFile(FO.partition_dir(w.tmp / "data", PAR, PAR_ID, 0), KID)
+
+
+async def _until(cond: Any, timeout: float = 10.0, what: str = "condition") -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+def _dropped() -> float:
+    return float(metrics.get().fanout_dropped.labels(PAR, KID).value)
+
+
+def test_a_log_closed_under_a_read_is_an_error_not_a_record_lost(world: _World, monkeypatch: pytest.MonkeyPatch
+                                                                  ) -> None:
+    """The eviction's I/O thread closes the log's descriptors while the loop reads
+    it: the pread of a reused number gives bytes that fail the CRC. The record is
+    intact on disk; counting it lost and moving the cursor past it loses a copy."""
+    async def main() -> None:
+        b = await world.broker(linger_ms=0)
+        try:
+            await b.commit_local(PAR, PAR_ID, 0, [(None, 0, f"r{i}".encode()) for i in range(10)])
+            p = await b.partition(world.topic(PAR), 0)
+
+            def raced(self: PL.PartitionLog, seg: Any, pos: int, base: int) -> Any:
+                self._close(True)  # the close running on its thread right now
+                raise PL.CorruptRecord(base)  # what a read of the reused descriptor yields
+
+            # The log level: the read that raced a close says so.
+            p.log._cache.clear()
+            p.log._last_frame = None
+            monkeypatch.setattr(PL.PartitionLog, "_read_frame", raced)
+            with pytest.raises(PL.LogClosed):
+                p.log.read_batch(9, 100, 1 << 20)
+            monkeypatch.undo()
+            monkeypatch.setattr(FO, "RECONCILE_EVERY", 0.05)
+            await b._close_partition((PAR, 0), p, clean=True)
+
+            # The cursor level: a partition that began closing is not read at all (its
+            # log is closed on an I/O thread from then on).
+            p = await b.partition(world.topic(PAR), 0)
+            p.log._cache.clear()
+            p.log._last_frame = None
+            await p.quiesce()  # the synchronous first step of every close
+            monkeypatch.setattr(PL.PartitionLog, "_read_frame", raced)
+            c = FO.Cursor(b.fanout, _spec(), _cursor_file(world), None)
+            c.next = 9
+            before = _dropped()
+            assert await c._read(p) is None
+            assert _dropped() == before, "an intact record was counted as lost"
+            monkeypatch.undo()
+        finally:
+            await b.close()
+
+    asyncio.run(main())

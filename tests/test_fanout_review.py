@@ -192,3 +192,26 @@ def test_a_log_closed_under_a_read_is_an_error_not_a_record_lost(world: _World, 
             await b.close()
 
     asyncio.run(main())
+
+
+def test_a_file_past_the_log_end_is_caught_when_the_log_closed_meanwhile(world: _World) -> None:
+    """A cursor file ahead of the parent log (damage, a restored disk) resumes at the
+    log's end, never past records committed later at those offsets; the check held
+    only while the log stayed open across the file read."""
+    async def main() -> None:
+        b = await world.broker(linger_ms=0)
+        try:
+            await b.commit_local(PAR, PAR_ID, 0, [(None, 0, f"r{i}".encode()) for i in range(10)])
+            d = FO.partition_dir(world.tmp / "data", PAR, PAR_ID, 0)
+            CF.CursorFile(d, KID).anchor(EPOCH, 50)  # ahead of the 10 records the log holds
+            b.close_on_open = True  # the log closes right after the cursor opened it
+            c = FO.Cursor(b.fanout, _spec(), CF.CursorFile(d, KID), None)
+            try:
+                await c._position()
+            finally:
+                c.file.close()
+            assert c.next == 10, f"resumed at {c.next}, past the end of the parent log (10)"
+        finally:
+            await b.close()
+
+    asyncio.run(main())

@@ -502,7 +502,7 @@ class Cursor:
         spec = self.spec
         # The parent partition is opened first: its directory (where the file lives)
         # exists from then on, made by the log's own open (never by the cursor).
-        await self.b.partition(self._parent_rec(), spec.partition)
+        par = await self.b.partition(self._parent_rec(), spec.partition)
         try:
             st = await self._io(self.file.read)
         except CF.CursorCorrupt as e:
@@ -513,14 +513,19 @@ class Cursor:
             st = None
         if st is not None and st.epoch == spec.epoch:
             self.next = self.durable = st.next_offset
+            # The log as opened above, even if it closed while the file was read (idle
+            # eviction: its end is the one at the close); a reopened one is looked at too.
+            end = par.log.next_offset
             p = self._open_parent()
-            if p is not None and self.next > p.log.next_offset:
+            if p is not None:
+                end = max(end, p.log.next_offset)
+            if self.next > end:
                 # Past anything the log holds (damage): re-copy from its end rather than skip
                 # whatever is committed at those offsets later (duplicates, never a gap).
                 log.error("fan-out cursor file is past the end of the parent log; resuming at its end",
                           extra={"parent": spec.parent, "partition": spec.partition, "child": spec.child,
-                                 "file": self.next, "log_end": p.log.next_offset})
-                self.next = p.log.next_offset
+                                 "file": self.next, "log_end": end})
+                self.next = end
             return
         # Anchoring: the only destructive step (it overwrites whatever file is there).
         # Only on the leader's word that this epoch is the live link.

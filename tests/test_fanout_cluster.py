@@ -75,6 +75,26 @@ def hwm_total(n: Node, topic: str) -> int | None:
     return sum(s["high_watermark"] for s in d["partition_stats"])
 
 
+def hwms_now(n: Node, topic: str, timeout: float = 20.0) -> list[int]:
+    """Every partition's high watermark, once every owner answers."""
+    end = time.monotonic() + timeout
+    while True:
+        d = describe(n, topic)
+        if not d.get("partial"):
+            return [s["high_watermark"] for s in d["partition_stats"]]
+        assert time.monotonic() < end, f"describe {topic}: an owner did not answer for {timeout} s"
+
+
+def total_now(n: Node, topic: str, timeout: float = 20.0) -> int:
+    """``hwm_total`` once every owner answers (a describe under load can miss one for 2 s)."""
+    end = time.monotonic() + timeout
+    while True:
+        v = hwm_total(n, topic)
+        if v is not None:
+            return v
+        assert time.monotonic() < end, f"describe {topic}: an owner did not answer for {timeout} s"
+
+
 def wait_everywhere(c: Cluster, topic: str, cond: Any = None, timeout: float = 20.0) -> None:
     """Wait until every node's replica has the topic (and ``cond(json)`` holds there)."""
     for nid in c.initial:
@@ -284,7 +304,7 @@ def test_nothing_committed_before_the_attach_is_copied(cluster: Cluster) -> None
     for n in (n1, n2, n3):
         produce_batch(n, "late", [m for m in before if m.startswith(f"before-{n.node_id}-")])
     wait_hwm(n1, "late", len(before))  # all committed at their owners before the attach
-    hwms = [s["high_watermark"] for s in describe(n3, "late")["partition_stats"]]
+    hwms = hwms_now(n3, "late")
     attach(n3, "late", "late-c")
     child = describe(n3, "late-c")  # read-your-writes at the node that answered
     assert child["attach_offsets"] == hwms, (child, hwms)  # the attach point: each owner's committed HWM
@@ -295,7 +315,7 @@ def test_nothing_committed_before_the_attach_is_copied(cluster: Cluster) -> None
     wait_hwm(n2, "late-c", len(after))
     got = drain(n2, "late-c", set(after), h, ack_at=n1)
     assert {str(m["payload"]) for m in got} == set(after)
-    assert hwm_total(n1, "late-c") == len(after)  # nothing else was copied
+    assert total_now(n1, "late-c") == len(after)  # nothing else was copied
     verdict(h, "fan-out after the attach only: late-c")
 
 
@@ -326,7 +346,7 @@ def test_detach_stops_the_copy_and_the_child_keeps_its_data(cluster: Cluster) ->
     for n in (n1, n2, n3):
         produce_batch(n, "det", [m for m in second if m.startswith(f"d2-{n.node_id}-")])
     wait_hwm(n1, "det-k", len(first) + len(second))  # the child still attached got the second batch
-    assert hwm_total(n1, "det-c") == len(first)  # the detached one did not
+    assert total_now(n1, "det-c") == len(first)  # the detached one did not
     h = History(30.0)
     h.produced(first, now(), now(), 202)
     got = drain(n3, "det-c", set(first), h)  # and it keeps (and serves) its data
@@ -336,8 +356,7 @@ def test_detach_stops_the_copy_and_the_child_keeps_its_data(cluster: Cluster) ->
     produce_one(n1, "det-c", "direct")
     again = attach(n1, "det", "det-c")
     assert again["children"] == ["det-c", "det-k"]
-    assert describe(n1, "det-c")["attach_offsets"] == [s["high_watermark"]
-                                                        for s in describe(n1, "det")["partition_stats"]]
+    assert describe(n1, "det-c")["attach_offsets"] == hwms_now(n1, "det")
 
 
 def cursors_gone(c: Cluster, parent: str, child: str) -> bool:
@@ -396,16 +415,28 @@ def test_children_status_codes_at_a_follower(cluster: Cluster) -> None:
     assert f.request("DELETE", "/v1/topics/codes/children/codes-d").status == 204
 
 
-def test_create_as_child_is_undone_when_an_owner_of_the_parent_is_down(cluster: Cluster) -> None:
+def test_an_owner_down_create_as_child_undone_and_a_detach_it_missed_stays_detached(cluster: Cluster) -> None:
+    """A follower owning parent partitions is killed: create-as-child and attach answer
+    503 at every live node and leave nothing behind; the children listing says its lag
+    is incomplete; a detach made while it is down holds when it comes back (its
+    cursors for the gone link do not resume), while a link still attached copies its
+    new messages; with every owner back, the create-as-child succeeds."""
     leader = cluster.leader()
     victim, alive = (n for n in cluster.initial if n != leader)  # a follower: no election needed
-    live = [cluster[leader], cluster[alive]]
-    create(cluster[alive], {"name": "und", "partitions": 6})
-    create(cluster[alive], {"name": "und-c", "partitions": 3})
-    wait_everywhere(cluster, "und")
+    v, a, live = cluster[victim], cluster[alive], [cluster[leader], cluster[alive]]
+    create(a, {"name": "und", "partitions": 6})
+    for t in ("und-c", "und-k", "und-s"):
+        create(a, {"name": t, "partitions": 3})
+    attach(a, "und", "und-k")
+    attach(a, "und", "und-s")
+    wait_everywhere(cluster, "und", lambda j: j.get("children") == ["und-k", "und-s"])
     wait_everywhere(cluster, "und-c")
-    assert victim in owners(cluster[leader], "und")
-    cluster[victim].kill9()
+    assert victim in owners(a, "und")
+    produce_batch(v, "und", [f"v1-{i}" for i in range(12)])  # keyless: committed at the victim's partitions
+    produce_batch(a, "und", [f"a1-{i}" for i in range(12)])
+    wait_hwm(a, "und-k", 24)
+    wait_hwm(a, "und-s", 24)
+    v.kill9()
     try:
         for at in live:
             r = at.post("/v1/topics", {"name": "und-r", "parent": "und"})
@@ -415,10 +446,77 @@ def test_create_as_child_is_undone_when_an_owner_of_the_parent_is_down(cluster: 
         for at in live:  # nothing was left behind: no child, no link
             assert at.get("/v1/topics/und-r").status == 404
             assert "und-r" not in at.topic_names()
-            assert "role" not in describe(at, "und") and "role" not in describe(at, "und-c")
-            assert at.get("/v1/topics/und/children").json()["children"] == []
+            assert "role" not in describe(at, "und-c")
+            listing = at.get("/v1/topics/und/children")
+            assert listing.status == 200, listing
+            rows = listing.json()["children"]
+            assert [c["name"] for c in rows] == ["und-k", "und-s"], rows
+            assert not any(c["lag_complete"] for c in rows), rows  # the victim's partitions did not report
+        r = cluster[leader].request("DELETE", "/v1/topics/und/children/und-k")  # needs no attach point
+        assert r.status == 204, r
     finally:
-        cluster[victim].start()
+        v.start()
+    wait_everywhere(cluster, "und-k", lambda j: "role" not in j)
+    produce_batch(v, "und", [f"v2-{i}" for i in range(12)])
+    wait_hwm(a, "und-s", 36)  # the victim's cursors run again (for the link still attached) ...
+    assert total_now(a, "und-k") == 24  # ... and not for the one detached while it was down
+    wait_for(lambda: cursors_gone(cluster, "und", "und-k"), 10, 0.1, "no cursor for und -> und-k anywhere")
     # With every owner back, the same create succeeds (what failed was the attach point).
-    rep = create(cluster[victim], {"name": "und-r", "parent": "und"})
+    rep = create(v, {"name": "und-r", "parent": "und"})
     assert rep["role"] == "child" and rep["parent"] == "und"
+
+
+def _read_by_server(port: int, client_port: int) -> bool:
+    """The server side of the loopback connection (port, client_port) has no unread bytes."""
+    for path in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = open(path).read().splitlines()[1:]  # noqa: SIM115
+        except OSError:
+            continue
+        for row in rows:
+            f = row.split()
+            local, remote, queues = f[1], f[2], f[4]
+            if int(local.rsplit(":", 1)[1], 16) == port and int(remote.rsplit(":", 1)[1], 16) == client_port:
+                return int(queues.split(":")[1], 16) == 0
+    return False
+
+
+@pytest.mark.xfail(strict=True, reason="finding for the api/meta helpers (cluster helper's report): a node whose "
+                   "replica has not applied the parent yet sends no attach point, and the leader answers 503")
+def test_attach_at_a_node_that_has_not_seen_the_parent_yet(cluster: Cluster) -> None:
+    """A client creates a parent and a child at one node and attaches at another before
+    that node's replica applied the creates (its supervisor is held with SIGSTOP until
+    its worker has read the request, so the replica is behind for certain). Every owner
+    is up: Narad re-checks a write that depends on the replica after catching up, so
+    the attach (and a create-as-child) succeeds; a 503 here is spurious."""
+    import os
+    import signal
+
+    leader = cluster.leader()
+    a, b = (cluster[n] for n in cluster.initial if n != leader)
+    assert b.proc is not None
+    out: dict[str, Any] = {}
+    for kind in ("create-as-child", "attach"):
+        conn = b.conn()
+        conn.connect()
+        assert conn.sock is not None
+        cport = conn.sock.getsockname()[1]
+        os.kill(b.proc.pid, signal.SIGSTOP)  # b's replica applies nothing while stopped
+        try:
+            create(a, {"name": f"lag-{kind}", "partitions": 3})
+            if kind == "attach":
+                create(a, {"name": f"lag-{kind}-c", "partitions": 3})
+                path, body = f"/v1/topics/lag-{kind}/children", {"child": f"lag-{kind}-c"}
+            else:
+                path, body = "/v1/topics", {"name": f"lag-{kind}-c", "parent": f"lag-{kind}"}
+            conn.request("POST", path, json.dumps(body).encode(),
+                         {"Authorization": b.auth, "Content-Type": "application/json"})
+            wait_for(lambda p=cport: _read_by_server(b.port, p), 5, 0.005, "b's worker to read the request")
+        finally:
+            os.kill(b.proc.pid, signal.SIGCONT)
+        t0 = time.monotonic()
+        r = conn.getresponse()
+        out[kind] = (r.status, r.read())
+        print(f"\n{kind}: {out[kind][0]} after {time.monotonic() - t0:.2f} s {out[kind][1][:160]!r}")
+        conn.close()
+        assert out[kind][0] == (201 if kind == "create-as-child" else 200), out[kind]  # (a 503 takes 10 s)

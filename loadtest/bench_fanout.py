@@ -63,6 +63,8 @@ class Row:
     total_secs: float = 0.0  # from the start until every child held every message
     catchup: float = 0.0
     server_cpu: float = 0.0
+    client_cpu: float = 0.0
+    other_cpu: float = 0.0  # the rest of the machine (other jobs make a run noisy)
     cross: float = math.nan  # share of child partitions on another node than the same parent partition
     check: str = "ok"
     failed: bool = False
@@ -153,7 +155,7 @@ def one_run(setup: str, members: list[Node], k: int, args: argparse.Namespace) -
     except Exception:
         pass
     t0 = time.monotonic()
-    cpu0 = B._cpu(procs)
+    cpu0, busy0 = B._cpu(procs), B._machine_busy()
     probe = members[0]
     stats: list[B.Stats] = []
     t_end: float | None = None
@@ -190,8 +192,10 @@ def one_run(setup: str, members: list[Node], k: int, args: argparse.Namespace) -
         done = copies_total(probe, children)
         row.samples.append((time.monotonic() - t0, done))
     t_done = time.monotonic()
-    cpu1 = B._cpu(procs)
+    cpu1, busy1 = B._cpu(procs), B._machine_busy()
     row.server_cpu = sum(u + sy - sum(cpu0.get(pid, (0.0, 0.0))) for pid, (u, sy) in cpu1.items())
+    row.client_cpu = sum(s.cpu for s in stats)
+    row.other_cpu = max(0.0, busy1 - busy0 - row.server_cpu - row.client_cpu)
     row.copies, row.total_secs, row.catchup = done, t_done - t0, t_done - t_end
     # checks: the parent holds what got 202; each child holds exactly the parent's messages
     try:
@@ -209,7 +213,8 @@ def one_run(setup: str, members: list[Node], k: int, args: argparse.Namespace) -
 
 
 HEADER = (f"{'setup':<9}{'children':>9}{'msgs':>10}{'secs':>6}{'msgs/s':>9}{'copies/s win':>13}"
-          f"{'copies/s all':>13}{'catch-up s':>11}{'srv CPU':>8}{'srv µs/msg':>11}{'µs/copy':>8}{'x-node':>7}  check")
+          f"{'copies/s all':>13}{'catch-up s':>11}{'srv CPU':>8}{'oth CPU':>8}{'srv µs/msg':>11}{'µs/copy':>8}"
+          f"{'x-node':>7}  check")
 
 
 def fmt(r: Row, base_us: float | None) -> str:
@@ -221,7 +226,8 @@ def fmt(r: Row, base_us: float | None) -> str:
                if base_us is not None and r.copies else math.nan)
     cross = f"{r.cross:.0%}" if not math.isnan(r.cross) else "-"
     return (f"{r.setup:<9}{r.children:>9}{r.msgs:>10,}{r.wall:>6.1f}{rate:>9,.0f}{win:>13,.0f}{allr:>13,.0f}"
-            f"{r.catchup:>11.1f}{r.server_cpu / r.total_secs * 100:>7.0f}%{us_msg:>11.0f}{us_copy:>8.0f}"
+            f"{r.catchup:>11.1f}{r.server_cpu / r.total_secs * 100:>7.0f}%{r.other_cpu / r.total_secs * 100:>7.0f}%"
+            f"{us_msg:>11.0f}{us_copy:>8.0f}"
             f"{cross:>7}  {r.check}")
 
 
@@ -277,7 +283,8 @@ def main() -> None:
             shutil.rmtree(tmp, ignore_errors=True)
     print("copies/s win: copies made during the produce window; all: every copy / time from the start until "
           "the children caught up; µs/copy: server CPU beyond the 0-children run's per message, per copy; "
-          "x-node: share of child partitions owned by another node than the same-index parent partition")
+          "x-node: share of child partitions owned by another node than the same-index parent partition; oth CPU: the "
+          "rest of the machine besides the nodes and the clients (large: someone else's job, a noisy run)")
     if failed:
         sys.exit(1)
 

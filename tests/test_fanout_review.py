@@ -215,3 +215,49 @@ def test_a_file_past_the_log_end_is_caught_when_the_log_closed_meanwhile(world: 
             await b.close()
 
     asyncio.run(main())
+
+
+def test_a_slab_is_read_in_steps_that_yield_the_loop(world: _World, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A catching-up cursor reads its slab (up to 4,096 records / 4 MiB) in steps,
+    giving the event loop back between them; every record still arrives once."""
+    calls: list[int] = []
+    real = PL.PartitionLog.read_batch
+
+    def counting(self: PL.PartitionLog, offset: int, max_records: int, max_bytes: int,
+                 max_committed_ms: int | None = None) -> PL.BatchRead:
+        out = real(self, offset, max_records, max_bytes, max_committed_ms)
+        if self.dir.parent.name == f"{PAR}@{PAR_ID}":
+            calls.append(len(out.records))
+        return out
+
+    monkeypatch.setattr(PL.PartitionLog, "read_batch", counting)
+
+    async def main() -> None:
+        b = await world.broker(linger_ms=0)
+        try:
+            for _ in range(8):
+                await b.commit_local(PAR, PAR_ID, 0, [(None, 0, b"x" * 64) for _ in range(500)])
+            ticks = 0
+            stop = False
+
+            async def ticker() -> None:
+                nonlocal ticks
+                while not stop:
+                    ticks += 1
+                    await asyncio.sleep(0)
+
+            t = asyncio.ensure_future(ticker())
+            _attach(world, [0])
+            kid = world.topic(KID)
+            await _until(lambda: _cursor_file(world).read() == CF.CursorState(EPOCH, 4000), 20,
+                         "every record copied")
+            stop = True
+            await t
+            assert (await b.partition(kid, 0)).log.hwm == 4000
+            step = getattr(FO, "READ_STEP_RECORDS", 512)
+            assert max(calls) <= step, f"one read took {max(calls)} records off the loop at once"
+            assert ticks > len(calls), "the loop ran nothing else while the slabs were read"
+        finally:
+            await b.close()
+
+    asyncio.run(main())

@@ -22,7 +22,8 @@ Runs in every worker, for the parent partitions that worker owns
   A file of another epoch is never resumed; files are deleted only by the
   cursor of their own epoch.
 * **Slab**: committed records (below the high watermark) from the parent log,
-  up to ``max_batch_records`` / ``max_batch_bytes``, topped up for
+  up to ``max_batch_records`` / ``max_batch_bytes``, read in steps of at most
+  512 records / 512 KiB with the event loop served between them, topped up for
   ``linger_ms``; a caught-up cursor long-polls up to 1 s, woken at once by the
   owner's commit (``Broker._on_visible``) and touching nothing while it waits
   (an idle parent log may close; a commit reopens it and wakes the cursor).
@@ -105,6 +106,10 @@ COMMITS_IN_FLIGHT = 16
 DUE_WAKE_CAP = 30.0
 WARN_EVERY = 30.0
 STOP_WAIT = 5.0
+# A slab (up to max_batch_records / max_batch_bytes) is read in steps of at most
+# this much, the event loop served between them.
+READ_STEP_RECORDS = 512
+READ_STEP_BYTES = 512 << 10
 
 RecordTuple = tuple[bytes | None, int, bytes]  # key, flags, payload
 
@@ -611,7 +616,8 @@ class Cursor:
         if p.closed:
             return None  # closing: its log is closed on an I/O thread from now on (never read it)
         try:
-            batch = p.log.read_batch(self.next, self.max_records, self.max_bytes, self._bound())
+            batch = p.log.read_batch(self.next, min(self.max_records, READ_STEP_RECORDS),
+                                     min(self.max_bytes, READ_STEP_BYTES), self._bound())
         except OffsetGone as e:
             lost = e.oldest - self.next
             if lost > 0:
@@ -630,7 +636,7 @@ class Cursor:
         if batch.records:
             first = batch.records[0][1]
             self._set_due(max(0, self._now_ms() - first - self.spec.delay_ms) / 1000.0)
-        if not batch.records or batch.not_due_ms is not None or self.linger <= 0:
+        if not batch.records or batch.not_due_ms is not None:
             return batch
         loop = self.b.loop
         deadline = loop.time() + self.linger
@@ -644,15 +650,21 @@ class Cursor:
                 self._woken = False
                 await self._wait(left)
                 continue
+            # Committed records wait: the next step, once the loop served the others (a
+            # whole slab decoded in one go holds the worker's loop for tens of ms).
+            await asyncio.sleep(0)
+            if p.closed:
+                break
             try:
-                more = p.log.read_batch(batch.next_offset, self.max_records - len(batch.records),
-                                        self.max_bytes - batch.nbytes, self._bound())
+                more = p.log.read_batch(batch.next_offset,
+                                        min(READ_STEP_RECORDS, self.max_records - len(batch.records)),
+                                        min(READ_STEP_BYTES, self.max_bytes - batch.nbytes), self._bound())
             except (OffsetGone, LogClosed):
                 break
+            if more.records and batch.nbytes + more.nbytes > self.max_bytes:
+                break  # read again with the next slab (its unreadable records counted then, once)
             if more.corrupt:
                 self._dropped.inc(more.corrupt)
-            if more.records and batch.nbytes + more.nbytes > self.max_bytes:
-                break
             batch.records.extend(more.records)
             batch.nbytes += more.nbytes
             batch.next_offset = more.next_offset

@@ -17,6 +17,7 @@ opened.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 from collections.abc import Iterator
@@ -257,6 +258,26 @@ def test_a_slab_is_read_in_steps_that_yield_the_loop(world: _World, monkeypatch:
             step = getattr(FO, "READ_STEP_RECORDS", 512)
             assert max(calls) <= step, f"one read took {max(calls)} records off the loop at once"
             assert ticks > len(calls), "the loop ran nothing else while the slabs were read"
+        finally:
+            await b.close()
+
+    asyncio.run(main())
+
+
+def test_a_cursor_failing_at_every_start_does_not_log_each_start(world: _World,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    async def main() -> None:
+        b = await world.broker(linger_ms=0)
+        try:
+            b.broken_parent = True
+            caplog.set_level(logging.INFO, logger="narad.broker.fanout")
+            _attach(world, [0])
+            await _until(lambda: b.opens >= 12, 20, "a dozen restarts of the failing cursor")
+            starts = [r for r in caplog.records if r.getMessage() == "fan-out cursor started"
+                      and r.levelno >= logging.INFO]
+            fails = [r for r in caplog.records if r.levelno >= logging.ERROR]
+            assert len(starts) <= 2, f"{len(starts)} start lines for one failing cursor"
+            assert 1 <= len(fails) <= 2
         finally:
             await b.close()
 

@@ -284,8 +284,12 @@ class FanoutEngine:
         self.by_part.setdefault((spec.parent, spec.partition), {})[spec.child] = c
         c.task = self.b.loop.create_task(c.run())
         c.task.add_done_callback(lambda _t, key=key, c=c: self._exited(key, c))
-        log.info("fan-out cursor started", extra={"parent": spec.parent, "partition": spec.partition,
-                                                  "child": spec.child, "epoch": spec.epoch})
+        # A restart of a cursor that failed lately is not news (its failure is logged twice a
+        # minute): one line a second per failing cursor would bury the log.
+        failed = time.monotonic() - self._failed.get(key, float("-inf")) < WARN_EVERY
+        log.log(logging.DEBUG if failed else logging.INFO, "fan-out cursor started",
+                extra={"parent": spec.parent, "partition": spec.partition, "child": spec.child,
+                       "epoch": spec.epoch})
 
     def _forget(self, key: tuple[str, int, str], c: Cursor) -> None:
         if self.cursors.get(key) is c:

@@ -1,5 +1,108 @@
-"""Client helpers for narad's HTTP API (the seed of the Python SDK).
+"""narad.client: the Python SDK for Narad's HTTP API (nothing in the server imports it).
 
-``narad.client.h3.H3Client`` is an async HTTP/3 client (aioquic) used by the
-tests and the load tests. Nothing in the server imports this package.
+``AsyncClient`` (asyncio) and ``Client`` (blocking, a thin wrapper running the
+async client on a thread of its own): produce, batch produce, consume (single,
+batch, long poll), ack / extend / nack, batch ack, replay, topics and fan-out
+children, users; a connection pool over HTTP/1.1 (httpx) or HTTP/3
+(``http3=True``, narad.client.h3); typed errors (narad.client.errors); retries
+only where Narad says they are safe, over a list of nodes; the consumer loop
+``consume_forever`` (narad.client.consumer); the Go SDK's envelope, opt-in
+(narad.client.envelope). Guide: docs/sdk.md.
+
+``narad.client.h3.H3Client`` stays the raw HTTP/3 helper the tests and load tests use.
 """
+
+from narad.client.client import AckMode, AsyncClient, RetryPolicy
+from narad.client.consumer import Consumer, Outcome
+from narad.client.envelope import Envelope
+from narad.client.errors import (
+    ApiError,
+    BadGateway,
+    BadRequest,
+    ClientClosed,
+    Conflict,
+    ConnectError,
+    ConnectionLost,
+    DeadlineExceeded,
+    Forbidden,
+    GatewayTimeout,
+    Gone,
+    InternalServerError,
+    LeaseGone,
+    Misdirected,
+    NaradError,
+    NotFound,
+    OffsetGone,
+    PayloadTooLarge,
+    RequestTimeout,
+    ServerError,
+    TooManyRequests,
+    TopicChanged,
+    TransportError,
+    Unauthorized,
+    Unavailable,
+    UnsupportedMediaType,
+)
+from narad.client.models import (
+    AckResult,
+    BatchMessage,
+    Child,
+    ChildList,
+    Grant,
+    Message,
+    PartitionStats,
+    RawJSON,
+    Topic,
+    TopicDetails,
+    TopicPage,
+    User,
+)
+from narad.client.sync import Client
+
+__all__ = [
+    "AckMode",
+    "AckResult",
+    "ApiError",
+    "AsyncClient",
+    "BadGateway",
+    "BadRequest",
+    "BatchMessage",
+    "Child",
+    "ChildList",
+    "Client",
+    "ClientClosed",
+    "Conflict",
+    "ConnectError",
+    "ConnectionLost",
+    "Consumer",
+    "DeadlineExceeded",
+    "Envelope",
+    "Forbidden",
+    "GatewayTimeout",
+    "Gone",
+    "Grant",
+    "InternalServerError",
+    "LeaseGone",
+    "Message",
+    "Misdirected",
+    "NaradError",
+    "NotFound",
+    "OffsetGone",
+    "Outcome",
+    "PartitionStats",
+    "PayloadTooLarge",
+    "RawJSON",
+    "RequestTimeout",
+    "RetryPolicy",
+    "ServerError",
+    "TooManyRequests",
+    "Topic",
+    "TopicChanged",
+    "TopicDetails",
+    "TopicPage",
+    "TransportError",
+    "Unauthorized",
+    "Unavailable",
+    "UnsupportedMediaType",
+    "User",
+]

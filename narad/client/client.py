@@ -1,0 +1,642 @@
+"""``AsyncClient``: every Narad ``/v1`` call a service needs, over a pool of
+keep-alive connections to any node of a list, with Narad's retry rules.
+
+Retry rules (the only ones; everything else raises at once):
+
+=============  =====================================================================
+call kind      retried (on another node when there is one) when
+=============  =====================================================================
+produce        nothing was sent (connect failed), or 503 with ``Retry-After``
+               (Narad stored nothing). A timeout or any other 5xx is *uncertain*:
+               raised with ``uncertain=True``, never retried (a retry after a 202
+               stores the message twice).
+metadata write connect failed, or 503 with ``Retry-After`` unless the node says the
+               write may have landed (then raised, ``uncertain=True``: read back).
+ack / extend   connect failed, 502, 503, 421. Batch ack: only the handles whose
+/ nack         result is 502 or 503 are sent again.
+consume        connect failed, 421, 502, 503, 504, a timeout or a lost connection
+               (a lost consume only delays a message: its lease lapses).
+read           as consume (a read changes nothing).
+=============  =====================================================================
+
+Retries use full-jitter exponential backoff, honour ``Retry-After`` per node, stop
+at ``max_attempts`` or the call's deadline, and then raise the last error.
+A node that refused a connection is skipped for ``node_cooldown`` seconds.
+
+Imports narad.client.{consumer,errors,envelope,models,transport}, msgspec, stdlib.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import random
+import ssl
+import time
+from collections.abc import AsyncIterator, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+from urllib.parse import quote, quote_from_bytes
+
+import msgspec
+
+import narad.client.errors as E
+from narad.client.consumer import Consumer, Handler
+from narad.client.envelope import wrap
+from narad.client.models import (
+    AckResult,
+    BatchMessage,
+    ChildList,
+    Grant,
+    Message,
+    RawJSON,
+    Topic,
+    TopicDetails,
+    TopicPage,
+    User,
+)
+from narad.client.transport import H1Transport, H3Transport, NodeAddr, Transport, parse_node
+
+__all__ = ["AckMode", "AsyncClient", "RetryPolicy"]
+
+VERSION = "0.1.0"
+AckMode = Literal["ack", "extend", "nack"]
+Kind = Literal["produce", "write", "ack", "consume", "read"]
+_EXTEND = {"ack": None, "extend": "true", "nack": "0"}
+_enc = msgspec.json.Encoder()
+MAX_BATCH_ACK = 100
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    """``max_attempts`` per call (1 = never retry), backoff ``base`` doubling to
+    ``cap`` seconds with full jitter, ``deadline`` seconds for the whole call."""
+
+    max_attempts: int = 5
+    base: float = 0.05
+    cap: float = 2.0
+    deadline: float = 30.0
+    node_cooldown: float = 1.0
+
+
+def _q(value: str | bytes) -> str:
+    return quote_from_bytes(value, safe="") if isinstance(value, bytes) else quote(value, safe="")
+
+
+def _seg(name: str) -> str:
+    return quote(name, safe="")
+
+
+def encode_payload(payload: Any) -> tuple[bytes, str]:
+    """(body, content type): bytes as they are, str as UTF-8 text, RawJSON verbatim,
+    anything else encoded as JSON."""
+    if isinstance(payload, RawJSON):
+        return bytes(payload), "application/json"
+    if isinstance(payload, (bytes, bytearray, memoryview)):
+        return bytes(payload), "application/octet-stream"
+    if isinstance(payload, str):
+        return payload.encode(), "application/octet-stream"
+    return _enc.encode(payload), "application/json"
+
+
+def go_duration(seconds: float) -> str:
+    ms = max(0, round(seconds * 1000))
+    return f"{ms}ms"
+
+
+class AsyncClient:
+    """An asyncio client for one Narad cluster (any node answers any call).
+
+    ``nodes``: "host:port" strings (or one comma-separated string); calls go to the
+    first that works and move on when one fails. ``auth``: (user, password) for
+    HTTP Basic. ``http3=True`` sends over QUIC (``verify=False`` accepts the node's
+    self-signed certificate). ``envelope=True`` wraps every produce in the Go SDK's
+    envelope unless a call says otherwise.
+    """
+
+    def __init__(
+        self,
+        nodes: str | Sequence[str] = "127.0.0.1:7942",
+        *,
+        auth: tuple[str, str] | None = None,
+        timeout: float = 10.0,
+        connect_timeout: float = 3.0,
+        retry: RetryPolicy | None = None,
+        http3: bool = False,
+        verify: bool | str | ssl.SSLContext = True,
+        max_connections: int = 100,
+        envelope: bool = False,
+        client_name: str = "narad-python",
+        transport: Transport | None = None,
+    ) -> None:
+        items = nodes.split(",") if isinstance(nodes, str) else list(nodes)
+        self.nodes: list[NodeAddr] = [parse_node(n) for n in items if n.strip()]
+        if not self.nodes:
+            raise ValueError("no nodes given")
+        self.timeout = timeout
+        self.retry = retry or RetryPolicy()
+        self.envelope = envelope
+        self._headers = {"X-Narad-Client": f"{client_name}/{VERSION}", "User-Agent": f"narad-python/{VERSION}"}
+        if auth is not None:
+            user, pw = auth
+            self._headers["Authorization"] = "Basic " + base64.b64encode(f"{user}:{pw}".encode()).decode()
+        if transport is not None:
+            self._transport: Transport = transport
+        elif http3:
+            self._transport = H3Transport(verify=bool(verify), connect_timeout=connect_timeout)
+        else:
+            self._transport = H1Transport(max_connections=max_connections, max_keepalive=max_connections,
+                                          connect_timeout=connect_timeout, verify=verify)
+        self._preferred = 0
+        self._not_before = [0.0] * len(self.nodes)
+        self._closed = False
+        self._vt_cache: dict[str, float] = {}
+
+    # ---- lifecycle ---------------------------------------------------------------------
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            await self._transport.aclose()
+
+    @property
+    def current_node(self) -> str:
+        """The node calls go to first (the last one that answered)."""
+        return str(self.nodes[self._preferred])
+
+    # ---- the request loop ----------------------------------------------------------------
+    def _pick(self, now: float) -> tuple[int, float]:
+        """(node index, seconds to wait first): the preferred node if it may be asked
+        now, else the next one in order that may, else the one free soonest."""
+        n = len(self.nodes)
+        for k in range(n):
+            i = (self._preferred + k) % n
+            if self._not_before[i] <= now:
+                return i, 0.0
+        i = min(range(n), key=lambda j: self._not_before[j])
+        return i, self._not_before[i] - now
+
+    def _may_retry(self, kind: Kind, err: E.NaradError) -> bool:
+        if isinstance(err, E.ConnectError):
+            return True
+        if kind in ("produce", "write"):
+            return isinstance(err, E.Unavailable) and err.retryable
+        status = err.status if isinstance(err, E.ApiError) else None
+        if kind == "ack":
+            return status in (421, 502, 503)
+        # consume / read: nothing is changed by asking again
+        return isinstance(err, E.TransportError) or status in (421, 502, 503, 504)
+
+    async def _call(
+        self,
+        kind: Kind,
+        method: str,
+        path: str,
+        *,
+        query: Iterable[tuple[str, str | bytes]] = (),
+        body: bytes = b"",
+        content_type: str | None = None,
+        timeout: float | None = None,
+        deadline: float | None = None,
+        op: str = "",
+        extra_headers: dict[str, str] | None = None,
+    ) -> tuple[int, dict[str, str], bytes]:
+        """Send with retries; returns the first non-error answer (status < 400)."""
+        if self._closed:
+            raise E.ClientClosed("client closed")
+        qs = "&".join(f"{k}={_q(v)}" for k, v in query)
+        target = path + ("?" + qs if qs else "")
+        headers = dict(self._headers)
+        if content_type is not None:
+            headers["Content-Type"] = content_type
+        if extra_headers:
+            headers.update(extra_headers)
+        pol = self.retry
+        end = time.monotonic() + (deadline if deadline is not None else pol.deadline)
+        per = timeout if timeout is not None else self.timeout
+        last: E.NaradError | None = None
+        uncertain = False
+        loop_op = op or kind
+        for attempt in range(max(1, pol.max_attempts)):
+            now = time.monotonic()
+            i, wait = self._pick(now)
+            if attempt > 0:
+                # full jitter, never before the node said (Retry-After / cooldown)
+                wait = max(wait, random.uniform(0, min(pol.cap, pol.base * (2 ** (attempt - 1)))))
+            if now + wait >= end:
+                break
+            if wait > 0:
+                await asyncio.sleep(wait)
+            remaining = end - time.monotonic()
+            node = self.nodes[i]
+            try:
+                status, hdrs, data = await self._transport.request(node, method, target, headers, body,
+                                                                   max(0.05, min(per, remaining + 1.0)))
+            except E.TransportError as err:
+                if isinstance(err, E.ConnectError):
+                    self._not_before[i] = time.monotonic() + pol.node_cooldown
+                if kind in ("consume", "read"):
+                    err.uncertain = False  # asking again changed nothing
+                last = err
+            else:
+                if status < 400:
+                    self._preferred = i
+                    return status, hdrs, data
+                err2 = E.error_from_response(status, hdrs, data, node=str(node), op=loop_op)
+                if kind == "ack" and status in (502, 503):
+                    err2.retryable = True
+                if err2.retry_after is not None:
+                    self._not_before[i] = time.monotonic() + err2.retry_after
+                last = err2
+            uncertain = uncertain or last.uncertain
+            if not self._may_retry(kind, last):
+                break
+            if len(self.nodes) > 1:  # the next attempt goes to the next node
+                self._preferred = (i + 1) % len(self.nodes)
+        if last is None:
+            raise E.DeadlineExceeded("the call's deadline passed before any attempt", last=None, attempts=0,
+                                     uncertain=False)
+        last.uncertain = last.uncertain or uncertain
+        raise last
+
+    async def _json(self, kind: Kind, method: str, path: str, payload: Any = None, **kw: Any) -> Any:
+        body = b"" if payload is None else _enc.encode(payload)
+        ct = "application/json" if payload is not None else None
+        status, _h, data = await self._call(kind, method, path, body=body, content_type=ct, **kw)
+        if status == 204 or not data:
+            return None
+        return msgspec.json.decode(data)
+
+    # ---- health ------------------------------------------------------------------------
+    async def ready(self, node: str | None = None) -> bool:
+        """True when ``node`` (default: the current one) answers /readyz 200."""
+        addr = parse_node(node) if node else self.nodes[self._preferred]
+        try:
+            status, _h, _b = await self._transport.request(addr, "GET", "/readyz", dict(self._headers), b"",
+                                                           self.timeout)
+        except E.TransportError:
+            return False
+        return status == 200
+
+    # ---- produce ---------------------------------------------------------------------------
+    def _payload(self, payload: Any, envelope: bool | None, *, id: str | None, headers: dict[str, str] | None,
+                 attempts: int = 1, last_error: str = "") -> tuple[bytes, str]:
+        use = self.envelope if envelope is None else envelope
+        if id is not None or headers:
+            use = True
+        body, ct = encode_payload(payload)
+        if use:
+            if ct != "application/json":
+                raise ValueError("an envelope needs a JSON message (a dict, list, number, ... or RawJSON), "
+                                 "not bytes or str")
+            body, ct = wrap(body, id=id, headers=headers, attempts=attempts, last_error=last_error), ct
+        if not body:
+            raise ValueError("a message needs at least one byte")
+        return body, ct
+
+    async def produce(
+        self,
+        topic: str,
+        payload: Any,
+        *,
+        key: str | bytes | None = None,
+        partition: int | None = None,
+        envelope: bool | None = None,
+        id: str | None = None,
+        headers: dict[str, str] | None = None,
+        deadline: float | None = None,
+    ) -> None:
+        """Store one message (returns after the node's fsync: its 202).
+
+        ``payload``: bytes as they are, str as UTF-8, anything else as JSON.
+        ``key`` chooses the partition by hash; ``partition`` pins it (wins over key).
+        ``envelope``/``id``/``headers`` wrap it in the Go SDK envelope.
+        Raises ``ServerError``/``RequestTimeout`` with ``uncertain=True`` when it may
+        have been stored anyway (never retried then)."""
+        body, ct = self._payload(payload, envelope, id=id, headers=headers)
+        await self._produce_raw(topic, body, ct, key=key, partition=partition, deadline=deadline)
+
+    async def _produce_raw(self, topic: str, body: bytes, ct: str, *, key: str | bytes | None,
+                           partition: int | None, deadline: float | None = None) -> None:
+        query: list[tuple[str, str | bytes]] = []
+        if key:
+            query.append(("key", key))
+        if partition is not None:
+            query.append(("partition", str(partition)))
+        await self._call("produce", "POST", f"/v1/topics/{_seg(topic)}/produce", query=query, body=body,
+                         content_type=ct, deadline=deadline)
+
+    async def produce_batch(
+        self,
+        topic: str,
+        messages: Iterable[BatchMessage | Any],
+        *,
+        envelope: bool | None = None,
+        deadline: float | None = None,
+    ) -> int:
+        """Store up to 1000 messages all or nothing (one WAL commit); returns the count
+        accepted. Items are ``BatchMessage`` or bare payloads. A refused message
+        names its index (``message 3: ...``) and nothing is stored."""
+        out: list[dict[str, Any]] = []
+        for m in messages:
+            bm = m if isinstance(m, BatchMessage) else BatchMessage(m)
+            body, ct = self._payload(bm.payload, envelope, id=None, headers=None)
+            row: dict[str, Any]
+            if ct == "application/json":
+                row = {"payload": msgspec.Raw(body)}
+            else:
+                row = {"payload": base64.b64encode(body).decode(), "payload_encoding": "base64"}
+            if bm.key:
+                if isinstance(bm.key, bytes):
+                    row["key"] = base64.b64encode(bm.key).decode()
+                    row["key_encoding"] = "base64"
+                else:
+                    row["key"] = bm.key
+            if bm.partition is not None:
+                row["partition"] = bm.partition
+            out.append(row)
+        if not out:
+            raise ValueError("a batch needs at least one message")
+        ans = await self._json("produce", "POST", f"/v1/topics/{_seg(topic)}/produce/batch", {"messages": out},
+                               deadline=deadline)
+        return int((ans or {}).get("accepted", len(out)))
+
+    async def retry_later(self, msg: Message, error: BaseException | str | None, topic: str | None = None) -> None:
+        """The Go SDK's ``Retry``: publish a fresh copy of an enveloped message with
+        ``attempts`` raised and the error recorded (to ``topic``, e.g. the parent of a
+        delay child; default its own topic), then ack the original. Publish first:
+        a failure in between duplicates, it never loses the message."""
+        env = msg.envelope()
+        if env is None:
+            raise ValueError("retry_later needs an enveloped message (produce with envelope=True)")
+        reason = "" if error is None else str(error)
+        body = wrap(env.body, id=env.id, attempts=env.attempts + 1, last_error=reason, headers=env.headers)
+        await self._produce_raw(topic or msg.topic, body, "application/json", key=msg.key, partition=None)
+        if msg.receipt_handle:
+            await self.ack(msg.topic, msg.receipt_handle)
+
+    # ---- consume -------------------------------------------------------------------------
+    async def consume(self, topic: str, *, wait: float = 0.0, partition: int | None = None,
+                      deadline: float | None = None) -> Message | None:
+        """Lease the next message (None when nothing came within ``wait`` seconds, at
+        most 10). Ack, extend or nack it with its ``receipt_handle``."""
+        query: list[tuple[str, str | bytes]] = []
+        if wait > 0:
+            query.append(("wait", go_duration(wait)))
+        if partition is not None:
+            query.append(("partition", str(partition)))
+        status, _h, data = await self._call("consume", "GET", f"/v1/topics/{_seg(topic)}/consume", query=query,
+                                            timeout=self.timeout + wait, deadline=_dl(deadline, wait, self))
+        if status == 204 or not data:
+            return None
+        return Message.parse_one(data)
+
+    async def consume_batch(self, topic: str, max: int, *, wait: float = 0.0, partition: int | None = None,
+                            deadline: float | None = None) -> list[Message]:
+        """Lease up to ``max`` (1-100) messages: whatever is ready; it waits (``wait``)
+        only while nothing at all is."""
+        query: list[tuple[str, str | bytes]] = [("max", str(max))]
+        if wait > 0:
+            query.append(("wait", go_duration(wait)))
+        if partition is not None:
+            query.append(("partition", str(partition)))
+        status, _h, data = await self._call("consume", "GET", f"/v1/topics/{_seg(topic)}/consume", query=query,
+                                            timeout=self.timeout + wait, deadline=_dl(deadline, wait, self))
+        if status == 204 or not data:
+            return []
+        return Message.parse_batch(data)
+
+    async def replay(self, topic: str, partition: int, offset: int, *, deadline: float | None = None) -> Message | None:
+        """Read one stored record, no lease (None past the end; OffsetGone once aged out)."""
+        query: list[tuple[str, str | bytes]] = [("partition", str(partition)), ("offset", str(offset))]
+        status, _h, data = await self._call("read", "GET", f"/v1/topics/{_seg(topic)}/consume", query=query,
+                                            op="replay", deadline=deadline)
+        if status == 204 or not data:
+            return None
+        return Message.parse_one(data)
+
+    # ---- ack / extend / nack ---------------------------------------------------------------
+    async def _settle(self, topic: str, handle: str | Message, mode: AckMode) -> None:
+        h = handle.receipt_handle if isinstance(handle, Message) else handle
+        if not h:
+            raise ValueError("no receipt handle (a replayed message has none)")
+        query: list[tuple[str, str | bytes]] = [("receipt_handle", h)]
+        ext = _EXTEND[mode]
+        if ext is not None:
+            query.append(("extend", ext))
+        await self._call("ack", "POST", f"/v1/topics/{_seg(topic)}/ack", query=query, op="ack")
+
+    async def ack(self, topic: str, handle: str | Message) -> None:
+        """Settle: the message is never delivered again. LeaseGone (410) if the lease
+        had already run out (it will be, or was, delivered again)."""
+        await self._settle(topic, handle, "ack")
+
+    async def extend(self, topic: str, handle: str | Message) -> None:
+        """Restart the lease for a full visibility timeout from now."""
+        await self._settle(topic, handle, "extend")
+
+    async def nack(self, topic: str, handle: str | Message) -> None:
+        """End the lease now: the message may be delivered again at once."""
+        await self._settle(topic, handle, "nack")
+
+    async def ack_batch(self, topic: str, handles: Sequence[str | Message], *, mode: AckMode = "ack",
+                        deadline: float | None = None) -> list[AckResult]:
+        """Ack (extend, nack) many handles, 100 per request; one result per handle in
+        order. Handles answered 502/503 are sent again (with backoff, within the
+        deadline); what is still 502/503 at the end is returned as such."""
+        hs = [h.receipt_handle if isinstance(h, Message) else h for h in handles]
+        if any(not h for h in hs):
+            raise ValueError("no receipt handle (a replayed message has none)")
+        results: dict[int, AckResult] = {}
+        pol = self.retry
+        end = time.monotonic() + (deadline if deadline is not None else pol.deadline)
+        pending = list(range(len(hs)))
+        attempt = 0
+        while pending:
+            for start in range(0, len(pending), MAX_BATCH_ACK):
+                chunk = pending[start:start + MAX_BATCH_ACK]
+                query: list[tuple[str, str | bytes]] = []
+                ext = _EXTEND[mode]
+                if ext is not None:
+                    query.append(("extend", ext))
+                ans = await self._json("ack", "POST", f"/v1/topics/{_seg(topic)}/ack",
+                                       {"receipt_handles": [hs[i] for i in chunk]}, query=query, op="ack",
+                                       deadline=max(0.1, end - time.monotonic()))
+                rows = (ans or {}).get("results", [])
+                for i, row in zip(chunk, rows, strict=False):
+                    results[i] = AckResult(hs[i], int(row.get("status", 0)), row.get("error"))
+            pending = [i for i in pending if results[i].status in (502, 503)]
+            attempt += 1
+            if not pending or attempt >= pol.max_attempts:
+                break
+            pause = random.uniform(0, min(pol.cap, pol.base * (2 ** (attempt - 1))))
+            if time.monotonic() + pause >= end:
+                break
+            await asyncio.sleep(pause)
+        return [results[i] for i in range(len(hs))]
+
+    # ---- topics ----------------------------------------------------------------------------
+    async def create_topic(
+        self,
+        name: str,
+        *,
+        partitions: int | None = None,
+        retention_ms: int | None = None,
+        visibility_timeout_ms: int | None = None,
+        max_in_flight_per_partition: int | None = None,
+        max_acked_ahead_per_partition: int | None = None,
+        schema: Any = None,
+        parent: str | None = None,
+        fanout_delay_ms: int | None = None,
+    ) -> Topic:
+        """Create a topic; with ``parent`` it is created and attached as a child in one
+        step (``fanout_delay_ms`` makes it a delay child). ``retention_ms=0`` keeps
+        forever; leave it out for the server's default."""
+        body: dict[str, Any] = {"name": name}
+        for k, v in (("partitions", partitions), ("retention_ms", retention_ms),
+                     ("visibility_timeout_ms", visibility_timeout_ms),
+                     ("max_in_flight_per_partition", max_in_flight_per_partition),
+                     ("max_acked_ahead_per_partition", max_acked_ahead_per_partition), ("schema", schema),
+                     ("parent", parent), ("fanout_delay_ms", fanout_delay_ms)):
+            if v is not None:
+                body[k] = v
+        return Topic.from_json(await self._json("write", "POST", "/v1/topics", body))
+
+    async def describe_topic(self, name: str, *, partition: int | None = None) -> TopicDetails:
+        query: list[tuple[str, str | bytes]] = [] if partition is None else [("partition", str(partition))]
+        d = await self._json("read", "GET", f"/v1/topics/{_seg(name)}", query=query)
+        return TopicDetails.from_json(d)
+
+    async def list_topics(self, *, limit: int | None = None, page_token: str | None = None) -> TopicPage:
+        """One page (name order). Pages may be short while ``next_page_token`` is set."""
+        query: list[tuple[str, str | bytes]] = []
+        if limit is not None:
+            query.append(("limit", str(limit)))
+        if page_token:
+            query.append(("page_token", page_token))
+        d = await self._json("read", "GET", "/v1/topics", query=query)
+        return TopicPage([Topic.from_json(t) for t in d.get("topics") or []], str(d.get("next_page_token") or ""))
+
+    async def iter_topics(self, *, page_size: int = 1000) -> AsyncIterator[Topic]:
+        """Every topic the caller may see, page after page."""
+        token: str | None = None
+        while True:
+            page = await self.list_topics(limit=page_size, page_token=token)
+            for t in page.topics:
+                yield t
+            if not page.next_page_token:
+                return
+            token = page.next_page_token
+
+    async def alter_topic(
+        self,
+        name: str,
+        *,
+        retention_ms: int | None = None,
+        max_in_flight_per_partition: int | None = None,
+        max_acked_ahead_per_partition: int | None = None,
+        partitions: int | None = None,
+        schema: Any = None,
+        schema_base_version: int | None = None,
+    ) -> Topic:
+        """Change the named fields (applied in the order retention, caps, partitions,
+        schema; not atomically). The visibility timeout is fixed at creation."""
+        body: dict[str, Any] = {}
+        for k, v in (("retention_ms", retention_ms), ("max_in_flight_per_partition", max_in_flight_per_partition),
+                     ("max_acked_ahead_per_partition", max_acked_ahead_per_partition),
+                     ("partitions", partitions), ("schema", schema), ("schema_base_version", schema_base_version)):
+            if v is not None:
+                body[k] = v
+        if not body:
+            raise ValueError("alter_topic needs at least one field")
+        self._vt_cache.pop(name, None)
+        return Topic.from_json(await self._json("write", "PATCH", f"/v1/topics/{_seg(name)}", body))
+
+    async def delete_topic(self, name: str) -> None:
+        self._vt_cache.pop(name, None)
+        await self._call("write", "DELETE", f"/v1/topics/{_seg(name)}")
+
+    async def topic_schema(self, name: str) -> dict[str, Any]:
+        """``{topic, version, versions: [{version, schema}]}``, oldest first."""
+        return await self._json("read", "GET", f"/v1/topics/{_seg(name)}/schema")  # type: ignore[no-any-return]
+
+    async def attach_child(self, parent: str, child: str, *, delay_ms: int | None = None) -> Topic:
+        """Copy every message ``parent`` commits from now on into ``child`` (after
+        ``delay_ms`` for a delay child). Returns the parent."""
+        body: dict[str, Any] = {"child": child}
+        if delay_ms is not None:
+            body["delay_ms"] = delay_ms
+        return Topic.from_json(await self._json("write", "POST", f"/v1/topics/{_seg(parent)}/children", body))
+
+    async def list_children(self, parent: str) -> ChildList:
+        return ChildList.from_json(await self._json("read", "GET", f"/v1/topics/{_seg(parent)}/children"))
+
+    async def detach_child(self, parent: str, child: str) -> None:
+        """The child becomes a standalone topic and keeps its messages."""
+        await self._call("write", "DELETE", f"/v1/topics/{_seg(parent)}/children/{_seg(child)}")
+
+    async def visibility_timeout(self, topic: str) -> float:
+        """The topic's lease length in seconds (read once, then cached: it never changes)."""
+        vt = self._vt_cache.get(topic)
+        if vt is None:
+            vt = (await self.describe_topic(topic, partition=0)).visibility_timeout_ms / 1000.0
+            self._vt_cache[topic] = vt
+        return vt
+
+    # ---- users (admin) ---------------------------------------------------------------------
+    async def create_user(self, username: str, password: str, grants: Sequence[Grant] = ()) -> User:
+        body: dict[str, Any] = {"username": username, "password": password}
+        if grants:
+            body["grants"] = [g.to_json() for g in grants]
+        return User.from_json(await self._json("write", "POST", "/v1/users", body))
+
+    async def list_users(self) -> list[User]:
+        return [User.from_json(u) for u in await self._json("read", "GET", "/v1/users") or []]
+
+    async def get_user(self, username: str) -> User:
+        return User.from_json(await self._json("read", "GET", f"/v1/users/{_seg(username)}"))
+
+    async def delete_user(self, username: str) -> None:
+        await self._call("write", "DELETE", f"/v1/users/{_seg(username)}")
+
+    async def set_grants(self, username: str, grants: Sequence[Grant]) -> User:
+        """Replace the user's grants (``[]`` removes all)."""
+        body = {"grants": [g.to_json() for g in grants]}
+        return User.from_json(await self._json("write", "PUT", f"/v1/users/{_seg(username)}/grants", body))
+
+    async def set_password(self, username: str, new_password: str, *, current_password: str | None = None) -> None:
+        """An admin sets anyone's; a user sets their own with ``current_password``."""
+        body: dict[str, Any] = {"new_password": new_password}
+        if current_password is not None:
+            body["current_password"] = current_password
+        await self._json("write", "PUT", f"/v1/users/{_seg(username)}/password", body)
+
+    # ---- consumer loop ---------------------------------------------------------------------
+    def consume_forever(
+        self,
+        topic: str,
+        handler: Handler,
+        *,
+        concurrency: int = 1,
+        batch: int = 1,
+        wait: float = 10.0,
+        on_failure: Literal["nack", "lapse"] = "nack",
+        renew_fraction: float = 0.5,
+        visibility_timeout: float | None = None,
+        drain_timeout: float = 30.0,
+    ) -> Consumer:
+        """A worker pool: ``await`` it to run until ``stop()``, or ``async for`` it to
+        see each message's outcome. See narad.client.consumer.Consumer."""
+        return Consumer(self, topic, handler, concurrency=concurrency, batch=batch, wait=wait,
+                        on_failure=on_failure, renew_fraction=renew_fraction,
+                        visibility_timeout=visibility_timeout, drain_timeout=drain_timeout)
+
+
+def _dl(deadline: float | None, wait: float, c: AsyncClient) -> float:
+    return deadline if deadline is not None else c.retry.deadline + wait
+

@@ -48,14 +48,35 @@ def _bindable(port: int) -> bool:
     return True
 
 
+def _port_range() -> tuple[int, int]:
+    """10000-32000, or this pytest-xdist worker's share of it (gw0, gw1, ...): parallel
+    test processes never pick the same port for nodes that have not bound it yet."""
+    lo, hi = 10000, 32000
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or "1")
+    if worker.startswith("gw") and worker[2:].isdigit() and count > 1:
+        share = (hi - lo) // count
+        lo += int(worker[2:]) % count * share
+        hi = lo + share - 1
+    return lo, hi
+
+
+_GIVEN: set[int] = set()  # ports handed out by this process: never handed out twice
+
+
 def free_ports(n: int) -> list[int]:
     """n ports free for both TCP and UDP on 127.0.0.1 (chosen at run time), below the
     kernel's ephemeral range: a port in it can be taken by any outgoing connection
-    while a node is down between a stop and its restart."""
+    while a node is down between a stop and its restart. A port is handed out once per
+    process (the nodes of a cluster, or a stopped node and a newcomer, never share one)."""
+    lo, hi = _port_range()
+    if len(_GIVEN) > (hi - lo) // 2:
+        _GIVEN.clear()
     out: list[int] = []
     while len(out) < n:
-        p = random.randint(10000, 32000)
-        if p not in out and _bindable(p):
+        p = random.randint(lo, hi)
+        if p not in _GIVEN and _bindable(p):
+            _GIVEN.add(p)
             out.append(p)
     return out
 
@@ -293,7 +314,27 @@ class Node:
         return json.loads(p.stdout) if p.returncode == 0 else p
 
     def status(self) -> dict[str, Any]:
-        return self.ctl("status")  # type: ignore[no-any-return]
+        """``naradctl --json status``: the same request on the same control socket, sent from
+        this process (a naradctl subprocess costs ~0.3 s of interpreter start per poll)."""
+        import asyncio
+
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            pass
+        else:  # called from a coroutine: asyncio.run would fail here
+            return self.ctl("status")  # type: ignore[no-any-return]
+        from narad.ipc import rpc
+        from narad.ipc.control import CtlReply, CtlRequest
+
+        async def call() -> Any:
+            conn = await rpc.connect_unix(str(self.runtime_dir / "narad.sock"))
+            try:
+                return (await conn.call(CtlRequest("status", {}), CtlReply, timeout=15.0)).data
+            finally:
+                conn.close()
+
+        return asyncio.run(call())  # type: ignore[no-any-return]
 
     def worker_connection(self, index: int, timeout: float = 10.0) -> http.client.HTTPConnection:
         """A keep-alive connection the kernel routed to worker `index`."""
@@ -364,6 +405,11 @@ class Cluster:
         return wait_for(find, 30, 0.05, "a raft leader")  # type: ignore[no-any-return]
 
     def close(self) -> None:
+        # SIGTERM to every node at once (they stop side by side), then wait for each.
+        for n in self.nodes.values():
+            if n.proc is not None and n.proc.poll() is None:
+                with contextlib.suppress(OSError):
+                    n.proc.send_signal(signal.SIGTERM)
         for n in self.nodes.values():
             try:
                 n.close()

@@ -790,15 +790,20 @@ class Supervisor:
             t.cancel()
         for s in self._servers:
             s.close()
-        # Raft last: a graceful stop hands leadership over when there are peers.
-        if not self.meta.stopped and self.raft.is_leader() and self.raft.status().peers:
+        # Raft last: a graceful stop hands leadership over when a peer is connected
+        # (with none there is nobody to hand it to: no 2 s wait for a transfer that cannot happen).
+        if not self.meta.stopped and self.raft.is_leader() and any(self.raft.status().peers.values()):
             t_transfer = time.monotonic()
             self.raft.transfer_leadership()
             end = time.monotonic() + 2.0
-            while self.raft.is_leader() and time.monotonic() < end:
+            connected = True
+            while self.raft.is_leader() and time.monotonic() < end and connected:
                 await asyncio.sleep(0.005)
-            log.info("leadership handed over" if not self.raft.is_leader() else "leadership transfer timed out",
-                     extra={"seconds": round(time.monotonic() - t_transfer, 3)})
+                connected = any(self.raft.status().peers.values())  # the peers may be stopping too
+            outcome = ("leadership handed over" if not self.raft.is_leader() else
+                       "leadership transfer timed out" if connected else
+                       "leadership not handed over: every peer disconnected")
+            log.info(outcome, extra={"seconds": round(time.monotonic() - t_transfer, 3)})
         await self.rpc_client.close()
         await asyncio.to_thread(self.raft.close)
         self._hb_task.cancel()

@@ -460,13 +460,14 @@ def test_failover_to_another_node_of_the_cluster(tmp_path: Path) -> None:
                 cl["n1"].stop()
                 d2 = await c.describe_topic("sdk-fo")  # read: n1 refuses, n2 answers
                 assert d2.id == d.id and c.current_node == nodes[1]
-                c._preferred = 0  # the next call tries n1 first again
-                await c.produce("sdk-fo", "after", partition=live[0])
-                assert c.current_node != nodes[0]
-                m = await c.consume("sdk-fo", wait=8, partition=live[0])
+                assert "sdk-fo" in {t.name async for t in c.iter_topics()}
+            # a fresh client, n1 first: its first call is the produce
+            async with AsyncClient(nodes, auth=ADMIN, retry=RetryPolicy(deadline=20)) as c2:
+                await c2.produce("sdk-fo", "after", partition=live[0])
+                assert c2.current_node == nodes[1]
+                m = await c2.consume("sdk-fo", wait=8, partition=live[0])
                 assert m is not None and m.payload == b"after"
-                await c.ack("sdk-fo", m)
-                assert c.current_node != nodes[0]
+                await c2.ack("sdk-fo", m)
 
         run(go())
     finally:

@@ -595,3 +595,30 @@ def test_reads_and_batch_acks_retry_what_is_safe() -> None:
                 await c.consume("t")
 
     run(go())
+
+
+def test_retry_tier_through_a_delay_child_with_the_sync_loop(node: Node) -> None:
+    """docs/sdk.md's retry tier: a failure is republished (attempts + 1) to the tier's
+    input, its delay child hands it back after the delay; the blocking Client runs
+    the loop with a plain-function handler and is stopped from the handler's thread."""
+    with Client(f"127.0.0.1:{node.port}", auth=ADMIN) as sc:
+        sc.create_topic("sdk-tier-main")
+        sc.create_topic("sdk-tier-in", retention_ms=2 * 3_600_000)
+        sc.create_topic("sdk-tier", parent="sdk-tier-in", fanout_delay_ms=300)
+        sc.produce("sdk-tier-main", {"job": 1}, envelope=True)
+        m = sc.consume("sdk-tier-main", wait=5)
+        assert m is not None
+        t0 = time.monotonic()
+        sc.retry_later(m, ValueError("flaky"), "sdk-tier-in")
+        seen: list[Any] = []
+
+        def handler(msg: Any) -> None:  # a plain function: runs on a thread
+            seen.append((msg.envelope(), msg.body(), time.monotonic() - t0))
+            sc.stop_consumers()
+
+        sc.consume_forever("sdk-tier", handler, concurrency=2, batch=2, wait=1)
+        ((env, body, after),) = seen
+        assert env.attempts == 2 and env.last_error == "flaky" and body == {"job": 1} and after >= 0.3
+        assert sc.consume("sdk-tier", wait=0.5) is None  # the loop acked it before it returned
+        for t in ("sdk-tier", "sdk-tier-in", "sdk-tier-main"):
+            sc.delete_topic(t)

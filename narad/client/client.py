@@ -623,15 +623,17 @@ class AsyncClient:
         handler: Handler,
         *,
         concurrency: int = 1,
-        batch: int = 1,
+        batch: int | None = None,
         wait: float = 10.0,
         on_failure: Literal["nack", "lapse"] = "nack",
         renew_fraction: float = 0.5,
         visibility_timeout: float | None = None,
         drain_timeout: float = 30.0,
     ) -> Consumer:
-        """A worker pool: ``await`` it to run until ``stop()``, or ``async for`` it to
-        see each message's outcome. See narad.client.consumer.Consumer."""
+        """A worker pool of ``concurrency`` handlers: ``await`` it to run until ``stop()``,
+        or ``async for`` it to see each message's outcome. ``batch`` (default: the
+        concurrency, at most 100) caps the messages leased per request. See
+        narad.client.consumer.Consumer."""
         return Consumer(self, topic, handler, concurrency=concurrency, batch=batch, wait=wait,
                         on_failure=on_failure, renew_fraction=renew_fraction,
                         visibility_timeout=visibility_timeout, drain_timeout=drain_timeout)

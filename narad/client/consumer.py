@@ -101,11 +101,13 @@ class _Lease:
 
 class Consumer:
     def __init__(self, client: ClientLike, topic: str, handler: Handler, *, concurrency: int = 1,
-                 batch: int = 1, wait: float = 10.0, on_failure: Literal["nack", "lapse"] = "nack",
+                 batch: int | None = None, wait: float = 10.0, on_failure: Literal["nack", "lapse"] = "nack",
                  renew_fraction: float = 0.5, visibility_timeout: float | None = None,
                  drain_timeout: float = 30.0) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
+        if batch is None:
+            batch = min(concurrency, 100)
         if not 1 <= batch <= 100:
             raise ValueError("batch must be from 1 to 100")
         if not 0 < renew_fraction < 1:
@@ -211,7 +213,12 @@ class Consumer:
             else:
                 fetch = asyncio.ensure_future(self.client.consume_batch(self.topic, k, wait=self.wait))
             stopper = asyncio.ensure_future(self._stop.wait())
-            await asyncio.wait([fetch, stopper], return_when=asyncio.FIRST_COMPLETED)
+            try:
+                await asyncio.wait([fetch, stopper], return_when=asyncio.FIRST_COMPLETED)
+            except asyncio.CancelledError:  # the loop's own task was cancelled: give the poll up too
+                fetch.cancel()
+                stopper.cancel()
+                raise
             stopper.cancel()
             if not fetch.done():
                 fetch.cancel()  # the node gives back what the cancelled poll reserved

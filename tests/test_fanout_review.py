@@ -310,3 +310,31 @@ def test_an_idle_delay_cursor_with_a_large_backlog_costs_no_cpu(world: _World) -
             await b.close()
 
     asyncio.run(main())
+
+
+def test_a_corrupt_cursor_file_that_cannot_be_replaced_is_logged_twice_a_minute(
+        world: _World, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A corrupt file whose re-anchor fails (a full disk) fails the cursor at every
+    start: the error naming the corrupt file came once a second, per cursor."""
+    anchors = 0
+
+    def full(self: CF.CursorFile, epoch: str, next_offset: int) -> None:
+        nonlocal anchors
+        anchors += 1
+        raise OSError(28, "injected: no space left on device")
+
+    async def main() -> None:
+        b = await world.broker(linger_ms=0)
+        try:
+            p = await b.partition(world.topic(PAR), 0)  # its directory exists from the open on
+            (p.log.dir / CF.file_name(KID)).write_bytes(b"x" * CF.SIZE)  # fails its checks
+            monkeypatch.setattr(CF.CursorFile, "anchor", full)
+            caplog.set_level(logging.INFO, logger="narad.broker.fanout")
+            _attach(world, [0])
+            await _until(lambda: anchors >= 10, 20, "ten failed re-anchors")
+            corrupt = [r for r in caplog.records if "cursor file is corrupt" in r.getMessage()]
+            assert len(corrupt) <= 2, f"{len(corrupt)} lines for one corrupt file"
+        finally:
+            await b.close()
+
+    asyncio.run(main())

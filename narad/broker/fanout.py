@@ -167,6 +167,7 @@ class FanoutEngine:
         # leader's in-memory commit index may still trail what it had committed before.
         self._ready_seen = False
         self._failed: dict[tuple[str, int, str], float] = {}  # when each key's cursor last failed (logged)
+        self._noted: dict[tuple[tuple[str, int, str], str], float] = {}  # (key, what) -> last logged
         self.rr = RoundRobin()
         self.m = metrics.get()
 
@@ -207,6 +208,18 @@ class FanoutEngine:
             except Exception:
                 self._force = True
                 log.exception("fan-out reconcile pass failed; next pass in a second")
+
+    def worth_logging(self, key: tuple[str, int, str], what: str) -> bool:
+        """Whether a cursor of `key` should log `what` now: twice a minute at most per
+        key, across restarts (a cursor failing at every start meets the same thing each
+        second)."""
+        now = time.monotonic()
+        if now - self._noted.get((key, what), float("-inf")) < WARN_EVERY:
+            return False
+        if len(self._noted) > 10_000:
+            self._noted.clear()
+        self._noted[(key, what)] = now
+        return True
 
     # ---- the leader and the replica -----------------------------------------------------
     async def caught_up(self) -> bool:
@@ -418,6 +431,7 @@ class Cursor:
         self.max_bytes = s.max_batch_bytes
         self.linger = s.linger_ms / 1000.0
         self._labels = (spec.parent, spec.child, str(spec.partition))
+        self.key = (spec.parent, spec.partition, spec.child)
         self._io_fut: asyncio.Future[Any] | None = None  # the file operation in flight (one at a time)
         self._committed = engine.m.fanout_committed.labels(spec.parent, spec.child)
         self._dropped = engine.m.fanout_dropped.labels(spec.parent, spec.child)
@@ -515,10 +529,11 @@ class Cursor:
         try:
             st = await self._io(self.file.read)
         except CF.CursorCorrupt as e:
-            log.error("fan-out cursor file is corrupt; re-anchoring at the attach point once the leader "
-                      "confirms the epoch (duplicates, never a gap)",
-                      extra={"parent": spec.parent, "partition": spec.partition, "child": spec.child,
-                             "err": str(e)})
+            if self.e.worth_logging(self.key, "corrupt"):
+                log.error("fan-out cursor file is corrupt; re-anchoring at the attach point once the leader "
+                          "confirms the epoch (duplicates, never a gap)",
+                          extra={"parent": spec.parent, "partition": spec.partition, "child": spec.child,
+                                 "err": str(e)})
             st = None
         if st is not None and st.epoch == spec.epoch:
             self.next = self.durable = st.next_offset
@@ -531,9 +546,10 @@ class Cursor:
             if self.next > end:
                 # Past anything the log holds (damage): re-copy from its end rather than skip
                 # whatever is committed at those offsets later (duplicates, never a gap).
-                log.error("fan-out cursor file is past the end of the parent log; resuming at its end",
-                          extra={"parent": spec.parent, "partition": spec.partition, "child": spec.child,
-                                 "file": self.next, "log_end": end})
+                if self.e.worth_logging(self.key, "past-end"):
+                    log.error("fan-out cursor file is past the end of the parent log; resuming at its end",
+                              extra={"parent": spec.parent, "partition": spec.partition, "child": spec.child,
+                                     "file": self.next, "log_end": end})
                 self.next = end
             return
         # Anchoring: the only destructive step (it overwrites whatever file is there).

@@ -173,6 +173,15 @@ def test_a_log_closed_under_a_read_is_an_error_not_a_record_lost(world: _World, 
             with pytest.raises(PL.LogClosed):
                 p.log.read_batch(9, 100, 1 << 20)
             monkeypatch.undo()
+            await b._close_partition((PAR, 0), p, clean=True)
+            # The same for a consumer's read (a CorruptRecord there settles the message as unreadable).
+            p = await b.partition(world.topic(PAR), 0)
+            p.log._cache.clear()
+            p.log._last_frame = None
+            monkeypatch.setattr(PL.PartitionLog, "_read_frame", raced)
+            with pytest.raises(PL.LogClosed):
+                p.log.read(3)
+            monkeypatch.undo()
             monkeypatch.setattr(FO, "RECONCILE_EVERY", 0.05)
             await b._close_partition((PAR, 0), p, clean=True)
 

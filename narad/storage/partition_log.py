@@ -433,7 +433,8 @@ class PartitionLog:
 
     def read(self, offset: int) -> Record:
         """The record at `offset` (< hwm). Raises OffsetGone, CorruptRecord or NotVisible
-        (and LogClosed once closed: a retired log never looks like a gap)."""
+        (and LogClosed once closed, also when the close ran under this read: a retired
+        log never looks like a gap or a damaged record)."""
         if self.closed:
             raise LogClosed(offset)
         if offset >= self.hwm:
@@ -451,7 +452,14 @@ class PartitionLog:
         key = (seg.base, seg.frame_pos[i])
         recs = self._cache.get(key)
         if recs is None:
-            recs = self._read_frame(seg, seg.frame_pos[i], seg.frame_bases[i])
+            try:
+                recs = self._read_frame(seg, seg.frame_pos[i], seg.frame_bases[i])
+            except (CorruptRecord, OSError):
+                if self.closed:
+                    # A close on an I/O thread took the descriptor under this read (a reused
+                    # number reads another file's bytes): the record is intact, not damage.
+                    raise LogClosed(offset) from None
+                raise
         fbase = seg.frame_bases[i]
         idx = offset - fbase
         if idx >= len(recs):
@@ -483,13 +491,9 @@ class PartitionLog:
         while off < hwm and len(out.records) < max_records:
             try:
                 rec = self.read(off)
-            except (CorruptRecord, OSError) as e:
-                if self.closed:
-                    # A close on an I/O thread took the descriptor under this read (a reused
-                    # number reads another file's bytes): the record is intact, not damage.
+            except CorruptRecord:
+                if self.closed:  # closed under the read (see read): an error, never a record lost
                     raise LogClosed(off) from None
-                if not isinstance(e, CorruptRecord):
-                    raise
                 out.corrupt += 1
                 off += 1
                 continue

@@ -349,3 +349,51 @@ def test_a_corrupt_cursor_file_that_cannot_be_replaced_is_logged_twice_a_minute(
             await b.close()
 
     asyncio.run(main())
+
+
+def test_a_run_of_unreadable_records_is_skipped_without_waiting_for_a_commit(
+        world: _World, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A damaged frame is skipped whole (counted lost), read from disk once: each of its
+    offsets re-read and re-checked the whole frame, on the event loop, and a whole
+    damaged run went in one call. A step that met only unreadable records reads on
+    at once while committed records follow (it waited for a commit or the 1 s long poll)."""
+    monkeypatch.setattr(FO, "LONG_POLL", 120.0)  # no commit comes: only the long poll would end a wait
+    frame_reads = 0
+    real = PL.PartitionLog._read_frame
+
+    def counting(self: PL.PartitionLog, seg: Any, pos: int, base: int) -> Any:
+        nonlocal frame_reads
+        if self.dir.parent.name == f"{PAR}@{PAR_ID}":
+            frame_reads += 1
+        return real(self, seg, pos, base)
+
+    monkeypatch.setattr(PL.PartitionLog, "_read_frame", counting)
+
+    async def main() -> None:
+        nonlocal frame_reads
+        b = await world.broker(linger_ms=0)
+        try:
+            await b.commit_local(PAR, PAR_ID, 0, [(None, 0, b"d" * 32) for _ in range(600)])
+            await b.commit_local(PAR, PAR_ID, 0, [(None, 0, f"ok{i}".encode()) for i in range(5)])
+            p = await b.partition(world.topic(PAR), 0)
+            # Sealed (as retention's roll does): its frames are indexed from their headers at
+            # the first read, the damaged one included; its records fail the frame's CRC.
+            assert p.log.roll_idle_active(1, int(time.time() * 1000) + 10**9)
+            seg = p.log.segments[0].path
+            await b._close_partition((PAR, 0), p, clean=True)
+            data = bytearray(seg.read_bytes())
+            data[100] ^= 0xFF  # inside the first frame's records: its CRC fails
+            seg.write_bytes(bytes(data))
+            before = _dropped()
+            frame_reads = 0
+            _attach(world, [0])
+            await _until(lambda: (_cursor_file(world).read() or CF.CursorState("", 0)).next_offset == 605, 20,
+                         "the cursor past the damaged frame and the records after it")
+            assert _dropped() - before == 600
+            assert frame_reads <= 4, f"{frame_reads} frame reads from disk to skip one damaged frame"
+            kid = await b.partition(world.topic(KID), 0)
+            assert [kid.log.read(i)[3] for i in range(kid.log.hwm)] == [f"ok{i}".encode() for i in range(5)]
+        finally:
+            await b.close()
+
+    asyncio.run(main())

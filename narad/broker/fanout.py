@@ -598,7 +598,7 @@ class Cursor:
                     await self._sleep_until_due(batch.not_due_ms)
                     read_now = True
                 else:
-                    read_now = False
+                    read_now = p.log.hwm > self.next  # skipped unreadable ones: read on at once
                 continue
             await self._commit(batch)
             self.next = batch.next_offset

@@ -471,12 +471,14 @@ class PartitionLog:
     def read_batch(self, offset: int, max_records: int, max_bytes: int,
                    max_committed_ms: int | None = None) -> BatchRead:
         """Committed records from `offset` on (below hwm): up to `max_records`
-        records or `max_bytes` of keys and payloads (at least one record), stopping
+        offsets (records and unreadable ones) or `max_bytes` of keys and payloads
+        (at least one record), stopping
         before the first record committed after `max_committed_ms` (the delay
         gate: committed-at never decreases along a partition, so nothing after it
         is due either). Every record is read as ``read`` reads it (CRC checked when
         its frame comes from disk); a record that cannot be read back intact is
-        skipped and counted (``corrupt``), never served. Raises OffsetGone when
+        skipped and counted (``corrupt``), never served, with the rest of its frame
+        (or gap) at once. Raises OffsetGone when
         `offset` was deleted by retention (the caller skips to ``oldest`` and
         counts the loss) and LogClosed once the log is closed, also when a close
         ran under the read (a failed read of a closing log is never counted)."""
@@ -488,14 +490,17 @@ class PartitionLog:
         hwm = self.hwm
         off = offset
         size = 0
-        while off < hwm and len(out.records) < max_records:
+        while off < hwm and len(out.records) + out.corrupt < max_records:
             try:
                 rec = self.read(off)
             except CorruptRecord:
                 if self.closed:  # closed under the read (see read): an error, never a record lost
                     raise LogClosed(off) from None
-                out.corrupt += 1
-                off += 1
+                # The whole frame (or gap) is unreadable: skip to where the next frame starts
+                # (each of its offsets read again would re-read and re-check the same frame).
+                nxt = self._unreadable_until(off, hwm)
+                out.corrupt += nxt - off
+                off = nxt
                 continue
             if max_committed_ms is not None and rec[1] > max_committed_ms:
                 out.not_due_ms = rec[1]
@@ -509,6 +514,19 @@ class PartitionLog:
         out.next_offset = off
         out.nbytes = size
         return out
+
+    def _unreadable_until(self, offset: int, hwm: int) -> int:
+        """After `offset` could not be read: the first offset that may be readable again
+        (the next frame of its segment, else the next segment; at most `hwm`)."""
+        seg = self._segment_for(offset)
+        self._index(seg)
+        i = bisect.bisect_right(seg.frame_bases, offset)
+        if i < len(seg.frame_bases):
+            nxt = seg.frame_bases[i]
+        else:
+            k = self.segments.index(seg)
+            nxt = self.segments[k + 1].base if k + 1 < len(self.segments) else hwm
+        return max(offset + 1, min(nxt, hwm))
 
     def _read_frame(self, seg: Segment, pos: int, base: int) -> list[Record]:
         fd = seg.fd if seg.fd >= 0 else os.open(seg.path, os.O_RDONLY)

@@ -10,8 +10,9 @@ keeps its data; a create-as-child whose attach point cannot be read (an owner of
 parent partition is down) answers 503 and leaves no child; the delay child delivers
 nothing before its due time and everything soon after; the status codes of the
 children routes, asked at a follower (forwarded to the leader); a detach made while a
-parent owner was down holds when it returns. One finding is kept as a strict xfail
-(an attach at a node whose replica has not applied the parent yet answers 503).
+parent owner was down holds when it returns. Two findings are kept as strict xfails:
+an attach (or create-as-child) answers 503 when the receiving node's replica, or the
+replica of an owner of parent partitions, has not applied the parent's create yet.
 
 Imports tests.harness and tests.contract only.
 """
@@ -523,3 +524,33 @@ def test_attach_at_a_node_that_has_not_seen_the_parent_yet(cluster: Cluster) -> 
         print(f"\n{kind}: {out[kind][0]} after {time.monotonic() - t0:.2f} s {out[kind][1][:160]!r}")
         conn.close()
         assert out[kind][0] == (201 if kind == "create-as-child" else 200), out[kind]  # (a 503 takes 10 s)
+
+
+@pytest.mark.xfail(strict=True, reason="open finding: an owner whose replica has not applied a new parent yet refuses "
+                   "the stats request (incarnation not current here), so an attach right after the parent's "
+                   "create answers 503 though every owner is up")
+def test_create_as_child_right_after_the_parent_while_an_owner_applies_it_late(cluster: Cluster) -> None:
+    """A client creates a parent and at once a replica child of it, at the same node.
+    One owner of parent partitions applies the parent's create late (its supervisor is
+    held with SIGSTOP for 0.5 s: a slow replica; its worker keeps serving node RPC).
+    Nothing can have been committed at a partition its owner has not heard of, and the
+    owner is up and catches up within the second: the create-as-child should succeed
+    (on this machine the race alone fails about 1 in 5 creates at the leader)."""
+    import os
+    import signal
+
+    leader = cluster.leader()
+    a = cluster[leader]
+    b = cluster[next(n for n in cluster.initial if n != leader)]
+    assert b.proc is not None
+    os.kill(b.proc.pid, signal.SIGSTOP)
+    timer = threading.Timer(0.5, os.kill, (b.proc.pid, signal.SIGCONT))
+    try:
+        create(a, {"name": "late-owner", "partitions": 6})  # the leader and the third node are a quorum
+        assert b.node_id in owners(a, "late-owner")
+        timer.start()
+        r = a.post("/v1/topics", {"name": "late-owner-r", "parent": "late-owner"})
+    finally:
+        timer.cancel()
+        os.kill(b.proc.pid, signal.SIGCONT)
+    assert r.status == 201, r

@@ -101,6 +101,10 @@ def make_topics(members: list[Node], parent: str, k: int, replica: bool) -> list
     r = a.post("/v1/topics", {"name": parent, "partitions": PARTITIONS})
     if r.status != 201:
         raise B.BenchFailure(f"create {parent} -> {r.status} {r.body[:300]!r}")
+    # Every replica holds the parent before a child is linked: an attach right after the create can answer
+    # 503 while an owner of parent partitions has not applied it yet (see tests/test_fanout_cluster.py).
+    for n in members:
+        wait_for(lambda n=n: n.get(f"/v1/topics/{parent}").status == 200, 20)
     children = [f"{parent}-c{i}" for i in range(k)]
     for ch in children:
         if replica:  # create-as-child: partition p placed off the owner of parent partition p
@@ -278,6 +282,11 @@ def main() -> None:
                 if k == 0 and r.msgs:
                     base_us = r.server_cpu / r.msgs * 1e6
                 print(fmt(r, base_us), flush=True)
+                if r.failed:  # what the nodes said about it
+                    for n in members:
+                        lines = [ln for ln in n.log().splitlines() if (" WARN " in ln or " ERRO " in ln)]
+                        print(f"  {n.node_id}: {len(lines)} warnings/errors; last ones:\n"
+                              + "\n".join("    " + ln[:400] for ln in lines[-15:]), flush=True)
                 failed |= r.failed
         finally:
             owner.close()  # type: ignore[attr-defined]

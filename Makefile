@@ -27,7 +27,10 @@ test: install lint
 	@# the network-partition chaos test drops a node's packets with iptables (in a namespace it makes)
 	command -v iptables >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iptables) \
 	    || echo "iptables could not be installed: the partition test will skip"
-	$(BIN)/pytest -q
+	@# two processes side by side (pytest-xdist; one file stays in one process, so its
+	@# module-scoped node is shared), then the tests marked serial alone
+	$(BIN)/pytest -q -n 2 --dist loadfile -m "not serial"
+	$(BIN)/pytest -q -m serial
 
 bench: install
 	command -v wrk >/dev/null || (apt-get install -y wrk || sudo apt-get install -y wrk)

@@ -191,6 +191,7 @@ def test_step_budget_refuses_a_payload_too_costly_to_validate() -> None:
         v.check(payload, inline=False, deadline=0.0)
 
 
+@pytest.mark.serial  # ~10 s of CPU against a wall-clock deadline: not beside another test's load
 def test_a_costly_payload_is_refused_by_its_budget_before_the_deadline() -> None:
     # Entering a subschema was not charged: 59 small anyOf branches per item cost ~13 us per step, so
     # a ~1 MB payload ran past the capacity's deadline (503 retry, forever) before its budget (400).

@@ -44,10 +44,10 @@ def test_kill_parent_owner_then_child_owner_under_traffic_every_child_gets_every
         create(at, {"name": "src", "partitions": 6, "visibility_timeout_ms": VIS_MS})
         create(at, {"name": "src-a", "partitions": 6, "visibility_timeout_ms": VIS_MS})
         create(at, {"name": "src-d", "partitions": 3, "visibility_timeout_ms": VIS_MS})
+        for t in ("src", "src-a", "src-d"):
+            wait_everywhere(c, t)  # every owner knows them: the attach point can be read
         attach(at, "src", "src-a")
         attach(at, "src", "src-d", delay_ms=DELAY_MS)
-        for t in ("src-a", "src-d"):
-            wait_everywhere(c, t)
         wait_everywhere(c, "src", lambda j: j.get("children") == ["src-a", "src-d"])
         po, ao, do = owners(at, "src"), owners(at, "src-a"), owners(at, "src-d")
         followers = [n for n in c.initial if n != leader]  # no election: the kills hit owners, not Raft

@@ -309,7 +309,8 @@ def test_nothing_committed_before_the_attach_is_copied(cluster: Cluster) -> None
     wait_hwm(n1, "late", len(before))  # all committed at their owners before the attach
     hwms = hwms_now(n3, "late")
     attach(n3, "late", "late-c")
-    child = describe(n3, "late-c")  # read-your-writes at the node that answered
+    wait_everywhere(cluster, "late-c", lambda j: j.get("parent") == "late")
+    child = describe(n3, "late-c")
     assert child["attach_offsets"] == hwms, (child, hwms)  # the attach point: each owner's committed HWM
     h = History(30.0)
     after = [f"after-{n.node_id}-{i}" for n in (n1, n2, n3) for i in range(10)]
@@ -359,6 +360,7 @@ def test_detach_stops_the_copy_and_the_child_keeps_its_data(cluster: Cluster) ->
     produce_one(n1, "det-c", "direct")
     again = attach(n1, "det", "det-c")
     assert again["children"] == ["det-c", "det-k"]
+    wait_everywhere(cluster, "det-c", lambda j: j.get("parent") == "det")
     assert describe(n1, "det-c")["attach_offsets"] == hwms_now(n1, "det")
 
 
@@ -381,6 +383,8 @@ def test_children_status_codes_at_a_follower(cluster: Cluster) -> None:
     create(f, {"name": "codes-d", "partitions": 3})
     create(f, {"name": "codes-x", "partitions": 3})
     create(f, {"name": "codes-short", "partitions": 3, "retention_ms": 3_600_000})
+    for t in ("codes", "codes-c", "codes-d", "codes-x", "codes-short"):
+        wait_everywhere(cluster, t)  # every owner knows them: the attach point can be read
 
     def post(path: str, body: dict[str, Any]) -> int:
         return f.post(path, body).status
@@ -402,6 +406,7 @@ def test_children_status_codes_at_a_follower(cluster: Cluster) -> None:
     assert f.get("/v1/topics/codes-y").status == 404
     attach(f, "codes", "codes-c")
     attach(f, "codes", "codes-d", delay_ms=60_000)
+    wait_everywhere(cluster, "codes-d", lambda j: j.get("parent") == "codes")
     assert post("/v1/topics/codes-x/children", {"child": "codes-c"}) == 409  # already has a parent
     assert post("/v1/topics/codes-c/children", {"child": "codes-x"}) == 409  # a child has no children
     assert post("/v1/topics/codes-x/children", {"child": "codes"}) == 409  # a parent cannot become a child
@@ -430,10 +435,11 @@ def test_an_owner_down_create_as_child_undone_and_a_detach_it_missed_stays_detac
     create(a, {"name": "und", "partitions": 6})
     for t in ("und-c", "und-k", "und-s"):
         create(a, {"name": t, "partitions": 3})
+    for t in ("und", "und-c", "und-k", "und-s"):
+        wait_everywhere(cluster, t)  # every owner knows them: the attach point can be read
     attach(a, "und", "und-k")
     attach(a, "und", "und-s")
     wait_everywhere(cluster, "und", lambda j: j.get("children") == ["und-k", "und-s"])
-    wait_everywhere(cluster, "und-c")
     assert victim in owners(a, "und")
     produce_batch(v, "und", [f"v1-{i}" for i in range(12)])  # keyless: committed at the victim's partitions
     produce_batch(a, "und", [f"a1-{i}" for i in range(12)])

@@ -109,6 +109,17 @@ def test_an_admin_password_over_72_bytes_stops_the_start_with_one_line(tmp_path:
     assert check_start(load_config(os.devnull, env={}), {"NARAD_ADMIN_PASSWORD": "p" * 72}) is None
 
 
+def test_a_tls_certificate_that_cannot_be_loaded_stops_the_start_with_one_line(tmp_path: Path) -> None:
+    # Before, a missing configured certificate was found by each worker's HTTP/3 setup:
+    # workers died and were re-forked in a loop while /readyz said "not serving yet".
+    env = {"NARAD_SECURITY_TLS_CERT_FILE": str(tmp_path / "missing.pem"),
+           "NARAD_SECURITY_TLS_KEY_FILE": str(tmp_path / "missing.key")}
+    log = _refused(tmp_path, env)
+    lines = [ln for ln in log.splitlines() if "refusing to start" in ln]
+    assert len(lines) == 1 and "security.tls_cert_file" in lines[0] and "missing.pem" in lines[0], log
+    assert not (tmp_path / "data" / "metastore").exists()  # refused before the metastore was opened
+
+
 # ---- a node for the export and /metrics checks ------------------------------------------
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:

@@ -17,6 +17,7 @@ import logging
 import os
 import shutil
 import signal
+import ssl
 import sys
 import time
 from collections import deque
@@ -156,6 +157,13 @@ class Supervisor:
         #    first start and kept in the data directory.
         if cfg.security.tls_cert_file:
             self.cert_file, self.key_file = cfg.security.tls_cert_file, cfg.security.tls_key_file
+            # Loaded once here, so a missing or mismatched pair stops the start with one
+            # line (exit 2) instead of every worker failing to serve HTTP/3 in a loop.
+            try:
+                ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(self.cert_file, self.key_file)
+            except (OSError, ssl.SSLError) as e:
+                raise ConfigError(f"security.tls_cert_file / security.tls_key_file could not be loaded "
+                                  f"({self.cert_file}, {self.key_file}): {e}") from None
         else:
             c, k = tls.ensure_self_signed(self.data_dir / "tls", self.node_id)
             self.cert_file, self.key_file = str(c), str(k)

@@ -6,7 +6,9 @@ found from ``--socket``, or from ``--data-dir``, or from the configuration
 the supervisor would load (``$NARAD_CONFIG`` or /etc/narad/narad.toml, then
 ``NARAD_*`` env). Human-readable output by default, ``--json`` for scripts.
 Exit codes: 0 ok, 1 the node refused (message on stderr), 2 usage or
-connection problem.
+connection problem. ``users passwd`` and ``users grant`` are the recovery path
+for a lost root password or an admin locked out of its grants (over HTTP,
+``narad user ...`` needs an admin's password).
 
 Imports narad.config, narad.ipc and narad.supervisor.services (the request
 struct only).
@@ -23,6 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from narad import BUILD, __version__
 from narad.config import load_config
 from narad.errors import ConfigError, NaradError
 from narad.ipc import rpc
@@ -117,6 +120,14 @@ def _fmt_users(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _fmt_user(u: dict[str, Any]) -> str:
+    return _fmt_users([u])
+
+
+def _fmt_passwd(d: dict[str, Any]) -> str:
+    return f'password of "{d["username"]}" changed'
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="naradctl", description="Administer the narad node on this host.")
     p.add_argument("--socket", help="control socket path")
@@ -124,6 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="the node's config file")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--timeout", type=float, default=15.0, help="seconds to wait for the node")
+    p.add_argument("--version", action="version", version=f"naradctl {__version__} ({BUILD})",
+                   help="print the version and exit")
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("status", help="Raft role, indexes, workers")
     members = sub.add_parser("members", help="cluster members; 'members forget <id>' removes a Raft server")
@@ -174,7 +187,28 @@ def build_parser() -> argparse.ArgumentParser:
     ua.add_argument("--grant", action="append", default=[], help="action:pattern1,pattern2 (repeatable)")
     ur = users.add_parser("rm")
     ur.add_argument("username")
+    up = users.add_parser("passwd", help="set a user's password, root's included (the lost-password recovery)")
+    up.add_argument("username")
+    up.add_argument("--password", help="the new password (default: asked twice at a terminal, else one line "
+                                       "of stdin)")
+    ug = users.add_parser("grant", help="replace a user's grants (root's cannot change)")
+    ug.add_argument("username")
+    ug.add_argument("--grant", action="append", default=[], help="action:pattern1,pattern2 (repeatable)")
+    ug.add_argument("--none", action="store_true", help="remove all of the user's grants")
     return p
+
+
+def _new_password(given: str | None) -> str | None:
+    """The new password: --password, else asked twice at a terminal, else one line of
+    stdin. None when the two answers differ."""
+    if given is not None:
+        return given
+    if sys.stdin.isatty():
+        import getpass
+
+        pw = getpass.getpass("New password: ")
+        return pw if getpass.getpass("Repeat it: ") == pw else None
+    return sys.stdin.readline().rstrip("\r\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -229,6 +263,19 @@ def main(argv: list[str] | None = None) -> int:
         elif ns.action == "add":
             pw = ns.password if ns.password is not None else sys.stdin.readline().rstrip("\n")
             args = {"username": ns.username, "password": pw, "grants": _parse_grants(ns.grant)}
+        elif ns.action == "passwd":
+            new_pw = _new_password(ns.password)
+            if new_pw is None:
+                print("naradctl: the two passwords differ", file=sys.stderr)
+                return 2
+            args = {"username": ns.username, "password": new_pw}
+            fmt = _fmt_passwd
+        elif ns.action == "grant":
+            if bool(ns.grant) == ns.none:
+                print("naradctl: users grant needs --grant ... (the new grants) or --none", file=sys.stderr)
+                return 2
+            args = {"username": ns.username, "grants": _parse_grants(ns.grant)}
+            fmt = _fmt_user
         else:
             args = {"username": ns.username}
     try:

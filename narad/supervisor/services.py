@@ -316,6 +316,20 @@ def control_service(sup: SupervisorView) -> rpc.Service:
         if m.cmd == "users.rm":
             await router.execute(Q.DeleteUserReq(OPERATOR, str(a.get("username", ""))))
             return CtlReply({"deleted": a.get("username")})
+        if m.cmd == "users.passwd":
+            # the operator's recovery path: any user's password, the root admin's included
+            from narad.meta import validate as VAL
+
+            pw = VAL.password(a.get("password"))
+            hashed = await asyncio.to_thread(bcrypt.hashpw, pw, bcrypt.gensalt(10))
+            await router.execute(Q.SetPasswordReq(OPERATOR, str(a.get("username", "")), hashed))
+            return CtlReply({"username": a.get("username"), "password": "changed"})
+        if m.cmd == "users.grant":
+            from narad.api.users import user_json
+
+            grants = [Grant(g["action"], list(g.get("patterns", []))) for g in a.get("grants", [])]
+            rec = await router.execute(Q.SetGrantsReq(OPERATOR, str(a.get("username", "")), grants))
+            return CtlReply(user_json(rec))
         raise BadRequest(f"unknown command {m.cmd!r}")
 
     s.register(CtlRequest, handle)  # type: ignore[arg-type]

@@ -15,6 +15,7 @@ import os
 import pty
 import re
 import select
+import signal
 import stat
 import subprocess
 import sys
@@ -175,6 +176,28 @@ def test_bench_prints_figures(node: Node, cfg: Path) -> None:
     assert re.search(r"produced \d+/300 \(\d+ msg/s\), consumed \d+", p.stderr), p.stderr
     # all consumed and acked: nothing left
     assert node.get("/v1/topics/bench/consume").status == 204
+
+
+def test_sub_stops_on_ctrl_c(node: Node, cfg: Path) -> None:
+    """A real process: Ctrl-C ends a stream with exit 0 and the count on stderr."""
+    narad(node, cfg, "topic", "add", "cc")
+    env = {k: v for k, v in env_for(node, cfg).items() if v is not None}
+    env.update({k: v for k, v in os.environ.items() if not k.startswith("NARAD_")})
+    p = subprocess.Popen([sys.executable, "-m", "narad.cli.main", "sub", "cc", "--json"], env=env,
+                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None
+        assert node.post("/v1/topics/cc/produce", b"one").status == 202
+        msg = json.loads(p.stdout.readline())  # blocks until it came (the test's timeout bounds it)
+        assert msg["payload"] == "one"
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 0, err
+    assert err.strip().splitlines()[-1] == "1 message(s)", err
 
 
 def test_password_prompt_and_stdin(node: Node, cfg: Path) -> None:

@@ -19,9 +19,11 @@ Imports narad.client, narad.cli.{contexts,fmt}, click, msgspec and the standard 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import os
 import re
+import signal
 import sys
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -331,11 +333,21 @@ def connect(*, timeout: float = 10.0, max_connections: int = 16) -> AsyncClient:
         raise click.UsageError(f"-s/--server: {e}") from None
 
 
-def call(client: AsyncClient, fn: Callable[[AsyncClient], Awaitable[T]]) -> T:
-    """Run ``fn(client)`` on a fresh event loop and close the client after it."""
+def call(client: AsyncClient, fn: Callable[[AsyncClient], Awaitable[T]], *, stoppable: bool = False) -> T:
+    """Run ``fn(client)`` on a fresh event loop and close the client after it.
+    ``stoppable``: SIGTERM stops it as Ctrl-C does (both raise KeyboardInterrupt here,
+    after ``fn``'s cleanup ran), for commands that run until stopped."""
 
     async def main() -> T:
+        if stoppable:
+            task = asyncio.current_task()
+            if task is not None:
+                with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
         async with client:
             return await fn(client)
 
-    return asyncio.run(main())
+    try:
+        return asyncio.run(main())
+    except asyncio.CancelledError:
+        raise KeyboardInterrupt from None

@@ -189,7 +189,7 @@ def bench(topic: str, count: int, size: int, workers: int, consume: bool, durati
 
     interrupted = False
     try:
-        call(c, go)
+        call(c, go, stoppable=True)
     except KeyboardInterrupt:
         interrupted = True
     if stop["fatal"] is not None and prod.ok == 0 and cons.ok == 0:

@@ -244,12 +244,11 @@ def sub(topic: str, peek: bool, partition: int | None, from_: int | None, no_ack
 
     interrupted = False
     try:
-        call(c, peek_mode if peek else queue)
+        call(c, peek_mode if peek else queue, stoppable=True)
     except KeyboardInterrupt:
         interrupted = True  # Ctrl-C is how a stream ends
     finally:
-        if not json_mode():
-            click.echo(f"{state['n']} message(s)", err=True)
+        click.echo(f"{state['n']} message(s)", err=True)
     if max_ is not None and state["n"] < max_ and not interrupted:
         raise Failure(f"{state['n']} of {max_} message(s) came before the timeout")
 

@@ -232,6 +232,7 @@ def test_idle_unauthenticated_connections_never_keep_a_peer_out(tmp_path: Path) 
 
 
 # ---- legitimate traffic under the limits -------------------------------------------
+@pytest.mark.serial  # two Raft nodes on one GIL encrypting 3 MiB entries, against a 60 s deadline: run alone
 def test_large_entries_and_long_batches_replicate_under_the_frame_cap(tmp_path: Path,
                                                                      caplog: pytest.LogCaptureFixture) -> None:
     """A follower that lags receives batches of small entries and entries bigger than

@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import click
 import pytest
 from click.testing import CliRunner, Result
 
@@ -330,3 +331,21 @@ def test_errors_usage_and_contexts(node: Node, cfg: Path, tmp_path: Path) -> Non
     assert "--ctx is refused while NARAD_USER is set" in r.stderr
     narad(node, cfg, "ctx", "rm", "here", **bare)
     assert json.loads(f.read_text()).get("current", "") == ""
+
+
+def test_every_option_has_help() -> None:
+    """Walk the whole command tree: every option (global ones included) says what it does."""
+    missing: list[str] = []
+
+    def walk(cmd: click.Command, path: str) -> None:
+        for p in cmd.params:
+            if isinstance(p, click.Option) and not p.help:
+                missing.append(f"{path} {p.opts[0]}")
+        if not (cmd.help or cmd.short_help or cmd.callback is None or cmd.callback.__doc__):
+            missing.append(f"{path} (no command help)")
+        if isinstance(cmd, click.Group):
+            for name, sub in cmd.commands.items():
+                walk(sub, f"{path} {name}")
+
+    walk(cli, "narad")
+    assert not missing, missing

@@ -16,7 +16,7 @@ RANK = {
     "meta": 3,
     "broker": 4,
     "cluster": 5, "api": 5, "client": 5,
-    "worker": 6,
+    "worker": 6, "cli": 6,
     "supervisor": 7,
     "ctl": 8,
 }

@@ -265,7 +265,7 @@ class Supervisor:
         self.meta = MetaService(cfg, self.raft, self.store, self.node_id, applies=self.applies)
         self.rpc_client = NodeRpcClient(self.secret)
         self.router = MetadataRouter(node_id=self.node_id, meta=self.meta, raft=self.raft, store=self.store,
-                                     applied=lambda: self.fsm.applied_index, client=self.rpc_client,
+                                     applied=lambda: self.versions.load(V.APPLIED_INDEX), client=self.rpc_client,
                                      write_timeout=cfg.seconds("cluster", "write_timeout"))
         #     How this node enters Raft: alone; as an initial member bootstrapping
         #     the same voter set as its peers; with the configuration it had
@@ -518,6 +518,7 @@ class Supervisor:
     def _on_fsm_replaced(self) -> None:
         self.versions.bump([V.EPOCH])
         self.versions.bump_all()
+        self.versions.store(V.APPLIED_INDEX, self.fsm.applied_index)
 
     def _on_raft_role(self, role: str) -> None:
         self.versions.bump([V.RAFT])

@@ -41,6 +41,14 @@ class NaradError(Exception):
         return out
 
 
+# Error codes a caller acts on (the ``code`` of the JSON body, carried across RPC).
+# A 503 with this code means the attach point sent with an attach or create-as-child
+# does not fit the parent (none could be read, or the parent moved since): the write
+# was not proposed, and only the receiving node can read the point again, so the
+# metadata router does not retry it; the receiving worker does.
+ATTACH_POINT = "attach_point"
+
+
 class BadRequest(NaradError):
     status = 400
     default_message = "bad request"

@@ -10,9 +10,9 @@ keeps its data; a create-as-child whose attach point cannot be read (an owner of
 parent partition is down) answers 503 and leaves no child; the delay child delivers
 nothing before its due time and everything soon after; the status codes of the
 children routes, asked at a follower (forwarded to the leader); a detach made while a
-parent owner was down holds when it returns. Two findings are kept as strict xfails:
-an attach (or create-as-child) answers 503 when the receiving node's replica, or the
-replica of an owner of parent partitions, has not applied the parent's create yet.
+parent owner was down holds when it returns. An attach (or create-as-child) succeeds
+when the receiving node's replica, or the replica of an owner of parent partitions,
+has not applied the parent's create yet (both once answered 503).
 
 Imports tests.harness and tests.contract only.
 """
@@ -490,9 +490,6 @@ def _read_by_server(port: int, client_port: int) -> bool:
     return False
 
 
-@pytest.mark.xfail(strict=True, reason="open finding: a node whose replica has not applied the parent yet sends "
-                   "no attach point; the leader answers 503, which the node's metadata router retries for the "
-                   "whole 10 s write deadline before answering 503")
 def test_attach_at_a_node_that_has_not_seen_the_parent_yet(cluster: Cluster) -> None:
     """A client creates a parent and a child at one node and attaches at another before
     that node's replica applied the creates (its supervisor is held with SIGSTOP until
@@ -532,9 +529,6 @@ def test_attach_at_a_node_that_has_not_seen_the_parent_yet(cluster: Cluster) -> 
         assert out[kind][0] == (201 if kind == "create-as-child" else 200), out[kind]  # (a 503 takes 10 s)
 
 
-@pytest.mark.xfail(strict=True, reason="open finding: an owner whose replica has not applied a new parent yet refuses "
-                   "the stats request (incarnation not current here), so an attach right after the parent's "
-                   "create answers 503 though every owner is up")
 def test_create_as_child_right_after_the_parent_while_an_owner_applies_it_late(cluster: Cluster) -> None:
     """A client creates a parent and at once a replica child of it, at the same node.
     One owner of parent partitions applies the parent's create late (its supervisor is

@@ -32,7 +32,7 @@ import msgspec
 
 from narad.api.context import ApiContext, decode_json, query_bool, query_int
 from narad.api.router import GENERAL_BODY_LIMIT, Request, Response, Router, empty, json_response
-from narad.errors import BadRequest, Forbidden, NotFound, NotImplementedYet, Unavailable
+from narad.errors import ATTACH_POINT, BadRequest, Forbidden, NotFound, NotImplementedYet, Unavailable
 from narad.meta import grants as G
 from narad.meta import requests as Q
 from narad.meta import validate as VAL
@@ -42,6 +42,7 @@ from narad.meta.store import MetaStore
 UNSET = msgspec.UNSET
 MAX_FANOUT_DELAY_MS = 31_536_000_000  # one year
 REMOTE_501 = "remote children are not implemented by this node yet"
+ATTACH_READ_WAIT = 3.0  # an attach point found stale by the leader is read again for this long
 
 
 class CreateTopicBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -182,6 +183,37 @@ class TopicsAPI:
             offsets.append(int(s["high_watermark"]))
         return offsets
 
+    async def _linked(self, req: Request, parent_name: str,
+                      send: Callable[[str, list[int]], Awaitable[TopicRecord]]) -> TopicRecord:
+        """Read the attach point of ``parent_name`` and send the write with it. A parent
+        this replica has not applied yet (created a moment ago at another node) is
+        waited for, and a point the leader finds stale (code ``attach_point``: not
+        proposed) is read again, both within ATTACH_READ_WAIT; a parent still missing
+        here goes to the leader without a point (404 there if it does not exist)."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + ATTACH_READ_WAIT
+        first = True
+        while True:
+            parent = self.ctx.store.topic(parent_name)
+            # Missing here at first: the leader decides (404 if it has none either). Once
+            # the leader said it has it, wait for this replica to apply it.
+            while parent is None and not first and loop.time() < end:
+                await asyncio.sleep(0.02)
+                parent = self.ctx.store.topic(parent_name)
+            first = False
+            parent_id, offsets = "", []
+            if parent is not None:
+                if not self._manages(req, parent):
+                    raise self._not_managed(parent_name)
+                parent_id = parent.id
+                offsets = await self._attach_point(parent)
+            try:
+                return await send(parent_id, offsets)
+            except Unavailable as e:
+                if e.code != ATTACH_POINT or loop.time() >= end:
+                    raise
+            await asyncio.sleep(0.05)
+
     # ---- routes -------------------------------------------------------------
     async def create(self, req: Request) -> Response:
         body = decode_json(req, CreateTopicBody)
@@ -199,34 +231,26 @@ class TopicsAPI:
         who: G.Identity = req.identity
         if not who.unrestricted and not G.has_grant(self._user(req), "create", name):
             raise Forbidden(f'create not allowed for topic name "{name}"')
-        parent_id: str | None = None
-        offsets: list[int] = []
-        if parent_name is not None:
-            # Missing here: the leader decides (404 once caught up; a parent only this
-            # replica has not seen yet is a 503: no attach point could be read here).
-            parent = self.ctx.store.topic(parent_name)
-            if parent is not None:
-                if not self._manages(req, parent):
-                    raise self._not_managed(parent_name)
-                parent_id = parent.id
-                offsets = await self._attach_point(parent)
-        rec = await self.ctx.call(
-            Q.CreateTopicReq(
-                who=who,
-                name=name,
-                partitions=body.partitions or None,
-                retention_ms=None if body.retention_ms is UNSET else body.retention_ms,  # type: ignore[arg-type]
-                visibility_timeout_ms=body.visibility_timeout_ms or None,
-                max_in_flight_per_partition=body.max_in_flight_per_partition or None,
-                max_acked_ahead_per_partition=body.max_acked_ahead_per_partition or None,
-                schema=_schema_raw(body.schema),
-                parent=parent_name,
-                fanout_delay_ms=body.fanout_delay_ms,
-                parent_id=parent_id,
-                attach_offsets=offsets,
-            ),
-            TopicRecord,
-        )
+        def send(parent_id: str | None, offsets: list[int]) -> Awaitable[TopicRecord]:
+            return self.ctx.call(  # type: ignore[no-any-return]
+                Q.CreateTopicReq(
+                    who=who,
+                    name=name,
+                    partitions=body.partitions or None,
+                    retention_ms=None if body.retention_ms is UNSET else body.retention_ms,  # type: ignore[arg-type]
+                    visibility_timeout_ms=body.visibility_timeout_ms or None,
+                    max_in_flight_per_partition=body.max_in_flight_per_partition or None,
+                    max_acked_ahead_per_partition=body.max_acked_ahead_per_partition or None,
+                    schema=_schema_raw(body.schema),
+                    parent=parent_name,
+                    fanout_delay_ms=body.fanout_delay_ms,
+                    parent_id=parent_id or None,
+                    attach_offsets=offsets,
+                ),
+                TopicRecord,
+            )
+
+        rec = await (send(None, []) if parent_name is None else self._linked(req, parent_name, send))
         return json_response(201, topic_json(rec))
 
     async def list(self, req: Request) -> Response:
@@ -364,16 +388,14 @@ class TopicsAPI:
             raise self._not_managed(parent_name)
         if child is not None and not self._manages(req, child):
             raise self._not_managed(child_name)
-        parent_id = ""
-        offsets: list[int] = []
-        if parent is not None:  # missing here: the leader answers 404 once caught up
-            parent_id = parent.id
-            offsets = await self._attach_point(parent)
-        rec = await self.ctx.call(
-            Q.AttachChildReq(who=who, parent=parent_name, child=child_name, delay_ms=body.delay_ms,
-                             parent_id=parent_id, attach_offsets=offsets),
-            TopicRecord,
-        )
+        def send(parent_id: str, offsets: list[int]) -> Awaitable[TopicRecord]:
+            return self.ctx.call(  # type: ignore[no-any-return]
+                Q.AttachChildReq(who=who, parent=parent_name, child=child_name, delay_ms=body.delay_ms,
+                                 parent_id=parent_id, attach_offsets=offsets),
+                TopicRecord,
+            )
+
+        rec = await self._linked(req, parent_name, send)
         return json_response(200, topic_json(rec))
 
     async def children(self, req: Request) -> Response:

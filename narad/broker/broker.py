@@ -81,6 +81,7 @@ PARK_RECHECK = 1.0
 PROBE_MAX = 1000  # records one coalesced consume probe asks another worker for
 ACK_MAX = 1000  # receipt handles one coalesced AckReq carries
 WATCH_TTL = 1.0  # a node holding our watch token is asked again after this even without a ReadyNote
+STATS_TOPIC_WAIT = 1.6  # a stats request for an incarnation not applied here yet waits this long (callers: 2 s)
 ACK, EXTEND, NACK = 0, 1, 2
 
 
@@ -1183,6 +1184,17 @@ class Broker:
             raise Conflict(f'topic "{name}" incarnation {topic_id} is not current here', code="incarnation_mismatch")
         return t
 
+    async def _topic_soon(self, name: str, topic_id: str, wait: float) -> TopicRecord:
+        """``_topic_for``, waiting up to `wait` seconds for this replica to apply it."""
+        end = time.monotonic() + wait
+        while True:
+            t = self.store.topic(name)
+            if t is not None and t.id == topic_id:
+                return t
+            if time.monotonic() >= end:
+                return self._topic_for(name, topic_id)
+            await asyncio.sleep(0.02)
+
     def _register_peer_handlers(self) -> None:
         """Requests from this node's other workers (scope WORKER) and from other
         nodes (scope NODE, landing on any worker of this node)."""
@@ -1227,7 +1239,9 @@ class Broker:
             return await self.replay_owned(t, m.partition, m.offset)
 
         async def stats(m: P.StatsReq, _c: Any) -> P.StatsResp:
-            t = self._topic_for(m.topic, m.topic_id)
+            # A topic created a moment ago may reach the asker's replica before this one
+            # (an attach point read right after the create): wait a little for it.
+            t = await self._topic_soon(m.topic, m.topic_id, STATS_TOPIC_WAIT)
             mine = [i for i in m.partitions if self.route(m.topic, i) == self.index]
             out = await self.stats_owned(t, mine)
             others: dict[int, list[int]] = {}

@@ -29,7 +29,7 @@ from typing import Any
 import msgspec
 
 from narad.config import Config
-from narad.errors import BadRequest, Conflict, Forbidden, NotFound, PreconditionFailed, Unavailable
+from narad.errors import ATTACH_POINT, BadRequest, Conflict, Forbidden, NotFound, PreconditionFailed, Unavailable
 from narad.meta import commands as C
 from narad.meta import export as EX
 from narad.meta import fsm as F
@@ -381,9 +381,10 @@ class MetaService:
         """The attach point the receiving node read must belong to the parent as it is now."""
         if not parent_id:
             raise Unavailable(f'could not ask the owners of every partition of "{par.name}" for the attach point; '
-                              "nothing was linked, retry", headers=[("Retry-After", "1")])
+                              "nothing was linked, retry", code=ATTACH_POINT, headers=[("Retry-After", "1")])
         if parent_id != par.id or len(offsets) != par.partitions or any(o < 0 for o in offsets):
-            raise Unavailable("parent changed while the attach point was read; retry", headers=[("Retry-After", "1")])
+            raise Unavailable("parent changed while the attach point was read; retry", code=ATTACH_POINT,
+                              headers=[("Retry-After", "1")])
 
     def _schema_fit(self, par: TopicRecord, child: TopicRecord | None, schema: bytes | None, name: str) -> None:
         """409 when the child's schema (an existing child's history, or the schema a

@@ -24,7 +24,7 @@ from typing import Any, Union
 
 import msgspec
 
-from narad.errors import BadGateway, GatewayTimeout, Misdirected, NaradError, Unavailable
+from narad.errors import ATTACH_POINT, BadGateway, GatewayTimeout, Misdirected, NaradError, Unavailable
 from narad.meta import requests as Q
 from narad.meta.raft import RaftNode
 from narad.meta.records import TopicRecord, UserRecord
@@ -127,6 +127,8 @@ class MetadataRouter:
                 await asyncio.sleep(min(RETRY_SLEEP, max(0.0, end - time.monotonic())))
                 continue
             except (Unavailable, BadGateway, GatewayTimeout) as e:
+                if e.code == ATTACH_POINT:
+                    raise  # not proposed; only the receiving worker can read the attach point again
                 last_err = e.message
                 uncertain = uncertain or not isinstance(e, Unavailable) or "in flight" in e.message
                 await asyncio.sleep(min(RETRY_SLEEP, max(0.0, end - time.monotonic())))

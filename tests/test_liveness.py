@@ -101,7 +101,10 @@ def test_stopped_supervisor_makes_readyz_and_healthz_503_naming_it(tmp_path: Pat
 
 def test_stuck_worker_is_named_then_killed_counted_and_restarted(tmp_path: Path,
                                                                  node_factory: list[Node]) -> None:
-    n = Node(tmp_path / "d", workers=2, env={"NARAD_NODE_WORKER_STUCK_AFTER": "4s"})
+    # 7 s: /readyz names worker 1 after 3 s of silence, and /metrics answers ~2 s later (the
+    # supervisor waits that long for the stopped worker's own metrics) while worker 1 is still
+    # there to report; with 4 s it was sometimes killed in between and missing from /metrics.
+    n = Node(tmp_path / "d", workers=2, env={"NARAD_NODE_WORKER_STUCK_AFTER": "7s"})
     node_factory.append(n)
     n.start()
     before = {w["index"]: w["pid"] for w in n.status()["workers"]}

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import threading
 import time
 from collections import Counter
@@ -32,17 +31,12 @@ import pytest
 from narad import metrics
 from narad.broker import fanout as FO
 from narad.broker.broker import Broker
-from narad.broker.fanout import FanoutSettings
-from narad.broker.peers import PeerLinks
 from narad.broker.routing import key_partition
 from narad.errors import Unavailable
 from narad.meta import commands as C
-from narad.meta import requests as Q
-from narad.meta import versions as V
-from narad.meta.fsm import FSM
 from narad.meta.records import TopicRecord
-from narad.meta.store import MetaStore
 from narad.storage import cursor_file as CF
+from tests.fanout_world import World
 from tests.harness import Node, basic, wait_for
 
 OCTET = {"Content-Type": "application/octet-stream"}
@@ -296,9 +290,11 @@ def test_kill9_under_produce_loses_no_acknowledged_message_in_the_child(node: No
 class _FlakyBroker(Broker):
     """Refuses commits to the chosen partitions of the child (as a dead owner would)."""
 
-    fail: set[int]
-    refused: int
-    landed: list[tuple[int, int]]
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.fail: set[int] = set()
+        self.refused = 0
+        self.landed: list[tuple[int, int]] = []
 
     async def commit_to(self, t: TopicRecord, partition: int, records: list[tuple[bytes | None, int, bytes]]
                         ) -> int:
@@ -310,62 +306,16 @@ class _FlakyBroker(Broker):
         return base
 
 
-class _World:
-    """A metastore (real FSM and LMDB, applied directly) and a broker on this loop."""
-
-    def __init__(self, tmp: Path) -> None:
-        self.versions = V.VersionTable.create(f"/narad-fo-eng-{os.getpid()}-{time.monotonic_ns()}")
-        self.fsm = FSM(tmp / "fsm", on_commit=lambda touched, _i: self.versions.bump(touched))
-        self.store = MetaStore(tmp / "fsm", self.versions, fsm=self.fsm)
-        self.index = 0
-        self.tmp = tmp
-
-    def apply(self, payload: Any) -> None:
-        self.index += 1
-        res = self.fsm.apply(self.index, C.encode(payload, request_id="", stamp_ms=1000 + self.index))
-        self.fsm.commit()
-        assert res.ok, res
-
-    def topic(self, name: str) -> TopicRecord:
-        t = self.store.topic(name)
-        assert t is not None
-        return t
-
-    async def broker(self) -> _FlakyBroker:
-        async def caught_up() -> bool:
-            return True
-
-        async def confirm(req: Q.ConfirmEpochReq) -> Q.ConfirmEpochResp:  # the leader's re-read
-            c = self.store.topic(req.child)
-            return Q.ConfirmEpochResp(c is not None and c.id == req.child_id and c.attach_epoch == req.epoch
-                                      and c.parent == req.parent and c.parent_id == req.parent_id)
-
-        async def gone(_t: str, _i: str) -> bool:
-            return False
-
-        b = _FlakyBroker(data_dir=self.tmp / "data", store=self.store, versions=self.versions, index=0, workers=1,
-                         links=PeerLinks(self.tmp, 0, 1), confirm_gone=gone, node_id="n1", caught_up=caught_up,
-                         confirm_epoch=confirm, fanout=FanoutSettings(linger_ms=0))
-        b.fail, b.refused, b.landed = set(), 0, []
-        self.versions.store(V.READY, 1)
-        await b.start()
-        return b
-
-    def close(self) -> None:
-        self.fsm.close()
-        self.versions.close(unlink=True)
-
-
 def _record(name: str, tid: str) -> TopicRecord:
     return TopicRecord(name=name, id=tid, partitions=3, retention_ms=0, visibility_timeout_ms=30000,
                        max_in_flight_per_partition=1024, max_acked_ahead_per_partition=1024, created_at=1)
 
 
 @pytest.fixture
-def world(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[_World]:
+def world(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[World]:
     monkeypatch.setattr(FO, "RECONCILE_EVERY", 0.05)  # the 1 s cadences, shortened for these tests
     monkeypatch.setattr(FO, "RETRY_BACKOFF", 0.05)
-    w = _World(tmp_path)
+    w = World(tmp_path)
     w.apply(C.CreateTopic(_record("par", "00000000000000a1")))
     w.apply(C.CreateTopic(_record("kid", "00000000000000a2")))
     w.apply(C.AttachChildCas("par", "00000000000000a1", "kid", "00000000000000a2", 0, "e1e1e1e1e1e1e1e1", [0, 0, 0]))
@@ -382,14 +332,14 @@ async def _until(cond: Any, timeout: float = 10.0, what: str = "condition") -> N
         await asyncio.sleep(0.01)
 
 
-def _file_at(w: _World, partition: int) -> int | None:
+def _file_at(w: World, partition: int) -> int | None:
     st = CF.CursorFile(w.tmp / "data" / "topics" / "par@00000000000000a1" / f"p{partition:05d}", "kid").read()
     return None if st is None else st.next_offset
 
 
-def test_a_failed_bucket_alone_is_retried_and_the_cursor_waits_for_it(world: _World) -> None:
+def test_a_failed_bucket_alone_is_retried_and_the_cursor_waits_for_it(world: World) -> None:
     async def main() -> None:
-        b = await world.broker()
+        b = await world.broker(_FlakyBroker, linger_ms=0)
         try:
             b.fail = {1}
             keys = [f"key-{i}".encode() for i in range(30)]
@@ -411,9 +361,9 @@ def test_a_failed_bucket_alone_is_retried_and_the_cursor_waits_for_it(world: _Wo
     asyncio.run(main())
 
 
-def test_a_cursor_behind_retention_skips_to_the_oldest_offset_and_counts_the_loss(world: _World) -> None:
+def test_a_cursor_behind_retention_skips_to_the_oldest_offset_and_counts_the_loss(world: World) -> None:
     async def main() -> None:
-        b = await world.broker()
+        b = await world.broker(_FlakyBroker, linger_ms=0)
         try:
             b.fail = {0, 1, 2}
             await b.commit_local("par", "00000000000000a1", 1, [(None, 0, f"a{i}".encode()) for i in range(10)])

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,17 +30,12 @@ import pytest
 from narad import metrics
 from narad.broker import fanout as FO
 from narad.broker.broker import Broker
-from narad.broker.fanout import FanoutSettings
 from narad.broker.partition import Partition
-from narad.broker.peers import PeerLinks
 from narad.meta import commands as C
-from narad.meta import requests as Q
-from narad.meta import versions as V
-from narad.meta.fsm import FSM
 from narad.meta.records import TopicRecord
-from narad.meta.store import MetaStore
 from narad.storage import cursor_file as CF
 from narad.storage import partition_log as PL
+from tests.fanout_world import World
 
 PAR, PAR_ID = "par", "00000000000000b1"
 KID, KID_ID = "kid", "00000000000000b2"
@@ -69,59 +63,16 @@ class _Broker(Broker):
         return p
 
 
-class _World:
-    def __init__(self, tmp: Path) -> None:
-        self.versions = V.VersionTable.create(f"/narad-fo-rev-{os.getpid()}-{time.monotonic_ns()}")
-        self.fsm = FSM(tmp / "fsm", on_commit=lambda touched, _i: self.versions.bump(touched))
-        self.store = MetaStore(tmp / "fsm", self.versions, fsm=self.fsm)
-        self.index = 0
-        self.tmp = tmp
-
-    def apply(self, payload: Any) -> None:
-        self.index += 1
-        res = self.fsm.apply(self.index, C.encode(payload, request_id="", stamp_ms=1000 + self.index))
-        self.fsm.commit()
-        assert res.ok, res
-
-    def topic(self, name: str) -> TopicRecord:
-        t = self.store.topic(name)
-        assert t is not None
-        return t
-
-    async def broker(self, **settings: Any) -> _Broker:
-        async def caught_up() -> bool:
-            return True
-
-        async def confirm(req: Q.ConfirmEpochReq) -> Q.ConfirmEpochResp:
-            c = self.store.topic(req.child)
-            return Q.ConfirmEpochResp(c is not None and c.id == req.child_id and c.attach_epoch == req.epoch
-                                      and c.parent == req.parent and c.parent_id == req.parent_id)
-
-        async def gone(_t: str, _i: str) -> bool:
-            return False
-
-        b = _Broker(data_dir=self.tmp / "data", store=self.store, versions=self.versions, index=0, workers=1,
-                    links=PeerLinks(self.tmp, 0, 1), confirm_gone=gone, node_id="n1", caught_up=caught_up,
-                    confirm_epoch=confirm, fanout=FanoutSettings(**settings))
-        self.versions.store(V.READY, 1)
-        await b.start()
-        return b
-
-    def close(self) -> None:
-        self.fsm.close()
-        self.versions.close(unlink=True)
-
-
 def _record(name: str, tid: str, partitions: int = 1) -> TopicRecord:
     return TopicRecord(name=name, id=tid, partitions=partitions, retention_ms=0, visibility_timeout_ms=30000,
                        max_in_flight_per_partition=1024, max_acked_ahead_per_partition=1024, created_at=1)
 
 
 @pytest.fixture
-def world(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[_World]:
+def world(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[World]:
     monkeypatch.setattr(FO, "RECONCILE_EVERY", 0.05)
     monkeypatch.setattr(FO, "RETRY_BACKOFF", 0.05)
-    w = _World(tmp_path)
+    w = World(tmp_path)
     w.apply(C.CreateTopic(_record(PAR, PAR_ID)))
     w.apply(C.CreateTopic(_record(KID, KID_ID)))
     try:
@@ -130,7 +81,7 @@ def world(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[_World]:
         w.close()
 
 
-def _attach(w: _World, offsets: list[int] | None = None) -> None:
+def _attach(w: World, offsets: list[int] | None = None) -> None:
     w.apply(C.AttachChildCas(PAR, PAR_ID, KID, KID_ID, 0, EPOCH, offsets or [0]))
 
 
@@ -138,7 +89,7 @@ def _spec(start: int = 0) -> FO.LinkSpec:
     return FO.LinkSpec(PAR, PAR_ID, 0, KID, KID_ID, EPOCH, 0, start)
 
 
-def _cursor_file(w: _World) -> CF.CursorFile:
+def _cursor_file(w: World) -> CF.CursorFile:
     return CF.CursorFile(FO.partition_dir(w.tmp / "data", PAR, PAR_ID, 0), KID)
 
 
@@ -153,13 +104,13 @@ def _dropped() -> float:
     return float(metrics.get().fanout_dropped.labels(PAR, KID).value)
 
 
-def test_a_log_closed_under_a_read_is_an_error_not_a_record_lost(world: _World, monkeypatch: pytest.MonkeyPatch
+def test_a_log_closed_under_a_read_is_an_error_not_a_record_lost(world: World, monkeypatch: pytest.MonkeyPatch
                                                                   ) -> None:
     """The eviction's I/O thread closes the log's descriptors while the loop reads
     it: the pread of a reused number gives bytes that fail the CRC. The record is
     intact on disk; counting it lost and moving the cursor past it loses a copy."""
     async def main() -> None:
-        b = await world.broker(linger_ms=0)
+        b = await world.broker(_Broker, linger_ms=0)
         try:
             await b.commit_local(PAR, PAR_ID, 0, [(None, 0, f"r{i}".encode()) for i in range(10)])
             p = await b.partition(world.topic(PAR), 0)
@@ -206,12 +157,12 @@ def test_a_log_closed_under_a_read_is_an_error_not_a_record_lost(world: _World, 
     asyncio.run(main())
 
 
-def test_a_file_past_the_log_end_is_caught_when_the_log_closed_meanwhile(world: _World) -> None:
+def test_a_file_past_the_log_end_is_caught_when_the_log_closed_meanwhile(world: World) -> None:
     """A cursor file ahead of the parent log (damage, a restored disk) resumes at the
     log's end, never past records committed later at those offsets; the check held
     only while the log stayed open across the file read."""
     async def main() -> None:
-        b = await world.broker(linger_ms=0)
+        b = await world.broker(_Broker, linger_ms=0)
         try:
             await b.commit_local(PAR, PAR_ID, 0, [(None, 0, f"r{i}".encode()) for i in range(10)])
             d = FO.partition_dir(world.tmp / "data", PAR, PAR_ID, 0)
@@ -229,7 +180,7 @@ def test_a_file_past_the_log_end_is_caught_when_the_log_closed_meanwhile(world: 
     asyncio.run(main())
 
 
-def test_a_slab_is_read_in_steps_that_yield_the_loop(world: _World, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_slab_is_read_in_steps_that_yield_the_loop(world: World, monkeypatch: pytest.MonkeyPatch) -> None:
     """A catching-up cursor reads its slab (up to 4,096 records / 4 MiB) in steps,
     giving the event loop back between them; every record still arrives once."""
     calls: list[int] = []
@@ -245,7 +196,7 @@ def test_a_slab_is_read_in_steps_that_yield_the_loop(world: _World, monkeypatch:
     monkeypatch.setattr(PL.PartitionLog, "read_batch", counting)
 
     async def main() -> None:
-        b = await world.broker(linger_ms=0)
+        b = await world.broker(_Broker, linger_ms=0)
         try:
             for _ in range(8):
                 await b.commit_local(PAR, PAR_ID, 0, [(None, 0, b"x" * 64) for _ in range(500)])
@@ -275,10 +226,10 @@ def test_a_slab_is_read_in_steps_that_yield_the_loop(world: _World, monkeypatch:
     asyncio.run(main())
 
 
-def test_a_cursor_failing_at_every_start_does_not_log_each_start(world: _World,
+def test_a_cursor_failing_at_every_start_does_not_log_each_start(world: World,
                                                                  caplog: pytest.LogCaptureFixture) -> None:
     async def main() -> None:
-        b = await world.broker(linger_ms=0)
+        b = await world.broker(_Broker, linger_ms=0)
         try:
             b.broken_parent = True
             caplog.set_level(logging.INFO, logger="narad.broker.fanout")
@@ -295,14 +246,14 @@ def test_a_cursor_failing_at_every_start_does_not_log_each_start(world: _World,
     asyncio.run(main())
 
 
-def test_an_idle_delay_cursor_with_a_large_backlog_costs_no_cpu(world: _World) -> None:
+def test_an_idle_delay_cursor_with_a_large_backlog_costs_no_cpu(world: World) -> None:
     """The delay gate stops at the first record not due and sleeps until it is: an idle
     delay cursor costs O(1) whatever its backlog (measured: the whole process over 2 s;
     a cursor re-reading its backlog would keep a core busy, a 1 ms re-read loop ~7%)."""
     import psutil
 
     async def main() -> None:
-        b = await world.broker(linger_ms=0)
+        b = await world.broker(_Broker, linger_ms=0)
         try:
             for _ in range(10):
                 await b.commit_local(PAR, PAR_ID, 0, [(None, 0, b"x" * 100) for _ in range(1000)])
@@ -324,7 +275,7 @@ def test_an_idle_delay_cursor_with_a_large_backlog_costs_no_cpu(world: _World) -
 
 
 def test_a_corrupt_cursor_file_that_cannot_be_replaced_is_logged_twice_a_minute(
-        world: _World, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+        world: World, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     """A corrupt file whose re-anchor fails (a full disk) fails the cursor at every
     start: the error naming the corrupt file came once a second, per cursor."""
     anchors = 0
@@ -335,7 +286,7 @@ def test_a_corrupt_cursor_file_that_cannot_be_replaced_is_logged_twice_a_minute(
         raise OSError(28, "injected: no space left on device")
 
     async def main() -> None:
-        b = await world.broker(linger_ms=0)
+        b = await world.broker(_Broker, linger_ms=0)
         try:
             p = await b.partition(world.topic(PAR), 0)  # its directory exists from the open on
             (p.log.dir / CF.file_name(KID)).write_bytes(b"x" * CF.SIZE)  # fails its checks
@@ -352,7 +303,7 @@ def test_a_corrupt_cursor_file_that_cannot_be_replaced_is_logged_twice_a_minute(
 
 
 def test_a_run_of_unreadable_records_is_skipped_without_waiting_for_a_commit(
-        world: _World, monkeypatch: pytest.MonkeyPatch) -> None:
+        world: World, monkeypatch: pytest.MonkeyPatch) -> None:
     """A damaged frame is skipped whole (counted lost), read from disk once: each of its
     offsets re-read and re-checked the whole frame, on the event loop, and a whole
     damaged run went in one call. A step that met only unreadable records reads on
@@ -371,7 +322,7 @@ def test_a_run_of_unreadable_records_is_skipped_without_waiting_for_a_commit(
 
     async def main() -> None:
         nonlocal frame_reads
-        b = await world.broker(linger_ms=0)
+        b = await world.broker(_Broker, linger_ms=0)
         try:
             await b.commit_local(PAR, PAR_ID, 0, [(None, 0, b"d" * 32) for _ in range(600)])
             await b.commit_local(PAR, PAR_ID, 0, [(None, 0, f"ok{i}".encode()) for i in range(5)])

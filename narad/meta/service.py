@@ -333,13 +333,7 @@ class MetaService:
             await self._leader_view()
             if self.request_applied():
                 return self._read_topic(name)  # this very request created it before a leader change
-            with self.store.read() as r:
-                if r.topic(name) is not None:
-                    raise Conflict(f'topic "{name}" already exists')
-                clash = r.topic_clash(name)
-                if clash is not None:
-                    raise Conflict(f'topic "{name}" clashes with existing topic "{clash}" '
-                                   "(names are unique regardless of letter case)")
+            self._name_free(name)
             rec = TopicRecord(
                 name=name, id=secrets.token_hex(8), partitions=parts, retention_ms=retention,
                 visibility_timeout_ms=vis, max_in_flight_per_partition=inflight,
@@ -358,6 +352,16 @@ class MetaService:
             self._check(res, "topic")
             audit.info("topic created", extra={"topic": name, "id": rec.id, "by": req.who.name, "outcome": "ok"})
             return self._read_topic(name)
+
+    def _name_free(self, name: str) -> None:
+        """409 unless no topic holds `name`, in any letter case."""
+        with self.store.read() as r:
+            if r.topic(name) is not None:
+                raise Conflict(f'topic "{name}" already exists')
+            clash = r.topic_clash(name)
+        if clash is not None:
+            raise Conflict(f'topic "{name}" clashes with existing topic "{clash}" '
+                           "(names are unique regardless of letter case)")
 
     def _read_topic(self, name: str) -> TopicRecord:
         with self.store.read() as r:
@@ -435,13 +439,7 @@ class MetaService:
             for attempt in (1, 2):
                 par = self._read_topic(parent)
                 self._may_manage(req.who, user, par)
-                with self.store.read() as r:
-                    if r.topic(name) is not None:
-                        raise Conflict(f'topic "{name}" already exists')
-                    clash = r.topic_clash(name)
-                    if clash is not None:
-                        raise Conflict(f'topic "{name}" clashes with existing topic "{clash}" '
-                                       "(names are unique regardless of letter case)")
+                self._name_free(name)
                 self._require_type(C.EntryType.CREATE_TOPIC_CHECKED, "creating a topic as a child")
                 rec = TopicRecord(
                     name=name, id=secrets.token_hex(8), partitions=parts or par.partitions, retention_ms=retention,

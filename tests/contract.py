@@ -34,6 +34,7 @@ import contextlib
 import http.client
 import itertools
 import json
+import os
 import threading
 import time
 import weakref
@@ -180,6 +181,22 @@ class History:
     def snapshot(self) -> tuple[list[Produce], list[Delivery], list[Settle], list[Fault]]:
         with self.lock:
             return list(self.produces), list(self.deliveries), list(self.settles), list(self.faults)
+
+    def trail(self, mid: str) -> list[str]:
+        """What happened to one message, in time order (ms since the run began): for
+        the failure message of a test, so a lost message says where it went."""
+        ps, ds, ss, _ = self.snapshot()
+        ms = lambda t: f"{(t - self.start_ns) / 1e6:9.1f}"  # noqa: E731
+        out = [(p.call, f"{ms(p.call)} produce -> {p.status} via {p.node}") for p in ps if mid in p.ids]
+        handles = {}
+        for d in ds:
+            if d.mid == mid:
+                handles[d.handle] = d
+                out.append((d.ret, f"{ms(d.ret)} delivered p{d.partition} o{d.offset} nonce {d.nonce} via {d.node}"))
+        for s in ss:
+            if s.handle in handles:
+                out.append((s.call, f"{ms(s.call)} {s.kind} {s.handle} -> {s.status} (answered {ms(s.ret)})"))
+        return [line for _, line in sorted(out)]
 
 
 @dataclass
@@ -691,9 +708,18 @@ class Traffic:
         self.finish_producing()
         end = time.monotonic() + timeout
         empty = False
+        debug = bool(os.environ.get("NARAD_TEST_DRAIN_DEBUG"))
+        next_debug = time.monotonic() + 5
         try:
             while time.monotonic() < end:
                 left = self.h.unacked()
+                if debug and time.monotonic() >= next_debug:
+                    next_debug += 5
+                    state = broker() if broker is not None else None
+                    print(f"drain {time.strftime('%H:%M:%S')}: unacked {sorted(left)[:5]} broker empty {state}",
+                          flush=True)
+                    for mid in sorted(left)[:2]:
+                        print("  " + "\n  ".join(self.h.trail(mid)), flush=True)
                 if not left:
                     empty = broker() if broker is not None else False
                     if broker is None or empty:

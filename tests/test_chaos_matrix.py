@@ -40,6 +40,14 @@ def verdict(name: str, h: History, tr: Traffic, probe: Node, topic: str, partiti
     empty = tr.drain(broker_empty(probe, topic, partitions), timeout=150)
     v = check(h, mode, broker_empty=empty)
     print("\n" + v.summary(name) + f"\n{name}: client-side errors {tr.errors}")
+    if not empty or not v.ok:
+        for mid in sorted(h.unacked())[:5]:
+            print(f"{mid}:\n  " + "\n  ".join(h.trail(mid)))
+        try:
+            r = probe.get(f"/v1/topics/{topic}")
+            print(f"{topic} partition_stats: {r.json().get('partition_stats') if r.status == 200 else r.status}")
+        except OSError as e:
+            print(f"{topic}: stats unavailable ({e})")
     assert empty, f"{name}: some partition still holds an unacked message (or its owner is unavailable)"
     assert v.ok, v.summary(name)
     return v

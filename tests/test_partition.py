@@ -61,3 +61,31 @@ def test_frontier_jumps_past_offsets_deleted_by_retention(tmp_path: Path) -> Non
     got = p.reserve(1.0, 1, 30.0, 1024, 1024)
     assert got[0].offset == oldest  # never the deleted ones
     assert p.committed == oldest - 1 and p.dropped == oldest
+
+
+def test_a_read_refused_mid_reserve_keeps_the_offset_deliverable(tmp_path: Path) -> None:
+    """A read that says the log is closing (or the record not yet visible) gives the
+    lease back: the offset must come out of the next reserve, both when it came from
+    the cursor and when it came from the redelivery heap (it used to be dropped from
+    both, stranded until a restart)."""
+    from narad.storage.partition_log import LogClosed
+
+    p = _partition(tmp_path, 2)
+    real = p.log.read
+    fail = {"left": 1}
+
+    def flaky(off: int):  # type: ignore[no-untyped-def]
+        if fail["left"]:
+            fail["left"] -= 1
+            raise LogClosed(off)
+        return real(off)
+
+    p.log.read = flaky  # type: ignore[method-assign]
+    assert p.reserve(100.0, 1, 30.0, 1024, 1024) == []  # from the cursor: refused
+    d = p.reserve(100.0, 1, 30.0, 1024, 1024)
+    assert [x.offset for x in d] == [0]
+    assert p.nack(0, d[0].nonce, 100.5)
+    fail["left"] = 1
+    assert p.reserve(101.0, 1, 30.0, 1024, 1024) == []  # from the redelivery heap: refused
+    again = p.reserve(101.0, 2, 30.0, 1024, 1024)
+    assert [x.offset for x in again] == [0, 1]

@@ -180,8 +180,10 @@ class Partition:
                 continue
             except (LogClosed, NotVisible):
                 # Closing (delete, recreate, shutdown): give the lease back, never
-                # mistake the retired log for a gap.
+                # mistake the retired log for a gap. The offset was taken off the
+                # redelivery heap (or the cursor moved past it) above: put it back.
                 del self.leases[off]
+                heapq.heappush(self._redeliver, off)
                 break
             heapq.heappush(self._expiry, (expiry, off, nonce))
             out.append(make(self.index, off, nonce, rec))

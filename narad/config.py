@@ -94,6 +94,9 @@ class HttpConfig:
         "NARAD_HTTP_MAX_PRODUCE_IN_FLIGHT_PER_IDENTITY")
     metrics_unauthenticated: bool = _s(False, "Serve /metrics without credentials.",
                                        "NARAD_HTTP_METRICS_UNAUTHENTICATED")
+    metrics_addr: str = _s("", "host:port of a separate metrics listener (/metrics, /healthz, /readyz; no auth); "
+                           "when set, the API port answers /metrics with 404. Empty: metrics on the API port.",
+                           "NARAD_HTTP_METRICS_ADDR")
     debug_headers: bool = _s(False, "Add X-Narad-Node and X-Narad-Worker to every response (debugging).",
                              "NARAD_HTTP_DEBUG_HEADERS")
 

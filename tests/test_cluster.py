@@ -115,7 +115,7 @@ def test_produce_anywhere_consume_and_ack_elsewhere(cluster: Cluster) -> None:
     assert cluster[a].post("/v1/topics", {"name": "crossing", "partitions": 6}).status == 201
     wait_for(lambda: cluster[b].get("/v1/topics/crossing").status == 200)
     stats = cluster[a].get("/v1/topics/crossing").json()["partition_stats"]
-    on_c = [p["partition"] for p in stats if p["owner_node"] == c]
+    on_c = [p["index"] for p in stats if p["owner_node"] == c]
     assert on_c
     h = History(30.0)
     for i in range(20):
@@ -151,7 +151,7 @@ def test_long_poll_on_one_node_wakes_for_a_produce_on_another(cluster: Cluster) 
     t.start()
     cluster[b].wait_parked(1)
     stats = cluster[a].get("/v1/topics/wake-remote").json()["partition_stats"]
-    not_b = next(p["partition"] for p in stats if p["owner_node"] != b)
+    not_b = next(p["index"] for p in stats if p["owner_node"] != b)
     assert produce(cluster[a], "wake-remote", b"hello", f"?partition={not_b}") == 202
     t.join(15)
     assert out["status"] == 200 and out["seconds"] < 5, out
@@ -217,7 +217,7 @@ def test_quorum_loss_answers_503_in_time_while_live_owners_keep_serving(cluster:
     assert cluster[a].post("/v1/topics", {"name": "quorum", "partitions": 6}).status == 201
     wait_for(lambda: all(cluster[n].get("/v1/topics/quorum").status == 200 for n in (a, b, c)))
     stats = cluster[a].get("/v1/topics/quorum").json()["partition_stats"]
-    on_a = [p["partition"] for p in stats if p["owner_node"] == a]
+    on_a = [p["index"] for p in stats if p["owner_node"] == a]
     h = History(30.0)
     down = h.begin_fault(f"kill -9 of {b} and {c} (quorum lost) until they are ready again")
     cluster[b].kill9()
@@ -342,7 +342,7 @@ def test_silent_member_is_marked_dead_its_partitions_reroute_and_it_comes_back(t
         assert c[leader].post("/v1/topics", {"name": "dead", "partitions": 3}).status == 201
         wait_for(lambda: all(c[n].get("/v1/topics/dead").status == 200 for n in c.initial))
         stats = c[leader].get("/v1/topics/dead").json()["partition_stats"]
-        on_b = next(p["partition"] for p in stats if p["owner_node"] == b)
+        on_b = next(p["index"] for p in stats if p["owner_node"] == b)
         h = History(30.0)
         down = h.begin_fault(f"kill -9 of {b} until it is alive again")
         c[b].kill9()
@@ -357,7 +357,7 @@ def test_silent_member_is_marked_dead_its_partitions_reroute_and_it_comes_back(t
         wait_for(lambda: status_of(b, a) == "dead", 10)
         # Not reassigned: the dead member still owns its partitions on record.
         stats = c[a].get("/v1/topics/dead").json()["partition_stats"]
-        assert next(p["owner_node"] for p in stats if p["partition"] == on_b) == b
+        assert next(p["owner_node"] for p in stats if p["index"] == on_b) == b
         # A produce pinned to the dead owner's partition is accepted (WAL) and rerouted at once
         # (no 3 s grace for a dead owner) to a live sibling, where it is consumed.
         assert produce(c[a], "dead", b"to-the-dead", f"?partition={on_b}", h) == 202

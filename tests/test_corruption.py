@@ -373,7 +373,7 @@ def test_corrupt_follower_raft_log_cluster_loses_nothing(tmp_path: Path) -> None
         sent = produce_known(c[healthy[0]], "c", SALT[0], count=60)
         wait_for(lambda: committed(ln, "c") == 60, 30, what="every record committed")
         desc = ln.get("/v1/topics/c").json()
-        on_healthy = {s["partition"] for s in desc["partition_stats"] if s["owner_node"] in healthy}
+        on_healthy = {s["index"] for s in desc["partition_stats"] if s["owner_node"] in healthy}
         victim = c[victim_id]
         victim.kill9()
         damage(victim.data_dir / "metastore" / "raft" / "log", rnd, "flip")
@@ -387,7 +387,7 @@ def test_corrupt_follower_raft_log_cluster_loses_nothing(tmp_path: Path) -> None
         got = consume_all(c[healthy[0]], "c", quiet_s=3.0)
         seen = {m["payload"] for m in got}
         assert seen <= set(sent), "fabricated payloads"
-        hwm = {s["partition"]: s["high_watermark"] for s in desc["partition_stats"]}
+        hwm = {s["index"]: s["high_watermark"] for s in desc["partition_stats"]}
         for p in on_healthy:
             offs = {m["offset"] for m in got if m["partition"] == p}
             assert offs >= set(range(hwm[p])), f"partition {p} on a healthy node lost records"

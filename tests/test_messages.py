@@ -486,7 +486,7 @@ def test_acks_survive_graceful_restart_and_kill9(tmp_path: Path) -> None:
             assert produce_recorded(h, str(i), n, "persist", str(i).encode()).status == 202
         second = {m["payload"] for m in drain(n, "persist", wait="500ms", idle_rounds=1, h=h)}
         assert len(second) == 20
-        hwms = {s["partition"]: s["high_watermark"] for s in n.get("/v1/topics/persist").json()["partition_stats"]}
+        hwms = {s["index"]: s["high_watermark"] for s in n.get("/v1/topics/persist").json()["partition_stats"]}
         wait_for(lambda: _window_frontiers(n.data_dir, "persist") == {p: hw - 1 for p, hw in hwms.items()},
                  what="acks written to the offset window")
         with h.fault("kill -9 and restart"):

@@ -142,7 +142,7 @@ def test_every_call_round_trips(node: Node) -> None:
             d = await c.describe_topic("sdk-rt")
             assert d.name == "sdk-rt" and len(d.partition_stats) == 3 and not d.partial
             assert sum(s.high_watermark for s in d.partition_stats) == 9
-            assert (await c.describe_topic("sdk-rt", partition=1)).partition_stats[0].partition == 1
+            assert (await c.describe_topic("sdk-rt", partition=1)).partition_stats[0].index == 1
             for name in ("sdk-page-a", "sdk-page-b", "sdk-page-c"):
                 await c.create_topic(name)
             page = await c.list_topics(limit=1, page_token="sdk-page-a")

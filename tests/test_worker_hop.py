@@ -57,7 +57,7 @@ def mk(node: Node, name: str) -> None:
 
 def hwms(node: Node, name: str) -> dict[int, int]:
     stats = node.get(f"/v1/topics/{name}").json()["partition_stats"]
-    return {s["partition"]: s["high_watermark"] for s in stats}
+    return {s["index"]: s["high_watermark"] for s in stats}
 
 
 def test_keyless_produce_is_committed_at_its_own_workers_partitions(node: Node) -> None:

@@ -12,12 +12,15 @@ from narad.api.auth import csrf_ok, guard_415
 from narad.api.context import ApiContext
 from narad.api.messages import MessagesAPI
 from narad.api.ops import OpsAPI
-from narad.api.router import Request, RoutedApp, Router
+from narad.api.router import Request, RoutedApp, Router, first_segment
 from narad.api.topics import TopicsAPI
 from narad.api.users import UsersAPI
 from narad.meta.grants import Identity
 
-OPEN_PATHS = frozenset(("/healthz", "/readyz"))
+OPEN_PATHS = frozenset(("/healthz", "/readyz", "/v1/openapi.json"))
+# The routes answered without credentials (the API description holds no data).
+OPEN_ROUTES = frozenset(f"GET {p}" for p in OPEN_PATHS)
+METRICS_ROUTE = "GET /metrics"
 
 
 class _Observer:
@@ -45,9 +48,16 @@ def build_app(ctx: ApiContext) -> RoutedApp:
     OpsAPI(ctx).register(router)
     metrics_open = ctx.cfg.http.metrics_unauthenticated
 
+    def open_request(req: Request) -> bool:
+        # No credentials needed: the open routes, and a path outside /v1 that is not
+        # /metrics (its 404 or 405 comes before any auth check, as Narad's).
+        route = req.route
+        if route:
+            return route in OPEN_ROUTES or (route == METRICS_ROUTE and metrics_open)
+        return first_segment(req) not in ("v1", "metrics")
+
     async def before(req: Request) -> None:
-        path = req.path
-        if path in OPEN_PATHS or (path == "/metrics" and metrics_open):
+        if open_request(req):
             req.identity = Identity(None, security=False)
             return
         req.identity = await ctx.auth.identify(req)

@@ -1,5 +1,6 @@
-"""Operational routes: /healthz, /readyz, /metrics, /v1/cluster/members and
-POST /v1/cluster/members/{id}/forget.
+"""Operational routes: /healthz, /readyz, /metrics, /v1/cluster/members,
+POST /v1/cluster/members/{id}/forget and GET /v1/openapi.json (the API
+description, narad/api/openapi.json, served as stored, without credentials).
 
 /healthz and /readyz need no credentials and answer from shared memory at
 request time. First the heartbeats (``narad.meta.versions``): a process
@@ -9,20 +10,51 @@ thread ...``, ``fork server ...``); a silent supervisor or Raft tick thread
 makes /healthz (liveness) 503 too, since the node cannot heal itself then,
 while a silent worker or fork server is restarted by the supervisor. Then
 the readiness the supervisor publishes (Raft leader known and heard from,
-replica caught up, startup reconcile done). /metrics merges every process.
+replica caught up, startup reconcile done). /metrics merges every process; when
+``http.metrics_addr`` is set the series are served there and this port's
+/metrics answers 404 (after the credential check, as Narad's).
 
 Imports narad.api.{context,router}, narad.meta, narad.metrics, narad.errors.
 """
 
 from __future__ import annotations
 
+from importlib import resources
+from typing import Any
+
+import msgspec
+
 from narad import metrics
 from narad.api.context import ApiContext, query_bool
 from narad.api.router import Request, Response, Router, json_response
-from narad.errors import Forbidden
+from narad.errors import Forbidden, NotFound
 from narad.meta import grants as G
 from narad.meta import requests as Q
 from narad.meta import versions as V
+
+_OPENAPI: bytes | None = None
+
+
+def openapi_document() -> bytes:
+    """narad/api/openapi.json (package data), read once."""
+    global _OPENAPI
+    if _OPENAPI is None:
+        _OPENAPI = resources.files("narad.api").joinpath("openapi.json").read_bytes()
+    return _OPENAPI
+
+
+def member_json(m: Q.MemberView, detail: bool) -> dict[str, Any]:
+    """Narad's member row: ``heartbeat_age_seconds`` in whole seconds; with ``detail``
+    the member's ``node_status``, from this node's replica. This node does not move
+    partitions, quarantine copies or count produce requests in flight per node, so
+    those are zero or empty."""
+    out: dict[str, Any] = msgspec.structs.asdict(m)
+    out["heartbeat_age_seconds"] = int(m.heartbeat_age_seconds)
+    if detail:
+        out["node_status"] = {"node": m.id, "draining": m.draining, "produce_in_flight": 0,
+                              "dispatch_backlog": 0, "quarantine": {"copies": 0, "bytes": 0, "list": []},
+                              "moves": []}
+    return out
 
 
 class OpsAPI:
@@ -35,6 +67,10 @@ class OpsAPI:
         r.add("GET", "/metrics", self.metrics)
         r.add("GET", "/v1/cluster/members", self.members)
         r.add("POST", "/v1/cluster/members/{id}/forget", self.forget)
+        r.add("GET", "/v1/openapi.json", self.openapi)
+
+    async def openapi(self, req: Request) -> Response:
+        return Response(200, openapi_document(), "application/json")
 
     def _silent(self) -> list[tuple[str, float]]:
         return V.not_responding(self.ctx.versions.hb, self.ctx.versions.load(V.WORKERS))
@@ -62,6 +98,8 @@ class OpsAPI:
         """Every process's metrics; per-topic series only for topics the caller may
         read (the listing rule: a grant pattern matching the name, ownership or
         admin). Security off, naradctl and http.metrics_unauthenticated see all."""
+        if self.ctx.cfg.http.metrics_addr:
+            raise NotFound("404 page not found")  # served on the metrics listener instead
         snap = await self.ctx.call(metrics.NodeMetricsReq(), metrics.Snapshot, timeout=5.0)
         families = snap.families
         who: G.Identity = req.identity
@@ -88,6 +126,6 @@ class OpsAPI:
         who: G.Identity = req.identity
         if not who.unrestricted and not G.is_admin(self.ctx.store.user(who.name or "")):
             raise Forbidden("admin privileges required")
-        query_bool(req, "detail")
+        detail = query_bool(req, "detail")
         resp = await self.ctx.call(Q.MembersReq(), Q.MembersResp, timeout=5.0)
-        return json_response(200, resp)
+        return json_response(200, {"members": [member_json(m, detail) for m in resp.members]})

@@ -224,13 +224,22 @@ class RoutedApp:
     async def handle(self, req: Request) -> Response:
         t0 = time.perf_counter()
         try:
-            # Authentication and the 415 guard come before routing: Narad
-            # answers 401, then 415, before a 404 or 405.
+            # The route is looked up first, but a 404 or 405 is answered after ``before``
+            # (authentication, the 415 guard) as Narad does for /v1 (401, then 415, then
+            # 404/405); ``before`` sees ``req.route`` ("" when unmatched) and lets the
+            # requests no credentials can apply to (/healthz, a path outside /v1) through.
+            miss: NaradError | None = None
+            route = None
+            try:
+                route, params = self.router.match(req.method, req.raw_path or req.path)
+                req.params = dict(params)
+                req.route = route.label
+            except NaradError as e:
+                miss = e
             if self.before is not None:
                 await self.before(req)
-            route, params = self.router.match(req.method, req.raw_path or req.path)
-            req.params = dict(params)
-            req.route = route.label
+            if miss is not None or route is None:
+                raise miss or NotFound("404 page not found")
             resp = await route.handler(req)
         except NaradError as e:
             if not req.route:
@@ -292,6 +301,16 @@ class RoutedApp:
 
 
 def _error(e: NaradError) -> Response:
+    """An unknown path and a wrong method answer Narad's (Go's) plain-text bodies;
+    every other error is JSON."""
     if e.status == 404 and e.message == "404 page not found":
         return Response(404, b"404 page not found\n", "text/plain; charset=utf-8")
+    if isinstance(e, MethodNotAllowed):
+        return Response(405, b"Method Not Allowed\n", "text/plain; charset=utf-8", list(e.headers))
     return error_response(e)
+
+
+def first_segment(req: Request) -> str:
+    """The first path segment as the router reads it (percent-decoded after the split)."""
+    seg = (req.raw_path or req.path).strip("/").split("/", 1)[0]
+    return unquote(seg) if "%" in seg else seg

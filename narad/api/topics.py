@@ -296,20 +296,10 @@ class TopicsAPI:
             out["schema"] = msgspec.Raw(schema.schema)
         parts = [only] if only is not None else list(range(t.partitions))
         live = await self.ctx.broker.stats(t, parts) if self.ctx.broker is not None else {}
-        out["partition_stats"] = [self._partition_stats(t, p, assignments.get(p), live.get(p)) for p in parts]
-        out["partial"] = any(s.get("status") == "owner_unavailable" for s in out["partition_stats"])
+        out["partition_stats"] = rows = [partition_stats(t, p, assignments.get(p), live.get(p)) for p in parts]
+        if any(s["status"] == "owner_unavailable" for s in rows):
+            out["partial"] = True  # Narad: present only when true
         return json_response(200, out)
-
-    def _partition_stats(self, t: TopicRecord, p: int, a: AssignmentRecord | None,
-                         live: dict[str, int] | None) -> dict[str, Any]:
-        stats: dict[str, Any] = {"partition": p, "owner_node": a.owner if a and a.topic_id == t.id else ""}
-        if live is not None and a is not None:
-            stats.update(live)
-            return stats
-        stats.update({"high_watermark": 0, "next_offset": 0, "oldest_offset": 0, "committed_offset": -1,
-                      "lag": 0, "in_flight": 0, "acked_ahead": 0, "status": "owner_unavailable",
-                      "owner_liveness": "unassigned" if a is None else "unreachable"})
-        return stats
 
     async def alter(self, req: Request) -> Response:
         name = req.params["topic"]
@@ -425,6 +415,31 @@ class TopicsAPI:
         who: G.Identity = req.identity
         await self.ctx.call(Q.DetachChildReq(who=who, parent=parent_name, child=child_name), Q.Empty)
         return empty(204)
+
+
+# A placeholder row's stats (an owner that did not answer): every key a live row has, zeroed
+# (``oldest_segment_at``, a time, is left out), so a reader never meets a missing key.
+PLACEHOLDER_STATS: dict[str, int] = {"high_watermark": 0, "next_offset": 0, "oldest_offset": 0,
+                                     "committed_offset": -1, "lag": 0, "in_flight": 0, "acked_ahead": 0,
+                                     "segments": 0, "size_bytes": 0}
+
+
+def partition_stats(t: TopicRecord, p: int, a: AssignmentRecord | None, live: dict[str, Any] | None) -> dict[str, Any]:
+    """One ``partition_stats`` row as Narad's: ``index``, ``owner_node``, then what the
+    owner reported (passed through as it is, with ``status: ok`` unless it says
+    otherwise), or a placeholder: the same keys zeroed, ``status: owner_unavailable``
+    and ``owner_liveness``."""
+    row: dict[str, Any] = {"index": p, "owner_node": a.owner if a and a.topic_id == t.id else ""}
+    if live is not None and a is not None:
+        row.update(PLACEHOLDER_STATS)  # a key an older owner does not report yet stays zero
+        row.update(live)
+        row.pop("partition", None)
+        row.setdefault("status", "ok")
+        return row
+    row.update(PLACEHOLDER_STATS)
+    row["status"] = "owner_unavailable"
+    row["owner_liveness"] = "unassigned" if a is None else "unreachable"
+    return row
 
 
 def _check_delay(field: str, value: int) -> None:

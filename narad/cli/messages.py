@@ -199,14 +199,14 @@ def sub(topic: str, peek: bool, partition: int | None, from_: int | None, no_ack
         d = await cl.describe_topic(topic, partition=partition)
         cursors: dict[int, int] = {}
         for row in d.partition_stats:
-            if partition is not None and row.partition != partition:
+            if partition is not None and row.index != partition:
                 continue
             if row.status == "owner_unavailable" and from_ is None:
                 why = row.raw.get("owner_liveness") or "not answering"
-                raise Failure(f"partition {row.partition} of {topic}: its owner {row.owner_node or '(none)'} is "
+                raise Failure(f"partition {row.index} of {topic}: its owner {row.owner_node or '(none)'} is "
                               f"{why}, so its end is unknown; peek a live partition with --partition, or give "
                               "--partition and --from")
-            cursors[row.partition] = from_ if from_ is not None else row.high_watermark
+            cursors[row.index] = from_ if from_ is not None else row.high_watermark
         if not cursors:
             raise Failure(f"no partition {partition} in {topic}" if partition is not None
                           else f"no partition statistics for {topic}")
@@ -273,7 +273,7 @@ def replay(topic: str, partition: int, from_: int | None, to: int | None, raw: b
         start, stop = from_, to
         if start is None or stop is None:
             d = await cl.describe_topic(topic, partition=partition)
-            rows = [r for r in d.partition_stats if r.partition == partition]
+            rows = [r for r in d.partition_stats if r.index == partition]
             if not rows:
                 raise Failure(f"no partition {partition} in {topic}")
             row = rows[0]

@@ -139,7 +139,7 @@ def topic_info(name: str, partition: int | None) -> None:
     c = connect()
     d = call(c, lambda cl: cl.describe_topic(name, partition=partition))
     if d.partial and not json_mode():
-        down = [r.partition for r in d.partition_stats if r.status == "owner_unavailable"]
+        down = [r.index for r in d.partition_stats if r.status == "owner_unavailable"]
         warn(f"partial answer: the owners of partitions {down} did not answer (their rows are zeroed)")
     show(d.raw)
 

@@ -190,10 +190,11 @@ class Topic:
 
 @dataclass(frozen=True, slots=True)
 class PartitionStats:
-    """One row of ``partition_stats``; placeholders (``status == "owner_unavailable"``)
-    carry zeroed numbers that must not be summed."""
+    """One row of ``partition_stats`` (Narad's shape: keyed ``index``); placeholders
+    (``status == "owner_unavailable"``, ``owner_liveness`` says why) carry zeroed
+    numbers that must not be summed. ``oldest_segment_at`` is an RFC 3339 time or None."""
 
-    partition: int
+    index: int
     owner_node: str
     high_watermark: int
     next_offset: int
@@ -203,12 +204,16 @@ class PartitionStats:
     in_flight: int
     acked_ahead: int
     status: str | None
+    segments: int = 0
+    size_bytes: int = 0
+    oldest_segment_at: str | None = None
+    owner_liveness: str | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> PartitionStats:
         return cls(
-            partition=int(d.get("partition", d.get("index", 0))),
+            index=int(d.get("index", 0)),
             owner_node=str(d.get("owner_node", "")),
             high_watermark=int(d.get("high_watermark", 0)),
             next_offset=int(d.get("next_offset", 0)),
@@ -218,6 +223,10 @@ class PartitionStats:
             in_flight=int(d.get("in_flight", 0)),
             acked_ahead=int(d.get("acked_ahead", 0)),
             status=d.get("status"),
+            segments=int(d.get("segments", 0)),
+            size_bytes=int(d.get("size_bytes", 0)),
+            oldest_segment_at=d.get("oldest_segment_at"),
+            owner_liveness=d.get("owner_liveness"),
             raw=d,
         )
 

@@ -27,6 +27,9 @@ test: install lint
 	@# the network-partition chaos test drops a node's packets with iptables (in a namespace it makes)
 	command -v iptables >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iptables) \
 	    || echo "iptables could not be installed: the partition test will skip"
+	@# promtool checks and unit-tests config/monitoring's alert rules (tests/test_monitoring.py)
+	command -v promtool >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus) \
+	    || echo "promtool could not be installed: the promtool tests will skip"
 	@# two processes side by side (pytest-xdist; one file stays in one process, so its
 	@# module-scoped node is shared), then the tests marked serial alone
 	$(BIN)/pytest -q -n 2 --dist loadfile -m "not serial"

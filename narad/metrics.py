@@ -23,9 +23,13 @@ from typing import Any
 import msgspec
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.metrics_core import Metric
+from prometheus_client.process_collector import ProcessCollector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 DEFAULT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 20, 30)
+PART = ("topic", "partition")  # the labels of a partition's series
 
 
 class Family(msgspec.Struct, array_like=True):
@@ -78,6 +82,8 @@ class _Metric:
         self.labelnames = list(labelnames)
         self.buckets = tuple(buckets)
         self.children: dict[tuple[str, ...], Any] = {}
+        if not self.labelnames:
+            self.children[()] = self._new()  # present at zero from the start
 
     def _new(self) -> Any:
         return _Child()
@@ -150,16 +156,25 @@ class _Metrics:
     def __init__(self, reg: Registry) -> None:
         a = reg.add
         self.http_requests = a(Counter("narad_http_requests_total", "HTTP requests", ["route", "method", "status"]))
-        self.http_duration = a(Histogram("narad_http_request_duration_seconds", "HTTP request latency",
-                                         ["route", "method"]))
+        self.http_request_duration = a(Histogram("narad_http_request_duration_seconds", "HTTP request latency",
+                                                 ["route", "method", "status"]))
+        # The two-label shape this histogram had before (route, method), kept off the registry
+        # (never exported) for an observer built without ``HttpObserver``; nothing reads it.
+        self.http_duration = Histogram("narad_http_request_duration_seconds", "unused", ["route", "method"])
         self.http_in_flight = a(Gauge("narad_http_requests_in_flight", "requests being served"))
+        self.http_bytes_in = a(Counter("narad_http_request_bytes_in_total", "request body bytes received",
+                                       ["route"]))
+        self.http_bytes_out = a(Counter("narad_http_response_bytes_out_total", "response body bytes sent",
+                                        ["route"]))
         self.raft_state = a(Gauge("narad_raft_state", "1 for the node's Raft role", ["state"]))
         self.raft_has_leader = a(Gauge("narad_raft_has_leader", "1 when a Raft leader is known"))
         self.raft_term = a(Gauge("narad_raft_term", "Raft term"))
         self.raft_commit = a(Gauge("narad_raft_commit_index", "Raft commit index"))
         self.raft_applied = a(Gauge("narad_raft_applied_index", "index applied to the metastore"))
         self.topics_total = a(Gauge("narad_topics_total", "topics in the cluster"))
-        self.meta_write_seconds = a(Histogram("narad_metastore_write_seconds", "metadata write latency", ["op"]))
+        self.meta_write_seconds = a(Histogram("narad_metastore_write_seconds",
+                                              "metadata writes: proposal to local commit (the leader's or a "
+                                              "follower's forwarded write), by operation", ["op"]))
         self.worker_restarts = a(Counter("narad_worker_restarts_total", "worker processes restarted"))
         self.workers_alive = a(Gauge("narad_workers_alive", "worker processes running"))
         self.worker_stuck_restarts = a(Counter("narad_worker_stuck_restarts_total",
@@ -176,12 +191,20 @@ class _Metrics:
                                  "size of the metastore database file (a snapshot needs this much free disk)"))
         self.raft_log_entries = a(Gauge("narad_raft_log_entries", "entries in the Raft log since the last snapshot"))
         self.ready = a(Gauge("narad_ready", "1 when /readyz answers ready"))
-        self.messages_produced = a(Counter("narad_messages_produced_total", "messages committed at their owner",
-                                           ["topic"]))
+        self.messages_produced = a(Counter("narad_messages_produced_total",
+                                           "messages appended to the partition, counted at its owner",
+                                           PART))
+        self.bytes_produced = a(Counter("narad_bytes_produced_total", "payload bytes appended, at the owner", PART))
         self.messages_accepted = a(Counter("narad_messages_accepted_total", "messages made durable in the WAL (202)",
                                            ["topic"]))
-        self.messages_consumed = a(Counter("narad_messages_consumed_total", "deliveries to queue consumers",
-                                           ["topic"]))
+        self.messages_consumed = a(Counter("narad_messages_consumed_total",
+                                           "deliveries to queue consumers (redeliveries count again; replays "
+                                           "do not), counted at the worker answering the consume", PART))
+        self.bytes_consumed = a(Counter("narad_bytes_consumed_total", "payload bytes delivered to queue consumers",
+                                        PART))
+        self.consume_wait = a(Histogram("narad_consume_wait_seconds",
+                                        "how long a consume waited (outcome hit, timeout, cancelled, no_wait)",
+                                        ["topic", "outcome"], buckets=WAIT_BUCKETS))
         self.produce_rejections = a(Counter("narad_produce_rejections_total", "produces refused before storage",
                                             ["topic", "reason"]))
         self.ack_extended = a(Counter("narad_ack_extended_total", "lease extensions", ["topic"]))
@@ -192,9 +215,39 @@ class _Metrics:
         self.dispatch_backlog = a(Gauge("narad_ingress_dispatch_backlog_records",
                                         "accepted records not yet confirmed at their owner"))
         self.retention_deleted = a(Counter("narad_storage_retention_messages_deleted_total",
-                                           "messages deleted by retention", ["topic"]))
-        self.node_rpc_calls = a(Counter("narad_node_rpc_calls_total", "node RPC requests and notes sent, by operation",
-                                        ["op"]))
+                                           "messages deleted by retention", [*PART, "reason"]))
+        self.retention_bytes_deleted = a(Counter("narad_storage_retention_bytes_deleted_total",
+                                                 "segment bytes deleted by retention", [*PART, "reason"]))
+        self.fsync_seconds = a(Histogram("narad_storage_fsync_duration_seconds",
+                                         "partition commit fdatasync time", PART))
+        # Partition gauges: set by the owning worker's poller (every 5 s; closed partitions
+        # from their files every 30 s).
+        self.consumer_lag = a(Gauge("narad_consumer_lag_messages", "high watermark minus the committed frontier",
+                                    PART))
+        self.oldest_unconsumed = a(Gauge("narad_oldest_unconsumed_message_age_seconds",
+                                         "age of the oldest message not acked yet (0 when none)", PART))
+        self.inflight_size = a(Gauge("narad_inflight_size", "leases out", PART))
+        self.acked_ahead_size = a(Gauge("narad_acked_ahead_size", "acks held above the frontier", PART))
+        self.partition_bytes = a(Gauge("narad_partition_size_bytes", "bytes of the partition's segments", PART))
+        self.segments = a(Gauge("narad_segments", "segment files of the partition", PART))
+        self.topic_bytes = a(Gauge("narad_topic_bytes", "bytes of the topic's segments on this node", ["topic"]))
+        self.partitions_total = a(Gauge("narad_partitions_total", "partitions this node owns"))
+        self.corrupt_skipped = a(Counter("narad_consumer_corrupt_skipped_total",
+                                         "unreadable records the frontier skipped (loss)", PART))
+        self.data_dir_size = a(Gauge("narad_data_dir_size_bytes", "bytes used by the data directory"))
+        self.data_dir_available = a(Gauge("narad_data_dir_available_bytes",
+                                          "bytes free for this process on the data directory's filesystem"))
+        self.poller_last_success = a(Gauge("narad_poller_last_success_timestamp_seconds",
+                                           "when a metrics poller last finished a pass (unix seconds)", ["loop"]))
+        self.boot_duration = a(Gauge("narad_boot_duration_seconds",
+                                     "seconds from process start to the node being ready the first time"))
+        self.build_info = a(Gauge("narad_build_info", "1, labelled with this build", ["version", "python"]))
+        self.auth_verify_queued = a(Gauge("narad_auth_verify_queued", "bcrypt checks queued or running"))
+        self.member_heartbeat_failures = a(Counter("narad_member_heartbeat_failures",
+                                                   "member heartbeats that could not be written"))
+        self.cluster_rpc = a(Counter("narad_cluster_rpc_requests_total",
+                                     "node-to-node calls sent, by operation and outcome (ok, rejected, failed, "
+                                     "timeout, error); notes count as ok when sent", ["op", "outcome"]))
         self.node_rpc_served = a(Counter("narad_node_rpc_served_total", "node RPC requests and notes handled",
                                          ["op"]))
         self.schema_seconds = a(Histogram("narad_schema_validation_seconds",
@@ -203,9 +256,9 @@ class _Metrics:
                                         "validation-thread slots in use"))
         self.schema_rejections = a(Counter("narad_schema_rejections_total", "why a schema check refused",
                                            ["reason"]))
-        self.consumer_dropped = a(Counter("narad_consumer_dropped_messages_total",
-                                          "messages the frontier passed without an ack (retention, corruption)",
-                                          ["topic"]))
+        self.consumer_dropped = a(Gauge("narad_consumer_dropped_messages",
+                                        "messages the frontier passed without an ack (retention, corruption): "
+                                        "data loss, counted by the owning worker since it started", PART))
         # Fan-out (set by the worker owning the parent partition; labels name topics, not "topic").
         self.fanout_lag = a(Gauge("narad_fanout_lag_messages", "parent high watermark minus the child cursor",
                                   ["parent", "child", "partition"]))
@@ -278,9 +331,16 @@ class _Collector:
 
     def collect(self) -> Iterable[Any]:
         for fam in self.families:
-            if fam.kind == "counter":
-                base = fam.name[:-6] if fam.name.endswith("_total") else fam.name
-                c = CounterMetricFamily(base, fam.help, labels=fam.labelnames)
+            if fam.kind == "counter" and not fam.name.endswith("_total"):
+                # Narad's name has no _total suffix (narad_fanout_child_dropped_messages):
+                # the sample keeps Narad's name; prometheus_client's text format would add
+                # _total to a counter's, so it is typed untyped (rate() works the same).
+                raw = Metric(fam.name, fam.help, "unknown")
+                for labels, vals in fam.samples:
+                    raw.add_sample(fam.name, dict(zip(fam.labelnames, labels, strict=False)), vals[0])
+                yield raw
+            elif fam.kind == "counter":
+                c = CounterMetricFamily(fam.name[:-6], fam.help, labels=fam.labelnames)
                 for labels, vals in fam.samples:
                     c.add_metric(labels, vals[0])
                 yield c
@@ -299,6 +359,66 @@ class _Collector:
                         buckets.append(("+Inf" if bound == math.inf else repr(float(bound)), cum))
                     h.add_metric(labels, buckets, total)
                 yield h
+
+
+def process_families(pids: dict[str, int]) -> list[Family]:
+    """``process_*`` series (prometheus_client's process collector, read from
+    /proc/<pid>) of each named process, labelled ``process``: the supervisor
+    reads them for every process of the node at scrape time, so no process
+    does any work for them between scrapes."""
+    out: dict[str, Family] = {}
+    for name, pid in pids.items():
+        if pid <= 0:
+            continue
+        try:
+            fams = list(ProcessCollector(pid=lambda pid=pid: pid, registry=None).collect())  # type: ignore[misc]
+        except Exception:
+            continue  # the process is gone (or /proc unreadable): no series for it
+        for mf in fams:
+            for smp in mf.samples:
+                fam = out.get(smp.name)
+                if fam is None:
+                    kind = "counter" if mf.type == "counter" else "gauge"
+                    fam = out[smp.name] = Family(smp.name, kind, mf.documentation, ["process"], [], [])
+                fam.samples.append(([name], [float(smp.value)]))
+    return list(out.values())
+
+
+def drop_children(m: _Metric, gone: Callable[[tuple[str, ...]], bool]) -> int:
+    """Remove the children whose label values `gone` accepts (series of topics or
+    partitions that no longer exist); returns how many."""
+    dead = [k for k in m.children if gone(k)]
+    for k in dead:
+        del m.children[k]
+    return len(dead)
+
+
+class HttpObserver:
+    """The request observer of a worker's app (``RoutedApp.observer``): per answered
+    request one dict lookup and four adds (requests, latency by route, method and
+    status, bytes in and out by route) and the in-flight gauge down by one
+    (``narad.worker.http_metrics`` counts it up where a request starts)."""
+
+    def __init__(self) -> None:
+        self.m = get()
+        self.in_flight = self.m.http_in_flight.labels()
+        self._children: dict[tuple[str, str, int], tuple[Any, Any, Any, Any]] = {}
+
+    def observe(self, route: str, method: str, status: int, seconds: float, bytes_in: int, bytes_out: int) -> None:
+        key = (route, method, status)
+        c = self._children.get(key)
+        if c is None:
+            if len(self._children) > 10_000:
+                self._children.clear()
+            m, st = self.m, str(status)
+            c = self._children[key] = (m.http_requests.labels(route, method, st),
+                                       m.http_request_duration.labels(route, method, st),
+                                       m.http_bytes_in.labels(route), m.http_bytes_out.labels(route))
+        c[0].value += 1
+        c[1].observe(seconds)
+        c[2].value += bytes_in
+        c[3].value += bytes_out
+        self.in_flight.value -= 1
 
 
 TOPIC_LABELS = frozenset(("topic", "parent", "child"))  # labels whose values are topic names

@@ -31,7 +31,15 @@ One per worker process, on its event loop. It owns:
   worker owns: a commit wakes their cursors (``_on_visible``), copies go out
   through ``commit_to`` (here, one hop, or node RPC; no WAL: the records are
   durable in the parent's log), and ``fanout_lag`` gathers every owner's
-  cursor positions for the children listing (``FanoutLagReq``).
+  cursor positions for the children listing (``FanoutLagReq``);
+* the metrics of its partitions: per commit the owner adds to the partition's
+  counters (messages, payload bytes, fsync time), per delivered record the
+  answering worker adds to (topic, partition)'s consumed counters (a dict
+  lookup and an add each); the partition gauges (lag, oldest unacked age,
+  in-flight, acked-ahead, size, segments) are set by a poller every 5 s
+  (sooner after a topic change) from memory for open partitions and from
+  their files, at most every 30 s, for closed ones; it also creates every
+  series of an owned partition at zero and drops those of deleted topics.
 
 Imports narad.storage, narad.meta (read side), narad.broker.*, narad.errors.
 """
@@ -55,7 +63,7 @@ from narad import metrics
 from narad.broker import peers as P
 from narad.broker.dispatcher import Dispatcher
 from narad.broker.fanout import FanoutEngine, FanoutSettings
-from narad.broker.partition import Partition, stats_from_disk
+from narad.broker.partition import Partition, finish_stats, stats_from_disk
 from narad.broker.routing import RoundRobin, key_partition, owner_worker
 from narad.errors import BadGateway, Conflict, NaradError, NotFound, Unavailable
 from narad.meta import versions as V
@@ -82,6 +90,9 @@ PROBE_MAX = 1000  # records one coalesced consume probe asks another worker for
 ACK_MAX = 1000  # receipt handles one coalesced AckReq carries
 WATCH_TTL = 1.0  # a node holding our watch token is asked again after this even without a ReadyNote
 STATS_TOPIC_WAIT = 1.6  # a stats request for an incarnation not applied here yet waits this long (callers: 2 s)
+POLL_EVERY = 5.0  # partition gauges refreshed this often
+POLL_MIN_GAP = 1.0  # a topic change brings the next pass forward, never closer than this to the last
+COLD_POLL_EVERY = 30.0  # a closed partition's gauges are read from its files at most this often
 ACK, EXTEND, NACK = 0, 1, 2
 
 
@@ -175,6 +186,12 @@ class Broker:
         self._synced: dict[tuple[str, int], float] = {}
         self._leveled: dict[tuple[str, int], float] = {}
         self.closing = False
+        # metrics: (topic, partition) -> consumed children; (topic, outcome) -> wait child;
+        # closed partitions' gauge rows: key -> (incarnation, when read, row)
+        self._m_cons: dict[tuple[str, int], tuple[Any, Any]] = {}
+        self._m_wait: dict[tuple[str, str], Any] = {}
+        self._cold_rows: dict[tuple[str, int], tuple[str, float, _Row]] = {}
+        self._poll_soon = asyncio.Event()
         self.m = metrics.get()
         reg = metrics.registry()
         self.m_open_logs = _metric(reg, metrics.Gauge, "narad_open_partition_logs", "partition logs open")
@@ -207,7 +224,8 @@ class Broker:
             log.info("ingress WAL replayed for dispatch", extra={"records": replayed, "worker": self.index})
         self._topics_ver = self.versions.load(V.TOPICS)
         loop = self.loop
-        for coro in (self._committer(), self._sweeper(), self._reaper(), self._topic_watch()):
+        for coro in (self._committer(), self._sweeper(), self._reaper(), self._topic_watch(),
+                     self._metrics_poller()):
             self._tasks.append(loop.create_task(coro))
         self.fanout.start()
 
@@ -359,6 +377,9 @@ class Broker:
         self._drained.discard((topic.name, index, topic.id))
         d = topic_dir(self.data_dir, topic.name, topic.id) / f"p{index:05d}"
         p = await self.loop.run_in_executor(self.io, self._open_sync, topic, index, d)
+        lbl = (topic.name, str(index))
+        m = self.m
+        p.meter(m.messages_produced.labels(*lbl), m.bytes_produced.labels(*lbl), m.fsync_seconds.labels(*lbl))
         p.on_visible = self._on_visible
         p.on_released = self._on_released
         p.loop = self.loop
@@ -390,6 +411,8 @@ class Broker:
         self._synced.pop(key, None)
         self._leveled.pop(key, None)
         self._report_dropped(p)
+        # its gauges from memory until the poller reads its files (COLD_POLL_EVERY)
+        self._cold_rows[key] = (p.topic_id, time.monotonic(), _open_row(p))
         fence: asyncio.Future[None] = self.loop.create_future()
         self._closing[key] = fence
         return fence
@@ -425,8 +448,12 @@ class Broker:
     def _report_dropped(self, p: Partition) -> None:
         n = p.dropped - p.dropped_reported
         if n:
-            self.m.consumer_dropped.labels(p.topic).inc(n)
+            self.m.consumer_dropped.labels(p.topic, str(p.index)).inc(n)
             p.dropped_reported = p.dropped
+        n = p.corrupt_skipped - p.corrupt_reported
+        if n:
+            self.m.corrupt_skipped.labels(p.topic, str(p.index)).inc(n)
+            p.corrupt_reported = p.corrupt_skipped
 
     def _idle_lru(self, idle_s: float | None, exclude: tuple[str, int] | None = None) -> list[tuple[tuple[str, int],
                                                                                                    Partition]]:
@@ -522,7 +549,6 @@ class Broker:
             await self.commit_local(topic, topic_id, partition, records)
         else:
             await self.links.call(worker, P.CommitReq(topic, topic_id, partition, records), P.CommitResp, timeout=30)
-        self.m.messages_produced.labels(topic).inc(len(entries))
         return "ok"
 
     async def commit_to(self, t: TopicRecord, partition: int, records: list[tuple[bytes | None, int, bytes]]
@@ -542,7 +568,6 @@ class Broker:
             base = await self.commit_local(t.name, t.id, partition, records)
         else:
             base = (await self.links.call(worker, req, P.CommitResp, timeout=30)).base
-        self.m.messages_produced.labels(t.name).inc(len(records))
         return base
 
     def partition_count(self, topic: str, topic_id: str) -> int:
@@ -606,14 +631,16 @@ class Broker:
             else:
                 self.remote.notify(node, P.ReadyNote(topic, n, w, self.node_id, self.index))
 
-    def _wake(self, topic: str, n: int) -> int:
-        """Wake up to `n` consumers parked here on `topic`; returns how many woke."""
+    def _wake(self, topic: str, n: int, by: tuple[str, Any] | None = None) -> int:
+        """Wake up to `n` consumers parked here on `topic`; returns how many woke.
+        `by`: the owner whose ReadyNote woke them (``("w", worker)`` or ``("n", node)``):
+        the woken consumer asks that owner at once, whatever its watch stamp says."""
         q = self._waiters.get(topic)
         woke = 0
         while q and woke < n:
             f = q.popleft()
             if not f.done():
-                f.set_result(True)
+                f.set_result(by if by is not None else True)
                 woke += 1
         if q is not None and not q:
             self._waiters.pop(topic, None)
@@ -668,7 +695,8 @@ class Broker:
         leases it holds are nacked at once, a probe in flight is nacked when it
         answers, and a wake it was handed is passed on (see _hung_up)."""
         loop = self.loop
-        deadline = loop.time() + wait
+        t0 = loop.time()
+        deadline = t0 + wait
         if partition is not None:
             node, _ = self.where(t, partition)
             if node is None or (node != self.node_id and not self.remote.node_alive(node)):
@@ -677,6 +705,7 @@ class Broker:
         self._polling[name] = self._polling.get(name, 0) + 1
         got: list[P.Item] = []
         hung_up = absorbed = False
+        woken_by: tuple[str, Any] | None = None  # the owner whose ReadyNote woke this poll
         try:
             first = True
             while True:
@@ -701,10 +730,13 @@ class Broker:
                         if len(got) >= max_n:
                             break
                         key_w = (name, w)
-                        if partition is None:
+                        if partition is None and woken_by != ("w", w):
                             # A worker whose probe came back short holds our watch token and says
                             # when records are left there (ReadyNote): until then, or WATCH_TTL,
-                            # consumes here do not ask it again (no hop per consume).
+                            # consumes here do not ask it again (no hop per consume). The worker
+                            # whose note woke this poll is asked at once: the note's handler has
+                            # just re-armed the token for the consumers still parked, and that
+                            # fresh stamp must not hide the records the note announced.
                             armed = hints_w.get(key_w)
                             if armed is not None and loop.time() - armed < WATCH_TTL:
                                 continue
@@ -728,9 +760,10 @@ class Broker:
                         if not self.remote.node_alive(n):
                             continue
                         key = (name, n)
-                        if partition is None:
+                        if partition is None and woken_by != ("n", n):
                             # A node that came back short holds our watch token and says when it has
-                            # records (ReadyNote): until then, or WATCH_TTL, do not ask it again.
+                            # records (ReadyNote): until then, or WATCH_TTL, do not ask it again
+                            # (the node whose note woke this poll is asked at once, as above).
                             armed = hints.get(key)
                             if armed is not None and loop.time() - armed < WATCH_TTL:
                                 continue
@@ -746,10 +779,12 @@ class Broker:
                             hints[key] = loop.time()
                             self.remote.notify(n, P.WatchNote(name, self.index, self.node_id))
                 first = False
+                woken_by = None
                 remaining = deadline - loop.time()
                 if got or remaining <= 0 or self.closing:
                     if got:
-                        self.m.messages_consumed.labels(name).inc(len(got))
+                        self._count_delivered(name, got)
+                    self._waited(name, "no_wait" if wait <= 0 else "hit" if got else "timeout", loop.time() - t0)
                     return got
                 got = []
                 if partition is None and peers:
@@ -763,7 +798,7 @@ class Broker:
                         if armed is None or tnow - armed >= WATCH_TTL:
                             self._armed_w[key_w] = tnow
                             self.links.notify(w, P.WatchNote(name, self.index))
-                fut: asyncio.Future[bool] = loop.create_future()
+                fut: asyncio.Future[Any] = loop.create_future()
                 self._waiters.setdefault(name, deque()).append(fut)
                 self.m.consume_waiters.inc()
                 timer = loop.call_later(min(remaining, PARK_RECHECK), _wake_false, fut)
@@ -778,11 +813,15 @@ class Broker:
                 finally:
                     timer.cancel()
                     self.m.consume_waiters.dec()
+                res = fut.result()
+                woken_by = res if isinstance(res, tuple) else None
                 cur = self.store.topic(name)
                 if cur is None or cur.id != t.id:
                     raise NotFound(f'topic "{name}" not found')
         except BaseException as e:
             hung_up = isinstance(e, asyncio.CancelledError)
+            if hung_up:
+                self._waited(name, "cancelled", loop.time() - t0)
             if got:
                 self._give_back(t, got, "cancelled consume" if hung_up else "failed consume")
             raise
@@ -794,6 +833,30 @@ class Broker:
                 self._polling.pop(name, None)
             if hung_up:
                 self._hung_up(t, left, absorbed)
+
+    def _count_delivered(self, name: str, got: list[P.Item]) -> None:
+        """Deliveries by (topic, partition): a dict lookup and two adds per record."""
+        cache = self._m_cons
+        for it in got:
+            c = cache.get((name, it.partition))
+            if c is None:
+                if len(cache) > 100_000:
+                    cache.clear()
+                lbl = (name, str(it.partition))
+                c = cache[(name, it.partition)] = (self.m.messages_consumed.labels(*lbl),
+                                                   self.m.bytes_consumed.labels(*lbl))
+            c[0].value += 1
+            c[1].value += len(it.payload)
+
+    def _waited(self, name: str, outcome: str, seconds: float) -> None:
+        h = self._m_wait.get((name, outcome))
+        if h is None:
+            if len(self._m_wait) > 100_000:
+                self._m_wait.clear()
+            for o in WAIT_OUTCOMES:  # the topic's four series appear together, at zero
+                self._m_wait[(name, o)] = self.m.consume_wait.labels(name, o)
+            h = self._m_wait[(name, outcome)]
+        h.observe(seconds)
 
     # ---- coalesced hops to this node's other workers ------------------------------------------------
     def _probe_at(self, w: int, t: TopicRecord, want: int) -> Awaitable[P.ConsumeResp]:
@@ -880,7 +943,7 @@ class Broker:
         self._late.add(task)
         task.add_done_callback(self._late.discard)
 
-    def _unpark(self, topic: str, fut: asyncio.Future[bool]) -> None:
+    def _unpark(self, topic: str, fut: asyncio.Future[Any]) -> None:
         q = self._waiters.get(topic)
         if q is None:
             return
@@ -1137,7 +1200,7 @@ class Broker:
                     out[i] = None
 
         await asyncio.gather(*(one(loc, idxs) for loc, idxs in groups.items()))
-        return out
+        return {i: None if row is None else finish_stats(row) for i, row in out.items()}
 
     async def fanout_lag(self, parent: TopicRecord) -> dict[str, tuple[int, bool]]:
         """child name -> (parent messages not yet copied into it, whether every
@@ -1302,7 +1365,9 @@ class Broker:
                     self._armed.pop((m.topic, m.node), None)
                 elif m.src >= 0:
                     self._armed_w.pop((m.topic, m.src), None)  # its token fired: ask it again
-                if not self._wake(m.topic, m.count):
+                by = (("n", m.node) if m.node and m.node != self.node_id
+                      else ("w", m.src) if m.src >= 0 else None)
+                if not self._wake(m.topic, m.count, by):
                     self._bounce(m)
                 elif self._waiters.get(m.topic):
                     # Consumers are still parked here: the owner gets a new token at once (the
@@ -1423,7 +1488,9 @@ class Broker:
         if not segs:
             return 0
         n, size = p.log.delete_segments(segs)
-        self.m.retention_deleted.labels(p.topic).inc(n)
+        lbl = (p.topic, str(p.index), "age")
+        self.m.retention_deleted.labels(*lbl).inc(n)
+        self.m.retention_bytes_deleted.labels(*lbl).inc(size)
         log.info("retention deleted segments", extra={"topic": p.topic, "partition": p.index,
                                                       "records": n, "bytes": size})
         return n
@@ -1511,6 +1578,7 @@ class Broker:
             if ver == self._topics_ver:
                 continue
             self._topics_ver = ver
+            self._poll_soon.set()  # new or deleted topics: their series soon, not in up to 5 s
             for key, p in list(self.partitions.items()):
                 t = self.store.topic(p.topic)
                 if t is None or t.id != p.topic_id:
@@ -1520,9 +1588,154 @@ class Broker:
                 if t is None:
                     self._wake(name, len(self._waiters.get(name, ())))
 
+    # ---- metrics poller ------------------------------------------------------------------------------
+    async def _metrics_poller(self) -> None:
+        """The partition gauges every POLL_EVERY (sooner after a topic change); a
+        failed pass is logged and counted, the next one runs as planned."""
+        loop = self.loop
+        ok = self.m.poller_last_success.labels(f"partitions-worker-{self.index}")
+        last = -POLL_MIN_GAP
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._poll_soon.wait(), max(0.0, last + POLL_EVERY - loop.time()))
+            await asyncio.sleep(max(0.0, last + POLL_MIN_GAP - loop.time()))
+            self._poll_soon.clear()
+            last = loop.time()
+            try:
+                await self.poll_metrics()
+                ok.set(time.time())
+            except Exception:
+                self.m.errors.labels("metrics", "poll_failed").inc()
+                log.exception("partition metrics pass failed; next pass as planned")
+
+    async def poll_metrics(self) -> None:
+        """One pass: every partition this worker owns gets its gauges (open ones from
+        memory, closed ones from their files at most every COLD_POLL_EVERY, on an
+        I/O thread) and its series at zero; series of partitions no longer owned
+        (gauges) or of topics gone (everything) are dropped."""
+        with self.store.read() as r:
+            topics = {t.name: t for t in r.topics()}
+        now = time.monotonic()
+        rows: dict[tuple[str, int], _Row] = {}
+        cold: list[tuple[tuple[str, int], Path, tuple[int, int]]] = []
+        for t in topics.values():
+            for i in self.owned(t):
+                key = (t.name, i)
+                p = self.partitions.get(key)
+                if p is not None and p.topic_id == t.id and not p.closed:
+                    rows[key] = _open_row(p)
+                    continue
+                c = self._cold_rows.get(key)
+                if c is not None and c[0] == t.id and now - c[1] < COLD_POLL_EVERY:
+                    rows[key] = c[2]
+                else:
+                    prev = c[2].age_at if c is not None and c[0] == t.id else (-1, 0)
+                    cold.append((key, topic_dir(self.data_dir, t.name, t.id) / f"p{i:05d}", prev))
+        if cold:
+            got = await self.loop.run_in_executor(self.io, _cold_rows_many, [(d, prev) for _, d, prev in cold])
+            for (key, _d, _prev), row in zip(cold, got, strict=True):
+                t = topics[key[0]]
+                self._cold_rows[key] = (t.id, now, row)
+                rows[key] = row
+        for key in [k for k in self._cold_rows if k not in rows]:
+            del self._cold_rows[key]
+        self._set_gauges(topics, rows)
+
+    def _set_gauges(self, topics: dict[str, TopicRecord], rows: dict[tuple[str, int], _Row]) -> None:
+        m = self.m
+        now_ms = time.time() * 1000
+        alive: set[tuple[str, str]] = set()
+        sizes: dict[str, float] = {}
+        per_part = (m.messages_produced, m.bytes_produced, m.messages_consumed, m.bytes_consumed,
+                    m.corrupt_skipped, m.consumer_dropped)
+        for (name, i), row in rows.items():
+            lbl = (name, str(i))
+            alive.add(lbl)
+            m.consumer_lag.labels(*lbl).set(row.lag)
+            m.oldest_unconsumed.labels(*lbl).set(
+                round(max(0.0, (now_ms - row.age_at[1]) / 1000), 3) if row.lag > 0 and row.age_at[0] >= 0 else 0)
+            m.inflight_size.labels(*lbl).set(row.in_flight)
+            m.acked_ahead_size.labels(*lbl).set(row.acked_ahead)
+            m.partition_bytes.labels(*lbl).set(row.size)
+            m.segments.labels(*lbl).set(row.segments)
+            for c in per_part:
+                c.labels(*lbl)
+            m.retention_deleted.labels(*lbl, "age")
+            m.retention_bytes_deleted.labels(*lbl, "age")
+            sizes[name] = sizes.get(name, 0) + row.size
+        for name, size in sizes.items():
+            m.topic_bytes.labels(name).set(size)
+            for c in (m.ack_extended, m.nacks, m.consume_empty):
+                c.labels(name)
+            m.produce_rejections.labels(name, "schema")
+        m.partitions_total.set(len(rows))
+        for g in (m.consumer_lag, m.oldest_unconsumed, m.inflight_size, m.acked_ahead_size, m.partition_bytes,
+                  m.segments):
+            metrics.drop_children(g, lambda k: k not in alive)
+        metrics.drop_children(m.topic_bytes, lambda k: k[0] not in sizes)
+
+        def part_gone(k: tuple[str, ...]) -> bool:
+            t = topics.get(k[0])
+            return t is None or not k[1].isdigit() or int(k[1]) >= t.partitions
+
+        dropped = 0
+        for c in (*per_part, m.fsync_seconds, m.retention_deleted, m.retention_bytes_deleted):
+            dropped += metrics.drop_children(c, part_gone)
+        for c in (m.ack_extended, m.nacks, m.consume_empty, m.produce_rejections, m.consume_wait):
+            dropped += metrics.drop_children(c, lambda k: k[0] not in topics)
+        if dropped:
+            self._m_cons.clear()
+            self._m_wait.clear()
+
     def health(self) -> dict[str, Any]:
         return {"wal_failed": self.wal.failed is not None, "backlog": self.wal.backlog,
                 "partitions": len(self.partitions)}
+
+
+WAIT_OUTCOMES = ("hit", "timeout", "cancelled", "no_wait")
+
+
+class _Row:
+    """One partition's gauges as the poller read them."""
+
+    __slots__ = ("acked_ahead", "age_at", "in_flight", "lag", "segments", "size")
+
+    def __init__(self, lag: int, in_flight: int, acked_ahead: int, segments: int, size: int,
+                 age_at: tuple[int, int]) -> None:
+        self.lag, self.in_flight, self.acked_ahead = lag, in_flight, acked_ahead
+        self.segments, self.size = segments, size
+        self.age_at = age_at  # (offset of the oldest unacked record, its committed-at ms); offset -1: none
+
+
+def _open_row(p: Partition) -> _Row:
+    ms = p.oldest_unacked_ms()
+    lg = p.log
+    return _Row(max(0, lg.hwm - 1 - p.committed), len(p.leases), len(p.acked_ahead), len(lg.segments),
+                lg.size_bytes(), p.age_at if ms is not None else (-1, 0))
+
+
+def _cold_rows_many(dirs: list[tuple[Path, tuple[int, int]]]) -> list[_Row]:
+    """I/O thread: the gauges of closed partitions from their files; the oldest
+    unacked record's time is read again only when its offset differs from `prev`."""
+    out = []
+    for d, prev in dirs:
+        try:
+            st = stats_from_disk(d)
+        except OSError:
+            out.append(_Row(0, 0, 0, 0, 0, (-1, 0)))
+            continue
+        age_at = (-1, 0)
+        if st["lag"] > 0:
+            off = max(st["committed_offset"] + 1, st["oldest_offset"])
+            if prev[0] == off:
+                age_at = prev
+            else:
+                with contextlib.suppress(OSError):
+                    ms = PL.record_ms_on_disk(d, off)
+                    if ms is not None:
+                        age_at = (off, ms)
+        out.append(_Row(st["lag"], 0, st["acked_ahead"], st["segments"], st["size_bytes"], age_at))
+    return out
 
 
 def _item(partition: int, offset: int, nonce: int, rec: Any) -> P.Item:
@@ -1533,7 +1746,7 @@ async def _share(fut: asyncio.Future[list[P.Item]]) -> P.ConsumeResp:
     return P.ConsumeResp(await asyncio.shield(fut))
 
 
-def _wake_false(fut: asyncio.Future[bool]) -> None:
+def _wake_false(fut: asyncio.Future[Any]) -> None:
     if not fut.done():
         fut.set_result(False)
 

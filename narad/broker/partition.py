@@ -21,8 +21,11 @@ Lives in the worker that owns the partition, on its event-loop thread only.
   (no lease, no commit queued or running, acks written and synced, the held
   acks fit one offset slot), so closing and reopening loses nothing.
   ``stats_from_disk`` gives a closed partition's stats from its files alone.
+* Metrics: the owner's counters for this partition (messages and payload bytes
+  appended, the commit's fdatasync time) are children the broker hands over
+  at open (``meter``): one add per commit, none per record.
 
-Imports narad.storage.
+Imports narad.storage, narad.metrics.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +97,11 @@ class Partition:
         self.dropped = 0  # offsets the frontier passed without an ack (retention, corruption)
         self.dropped_reported = 0  # of which counted in the metric already
         self.corrupt_skipped = 0
+        self.corrupt_reported = 0  # of which counted in the metric already
+        self.m_produced: Any = None  # metric children (``meter``); None: not metered
+        self.m_bytes: Any = None
+        self.m_fsync: Any = None
+        self.age_at: tuple[int, int] = (-1, 0)  # (offset, committed-at ms) of the last oldest-unacked read
         self.closed = False
         self.last_used = time.monotonic()  # the last reserve, settle or commit (stats never stamp it)
         # Commit combining: batches queued while a commit runs go out together.
@@ -102,6 +111,26 @@ class Partition:
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]  # set by the broker
         self.on_visible: Callable[[Partition, int], None] | None = None
         self.on_released: Callable[[Partition], None] | None = None
+
+    def meter(self, produced: Any, nbytes: Any, fsync: Any) -> None:
+        """Count commits into these metric children (event-loop thread)."""
+        self.m_produced, self.m_bytes, self.m_fsync = produced, nbytes, fsync
+
+    def oldest_unacked_ms(self) -> int | None:
+        """Committed-at of the oldest record not acked yet (frontier + 1); None when
+        everything is acked or it cannot be read. Read again only when the frontier
+        moved (one record read, usually from the frame cache)."""
+        off = max(self.committed + 1, self.log.oldest)
+        if off >= self.log.hwm:
+            return None
+        if self.age_at[0] == off:
+            return self.age_at[1]
+        try:
+            ts = self.log.read(off)[1]
+        except (OffsetGone, CorruptRecord, NotVisible, LogClosed, OSError):
+            return None
+        self.age_at = (off, ts)
+        return ts
 
     def restore(self, frontier: int, ahead: list[int]) -> None:
         hwm = self.log.hwm
@@ -286,6 +315,7 @@ class Partition:
                     item = self._commit_queue.pop(0)
                     queue.append(item)
                     size += sum(len(p) for _, _, p in item[0])
+                payload_bytes = size
                 ts = self.log.committed_at()
                 envs: list[bytes] = []
                 decoded: list[Record] = []
@@ -313,6 +343,10 @@ class Partition:
                         if not f.done():
                             f.set_exception(OSError(5, f"partition publish failed: {e}"))
                     break
+                if self.m_produced is not None:
+                    self.m_produced.value += len(decoded)
+                    self.m_bytes.value += payload_bytes
+                    self.m_fsync.observe(self.log.last_sync_s)
                 off = base
                 for batch, f in queue:
                     if not f.done():
@@ -356,8 +390,10 @@ class Partition:
 
     # ---- stats ------------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
+        """The owner's row (ints only: the node RPC answer's type; ``finish_stats``
+        adds what the API shows beyond it)."""
         hwm = self.log.hwm
-        return {
+        out = {
             "high_watermark": hwm,
             "next_offset": self.log.next_offset,
             "oldest_offset": self.log.oldest,
@@ -365,7 +401,13 @@ class Partition:
             "lag": max(0, hwm - 1 - self.committed),
             "in_flight": len(self.leases),
             "acked_ahead": len(self.acked_ahead),
+            "segments": len(self.log.segments),
+            "size_bytes": self.log.size_bytes(),
         }
+        first = self.log.oldest_segment_ms()
+        if first is not None:
+            out[OLDEST_SEGMENT_MS] = first
+        return out
 
     def available(self) -> int:
         """Records no lease covers, above the frontier (an estimate)."""
@@ -387,7 +429,7 @@ def stats_from_disk(directory: Path) -> dict[str, int]:
     while committed + 1 in held:
         held.discard(committed + 1)
         committed += 1
-    return {
+    out = {
         "high_watermark": hwm,
         "next_offset": ds.next_offset,
         "oldest_offset": ds.oldest,
@@ -395,7 +437,33 @@ def stats_from_disk(directory: Path) -> dict[str, int]:
         "lag": max(0, hwm - 1 - committed),
         "in_flight": 0,
         "acked_ahead": len(held),
+        "segments": ds.segments,
+        "size_bytes": ds.size_bytes,
     }
+    if ds.oldest_segment_ms is not None:
+        out[OLDEST_SEGMENT_MS] = ds.oldest_segment_ms
+    return out
+
+
+# On the node RPC wire a row holds ints only (an older node decodes dict[str, int]):
+# the oldest segment's time travels as ms and becomes RFC 3339 at the answering node.
+OLDEST_SEGMENT_MS = "oldest_segment_at_ms"
+
+
+def rfc3339_ms(ms: int) -> str:
+    return datetime.fromtimestamp(ms / 1000, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def finish_stats(row: dict[str, Any]) -> dict[str, Any]:
+    """An owner's row as the topic answer shows it: ``status: "ok"`` and
+    ``oldest_segment_at`` (RFC 3339, UTC, ms: the committed-at of the first record
+    of the oldest segment; absent when the partition holds no record)."""
+    out = dict(row)
+    ms = out.pop(OLDEST_SEGMENT_MS, None)
+    if isinstance(ms, int) and ms > 0:
+        out["oldest_segment_at"] = rfc3339_ms(ms)
+    out["status"] = "ok"
+    return out
 
 
 def monotonic() -> float:

@@ -277,23 +277,38 @@ class NodeRpcClient:
         if len(body) > MAX_FRAME:
             raise PayloadTooLarge(f"cluster request {type(msg).__name__} of {len(body)} bytes exceeds the "
                                   f"{MAX_FRAME} byte frame limit")
+        op = op_name(type(msg))
         p = self._peers.get(addr)
         conn = p.conn if p is not None else None
         if conn is None or not conn.usable:
-            conn = await self._connection(addr, deadline, msg)
-        metrics.get().node_rpc_calls.labels(type(msg).__name__).inc()
+            try:
+                conn = await self._connection(addr, deadline, msg)
+            except asyncio.CancelledError:
+                raise
+            except BaseException:
+                _count(op, "failed")  # no connection: the call never went out
+                raise
         fut: asyncio.Future[msgspec.Raw] = loop.create_future()
         rid = conn.request(body, fut)
         timer = loop.call_at(deadline, _expire, fut)
         try:
-            return await fut
+            raw = await fut
+            _count(op, "ok")
+            return raw
         except _Timeout:
             conn.cancel(rid)
             conn.probe()
+            _count(op, "timeout")
             raise GatewayTimeout(f"no answer from node {fmt_addr(addr)} within {timeout:g}s "
                                  f"({type(msg).__name__})") from None
         except asyncio.CancelledError:
             conn.cancel(rid)
+            raise
+        except NaradError:
+            _count(op, "rejected")  # the peer answered with an error of its own
+            raise
+        except Exception:
+            _count(op, "error")
             raise
         finally:
             timer.cancel()
@@ -311,7 +326,7 @@ class NodeRpcClient:
         if len(body) > MAX_FRAME:
             log.error("cluster note %s of %d bytes exceeds the frame limit; dropped", type(msg).__name__, len(body))
             return
-        metrics.get().node_rpc_calls.labels(type(msg).__name__).inc()
+        _count(op_name(type(msg)), "ok")
         p = self._peers.get(addr)
         if p is not None and p.conn is not None and p.conn.usable:
             p.conn.note(body)
@@ -462,3 +477,29 @@ def _expire(fut: asyncio.Future[Any]) -> None:
 def _retrieve(task: asyncio.Task[Any]) -> None:
     if not task.cancelled():
         task.exception()
+
+
+_OPS: dict[type, str] = {}
+_COUNTERS: dict[tuple[str, str], tuple[Any, Any]] = {}
+
+
+def op_name(typ: type) -> str:
+    """A message type's operation label: ``AckReq`` -> ``ack``, ``FanoutLagReq`` -> ``fanout_lag``."""
+    name = _OPS.get(typ)
+    if name is None:
+        base = typ.__name__
+        for suffix in ("Req", "Note", "Request"):
+            if base.endswith(suffix) and len(base) > len(suffix):
+                base = base[: -len(suffix)]
+                break
+        name = _OPS[typ] = "".join("_" + c.lower() if c.isupper() and i else c.lower() for i, c in enumerate(base))
+    return name
+
+
+def _count(op: str, outcome: str) -> None:
+    """narad_cluster_rpc_requests_total{op,outcome}: one dict lookup and an add."""
+    m = metrics.get()
+    c = _COUNTERS.get((op, outcome))
+    if c is None or c[0] is not m:  # a process's fresh metrics (metrics.setup after fork)
+        c = _COUNTERS[(op, outcome)] = (m, m.cluster_rpc.labels(op, outcome))
+    c[1].value += 1

@@ -97,6 +97,7 @@ class Segment:
     frame_pos: list[int] = field(default_factory=list)
     indexed: bool = False
     end: int = 0  # next offset after this segment's last record (exclusive); for sealed: successor base
+    first_ms: int | None = None  # committed-at of its first record, once read (``first_record_ms``)
 
     def name(self) -> str:
         return f"{self.base:020d}.log"
@@ -136,6 +137,7 @@ class PartitionLog:
         self._sizes: dict[tuple[int, int], int] = {}
         self._cache_bytes = 0
         self._last_committed_ms = 0
+        self.last_sync_s = 0.0  # how long the last commit's fdatasync took (read by the owner after it)
         self.closed = False
         # write_commit, roll_idle_active and close run on I/O threads (several):
         # one at a time, so a roll or a close never lands inside a commit.
@@ -257,12 +259,14 @@ class PartitionLog:
             except OSError:
                 self._cut(seg, pos)
                 raise
+            t_sync = time.perf_counter()
             try:
                 fileio.fdatasync(seg.fd)
             except OSError as e:
                 self.poisoned = e
                 self._cut(seg, pos)
                 raise
+            self.last_sync_s = time.perf_counter() - t_sync
             try:
                 back = fileio.pread(seg.fd, len(frame), pos)
                 count, fbase, psize, crc = FR.parse_header(back, 0)
@@ -558,6 +562,21 @@ class PartitionLog:
             k, _ = self._cache.popitem(last=False)
             self._cache_bytes -= self._sizes.pop(k, 0)
 
+    # ---- sizes and times (stats, metrics) -----------------------------------------------------
+    def size_bytes(self) -> int:
+        return sum(s.size for s in self.segments)
+
+    def oldest_segment_ms(self) -> int | None:
+        """Committed-at of the first record of the oldest segment (None: no record, or
+        its header unreadable); read once per segment, a few hundred bytes."""
+        for seg in self.segments:
+            if seg.size == 0:
+                continue
+            if seg.first_ms is None:
+                seg.first_ms = first_record_ms(seg.path)
+            return seg.first_ms if seg.first_ms is not None and seg.first_ms >= 0 else None
+        return None
+
     # ---- retention / close ------------------------------------------------------------------
     def expired_segments(self, retention_ms: int, now_ms: int) -> list[Segment]:
         if retention_ms <= 0:
@@ -717,6 +736,85 @@ class DiskStats:
     oldest: int
     hwm: int
     next_offset: int
+    segments: int = 0
+    size_bytes: int = 0
+    oldest_segment_ms: int | None = None
+
+
+def first_record_ms(path: Path, pos: int = 0) -> int | None:
+    """Committed-at of the first record of the frame at `pos` of a segment file,
+    from its header and the record's envelope only (a few hundred bytes; no CRC:
+    stats and metrics, never data). -1: unreadable; None: no frame there."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        head = os.pread(fd, FR.HEADER_SIZE + 4 + 512, pos)
+        if len(head) < FR.HEADER_SIZE:
+            return None
+        try:
+            FR.parse_header(head, 0)
+            rec = head[FR.HEADER_SIZE + 4:]
+            if len(rec) < 3 or rec[0] != FR.RECORD_VERSION:
+                return -1
+            i, shift, klen = 2, 0, 0
+            while True:
+                if i >= len(rec) or shift > 63:
+                    return -1
+                b = rec[i]
+                i += 1
+                klen |= (b & 0x7F) << shift
+                if b < 0x80:
+                    break
+                shift += 7
+            at = pos + FR.HEADER_SIZE + 4 + i + klen
+            raw = os.pread(fd, 8, at)
+            if len(raw) != 8:
+                return -1
+            return int(_U64.unpack(raw)[0])
+        except (FR.FrameError, struct.error):
+            return -1
+    finally:
+        os.close(fd)
+
+
+def record_ms_on_disk(directory: Path, offset: int) -> int | None:
+    """Committed-at of the record at `offset` of a closed partition (every record of
+    a frame shares its commit's time): the frame holding it is found by walking
+    the frame headers of its segment (read-only, no CRC: metrics only). None when
+    not found (retention, damage)."""
+    segs = _segment_files(Path(directory))
+    base = None
+    for b, _st in segs:
+        if b <= offset:
+            base = b
+        else:
+            break
+    if base is None:
+        return None
+    path = Path(directory) / f"{base:020d}.log"
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        size = os.fstat(fd).st_size
+        pos = 0
+        while pos + FR.HEADER_SIZE <= size:
+            try:
+                count, fbase, psize, _crc = FR.parse_header(os.pread(fd, FR.HEADER_SIZE, pos), 0)
+            except (FR.FrameError, struct.error):
+                return None
+            if fbase <= offset < fbase + count:
+                ms = first_record_ms(path, pos)
+                return ms if ms is not None and ms >= 0 else None
+            if fbase > offset:
+                return None
+            pos += FR.HEADER_SIZE + psize
+        return None
+    finally:
+        os.close(fd)
 
 
 def peek(directory: Path) -> DiskStats:
@@ -729,17 +827,21 @@ def peek(directory: Path) -> DiskStats:
     if not segs:
         return DiskStats(0, 0, 0)
     oldest = segs[0][0]
+    size = sum(st.st_size for _, st in segs)
+    first = next(((b, st) for b, st in segs if st.st_size > 0), None)
+    first_ms = first_record_ms(d / f"{first[0]:020d}.log") if first is not None else None
+    first_ms = first_ms if first_ms is not None and first_ms >= 0 else None
     raw = _read_small(d / "hwm")
     if len(raw) == 8:
         hwm = max(_U64.unpack(raw)[0], oldest)
-        return DiskStats(oldest, hwm, hwm)
+        return DiskStats(oldest, hwm, hwm, len(segs), size, first_ms)
     base = segs[-1][0]
     try:
         data = (d / f"{base:020d}.log").read_bytes()
     except FileNotFoundError:
-        return DiskStats(oldest, base, base)
+        return DiskStats(oldest, base, base, len(segs), size, first_ms)
     tail, _ = _walk_frames(data, base, [], [], set(), str(d))
-    return DiskStats(oldest, tail, tail)
+    return DiskStats(oldest, tail, tail, len(segs), size, first_ms)
 
 
 def expired_on_disk(directory: Path, retention_ms: int, now_ms: int) -> bool:

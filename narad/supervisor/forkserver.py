@@ -25,7 +25,9 @@ exec). The first message it reads is ("boot", "module:function", pickled
 argument): the function (``narad.worker.main.forkserver_entry``) rebuilds the
 worker spec and returns the worker entry point. Then it serves as above.
 
-Imports narad._native, narad.meta.versions; the worker entry point is passed in.
+Process title: ``narad: forkserver`` (a replacement says so and keeps its module name).
+
+Imports narad._native, narad.ipc.proctitle, narad.meta.versions; the worker entry point is passed in.
 """
 
 from __future__ import annotations
@@ -48,10 +50,12 @@ from collections.abc import Callable
 import msgspec
 
 from narad._native import lib
+from narad.ipc.proctitle import set_title
 from narad.meta import versions as V
 
 log = logging.getLogger("narad.supervisor.forkserver")
 _LEN = struct.Struct(">I")
+_replacement = False  # this process is a replacement (a fresh interpreter): its title says so
 
 
 def set_pdeathsig(sig: int, expected_parent: int) -> None:
@@ -80,6 +84,8 @@ def _serve(sock: socket.socket, spawn_worker: Callable[[int, int | None], int], 
            hb_name: str = "") -> None:
     """The fork server's loop (runs in the forked child, blocking, single thread)."""
     set_pdeathsig(signal.SIGKILL, supervisor_pid)
+    if not _replacement:
+        set_title("narad: forkserver")
     hb = V.Heartbeats.attach(hb_name) if hb_name else None
     # A SIGTERM sent to the whole process group (systemd's control-group kill,
     # pkill) must not take this server down: its death would SIGKILL every
@@ -157,6 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     fd, supervisor_pid, hb_name = int(args[0]), int(args[1]), args[2]
     set_pdeathsig(signal.SIGKILL, supervisor_pid)
+    global _replacement
+    _replacement = True
+    set_title("narad: forkserver (replacement, python -m narad.supervisor.forkserver)")
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sock = socket.socket(fileno=fd)

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import platform
 import shutil
 import signal
 import ssl
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import uvloop
 
-from narad import BUILD, logs, metrics
+from narad import BUILD, __version__, logs, metrics
 from narad.broker.caps import CapTable
 from narad.broker.caps import shm_name_for as caps_shm_name_for
 from narad.cluster import rpc_auth
@@ -33,6 +34,7 @@ from narad.cluster.transport import NodeRpcClient
 from narad.config import Config, check_start, load_config, worker_count
 from narad.errors import ConfigError, FailStop, Unavailable
 from narad.ipc import rpc
+from narad.ipc.proctitle import set_title
 from narad.meta import commands as C
 from narad.meta import fsm as F
 from narad.meta import requests as Q
@@ -46,6 +48,7 @@ from narad.supervisor import sdnotify, tls
 from narad.supervisor.controller import Controller
 from narad.supervisor.forkserver import ForkServer
 from narad.supervisor.metadata import MetadataRouter
+from narad.supervisor.metrics_listener import MetricsListener, parse_addr
 from narad.supervisor.services import LoginThrottle, control_service, worker_service
 from narad.supervisor.sockets import DataDirLock, check_port_free, make_client_sockets, make_cluster_sockets
 from narad.supervisor.workers import WorkerManager
@@ -57,6 +60,7 @@ READY_EVERY = 0.1
 READER_CHECK_EVERY = 5.0
 JOIN_EVERY = 2.0
 METRICS_POLL_EVERY = 10.0
+VITALS_EVERY = 5.0  # data directory size and free bytes
 LEADER_CONTACT_FRESH = 5.0
 # Readiness only: a replica is "behind" once it has not applied the commit index
 # it saw this long ago (commit -> apply lag of ordinary writes is not behind).
@@ -123,6 +127,8 @@ class Supervisor:
         self.worker_conns: dict[int, rpc.Connection] = {}
         self.worker_metrics: dict[int, list[metrics.Family]] = {}  # last snapshot per worker pid
         self.retired_metrics: list[metrics.Family] = []  # counters of workers that died
+        self.t_started = time.monotonic()  # for narad_boot_duration_seconds
+        self.metrics_listener: MetricsListener | None = None
         self._older_joiner_logged: dict[str, float] = {}  # node id -> when its refusal was last logged
 
     # ------------------------------------------------------------------------
@@ -153,6 +159,8 @@ class Supervisor:
         # 3. This process's metrics (workers start their own after fork; the
         #    supervisor merges them all when /metrics is scraped).
         self.metrics = metrics.setup()
+        self.metrics.build_info.labels(__version__, platform.python_version()).set(1)
+        set_title("narad: supervisor")
         # 4. The QUIC certificate: configured files, or a self-signed pair made at
         #    first start and kept in the data directory.
         if cfg.security.tls_cert_file:
@@ -182,6 +190,11 @@ class Supervisor:
         check_port_free(cfg.cluster.host, cfg.raft_port, "Raft")
         #    The same for the node RPC port (TLS over TCP): one listener per worker.
         self.cluster_sockets = make_cluster_sockets(cfg.cluster.host, cfg.cluster_port, self.n_workers)
+        #    The separate metrics listener (http.metrics_addr) binds in the loop (step 14);
+        #    a bad address or a port someone holds stops the start now, with one line.
+        self.metrics_addr = parse_addr(cfg.http.metrics_addr) if cfg.http.metrics_addr else None
+        if self.metrics_addr is not None:
+            check_port_free(self.metrics_addr[0], self.metrics_addr[1], "metrics")
         # 7. The fork server, forked now: this process still has no threads, no
         #    event loop and no LMDB environment to copy into workers.
         spec = worker_main.WorkerSpec(
@@ -299,9 +312,14 @@ class Supervisor:
                                      heartbeat_every=cfg.seconds("cluster", "heartbeat_interval"),
                                      dead_after=cfg.seconds("cluster", "member_dead_after"))
         self._tasks.append(asyncio.create_task(self.controller.run()))
-        # 14. Readiness is recomputed continuously and published in shared memory.
+        # 14. Readiness is recomputed continuously and published in shared memory;
+        #     the metrics listener (http.metrics_addr) answers from here on.
         self._tasks.append(asyncio.create_task(self._readiness_loop()))
         self._tasks.append(asyncio.create_task(self._housekeeping_loop()))
+        self._tasks.append(asyncio.create_task(self._vitals_loop()))
+        if self.metrics_addr is not None:
+            self.metrics_listener = MetricsListener(self.versions, self.n_workers, self.node_metrics)
+            await self.metrics_listener.start(*self.metrics_addr)
         # 15. Startup reconcile, then the create gate opens: topic creates on every
         #     transport wait until here, and /readyz reports ready only after.
         self._tasks.append(asyncio.create_task(self._startup_reconcile()))
@@ -556,7 +574,16 @@ class Supervisor:
             self.retired_metrics = metrics.merge([self.retired_metrics, last], only_counters=True)
 
     async def node_metrics(self) -> list[metrics.Family]:
-        """Every process's metrics, merged (dead workers' counters included)."""
+        """Every process's metrics, merged (dead workers' counters included), with
+        the ``process_*`` series of each process (read from /proc now)."""
+        merged = await self._gather_metrics()
+        pids = {"supervisor": os.getpid(), "forkserver": self.workers.fs.pid or 0}
+        for w in self.workers.workers:
+            if w.alive:
+                pids[f"worker-{w.index}"] = w.pid
+        return merged + await asyncio.to_thread(metrics.process_families, pids)
+
+    async def _gather_metrics(self) -> list[metrics.Family]:
         async def one(pid: int, conn: rpc.Connection) -> None:
             with contextlib.suppress(Exception):
                 snap = await conn.call(metrics.SnapshotReq(), metrics.Snapshot, timeout=2.0)
@@ -641,6 +668,7 @@ class Supervisor:
                 log.info("readiness changed", extra={"ready": ready, "reason": V.READY_REASONS[reason]})
             if ready and not self._notified:
                 self._notified = True
+                self.metrics.boot_duration.set(round(time.monotonic() - self.t_started, 3))
                 sdnotify.notify(f"READY=1\nSTATUS={self.status_line()}")
             await asyncio.sleep(READY_EVERY)
 
@@ -711,7 +739,7 @@ class Supervisor:
                 # Keep each worker's counters recent, so a worker that dies
                 # does not take its share of the node's totals with it.
                 last_metrics = now
-                await self.node_metrics()
+                await self._gather_metrics()
             if now - last_check >= READER_CHECK_EVERY:
                 last_check = now
                 with contextlib.suppress(Exception):
@@ -723,6 +751,27 @@ class Supervisor:
                 last_snapshot = now
                 self.raft.maybe_snapshot()
             await asyncio.sleep(min(1.0, snapshot_every))
+
+    async def _vitals_loop(self) -> None:
+        """The data directory's size (a walk on a thread; slower walks run less often)
+        and its filesystem's free bytes."""
+        m = self.metrics
+        ok = m.poller_last_success.labels("vitals")
+        next_walk = 0.0
+        while True:
+            try:
+                st = os.statvfs(self.data_dir)
+                m.data_dir_available.set(st.f_bavail * st.f_frsize)
+                now = time.monotonic()
+                if now >= next_walk:
+                    t0 = time.monotonic()
+                    m.data_dir_size.set(await asyncio.to_thread(_disk_usage, self.data_dir))
+                    next_walk = time.monotonic() + max(VITALS_EVERY, 20 * (time.monotonic() - t0))
+                ok.set(time.time())
+            except Exception:
+                m.errors.labels("metrics", "poll_failed").inc()
+                log.exception("vitals pass failed; next pass as planned")
+            await asyncio.sleep(VITALS_EVERY)
 
     # ---- views for naradctl and /v1/cluster/members ------------------------------
     def node_status(self) -> Q.NodeStatus:
@@ -799,6 +848,8 @@ class Supervisor:
             t.cancel()
         for s in self._servers:
             s.close()
+        if self.metrics_listener is not None:
+            await self.metrics_listener.close()
         # Raft last: a graceful stop hands leadership over when a peer is connected
         # (with none there is nobody to hand it to: no 2 s wait for a transfer that cannot happen).
         if not self.meta.stopped and self.raft.is_leader() and any(self.raft.status().peers.values()):
@@ -863,6 +914,28 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         sup.close_process()
     return code
+
+
+def _disk_usage(root: Path) -> int:
+    """Bytes allocated under `root` (st_blocks), not following symlinks; files
+    vanishing meanwhile are skipped."""
+    total = 0
+    stack = [str(root)]
+    while stack:
+        d = stack.pop()
+        try:
+            with os.scandir(d) as it:
+                for e in it:
+                    try:
+                        st = e.stat(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    total += st.st_blocks * 512
+                    if e.is_dir(follow_symlinks=False):
+                        stack.append(e.path)
+        except OSError:
+            continue
+    return total
 
 
 if __name__ == "__main__":

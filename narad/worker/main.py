@@ -46,6 +46,7 @@ from narad.cluster.remote import ClusterRemote
 from narad.cluster.transport import NodeRpcClient, NodeRpcServer
 from narad.config import Config
 from narad.ipc import rpc
+from narad.ipc.proctitle import set_title
 from narad.meta import versions as V
 from narad.meta.requests import (
     CaughtUpReq,
@@ -59,6 +60,7 @@ from narad.meta.requests import (
     ForwardResp,
 )
 from narad.meta.store import MetaStore
+from narad.worker.http_metrics import MeteredApp
 
 log = logging.getLogger("narad.worker")
 
@@ -125,6 +127,7 @@ def forkserver_entry(spec: WorkerSpec) -> Callable[[int, int | None], int]:
 def run(spec: WorkerSpec, index: int, core: int | None) -> int:
     """Runs in the forked worker; returns the exit code."""
     logs.setup(f"worker-{index}", spec.cfg.log.level, spec.cfg.log.format)
+    set_title(f"narad: worker {index}" + ("" if core is None else f" (core {core})"))
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_DFL)
     if core is not None:
@@ -213,9 +216,10 @@ async def _main(spec: WorkerSpec, index: int, core: int | None) -> int:
         supervisor_note=sup.notify,
         bcrypt_slots=slots,
     )
+    _count_bcrypt(auth)
     ctx = ApiContext(cfg=cfg, node_id=spec.node_id, store=store, versions=versions, sup=sup, auth=auth,
                      worker_index=index, broker=broker, caps=caps)
-    app = build_app(ctx)
+    app = MeteredApp(build_app(ctx))  # in-flight and per-request series (narad.worker.http_metrics)
     tcp, udp = spec.sockets[index]
     alt_svc = f'h3=":{cfg.http.port}"; ma=86400' if udp is not None else None
     h1 = Http1Server(app, tcp, Http1Limits(
@@ -262,6 +266,24 @@ async def _main(spec: WorkerSpec, index: int, core: int | None) -> int:
     log.error("supervisor went away; worker exiting", extra={"index": index})
     heartbeat.cancel()
     return 3
+
+
+def _count_bcrypt(auth: Authenticator) -> None:
+    """narad_auth_verify_queued: bcrypt checks waiting for a slot or running (the
+    authenticator's ``_bcrypt``, wrapped: one add before and after a check)."""
+    inner = getattr(auth, "_bcrypt", None)
+    if inner is None:
+        return
+    g = metrics.get().auth_verify_queued.labels()
+
+    async def counted(pw: bytes, hashed: bytes) -> bool:
+        g.value += 1
+        try:
+            return bool(await inner(pw, hashed))
+        finally:
+            g.value -= 1
+
+    auth._bcrypt = counted  # type: ignore[method-assign]
 
 
 async def _heartbeat(hb: V.Heartbeats, slot: int) -> None:

@@ -4,12 +4,13 @@
     encodings, huge or conflicting Content-Length, pipelined garbage, random
     bytes. The node never answers 5xx, every connection is answered or closed
     within a deadline, and the worker pids are the same at the end (no crash).
-(b) Route fuzzing: every route of the router table (enumerated from the API
-    classes' own ``register``, so a new route is covered without editing this
-    file), with hypothesis-generated path parameters, hostile query values and
-    JSON bodies shaped after the route's body struct (valid-shaped, wrong
-    types, big ints, deep nesting, unknown fields), with admin credentials and
-    without. Zero 5xx, every answer within the deadline.
+(b) Route fuzzing: every operation of the API description (narad/api/openapi.json;
+    tests/test_openapi.py keeps it equal to the router's table), with
+    hypothesis-generated path parameters, the operation's own query parameters
+    (values drawn from their schemas, and hostile ones) and JSON bodies drawn
+    from its request-body schema (valid-shaped, wrong types, big ints, deep
+    nesting, unknown fields), with admin credentials and without. Zero 5xx,
+    every answer within the deadline.
 
 Bounded for CI: a fixed example budget, derandomized, no example database.
 The figures (requests tried, status histogram, 5xx seen) are printed at the end
@@ -22,7 +23,6 @@ import http.client
 import json
 import socket
 import time
-import typing
 import urllib.parse
 from collections import Counter
 from collections.abc import Iterator
@@ -30,11 +30,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import narad.api
 from narad.api import messages, ops, topics, users
 from narad.api.router import Router
 
@@ -51,7 +51,11 @@ FIVE_XX: list[str] = []
 HANGS: list[str] = []
 
 
-# ---- the route table, from the code -------------------------------------------------------------------
+# ---- the operations, from the API description ---------------------------------------------------------
+
+DOC: dict[str, Any] = json.loads((Path(narad.api.__file__).parent / "openapi.json").read_text())
+_METHODS = ("get", "put", "post", "delete", "patch")
+
 
 def route_table() -> list[tuple[str, str]]:
     """(method, pattern) of every route the worker's app registers."""
@@ -61,20 +65,39 @@ def route_table() -> list[tuple[str, str]]:
     return [(x.method, x.pattern) for x in r._routes]
 
 
-ROUTES = route_table()
+def doc_operations() -> dict[tuple[str, str], dict[str, Any]]:
+    """(METHOD, path template) -> the operation object, for every operation of the document."""
+    return {(m.upper(), path): op for path, item in DOC["paths"].items() for m, op in item.items() if m in _METHODS}
 
-# The body struct each route decodes, found by name in the handler's module (None: no body / free form).
-BODY_TYPES: dict[tuple[str, str], type | None] = {
-    ("POST", "/v1/topics"): topics.CreateTopicBody,
-    ("PATCH", "/v1/topics/{topic}"): topics.AlterTopicBody,
-    ("POST", "/v1/users"): users.CreateUserBody,
-    ("PUT", "/v1/users/{username}/grants"): users.GrantsBody,
-    ("PUT", "/v1/users/{username}/password"): users.PasswordBody,
-    ("POST", "/v1/topics/{topic}/produce/batch"): messages.BatchBody,
-    ("POST", "/v1/topics/{topic}/ack"): messages.AckBody,
-}
-QUERY_NAMES = ["limit", "page_token", "partition", "key", "offset", "wait", "max", "receipt_handle", "extend",
-               "detail", "force"]
+
+OPERATIONS = doc_operations()
+ROUTES = sorted(OPERATIONS)
+
+
+def resolve(schema: dict[str, Any]) -> dict[str, Any]:
+    while "$ref" in schema:
+        schema = DOC["components"]["schemas"][schema["$ref"].rsplit("/", 1)[1]]
+    return schema
+
+
+def query_params(method: str, pattern: str) -> dict[str, dict[str, Any]]:
+    """The operation's query parameters: name -> schema."""
+    return {p["name"]: p.get("schema", {}) for p in OPERATIONS[(method, pattern)].get("parameters", [])
+            if p["in"] == "query"}
+
+
+def body_schema(method: str, pattern: str) -> dict[str, Any] | None:
+    rb = OPERATIONS[(method, pattern)].get("requestBody")
+    if not rb:
+        return None
+    js = rb.get("content", {}).get("application/json")
+    return resolve(js["schema"]) if js and js.get("schema") else None
+
+
+def body_types(method: str, pattern: str) -> list[str]:
+    rb = OPERATIONS[(method, pattern)].get("requestBody") or {}
+    return list(rb.get("content", {}))
+
 
 KEEP = "fz-keep"  # a topic the fuzz never deletes (its produce/consume/ack run on real state)
 
@@ -273,38 +296,61 @@ json_any = st.recursive(
     max_leaves=12)
 
 
-def value_for(tp: Any) -> st.SearchStrategy[Any]:
-    """A valid-shaped value for a body field's annotation (loosely), or hostile ones."""
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if origin is typing.Annotated:
-        return value_for(args[0])
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
-        return st.one_of(*[value_for(a) for a in args if a is not msgspec.UnsetType])
-    if origin is list:
-        return st.lists(value_for(args[0]) if args else json_any, max_size=4)
-    if isinstance(tp, type) and issubclass(tp, msgspec.Struct):
-        return struct_body(tp)
-    if tp is int:
-        return st.sampled_from([3, 4, 30000, 3_600_000, 0, 1]) | st.integers(-5, 200) | big_ints
-    if tp is str:
-        return st.sampled_from(["fz-" + x for x in ("a", "b", "c")] + HOSTILE_TEXT) | st.text(max_size=20)
-    if tp is type(None):
-        return st.none()
-    if tp is msgspec.Raw:
+def from_schema(schema: dict[str, Any], depth: int = 0) -> st.SearchStrategy[Any]:
+    """A value shaped after a JSON schema of the document (loosely: bounds are kept, and
+    hostile values of the same type are mixed in)."""
+    schema = resolve(schema)
+    if depth > 4:
         return json_any
+    if "allOf" in schema:
+        props: dict[str, Any] = {}
+        for part in schema["allOf"]:
+            props.update(resolve(part).get("properties", {}))
+        return from_schema({"type": "object", "properties": props}, depth)
+    for key in ("oneOf", "anyOf"):
+        if key in schema:
+            return st.one_of(*[from_schema(x, depth + 1) for x in schema[key]])
+    if "enum" in schema:
+        return st.sampled_from(schema["enum"]) | st.sampled_from(HOSTILE_TEXT)
+    if "const" in schema:
+        return st.just(schema["const"]) | json_any
+    t = schema.get("type")
+    if t == "object":
+        props = schema.get("properties", {})
+        required = set(schema.get("required", []))
+        fields = {k: from_schema(v, depth + 1) for k, v in props.items()}
+        return st.fixed_dictionaries({k: v for k, v in fields.items() if k in required},  # type: ignore[arg-type]
+                                     optional={k: v for k, v in fields.items() if k not in required})
+    if t == "array":
+        hi = min(int(schema.get("maxItems", 4)), 4)
+        return st.lists(from_schema(schema.get("items", {}), depth + 1), max_size=hi)
+    if t == "integer":
+        lo, hi = schema.get("minimum", -5), schema.get("maximum", 3_600_000)
+        return (st.integers(lo, hi) | st.sampled_from([3, 4, 30000, 3_600_000, 0, 1]) | st.integers(-5, 200)
+                | big_ints)
+    if t == "string":
+        return st.sampled_from(["fz-" + x for x in ("a", "b", "c")] + HOSTILE_TEXT) | st.text(max_size=20)
+    if t == "boolean":
+        return st.booleans() | json_any
     return json_any
 
 
-def struct_body(tp: type) -> st.SearchStrategy[dict[str, Any]]:
-    fields = msgspec.structs.fields(tp)
-    parts = {f.encode_name: value_for(f.type) for f in fields}
-    return st.fixed_dictionaries({}, optional=parts)  # type: ignore[arg-type]
+def query_value(schema: dict[str, Any]) -> st.SearchStrategy[str]:
+    """A query value after the parameter's schema (as text), or a hostile one."""
+    t = schema.get("type")
+    shaped: st.SearchStrategy[str]
+    if "enum" in schema:
+        shaped = st.sampled_from([str(v) for v in schema["enum"]])
+    elif t == "integer":
+        shaped = st.integers(schema.get("minimum", -3), min(schema.get("maximum", 1000), 1000)).map(str)
+    else:
+        shaped = st.sampled_from(["0", "1", "500ms", "true", KEEP])
+    return st.one_of(shaped, shaped, st.sampled_from(HOSTILE_TEXT), st.text(max_size=8))
 
 
 def body_strategy(method: str, pattern: str) -> st.SearchStrategy[bytes | None]:
-    tp = BODY_TYPES.get((method, pattern))
-    shaped: st.SearchStrategy[Any] = struct_body(tp) if tp is not None else json_any
+    schema = body_schema(method, pattern)
+    shaped: st.SearchStrategy[Any] = from_schema(schema) if schema is not None else json_any
     wrong = st.one_of(
         shaped.map(lambda d: {**d, "unknown_field_zz": 1} if isinstance(d, dict) else d),  # unknown fields
         json_any,  # wrong types altogether
@@ -337,16 +383,20 @@ def request_strategy(method: str, pattern: str) -> st.SearchStrategy[tuple[str, 
     parts = pattern.strip("/").split("/")
     segs = [segment(p, method) if p.startswith("{") else st.just(p) for p in parts]
     path = st.tuples(*segs).map(lambda xs: "/" + "/".join(xs))
-    qval = st.sampled_from(HOSTILE_TEXT) | st.text(max_size=8)
-    query = st.lists(st.tuples(st.sampled_from(QUERY_NAMES) | st.text(min_size=1, max_size=5), qval), max_size=4)
+    documented = query_params(method, pattern)
+    # the operation's own parameters (values after their schemas), and unknown ones
+    known = [st.tuples(st.just(name), query_value(sch)) for name, sch in documented.items()]
+    unknown = st.tuples(st.text(min_size=1, max_size=5), st.sampled_from(HOSTILE_TEXT) | st.text(max_size=8))
+    query = st.lists(st.one_of(*known, *known, unknown) if known else unknown, max_size=4)
     qs = query.map(lambda q: urllib.parse.urlencode(q, safe="%") if q else "")
     odd_headers = st.fixed_dictionaries({}, optional={
         "Content-Type": st.sampled_from(["application/json", "application/octet-stream", "text/plain", "",
                                          "application/json; charset=utf-8"]),
         "X-Narad-Client": st.sampled_from(["fuzz", ""])})
     # mostly what a real client sends (so requests get past the 415 guard to the handler)
-    headers = st.one_of(st.just({"Content-Type": "application/json", "X-Narad-Client": "fuzz"}),
-                        st.just({"Content-Type": "application/octet-stream", "X-Narad-Client": "fuzz"}), odd_headers)
+    types = body_types(method, pattern) or ["application/json", "application/octet-stream"]
+    headers = st.one_of(st.sampled_from(types).map(lambda ct: {"Content-Type": ct, "X-Narad-Client": "fuzz"}),
+                        odd_headers)
     return st.tuples(path, qs, body_strategy(method, pattern), headers).map(
         lambda t: (t[0] + (("?" + t[1]) if t[1] else ""), t[2], t[3]))
 
@@ -403,11 +453,12 @@ def test_route_fuzz(node: Node, method: str, pattern: str) -> None:
 
 
 def test_routes_enumerated() -> None:
-    """The table is read from the code: every API class registered its routes."""
+    """The operations fuzzed are the document's, and they are every route the router serves."""
     assert len(ROUTES) >= 20
+    assert set(ROUTES) == set(route_table())
     assert ("POST", "/v1/topics/{topic}/produce") in ROUTES and ("GET", "/v1/users") in ROUTES
-    for key in BODY_TYPES:
-        assert key in ROUTES, f"BODY_TYPES names a route that no longer exists: {key}"
+    shaped = [r for r in ROUTES if body_schema(*r) is not None]
+    assert ("POST", "/v1/topics") in shaped and ("POST", "/v1/topics/{topic}/produce/batch") in shaped
 
 
 def known_hostile(auth: str) -> list[tuple[str, str, bytes | None, dict[str, str], str | None]]:

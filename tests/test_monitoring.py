@@ -30,12 +30,11 @@ DASHBOARD = MON / "grafana-dashboard.json"
 # adding Narad's series (narad-api.md section 6) alongside this kit: each name here must be
 # delivered by the node, then removed from this set. The test fails both ways: a used name
 # missing from /metrics and not listed here, and a listed name the node now exports.
-PENDING_H_METRICS: frozenset[str] = frozenset({
-    "narad_build_info",
-    "narad_errors_total",
-    "process_cpu_seconds_total",
-    "process_resident_memory_bytes",
-})
+PENDING_H_METRICS: frozenset[str] = frozenset()
+
+# Series with no samples until their first event (their label values are not known before it):
+# the node must declare them (a TYPE line in /metrics) and the panels still show them.
+EVENT_ONLY = {"narad_errors_total": "counted per (component, kind) on the first error of that kind"}
 
 # Series the rules use that Prometheus makes, not the node.
 FROM_PROMETHEUS = frozenset({"up"})
@@ -189,11 +188,67 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
         n.close()
 
 
-def sample_names(text: str) -> set[str]:
-    return {line.split("{", 1)[0].split(" ", 1)[0] for line in text.splitlines() if line and line[0] != "#"}
+LABEL = re.compile(r'(\w+)="(?:[^"\\]|\\.)*"')
+FROM_SCRAPE = frozenset({"instance", "job"})  # labels Prometheus adds to every series
 
 
-def exported(name: str, samples: set[str]) -> bool:
+def sample_labels(text: str) -> dict[str, set[str]]:
+    """Sample name -> the label names its samples carry, from the Prometheus text format."""
+    out: dict[str, set[str]] = {}
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        name, brace, rest = line.partition("{")
+        if not brace:
+            name = name.split(" ", 1)[0]
+        out.setdefault(name, set()).update(LABEL.findall(rest.rsplit("}", 1)[0]) if brace else ())
+    return out
+
+
+def labels_of(name: str, samples: dict[str, set[str]]) -> set[str]:
+    for n in (name, name + "_bucket", name + "_count"):
+        if n in samples:
+            return samples[n]
+    return set()
+
+
+def label_uses(expr: str) -> Iterator[tuple[str, str]]:
+    """(metric, label) pairs an expression relies on: the labels of each selector's matchers,
+    and the labels of a ``by (...)`` clause for every metric inside that aggregation."""
+    for name, matchers in SELECTOR.findall(expr):
+        for label in re.findall(r"(\w+)\s*(?:=~|!~|!=|=)", matchers):
+            yield name, label
+    for m in re.finditer(r"\bby\s*\(([^)]*)\)\s*\(", expr):
+        depth, i = 1, m.end()
+        while depth and i < len(expr):
+            depth += {"(": 1, ")": -1}.get(expr[i], 0)
+            i += 1
+        for name in NAME.findall(expr[m.end():i]):
+            for label in re.findall(r"\w+", m.group(1)):
+                yield name, label
+
+
+def rule_exprs() -> list[str]:
+    """The expressions of alerts.yml (single-line or folded ``>`` blocks)."""
+    out: list[str] = []
+    lines = RULES.read_text().splitlines()
+    for i, line in enumerate(lines):
+        m = re.match(r"^(\s*)expr: ?(.*)$", line)
+        if not m:
+            continue
+        if m.group(2).strip() != ">":
+            out.append(m.group(2))
+            continue
+        body = []
+        for nxt in lines[i + 1:]:
+            if len(nxt) - len(nxt.lstrip()) <= len(m.group(1)):
+                break
+            body.append(nxt.strip())
+        out.append(" ".join(body))
+    return out
+
+
+def exported(name: str, samples: dict[str, set[str]] | set[str]) -> bool:
     return name in samples or any(name + suffix in samples for suffix in ("_bucket", "_count", "_sum"))
 
 
@@ -226,14 +281,14 @@ def test_every_metric_the_rules_and_panels_use_is_exported(node: Node) -> None:
     assert len(used) >= 40, sorted(used)
     assert not PENDING_H_METRICS - used, f"pending names no rule or panel uses: {PENDING_H_METRICS - used}"
     traffic(node)
-    required = used - PENDING_H_METRICS
-    seen: set[str] = set()
+    required = used - PENDING_H_METRICS - EVENT_ONLY.keys()
+    seen: dict[str, set[str]] = {}
 
-    def scrape() -> set[str]:
+    def scrape() -> dict[str, set[str]]:
         r = node.get("/metrics")
         assert r.status == 200, r
         seen.clear()
-        seen.update(sample_names(r.body.decode()))
+        seen.update(sample_labels(r.body.decode()))
         return seen
 
     # Partition gauges come from a poller (every 5 s): wait for what must be there...
@@ -246,8 +301,19 @@ def test_every_metric_the_rules_and_panels_use_is_exported(node: Node) -> None:
         end = time.monotonic() + 7
         while time.monotonic() < end and not all(exported(n, scrape()) for n in PENDING_H_METRICS):
             time.sleep(0.25)
-    missing = {n for n in used if not exported(n, seen)}
+    text = node.get("/metrics").body.decode()
+    for name, why in EVENT_ONLY.items():
+        assert f"# TYPE {name} " in text, f"{name} ({why}) is not declared in /metrics"
+    missing = {n for n in used if not exported(n, seen)} - EVENT_ONLY.keys()
     unexpected = sorted(missing - PENDING_H_METRICS)
     assert not unexpected, f"used by config/monitoring but not in a node's /metrics: {unexpected}"
     delivered = sorted(PENDING_H_METRICS - missing)
     assert not delivered, f"now exported by the node: remove from PENDING_H_METRICS: {delivered}"
+
+    # The labels the rules and panels select or group by exist on those series.
+    exprs = rule_exprs() + [t["expr"] for _, t in panel_targets(dashboard())]
+    assert len(rule_exprs()) == len(re.findall(r"^\s*- alert: ", RULES.read_text(), re.M))
+    wrong = sorted({f"{name}: {label}" for e in exprs for name, label in label_uses(e)
+                    if label not in FROM_SCRAPE and exported(name, seen)
+                    and label not in labels_of(name, seen)})
+    assert not wrong, f"labels the series do not carry: {wrong}"

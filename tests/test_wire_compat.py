@@ -10,7 +10,9 @@ spelled), and /metrics on the API port answering 404 once the separate listener 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +59,13 @@ def test_partition_stats_rows_as_narad(node: Node) -> None:
         assert set(required) <= set(r), f"missing {set(required) - set(r)}"
         assert all(isinstance(r[k], int) for k in PLACEHOLDER_STATS)
     assert [r["high_watermark"] for r in rows] == [2, 2, 0]
+    # The owner's storage figures pass through: the two partitions with records have a
+    # segment, bytes on disk and the time of their oldest record; the empty one no time.
+    for r in rows[:2]:
+        assert r["segments"] >= 1 and r["size_bytes"] >= 200, r
+        at = datetime.fromisoformat(r["oldest_segment_at"].replace("Z", "+00:00"))
+        assert abs(at.timestamp() - time.time()) < 600, r
+    assert "oldest_segment_at" not in rows[2]
     only = node.get("/v1/topics/wc-t?partition=1").json()["partition_stats"]
     assert [r["index"] for r in only] == [1]
 

@@ -118,7 +118,7 @@ def test_dashboard_is_a_grafana_dashboard() -> None:
     assert d["title"] and re.fullmatch(r"[A-Za-z0-9_-]{1,40}", d["uid"])
     variables = {v["name"]: v for v in d["templating"]["list"]}
     assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
-    for name in ("instance", "topic"):
+    for name in ("job", "instance", "topic"):
         v = variables[name]
         assert v["type"] == "query" and v["datasource"]["uid"] == "${datasource}", v
         assert v["definition"].startswith("label_values(") and v["query"]["query"] == v["definition"], v
@@ -146,12 +146,14 @@ def test_dashboard_is_a_grafana_dashboard() -> None:
         for t in p["targets"]:
             assert t["expr"].strip() and t["datasource"]["uid"] == "${datasource}", (p["title"], t)
 
-    # Every variable an expression uses exists; every node series is filtered by the instance variable.
+    # Every variable an expression uses exists; every node series is filtered by the job and
+    # instance variables.
     for p, t in panel_targets(d):
         for var in re.findall(r"\$\{?(\w+)\}?", t["expr"]):
             assert var in variables or var in GRAFANA_BUILTINS, (p["title"], var)
         for name, matchers in SELECTOR.findall(t["expr"]):
-            assert 'instance=~"$instance"' in matchers, f"{p['title']}: {name} is not filtered by $instance"
+            for want in ('job=~"$job"', 'instance=~"$instance"'):
+                assert want in matchers, f"{p['title']}: {name} is not filtered by {want}"
 
     # The panels the operator needs, by the series they show.
     exprs = " ".join(t["expr"] for _, t in panel_targets(d))
@@ -317,3 +319,16 @@ def test_every_metric_the_rules_and_panels_use_is_exported(node: Node) -> None:
                     if label not in FROM_SCRAPE and exported(name, seen)
                     and label not in labels_of(name, seen)})
     assert not wrong, f"labels the series do not carry: {wrong}"
+
+    # A legend names only labels the panel's result keeps: those of its by (...) clauses when it
+    # aggregates, else those of the series it shows.
+    bad = []
+    for p, t in panel_targets(dashboard()):
+        names = [n for n in NAME.findall(t["expr"]) if exported(n, seen)]
+        if not names:
+            continue
+        groups = re.findall(r"\bby\s*\(([^)]*)\)", t["expr"])
+        keep = ({lb for g in groups for lb in re.findall(r"\w+", g)} if groups
+                else set.union(*(labels_of(n, seen) for n in names)) | FROM_SCRAPE)
+        bad += [f"{p['title']}: {lb}" for lb in re.findall(r"\{\{\s*(\w+)\s*\}\}", t["legendFormat"]) if lb not in keep]
+    assert not bad, f"legends name labels the result does not have: {bad}"

@@ -30,6 +30,12 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 DEFAULT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 20, 30)
 PART = ("topic", "partition")  # the labels of a partition's series
+# narad_errors_total{component,kind}: every pair some process counts, present at zero
+ERROR_KINDS = (("storage", "commit_failed"), ("storage", "fsync_poisoned"), ("storage", "offset_write_failed"),
+               ("wal", "write_failed"), ("http", "internal"), ("metastore", "snapshot_failed"),
+               ("metastore", "fail_stop"), ("metrics", "poll_failed"), ("broker", "housekeeping_failed"))
+SCHEMA_REJECTION_REASONS = ("depth", "malformed", "invalid", "busy", "canceled")
+AUTH_FAILURE_REASONS = ("bad_password",)
 
 
 class Family(msgspec.Struct, array_like=True):
@@ -270,6 +276,12 @@ class _Metrics:
         self.fanout_dropped = a(Counter("narad_fanout_child_dropped_messages",
                                         "parent records never copied: aged out of parent retention before the "
                                         "cursor read them, or unreadable (loss)", ["parent", "child"]))
+        for labels in ERROR_KINDS:
+            self.errors.labels(*labels)
+        for reason in SCHEMA_REJECTION_REASONS:
+            self.schema_rejections.labels(reason)
+        for reason in AUTH_FAILURE_REASONS:
+            self.auth_failures.labels(reason)
 
 
 _registry = Registry()
@@ -384,6 +396,23 @@ def process_families(pids: dict[str, int]) -> list[Family]:
     return list(out.values())
 
 
+_OPS: dict[type, str] = {}
+
+
+def op_label(typ: type) -> str:
+    """A request type's ``op`` label: ``AckReq`` -> ``ack``, ``FanoutLagReq`` -> ``fanout_lag``,
+    ``CreateTopicReq`` -> ``create_topic``."""
+    name = _OPS.get(typ)
+    if name is None:
+        base = typ.__name__
+        for suffix in ("Req", "Note", "Request"):
+            if base.endswith(suffix) and len(base) > len(suffix):
+                base = base[: -len(suffix)]
+                break
+        name = _OPS[typ] = "".join("_" + c.lower() if c.isupper() and i else c.lower() for i, c in enumerate(base))
+    return name
+
+
 def drop_children(m: _Metric, gone: Callable[[tuple[str, ...]], bool]) -> int:
     """Remove the children whose label values `gone` accepts (series of topics or
     partitions that no longer exist); returns how many."""
@@ -419,6 +448,8 @@ class HttpObserver:
         c[2].value += bytes_in
         c[3].value += bytes_out
         self.in_flight.value -= 1
+        if status == 500:
+            self.m.errors.labels("http", "internal").inc()
 
 
 TOPIC_LABELS = frozenset(("topic", "parent", "child"))  # labels whose values are topic names

@@ -90,8 +90,9 @@ PROBE_MAX = 1000  # records one coalesced consume probe asks another worker for
 ACK_MAX = 1000  # receipt handles one coalesced AckReq carries
 WATCH_TTL = 1.0  # a node holding our watch token is asked again after this even without a ReadyNote
 STATS_TOPIC_WAIT = 1.6  # a stats request for an incarnation not applied here yet waits this long (callers: 2 s)
-POLL_EVERY = 5.0  # partition gauges refreshed this often
-POLL_MIN_GAP = 1.0  # a topic change brings the next pass forward, never closer than this to the last
+# partition gauges refreshed this often (test seam: NARAD_METRICS_POLL_MS, never set in production)
+POLL_EVERY = float(os.environ.get("NARAD_METRICS_POLL_MS", "5000")) / 1000.0
+POLL_MIN_GAP = min(1.0, POLL_EVERY)  # a topic change brings the next pass forward, never closer than this to the last
 COLD_POLL_EVERY = 30.0  # a closed partition's gauges are read from its files at most this often
 ACK, EXTEND, NACK = 0, 1, 2
 
@@ -192,6 +193,7 @@ class Broker:
         self._m_wait: dict[tuple[str, str], Any] = {}
         self._cold_rows: dict[tuple[str, int], tuple[str, float, _Row]] = {}
         self._poll_soon = asyncio.Event()
+        self._wal_failed_counted = False
         self.m = metrics.get()
         reg = metrics.registry()
         self.m_open_logs = _metric(reg, metrics.Gauge, "narad_open_partition_logs", "partition logs open")
@@ -597,18 +599,29 @@ class Broker:
 
     def _tell_left(self, p: Partition) -> None:
         if not p.closed:
-            left = p.available()
+            left = self._ready_in(p)
             if left > 0:
                 self._tell_watchers(p.topic, left)
 
     def _on_released(self, p: Partition) -> None:
         """A lease ended (ack, nack, expiry): worth a wake only when it left a record
         deliverable (a nack or an expiry, or a cap slot freed above waiting records)."""
-        if p.available() <= 0:
+        if self._ready_in(p) <= 0:
             return
         if self._waiters.get(p.topic):
             self._wake(p.topic, 1)
         self._tell_watchers(p.topic, 1)
+
+    def _ready_in(self, p: Partition) -> int:
+        """Records a reserve in `p` would hand out now, caps included: what a watch
+        token may be fired for (records held back by a full in-flight or acked-ahead
+        cap are no reason to wake a consumer, who would find nothing and park again:
+        with several parked, the two workers would trade notes for as long as the cap
+        stays full)."""
+        t = self.store.topic(p.topic)
+        if t is None or t.id != p.topic_id:
+            return 0
+        return p.ready(t.max_in_flight_per_partition, t.max_acked_ahead_per_partition)
 
     def _tell_watchers(self, topic: str, n: int) -> None:
         """`n` records became available: fire that many tokens, oldest first (one
@@ -1330,9 +1343,10 @@ class Broker:
             if t is not None:
                 for i in self.owned(t):
                     p = self.partitions.get((t.name, i))
-                    if p is not None and p.available() > 0:
+                    ready = self._ready_in(p) if p is not None else 0
+                    if ready > 0:
                         self._watchers.setdefault(m.topic, {})[(m.node, m.worker)] = None
-                        self._tell_watchers(m.topic, p.available())
+                        self._tell_watchers(m.topic, ready)
                         return
             self._watchers.setdefault(m.topic, {})[(m.node, m.worker)] = None
 
@@ -1354,7 +1368,7 @@ class Broker:
                 for i in self.owned(t):
                     p = self.partitions.get((t.name, i))
                     if p is not None and p.topic_id == t.id:
-                        ready += p.available()
+                        ready += self._ready_in(p)
                 if ready:
                     self._wake(m.topic, ready)
                     self._tell_watchers(m.topic, ready)
@@ -1422,6 +1436,7 @@ class Broker:
                         p.offsets.write_window(frontier, ahead)
                     except OSError as e:
                         log.error("consumer offset write failed", extra={"topic": p.topic, "err": str(e)})
+                        self.m.errors.labels("storage", "offset_write_failed").inc()
                         p.dirty = True
                         continue
                 if p.offsets.dirty_since_sync and now - self._synced.get(key, 0.0) >= self.offset_sync_interval:
@@ -1444,7 +1459,11 @@ class Broker:
                 self._report_dropped(p)
             self.m_open_logs.set(len(self.partitions))
             self.m.dispatch_backlog.set(self.wal.backlog)
-            self.m.wal_failed.set(1 if self.wal.failed is not None else 0)
+            failed = self.wal.failed is not None
+            if failed and not self._wal_failed_counted:
+                self._wal_failed_counted = True  # latched until a restart: counted once
+                self.m.errors.labels("wal", "write_failed").inc()
+            self.m.wal_failed.set(1 if failed else 0)
 
     async def _reaper(self) -> None:
         """Housekeeping, one pass at a time (never two closes or sweeps of one
@@ -1473,6 +1492,7 @@ class Broker:
                     next_cold = now + self.cold_walk_s
                     await self._cold_walk()
             except Exception:
+                self.m.errors.labels("broker", "housekeeping_failed").inc()
                 log.exception("partition housekeeping pass failed; next pass as planned")
 
     async def _sweep_retention(self, p: Partition, now_ms: int) -> int:

@@ -42,6 +42,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from narad import metrics
 from narad.storage import frames as FR
 from narad.storage import offsets as OFF
 from narad.storage import partition_log as PL
@@ -328,6 +329,8 @@ class Partition:
                 except OSError as e:
                     log.error("partition commit failed", extra={"topic": self.topic, "partition": self.index,
                                                                 "err": str(e)})
+                    metrics.get().errors.labels(
+                        "storage", "fsync_poisoned" if self.log.poisoned is not None else "commit_failed").inc()
                     for _, f in queue:
                         if not f.done():
                             f.set_exception(OSError(e.errno or 5, f"partition commit failed: {e}"))
@@ -338,6 +341,7 @@ class Partition:
                 except Exception as e:  # the frame is durable; the log state is not to be trusted
                     log.exception("partition publish failed; closing the partition",
                                   extra={"topic": self.topic, "partition": self.index})
+                    metrics.get().errors.labels("storage", "commit_failed").inc()
                     self.closed = True
                     for _, f in queue:
                         if not f.done():
@@ -412,6 +416,20 @@ class Partition:
     def available(self) -> int:
         """Records no lease covers, above the frontier (an estimate)."""
         return max(0, self.log.hwm - 1 - self.committed - len(self.leases) - len(self.acked_ahead))
+
+    def ready(self, max_in_flight: int, max_acked_ahead: int) -> int:
+        """Records a reserve with these caps would hand out now (an estimate, like
+        ``available``): none while the in-flight cap is full, only the frontier
+        record while the acked-ahead cap is."""
+        if self.closed or len(self.leases) >= max_in_flight:
+            return 0
+        n = self.available()
+        if n <= 0:
+            return 0
+        if len(self.acked_ahead) >= max_acked_ahead:
+            f = self.committed + 1
+            return 1 if f < self.log.hwm and f not in self.leases else 0
+        return min(n, max_in_flight - len(self.leases))
 
     def snapshot_offsets(self) -> tuple[int, list[int]]:
         return self.committed, sorted(self.acked_ahead)

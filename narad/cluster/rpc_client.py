@@ -277,7 +277,7 @@ class NodeRpcClient:
         if len(body) > MAX_FRAME:
             raise PayloadTooLarge(f"cluster request {type(msg).__name__} of {len(body)} bytes exceeds the "
                                   f"{MAX_FRAME} byte frame limit")
-        op = op_name(type(msg))
+        op = metrics.op_label(type(msg))
         p = self._peers.get(addr)
         conn = p.conn if p is not None else None
         if conn is None or not conn.usable:
@@ -326,7 +326,7 @@ class NodeRpcClient:
         if len(body) > MAX_FRAME:
             log.error("cluster note %s of %d bytes exceeds the frame limit; dropped", type(msg).__name__, len(body))
             return
-        _count(op_name(type(msg)), "ok")
+        _count(metrics.op_label(type(msg)), "ok")
         p = self._peers.get(addr)
         if p is not None and p.conn is not None and p.conn.usable:
             p.conn.note(body)
@@ -479,21 +479,7 @@ def _retrieve(task: asyncio.Task[Any]) -> None:
         task.exception()
 
 
-_OPS: dict[type, str] = {}
 _COUNTERS: dict[tuple[str, str], tuple[Any, Any]] = {}
-
-
-def op_name(typ: type) -> str:
-    """A message type's operation label: ``AckReq`` -> ``ack``, ``FanoutLagReq`` -> ``fanout_lag``."""
-    name = _OPS.get(typ)
-    if name is None:
-        base = typ.__name__
-        for suffix in ("Req", "Note", "Request"):
-            if base.endswith(suffix) and len(base) > len(suffix):
-                base = base[: -len(suffix)]
-                break
-        name = _OPS[typ] = "".join("_" + c.lower() if c.isupper() and i else c.lower() for i, c in enumerate(base))
-    return name
 
 
 def _count(op: str, outcome: str) -> None:

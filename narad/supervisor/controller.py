@@ -10,7 +10,7 @@ mistake its own arrival for silence), never a voter whose mark would leave
 fewer than a quorum of voters alive (the breaker), and always naming the
 heartbeat it judged, so a heartbeat that lands first wins.
 
-Imports narad.meta and narad.config.
+Imports narad.meta, narad.metrics and narad.config.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 
 import bcrypt
 
-from narad import BUILD
+from narad import BUILD, metrics
 from narad.errors import NaradError, NotFound
 from narad.meta import commands as C
 from narad.meta import requests as Q
@@ -133,6 +133,7 @@ class Controller:
             except NotFound:
                 self.registered.clear()
             except (NaradError, TimeoutError) as e:
+                metrics.get().member_heartbeat_failures.inc()
                 log.warning("heartbeat failed", extra={"err": str(e)})
         if self.raft.is_leader():
             if self._leader_since is None:

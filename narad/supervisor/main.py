@@ -271,7 +271,7 @@ class Supervisor:
             snapshot_threshold=cfg.cluster.raft_snapshot_threshold,
             on_state_change=self._on_raft_role, on_fail_stop=self._on_fail_stop,
             on_commit=self._on_raft_tick,
-            on_snapshot_failure=lambda: loop.call_soon_threadsafe(self.metrics.snapshot_failures.inc),
+            on_snapshot_failure=lambda: loop.call_soon_threadsafe(self._on_snapshot_failure),
         )
         self.raft.max_voters = cfg.cluster.max_voters
         self.raft.join_policy = self._join_policy
@@ -527,6 +527,10 @@ class Supervisor:
                               headers=[("Retry-After", "1")]) from None
 
     # ---- callbacks ------------------------------------------------------------
+    def _on_snapshot_failure(self) -> None:
+        self.metrics.snapshot_failures.inc()
+        self.metrics.errors.labels("metastore", "snapshot_failed").inc()
+
     def _on_fsm_commit(self, touched: set[int], applied: int) -> None:
         """Tick thread, after the LMDB commit: move the counters workers watch."""
         if touched:
@@ -543,6 +547,7 @@ class Supervisor:
         log.info("raft role changed", extra={"role": role})
 
     def _on_fail_stop(self, e: FailStop) -> None:
+        self.metrics.errors.labels("metastore", "fail_stop").inc()
         self.versions.store(V.FAIL_STOPPED, 1)
         self.versions.store(V.READY, 0)
         self.meta.stopped = True

@@ -9,7 +9,7 @@ deadline (``cluster.write_timeout``, 10 s), each hop capped well below it, then
 503. A forwarded request carries an id: a retry after a lost answer gets the
 first answer instead of running twice.
 
-Imports narad.meta and the cluster transport (as a duck-typed client).
+Imports narad.meta, narad.metrics and the cluster transport (as a duck-typed client).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from typing import Any, Union
 
 import msgspec
 
+from narad import metrics
 from narad.errors import ATTACH_POINT, BadGateway, GatewayTimeout, Misdirected, NaradError, Unavailable
 from narad.meta import requests as Q
 from narad.meta.raft import RaftNode
@@ -87,7 +88,15 @@ class MetadataRouter:
         return None
 
     async def execute(self, req: msgspec.Struct) -> Any:
-        """Run `req` on the leader; answer once this node's replica holds it."""
+        """Run `req` on the leader; answer once this node's replica holds it
+        (timed: narad_metastore_write_seconds{op}, answered or refused)."""
+        t0 = time.monotonic()
+        try:
+            return await self._execute(req)
+        finally:
+            metrics.get().meta_write_seconds.labels(metrics.op_label(type(req))).observe(time.monotonic() - t0)
+
+    async def _execute(self, req: msgspec.Struct) -> Any:
         end = time.monotonic() + self.write_timeout
         rid = uuid.uuid4().hex
         uncertain = False

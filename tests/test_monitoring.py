@@ -1,25 +1,30 @@
 """The monitoring kit in config/monitoring: Prometheus alert rules (alerts.yml) checked and
 unit-tested by promtool (alerts_test.yml), the Grafana dashboard's structure and PromQL, and
-every metric name the rules or panels use present in a real node's /metrics after traffic.
+every metric name (and label) the rules or panels use present in a real node's /metrics after
+traffic; then a real Prometheus scrapes that node with alerts.yml loaded: every panel's query
+answers data, every rule evaluates without error and none fires on the healthy node.
 
-promtool comes from Debian's ``prometheus`` package (``make test`` installs it); the tests
-that need it skip, saying so, only when it is not installed.
+promtool and the Prometheus server come from Debian's ``prometheus`` package (``make test``
+installs it); the tests that need them skip, saying so, only when they are not installed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
 import subprocess
 import time
+import urllib.parse
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.harness import Node, wait_for
+from tests.harness import ADMIN_PASSWORD, Node, free_ports, wait_for
 
 MON = Path(__file__).resolve().parent.parent / "config" / "monitoring"
 RULES = MON / "alerts.yml"
@@ -181,13 +186,27 @@ def test_every_dashboard_expression_is_valid_promql(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------- a real node
 
 
+class Stack:
+    """The module's real node and, when the server is installed, a real Prometheus scraping it."""
+
+    def __init__(self, node: Node, prometheus: str | None) -> None:
+        self.node = node
+        self.prometheus = prometheus
+
+
 @pytest.fixture(scope="module")
-def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
-    n = Node(tmp_path_factory.mktemp("monitoring") / "data", workers=1).start()
-    try:
-        yield n
-    finally:
-        n.close()
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    tmp = tmp_path_factory.mktemp("monitoring")
+    n = Node(tmp / "data", workers=1)
+    # Prometheus first: its scrape manager applies the targets ~5 s after start, which then
+    # overlaps the node's boot.
+    with start_prometheus(n.port, tmp / "prometheus") as base:
+        try:
+            n.start()
+            traffic(n)
+            yield Stack(n, base)
+        finally:
+            n.close()
 
 
 LABEL = re.compile(r'(\w+)="(?:[^"\\]|\\.)*"')
@@ -278,11 +297,11 @@ def traffic(node: Node) -> None:
     assert node.get("/v1/no-such-route").status == 404
 
 
-def test_every_metric_the_rules_and_panels_use_is_exported(node: Node) -> None:
+def test_every_metric_the_rules_and_panels_use_is_exported(stack: Stack) -> None:
+    node = stack.node
     used = used_names()
     assert len(used) >= 40, sorted(used)
     assert not PENDING_H_METRICS - used, f"pending names no rule or panel uses: {PENDING_H_METRICS - used}"
-    traffic(node)
     required = used - PENDING_H_METRICS - EVENT_ONLY.keys()
     seen: dict[str, set[str]] = {}
 
@@ -332,3 +351,97 @@ def test_every_metric_the_rules_and_panels_use_is_exported(node: Node) -> None:
                 else set.union(*(labels_of(n, seen) for n in names)) | FROM_SCRAPE)
         bad += [f"{p['title']}: {lb}" for lb in re.findall(r"\{\{\s*(\w+)\s*\}\}", t["legendFormat"]) if lb not in keep]
     assert not bad, f"legends name labels the result does not have: {bad}"
+
+
+# ---------------------------------------------------------------------------- a real Prometheus
+
+# Panel expressions that may rightly answer nothing on a healthy, lightly used node.
+MAY_BE_EMPTY = {
+    "narad_errors_total": "event-only: no samples before the first error",
+    'status=~"5.."': "no 5xx answered",
+    "-deriv(narad_data_dir_available_bytes": "shown only while the free space shrinks",
+}
+
+
+@contextlib.contextmanager
+def start_prometheus(target_port: int, d: Path) -> Iterator[str | None]:
+    """A real Prometheus (Debian's `prometheus` package, like promtool) scraping 127.0.0.1:
+    ``target_port`` every second as job "narad", with alerts.yml loaded: its base URL, or None
+    when the server is not installed."""
+    exe = shutil.which("prometheus")
+    if exe is None:
+        yield None
+        return
+    d.mkdir(parents=True)
+    port = free_ports(1)[0]
+    cfg = {"global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
+           "rule_files": [str(RULES)],
+           "scrape_configs": [{"job_name": "narad",
+                               "basic_auth": {"username": "admin", "password": ADMIN_PASSWORD},
+                               "static_configs": [{"targets": [f"127.0.0.1:{target_port}"]}]}]}
+    (d / "prometheus.yml").write_text(json.dumps(cfg))  # JSON is YAML
+    with open(d / "prometheus.log", "wb") as log:
+        proc = subprocess.Popen([exe, f"--config.file={d / 'prometheus.yml'}", f"--storage.tsdb.path={d / 'tsdb'}",
+                                 f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        def ready() -> bool:
+            assert proc.poll() is None, (d / "prometheus.log").read_text()[-3000:]
+            with urllib.request.urlopen(base + "/-/ready", timeout=5) as r:
+                return r.status == 200  # type: ignore[no-any-return]
+
+        wait_for(ready, 30, 0.1, "prometheus to be ready")
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            proc.wait(5)
+
+
+@pytest.fixture(scope="module")
+def prometheus(stack: Stack) -> str:
+    if stack.prometheus is None:
+        pytest.skip("the prometheus server is not installed (Debian package `prometheus`; `make test` installs it)")
+    return stack.prometheus
+
+
+def prom(base: str, path: str, **params: str) -> Any:
+    url = base + path + ("?" + urllib.parse.urlencode(params) if params else "")
+    with urllib.request.urlopen(url, timeout=10) as r:
+        body = json.loads(r.read())
+    assert body["status"] == "success", body
+    return body["data"]
+
+
+def test_a_real_prometheus_scrapes_the_node_and_every_panel_shows_data(prometheus: str) -> None:
+    # Enough scrapes (3) for rate() over the 5 s that stands in for $__rate_interval.
+    wait_for(lambda: prom(prometheus, "/api/v1/query", query='count_over_time(up{job="narad"}[10s]) >= 3'
+                          ' and on() min(up{job="narad"}) == 1')["result"], 30, 0.25, "three scrapes of the node")
+    empty = []
+    for p, t in panel_targets(dashboard()):
+        q = re.sub(r"\$(__\w+)", "5s", t["expr"])
+        q = re.sub(r"\$\{?(\w+)\}?", ".*", q)
+        if not any(k in t["expr"] for k in MAY_BE_EMPTY) and not prom(prometheus, "/api/v1/query", query=q)["result"]:
+            empty.append(f"{p['title']} {t['refId']}: {t['expr']}")
+    assert not empty, "panels without data from a scraped node:\n" + "\n".join(empty)
+    topics = prom(prometheus, "/api/v1/label/topic/values")
+    assert "mon" in topics, topics
+
+
+def test_the_rules_load_evaluate_and_stay_quiet_on_a_healthy_node(prometheus: str) -> None:
+    def evaluated() -> list[dict[str, Any]]:
+        rules = [r for g in prom(prometheus, "/api/v1/rules")["groups"] for r in g["rules"]]
+        return rules if rules and all(r["health"] != "unknown" for r in rules) else []
+
+    rules = wait_for(evaluated, 30, 0.25, "every rule evaluated once")
+    alerts = re.findall(r"^\s*- alert: (\w+)\s*$", RULES.read_text(), re.M)
+    assert sorted(r["name"] for r in rules) == sorted(alerts)
+    bad = [(r["name"], r.get("lastError")) for r in rules if r["health"] != "ok"]
+    assert not bad, bad
+    firing = [a for a in prom(prometheus, "/api/v1/alerts")["alerts"] if a["state"] == "firing"]
+    assert not firing, firing

@@ -89,3 +89,17 @@ def test_a_read_refused_mid_reserve_keeps_the_offset_deliverable(tmp_path: Path)
     assert p.reserve(101.0, 1, 30.0, 1024, 1024) == []  # from the redelivery heap: refused
     again = p.reserve(101.0, 2, 30.0, 1024, 1024)
     assert [x.offset for x in again] == [0, 1]
+
+
+def test_ready_honours_the_in_flight_and_acked_ahead_caps(tmp_path: Path) -> None:
+    """What a watch token may be fired for: records a reserve would hand out now."""
+    p = _partition(tmp_path, 5)
+    assert p.ready(1024, 1024) == 5
+    d = p.reserve(100.0, 2, 30.0, 2, 1024)
+    assert p.available() == 3 and p.ready(2, 1024) == 0  # in-flight cap full: nothing to wake anyone for
+    assert p.ready(3, 1024) == 1
+    assert p.ack(1, d[1].nonce, 100.5)  # acked above the frontier (offset 0 still leased)
+    assert p.ready(2, 1) == 0  # acked-ahead cap full and the frontier record leased
+    assert p.nack(0, d[0].nonce, 101.0)
+    assert p.ready(2, 1) == 1  # only the frontier record may go out
+    assert [x.offset for x in p.reserve(101.0, 5, 30.0, 2, 1)] == [0]

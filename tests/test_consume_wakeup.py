@@ -1,0 +1,71 @@
+"""Wake-ups of consumers parked on one worker for records committed on another
+(real node, two forked workers): the consumer a worker's ReadyNote wakes must
+probe that worker at once, also while other consumers stay parked (the note's
+handler re-arms the token for them, and that fresh stamp used to make the woken
+consumer skip the very worker that had just told it records were there: the two
+workers then traded notes with no probe, and the record waited for a poll to end)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from narad.broker.routing import owner_worker
+from tests.harness import Node, wait_for
+
+OCTET = {"Content-Type": "application/octet-stream"}
+PARTS = 4
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
+    n = Node(tmp_path_factory.mktemp("wake") / "data", workers=2).start()
+    yield n
+    n.close()
+
+
+def split_topic(prefix: str) -> str:
+    for i in range(1000):
+        name = f"{prefix}{i}"
+        owners = {owner_worker(name, p, 2) for p in range(PARTS)}
+        if owners == {0, 1}:
+            return name
+    raise AssertionError("no topic name splits over two workers")
+
+
+@pytest.mark.parametrize("parked", [1, 3])
+def test_a_record_on_the_other_worker_reaches_one_of_several_parked_consumers(node: Node, parked: int) -> None:
+    name = split_topic(f"wake{parked}-")
+    assert node.post("/v1/topics", {"name": name, "partitions": PARTS}).status == 201
+    conns = [node.worker_connection(0) for _ in range(parked)]
+    c1 = node.worker_connection(1)
+    try:
+        for round_ in range(3):
+            out: list[Any] = [None] * parked
+
+            def poll(i: int, out: list[Any] = out) -> None:
+                out[i] = node.request("GET", f"/v1/topics/{name}/consume?wait=8s", conn=conns[i])
+
+            threads = [threading.Thread(target=poll, args=(i,)) for i in range(parked)]
+            for th in threads:
+                th.start()
+            node.wait_parked(parked)
+            # keyless: committed at one of worker 1's own partitions
+            assert node.request("POST", f"/v1/topics/{name}/produce", f"r{round_}".encode(), headers=OCTET,
+                                conn=c1).status == 202
+            # one consumer gets it well inside its 8 s poll (the others answer 204 when theirs ends)
+            wait_for(lambda out=out: any(r is not None and r.status == 200 for r in out), 6.0, 0.02,
+                     f"the record delivered to one of {parked} consumers parked on worker 0 (round {round_})")
+            for th in threads:
+                th.join(15)
+            got = [r for r in out if r is not None and r.status == 200]
+            assert len(got) == 1 and got[0].json()["payload"] == f"r{round_}", [(r.status, r.body) for r in out]
+            assert all(r.status == 204 for r in out if r is not got[0])
+            handle = got[0].json()["receipt_handle"]
+            assert node.request("POST", f"/v1/topics/{name}/ack?receipt_handle={handle}", conn=c1).status == 204
+    finally:
+        for c in [*conns, c1]:
+            c.close()

@@ -126,7 +126,7 @@ def test_dashboard_is_a_grafana_dashboard() -> None:
     for name in ("job", "instance", "topic"):
         v = variables[name]
         assert v["type"] == "query" and v["datasource"]["uid"] == "${datasource}", v
-        assert v["definition"].startswith("label_values(") and v["query"]["query"] == v["definition"], v
+        assert v["definition"].startswith("label_values(") and v["query"] == v["definition"], v
         assert v["includeAll"] and v["allValue"] == ".*", v
 
     ids = [p["id"] for p in d["panels"]]
@@ -429,8 +429,15 @@ def test_a_real_prometheus_scrapes_the_node_and_every_panel_shows_data(prometheu
         if not any(k in t["expr"] for k in MAY_BE_EMPTY) and not prom(prometheus, "/api/v1/query", query=q)["result"]:
             empty.append(f"{p['title']} {t['refId']}: {t['expr']}")
     assert not empty, "panels without data from a scraped node:\n" + "\n".join(empty)
-    topics = prom(prometheus, "/api/v1/label/topic/values")
-    assert "mon" in topics, topics
+    # The variables' label_values(selector, label) queries list the node, its job and its topics.
+    values: dict[str, list[str]] = {}
+    for v in dashboard()["templating"]["list"]:
+        if v["type"] == "query":
+            m = re.fullmatch(r"label_values\((.+), *(\w+)\)", v["definition"])
+            assert m, v["definition"]
+            selector, label = as_promql(m.group(1)), m.group(2)
+            values[v["name"]] = prom(prometheus, f"/api/v1/label/{label}/values", **{"match[]": selector})
+    assert values["job"] == ["narad"] and len(values["instance"]) == 1 and "mon" in values["topic"], values
 
 
 def test_the_rules_load_evaluate_and_stay_quiet_on_a_healthy_node(prometheus: str) -> None:

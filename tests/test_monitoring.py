@@ -39,7 +39,7 @@ PENDING_H_METRICS: frozenset[str] = frozenset()
 
 # Series with no samples until their first event (their label values are not known before it):
 # the node must declare them (a TYPE line in /metrics) and the panels still show them.
-EVENT_ONLY = {"narad_errors_total": "counted per (component, kind) on the first error of that kind"}
+EVENT_ONLY: dict[str, str] = {}  # name -> why it has no samples yet
 
 # Series the rules use that Prometheus makes, not the node.
 FROM_PROMETHEUS = frozenset({"up"})
@@ -357,7 +357,6 @@ def test_every_metric_the_rules_and_panels_use_is_exported(stack: Stack) -> None
 
 # Panel expressions that may rightly answer nothing on a healthy, lightly used node.
 MAY_BE_EMPTY = {
-    "narad_errors_total": "event-only: no samples before the first error",
     'status=~"5.."': "no 5xx answered",
     "-deriv(narad_data_dir_available_bytes": "shown only while the free space shrinks",
 }

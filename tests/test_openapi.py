@@ -326,7 +326,52 @@ def _validate(op_id: str, status: int, r: Response) -> None:
     if ctype != "application/json" or not schema:
         return
     full = {**schema, "components": DOC["components"]}
-    jsonschema.Draft202012Validator(full).validate(json.loads(r.body))
+    body = json.loads(r.body)
+    jsonschema.Draft202012Validator(full).validate(body)
+    extra = undocumented(body, schema, "")
+    assert not extra, f"{op_id} {status}: fields the document does not describe: {extra}"
+
+
+def _resolve(schema: dict[str, Any]) -> dict[str, Any]:
+    while "$ref" in schema:
+        schema = DOC["components"]["schemas"][schema["$ref"].rsplit("/", 1)[1]]
+    return schema
+
+
+def _properties(schema: dict[str, Any]) -> dict[str, Any] | None:
+    """The properties an object schema names, through allOf/oneOf/anyOf; None: free-form."""
+    schema = _resolve(schema)
+    props: dict[str, Any] | None = dict(schema["properties"]) if "properties" in schema else None
+    for key in ("allOf", "oneOf", "anyOf"):
+        for part in schema.get(key, []):
+            sub = _properties(part)
+            if sub is not None:
+                props = {**(props or {}), **sub}
+    return props
+
+
+def undocumented(value: Any, schema: dict[str, Any], where: str) -> list[str]:
+    """Keys of an answer that its schema does not name (the document must describe every
+    field a node sends; responses may gain fields, but only documented ones)."""
+    schema = _resolve(schema)
+    out: list[str] = []
+    if isinstance(value, dict):
+        props = _properties(schema)
+        if props is None:
+            return out
+        for k, v in value.items():
+            if k not in props:
+                out.append(f"{where}.{k}")
+            else:
+                out += undocumented(v, props[k], f"{where}.{k}")
+    elif isinstance(value, list):
+        items = schema.get("items")
+        for choice in (schema.get("oneOf") or schema.get("anyOf") or []):
+            items = items or _resolve(choice).get("items")
+        if items:
+            for i, v in enumerate(value[:5]):
+                out += undocumented(v, items, f"{where}[{i}]")
+    return out
 
 
 def test_every_listed_status_is_produced(env: Env) -> None:

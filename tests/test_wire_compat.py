@@ -53,8 +53,10 @@ def test_partition_stats_rows_as_narad(node: Node) -> None:
     rows = d["partition_stats"]
     assert [r["index"] for r in rows] == [0, 1, 2]
     required = DOC["components"]["schemas"]["PartitionStats"]["required"]
+    documented = set(DOC["components"]["schemas"]["PartitionStats"]["properties"])
     for r in rows:
         assert "partition" not in r
+        assert set(r) <= documented, f"row keys the document does not describe: {set(r) - documented}"
         assert r["status"] == "ok" and r["owner_node"] == node.node_id
         assert set(required) <= set(r), f"missing {set(required) - set(r)}"
         assert all(isinstance(r[k], int) for k in PLACEHOLDER_STATS)

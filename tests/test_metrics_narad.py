@@ -241,6 +241,18 @@ def test_in_flight_counts_a_parked_long_poll(node: Node) -> None:
     finally:
         th.join(25)
     wait_for(lambda: val(scrape(node), "narad_http_requests_in_flight") == 0, 10, 0.05, "in-flight back to 0")
+    # A client that hangs up on a parked consume: counted as 499 (as Narad does), no longer in flight.
+    import socket
+
+    route = "GET /v1/topics/{topic}/consume"
+    before = val(scrape(node), "narad_http_requests_total", route=route, status="499") or 0
+    with socket.create_connection(("127.0.0.1", node.port), timeout=10) as sk:
+        sk.sendall(f"GET /v1/topics/park/consume?wait=20s HTTP/1.1\r\nHost: x\r\n"
+                   f"Authorization: {node.auth}\r\n\r\n".encode())
+        wait_for(lambda: val(scrape(node), "narad_http_requests_in_flight") == 1, 15, 0.05, "the raw poll parked")
+    wait_for(lambda: (val(scrape(node), "narad_http_requests_total", route=route, status="499") or 0) == before + 1,
+             15, 0.05, "the hang-up counted as 499")
+    assert val(scrape(node), "narad_http_requests_in_flight") == 0
 
 
 def test_process_series_and_titles_name_every_process(node: Node) -> None:

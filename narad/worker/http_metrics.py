@@ -5,14 +5,16 @@ per-request series of ``narad.metrics.HttpObserver``.
 gauge goes up by one where a request enters the app (``handle`` or a taken
 ``handle_fast``) and down by one when it is answered (the observer, which
 the app calls once per answer) or when its handler is cancelled before an
-answer (the client went away, a forced shutdown). One add each: no task,
-closure or syscall per request.
+answer (the client went away, a forced shutdown: counted as status 499,
+as Narad does). One add each: no task, closure or syscall per request.
 
 Imports narad.api.router (types) and narad.metrics.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Callable
 
 from narad import metrics
@@ -38,10 +40,17 @@ class MeteredApp:
     async def handle(self, req: Request) -> Response:
         g = self._g
         g.value += 1
+        t0 = time.perf_counter()
         try:
             return await self._handle(req)  # answered: the observer took it off again
+        except asyncio.CancelledError:
+            # No answer: the client went away (or a forced shutdown). Counted as Narad
+            # does, status 499 (no client ever receives it); the observer takes it off.
+            self.observer.observe(req.route or "unmatched", req.method, 499, time.perf_counter() - t0,
+                                  len(req.body), 0)
+            raise
         except BaseException:
-            g.value -= 1  # no answer (cancelled): it never reached the observer
+            g.value -= 1  # never reached the observer
             raise
 
     def handle_fast(self, req: Request, reply: Callable[[Response], None]) -> bool:

@@ -341,7 +341,7 @@ def test_a_pinned_consume_at_an_owner_that_does_not_answer_is_502(tmp_path: Path
     try:
         mk_topic(c, "pinned", 4)
         stats = c["n1"].get("/v1/topics/pinned").json()["partition_stats"]
-        remote = next(s["partition"] for s in stats if s["owner_node"] == "n2")
+        remote = next(s["index"] for s in stats if s["owner_node"] == "n2")
         assert c["n1"].get(f"/v1/topics/pinned/consume?partition={remote}&wait=0s").status == 204
         assert c["n2"].proc is not None
         pgid = os.getpgid(c["n2"].proc.pid)

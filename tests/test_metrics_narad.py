@@ -275,3 +275,38 @@ def test_process_series_and_titles_name_every_process(node: Node) -> None:
         assert (val(s, "process_resident_memory_bytes", process=proc) or 0) > 0, proc
         assert val(s, "process_cpu_seconds_total", process=proc) is not None, proc
         assert (val(s, "process_open_fds", process=proc) or 0) > 0, proc
+
+
+def test_closed_partition_gauges_and_times_come_from_its_files(tmp_path: Path) -> None:
+    """The poller's cold path (no node): a closed partition's lag, size, segments and
+    its oldest unacked record's time read from the files; the oldest segment's time
+    for the describe row."""
+    from narad.broker.broker import _cold_rows_many
+    from narad.broker.partition import finish_stats, stats_from_disk
+    from narad.storage import frames as FR
+    from narad.storage import partition_log as PL
+
+    plog = PL.PartitionLog(tmp_path)
+    plog.open()
+    times = [1_700_000_000_000, 1_700_000_005_000, 1_700_000_009_000]
+    for ts, n in zip(times, (2, 3, 1), strict=True):  # three frames: offsets 0-1, 2-4, 5
+        res = plog.write_commit([FR.encode_record(b"k" if n == 3 else None, ts, 0, b"p" * 10)] * n)
+        plog.publish(*res, [(None, ts, 0, b"p" * 10)] * n)
+    assert plog.oldest_segment_ms() == times[0]
+    size = plog.size_bytes()
+    plog.close()
+    assert [PL.record_ms_on_disk(tmp_path, off) for off in (0, 1, 2, 4, 5)] == [
+        times[0], times[0], times[1], times[1], times[2]]
+    assert PL.record_ms_on_disk(tmp_path, 6) is None
+    st = stats_from_disk(tmp_path)
+    assert (st["segments"], st["size_bytes"], st["lag"]) == (1, size, 6)
+    row = finish_stats(st)
+    assert row["status"] == "ok" and row["oldest_segment_at"] == "2023-11-14T22:13:20.000Z"
+    assert "oldest_segment_at_ms" not in row
+    (cold,) = _cold_rows_many([(tmp_path, (-1, 0))])
+    assert (cold.lag, cold.segments, cold.size, cold.age_at) == (6, 1, size, (0, times[0]))
+    # The same offset again is not read again (its time is carried over).
+    (again,) = _cold_rows_many([(tmp_path, (0, 42))])
+    assert again.age_at == (0, 42)
+    empty = stats_from_disk(tmp_path / "never")
+    assert "oldest_segment_at" not in finish_stats(empty) and empty["segments"] == 0

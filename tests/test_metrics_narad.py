@@ -117,6 +117,9 @@ def test_series_are_present_at_zero_from_the_start(node: Node) -> None:
 
     s = wait_for(every_partition, 15, 0.1, "the new topic's series at zero")
     assert val(s, "narad_topic_bytes", topic="zero") == 0
+    assert val(s, "narad_storage_fsync_duration_seconds_count", topic="zero", partition="2") == 0
+    for outcome in ("hit", "timeout", "cancelled", "no_wait"):
+        assert val(s, "narad_consume_wait_seconds_count", topic="zero", outcome=outcome) == 0, outcome
     for name in ("narad_ack_extended_total", "narad_nack_total", "narad_consume_empty_total"):
         assert val(s, name, topic="zero") == 0, name
     assert val(s, "narad_partitions_total") == 3

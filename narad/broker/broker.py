@@ -1680,6 +1680,7 @@ class Broker:
             m.segments.labels(*lbl).set(row.segments)
             for c in per_part:
                 c.labels(*lbl)
+            m.fsync_seconds.labels(*lbl)
             m.retention_deleted.labels(*lbl, "age")
             m.retention_bytes_deleted.labels(*lbl, "age")
             sizes[name] = sizes.get(name, 0) + row.size
@@ -1688,6 +1689,8 @@ class Broker:
             for c in (m.ack_extended, m.nacks, m.consume_empty):
                 c.labels(name)
             m.produce_rejections.labels(name, "schema")
+            for o in WAIT_OUTCOMES:
+                m.consume_wait.labels(name, o)
         m.partitions_total.set(len(rows))
         for g in (m.consumer_lag, m.oldest_unconsumed, m.inflight_size, m.acked_ahead_size, m.partition_bytes,
                   m.segments):

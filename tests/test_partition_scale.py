@@ -266,7 +266,7 @@ def test_stats_from_disk_match_an_open_partition_after_a_crash(tmp_path: Path) -
     assert stats_from_disk(tmp_path) == want
     assert stats_from_disk(tmp_path / "never-created") == {
         "high_watermark": 0, "next_offset": 0, "oldest_offset": 0, "committed_offset": -1, "lag": 0,
-        "in_flight": 0, "acked_ahead": 0}
+        "in_flight": 0, "acked_ahead": 0, "segments": 0, "size_bytes": 0}
 
 
 def test_polling_consumers_do_not_reopen_drained_closed_partitions(node: Node) -> None:

@@ -23,22 +23,6 @@ OPEN_ROUTES = frozenset(f"GET {p}" for p in OPEN_PATHS)
 METRICS_ROUTE = "GET /metrics"
 
 
-class _Observer:
-    def __init__(self) -> None:
-        self.m = metrics.get()
-        self._children: dict[tuple[str, str, int], tuple[object, object]] = {}
-
-    def observe(self, route: str, method: str, status: int, seconds: float, bytes_in: int, bytes_out: int) -> None:
-        key = (route, method, status)
-        pair = self._children.get(key)
-        if pair is None:
-            m = self.m
-            pair = self._children[key] = (m.http_requests.labels(route, method, str(status)),
-                                          m.http_duration.labels(route, method))
-        pair[0].inc()  # type: ignore[attr-defined]
-        pair[1].observe(seconds)  # type: ignore[attr-defined]
-
-
 def build_app(ctx: ApiContext) -> RoutedApp:
     router = Router()
     TopicsAPI(ctx).register(router)
@@ -76,4 +60,5 @@ def build_app(ctx: ApiContext) -> RoutedApp:
     extra = None
     if ctx.cfg.http.debug_headers:
         extra = [("X-Narad-Node", ctx.node_id), ("X-Narad-Worker", str(ctx.worker_index))]
-    return RoutedApp(router, before=before, before_fast=before_fast, observer=_Observer(), extra_headers=extra)
+    return RoutedApp(router, before=before, before_fast=before_fast, observer=metrics.HttpObserver(),
+                     extra_headers=extra)

@@ -25,7 +25,7 @@ from narad.errors import NaradError
 class MeteredApp:
     def __init__(self, app: RoutedApp) -> None:
         self.app = app
-        self.observer = metrics.HttpObserver()
+        self.observer = metrics.HttpObserver(in_flight=True)
         app.observer = self.observer
         self._g = self.observer.in_flight
         self._handle = app.handle

@@ -182,11 +182,14 @@ def test_traffic_moves_the_series(node: Node) -> None:
               and val(s, "narad_inflight_size", **p1) == 5
               and (val(s, "narad_oldest_unconsumed_message_age_seconds", **p1) or 0) > 0
               and (val(s, "narad_partition_size_bytes", **p1) or 0) > 1000
-              and val(s, "narad_segments", **p1) == 1)
+              and val(s, "narad_segments", **p1) == 1
+              # the untouched partitions at zero (one may live on the other worker, whose
+              # snapshot a scrape under load can miss: waited for, like the rest)
+              and val(s, "narad_consumer_lag_messages", topic="flow", partition="0") == 0
+              and val(s, "narad_consumer_lag_messages", topic="flow", partition="2") == 0)
         return s if ok else None
 
     s = wait_for(moved, 15, 0.1, "the partition's series to follow the traffic")
-    assert val(s, "narad_consumer_lag_messages", topic="flow", partition="0") == 0
     assert (val(s, "narad_topic_bytes", topic="flow") or 0) > 1000
     assert (val(s, "narad_storage_fsync_duration_seconds_count", topic="flow", partition="1") or 0) >= 1
     assert (val(s, "narad_consume_wait_seconds_count", topic="flow", outcome="hit") or 0) >= 5

@@ -9,6 +9,8 @@ kill windows declared."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -84,6 +86,26 @@ def test_members_view_and_one_leader(cluster: Cluster) -> None:
     for nid in cluster.initial:  # every node answers the same view from its own replica
         view = cluster[nid].ctl("members")["members"]
         assert [m["id"] for m in view] == ["n1", "n2", "n3"]
+    # detail=true asks every member for its own status (over node RPC): each row names
+    # the member that answered, with its WAL figures.
+    follower = next(n for n in cluster.initial if n != leader)
+    rows = cluster[follower].get("/v1/cluster/members?detail=true").json()["members"]
+    for m in rows:
+        st = m["node_status"]
+        assert st["node"] == m["id"] and "status_error" not in m, m
+        assert type(st["produce_in_flight"]) is int and type(st["dispatch_backlog"]) is int and st["moves"] == []
+    # A member that does not answer gets status_error instead, within the 2 s budget.
+    quiet = next(n for n in cluster.initial if n not in (leader, follower))
+    assert cluster[quiet].proc is not None
+    pgid = os.getpgid(cluster[quiet].proc.pid)
+    os.killpg(pgid, signal.SIGSTOP)
+    try:
+        rows = cluster[follower].get("/v1/cluster/members?detail=true").json()["members"]
+        row = next(m for m in rows if m["id"] == quiet)
+        assert "node_status" not in row and row["status_error"], row
+        assert all("node_status" in m for m in rows if m["id"] != quiet)
+    finally:
+        os.killpg(pgid, signal.SIGCONT)
 
 
 def test_topic_created_at_a_follower_is_readable_there_at_once_and_everywhere_soon(cluster: Cluster) -> None:

@@ -103,9 +103,10 @@ def test_members_heartbeat_integer_and_node_status(node: Node) -> None:
     assert type(plain[0]["heartbeat_age_seconds"]) is int
     m = node.get("/v1/cluster/members?detail=true").json()["members"][0]
     assert type(m["heartbeat_age_seconds"]) is int
-    assert m["node_status"] == {"node": node.node_id, "draining": False, "produce_in_flight": 0,
-                                "dispatch_backlog": 0, "quarantine": {"copies": 0, "bytes": 0, "list": []},
-                                "moves": []}
+    st = m["node_status"]
+    assert type(st.pop("produce_in_flight")) is int and type(st.pop("dispatch_backlog")) is int, st
+    assert st == {"node": node.node_id, "draining": False, "quarantine": {"copies": 0, "bytes": 0, "list": []},
+                  "moves": []}
 
 
 def test_unknown_route_and_method_in_narads_order(node: Node) -> None:

@@ -19,6 +19,7 @@ Imports narad.api.{context,router}, narad.meta, narad.metrics, narad.errors.
 
 from __future__ import annotations
 
+import asyncio
 from importlib import resources
 from typing import Any
 
@@ -43,17 +44,42 @@ def openapi_document() -> bytes:
     return _OPENAPI
 
 
-def member_json(m: Q.MemberView, detail: bool) -> dict[str, Any]:
-    """Narad's member row: ``heartbeat_age_seconds`` in whole seconds; with ``detail``
-    the member's ``node_status``, from this node's replica. This node does not move
-    partitions, quarantine copies or count produce requests in flight per node, so
-    those are zero or empty."""
+NODE_STATUS_WAIT = 2.0  # members?detail=true asks every member, within this long in total
+_STATUS_GAUGES = ("narad_ingress_wal_pending_records", "narad_ingress_dispatch_backlog_records")
+
+
+async def local_node_status(ctx: ApiContext) -> Q.NodeStatusView:
+    """This node's status, from the supervisor's merged metrics (every worker's
+    ingress WAL: records staged but not yet durable, and records accepted but not
+    yet confirmed at their owner, each as of the worker's last second) and the
+    replica's member record (draining)."""
+    snap = await ctx.call(metrics.NodeMetricsReq(), metrics.Snapshot, timeout=NODE_STATUS_WAIT)
+    sums = dict.fromkeys(_STATUS_GAUGES, 0.0)
+    for fam in snap.families:
+        if fam.name in sums:
+            sums[fam.name] = sum(v[0] for _, v in fam.samples)
+    with ctx.store.read() as r:
+        rec = r.member(ctx.node_id)
+    return Q.NodeStatusView(ctx.node_id, bool(rec is not None and rec.draining),
+                            int(sums["narad_ingress_wal_pending_records"]),
+                            int(sums["narad_ingress_dispatch_backlog_records"]))
+
+
+def member_json(m: Q.MemberView, status: Q.NodeStatusView | str | None = None) -> dict[str, Any]:
+    """Narad's member row: ``heartbeat_age_seconds`` in whole seconds; with detail
+    the member's ``node_status`` as the member itself reported it, or
+    ``status_error`` saying why it is missing. This build moves no partitions and
+    quarantines no copies: ``moves`` and ``quarantine`` are empty because there are
+    none."""
     out: dict[str, Any] = msgspec.structs.asdict(m)
     out["heartbeat_age_seconds"] = int(m.heartbeat_age_seconds)
-    if detail:
-        out["node_status"] = {"node": m.id, "draining": m.draining, "produce_in_flight": 0,
-                              "dispatch_backlog": 0, "quarantine": {"copies": 0, "bytes": 0, "list": []},
-                              "moves": []}
+    if isinstance(status, Q.NodeStatusView):
+        out["node_status"] = {"node": status.node, "draining": status.draining,
+                              "produce_in_flight": status.produce_in_flight,
+                              "dispatch_backlog": status.dispatch_backlog,
+                              "quarantine": {"copies": 0, "bytes": 0, "list": []}, "moves": []}
+    elif isinstance(status, str):
+        out["status_error"] = status
     return out
 
 
@@ -128,4 +154,36 @@ class OpsAPI:
             raise Forbidden("admin privileges required")
         detail = query_bool(req, "detail")
         resp = await self.ctx.call(Q.MembersReq(), Q.MembersResp, timeout=5.0)
-        return json_response(200, {"members": [member_json(m, detail) for m in resp.members]})
+        if not detail:
+            return json_response(200, {"members": [member_json(m) for m in resp.members]})
+        got = await self._node_statuses([m.id for m in resp.members])
+        return json_response(200, {"members": [member_json(m, got[m.id]) for m in resp.members]})
+
+    async def _node_statuses(self, ids: list[str]) -> dict[str, Q.NodeStatusView | str]:
+        """Every member asked for its own status at once (this node locally, the
+        others over node RPC), NODE_STATUS_WAIT in total; one that does not answer
+        gets the reason instead."""
+        ctx = self.ctx
+        remote = getattr(ctx.broker, "remote", None) if ctx.broker is not None else None
+        out: dict[str, Q.NodeStatusView | str] = {}
+
+        async def one(node: str) -> None:
+            try:
+                if node == ctx.node_id:
+                    out[node] = await local_node_status(ctx)
+                elif remote is None:
+                    out[node] = "not reachable from this node"
+                elif not remote.node_alive(node):
+                    out[node] = "member is marked dead"
+                else:
+                    out[node] = await remote.call(node, Q.NodeStatusReq(), Q.NodeStatusView, NODE_STATUS_WAIT)
+            except Exception as e:
+                out[node] = f"no answer: {type(e).__name__}: {e}"[:200]
+
+        tasks = {n: asyncio.ensure_future(one(n)) for n in ids}
+        _done, pending = await asyncio.wait(tasks.values(), timeout=NODE_STATUS_WAIT + 0.5)
+        for n, t in tasks.items():
+            if t in pending:
+                t.cancel()
+                out[n] = f"no answer within {NODE_STATUS_WAIT:g}s"
+        return out

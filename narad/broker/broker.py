@@ -1459,6 +1459,7 @@ class Broker:
                 self._report_dropped(p)
             self.m_open_logs.set(len(self.partitions))
             self.m.dispatch_backlog.set(self.wal.backlog)
+            self.m.wal_pending.set(max(0, self.wal.next_seq - 1 - self.wal.durable_seq))
             failed = self.wal.failed is not None
             if failed and not self._wal_failed_counted:
                 self._wal_failed_counted = True  # latched until a restart: counted once

@@ -143,6 +143,18 @@ class MemberView(msgspec.Struct):
     entry_types: list[int] = []  # every Raft entry type it last reported applying
 
 
+class NodeStatusReq(msgspec.Struct, tag=True, array_like=True):
+    """Any worker of a node (node RPC) or the API: this node's status for
+    ``GET /v1/cluster/members?detail=true``."""
+
+
+class NodeStatusView(msgspec.Struct, array_like=True):
+    node: str
+    draining: bool
+    produce_in_flight: int  # records staged in the ingress WALs, not yet durable
+    dispatch_backlog: int  # accepted records not yet confirmed at their owner
+
+
 class MembersResp(msgspec.Struct):
     members: list[MemberView]
 

@@ -38,6 +38,7 @@ from narad.api.app import build_app
 from narad.api.auth import Authenticator
 from narad.api.context import ApiContext
 from narad.api.http1 import Http1Limits, Http1Server
+from narad.api.ops import local_node_status
 from narad.broker.broker import Broker
 from narad.broker.caps import CapTable
 from narad.broker.fanout import FanoutSettings
@@ -58,6 +59,8 @@ from narad.meta.requests import (
     Forwarded,
     ForwardReq,
     ForwardResp,
+    NodeStatusReq,
+    NodeStatusView,
 )
 from narad.meta.store import MetaStore
 from narad.worker.http_metrics import MeteredApp
@@ -219,6 +222,12 @@ async def _main(spec: WorkerSpec, index: int, core: int | None) -> int:
     _count_bcrypt(auth)
     ctx = ApiContext(cfg=cfg, node_id=spec.node_id, store=store, versions=versions, sup=sup, auth=auth,
                      worker_index=index, broker=broker, caps=caps)
+
+    # Another node's members?detail=true asks any worker here for this node's status.
+    async def node_status(_m: NodeStatusReq, _c: object) -> NodeStatusView:
+        return await local_node_status(ctx)
+
+    links.service.register(NodeStatusReq, node_status)  # type: ignore[arg-type]
     app = MeteredApp(build_app(ctx))  # in-flight and per-request series (narad.worker.http_metrics)
     tcp, udp = spec.sockets[index]
     alt_svc = f'h3=":{cfg.http.port}"; ma=86400' if udp is not None else None

@@ -7,6 +7,7 @@ workers then traded notes with no probe, and the record waited for a poll to end
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -69,3 +70,41 @@ def test_a_record_on_the_other_worker_reaches_one_of_several_parked_consumers(no
     finally:
         for c in [*conns, c1]:
             c.close()
+
+
+def test_records_on_the_other_worker_are_not_starved_by_local_ones(node: Node) -> None:
+    """A consume that finds records in its own worker's partitions asks the other worker
+    only now and then (PEER_SHARE): a record there still reaches a consumer that keeps
+    finding local records, with nobody consuming on the other worker, long before the
+    local ones run out."""
+    name = split_topic("share-")
+    assert node.post("/v1/topics", {"name": name, "partitions": PARTS}).status == 201
+    c0, c1 = node.worker_connection(0), node.worker_connection(1)
+    near = 300
+    try:
+        body = json.dumps({"messages": [{"payload": f"near{i}"} for i in range(near)]}).encode()
+        r = node.request("POST", f"/v1/topics/{name}/produce/batch", body,
+                         headers={"Content-Type": "application/json"}, conn=c0)
+        assert r.status == 202, r
+        assert node.request("POST", f"/v1/topics/{name}/produce", b"far", headers=OCTET, conn=c1).status == 202
+
+        def hwm() -> int:
+            return sum(s["high_watermark"] for s in node.get(f"/v1/topics/{name}").json()["partition_stats"])
+
+        wait_for(lambda: hwm() == near + 1, 20, 0.02, "every record committed")
+        seen: list[str] = []
+        while "far" not in seen and len(seen) < near + 1:
+            r = node.request("GET", f"/v1/topics/{name}/consume?max=10&wait=1s", conn=c0,
+                             headers={"X-Narad-Client": "test"})
+            assert r.status == 200, r
+            msgs = r.json()["messages"]
+            seen += [m["payload"] for m in msgs]
+            a = node.request("POST", f"/v1/topics/{name}/ack",
+                             json.dumps({"receipt_handles": [m["receipt_handle"] for m in msgs]}).encode(),
+                             headers={"Content-Type": "application/json"}, conn=c0)
+            assert a.status == 200, a
+        assert "far" in seen
+        assert len(seen) < near, f"the record on worker 1 came only after the {near} local ones ran out"
+    finally:
+        c0.close()
+        c1.close()

@@ -89,6 +89,10 @@ PARK_RECHECK = 1.0
 PROBE_MAX = 1000  # records one coalesced consume probe asks another worker for
 ACK_MAX = 1000  # receipt handles one coalesced AckReq carries
 WATCH_TTL = 1.0  # a node holding our watch token is asked again after this even without a ReadyNote
+# A consume that found records in this worker's own partitions asks another worker of the node
+# for more at most this often per topic (the hop costs more than the records it adds; the
+# other worker's own consumers take them, and this bounds how long they wait when it has none).
+PEER_SHARE = 0.05
 STATS_TOPIC_WAIT = 1.6  # a stats request for an incarnation not applied here yet waits this long (callers: 2 s)
 # partition gauges refreshed this often (test seam: NARAD_METRICS_POLL_MS, never set in production)
 POLL_EVERY = float(os.environ.get("NARAD_METRICS_POLL_MS", "5000")) / 1000.0
@@ -180,6 +184,7 @@ class Broker:
         self._late: set[asyncio.Task[Any]] = set()  # consume probes answered after we stopped waiting
         self._armed: dict[tuple[str, str], float] = {}  # (topic, node) -> when our watch token was left there
         self._armed_w: dict[tuple[str, int], float] = {}  # (topic, worker of this node): the same, for workers
+        self._peer_asked: dict[tuple[str, int], float] = {}  # (topic, worker): when a consume here last probed it
         self._probes: dict[tuple[int, str, str], list[Any]] = {}  # (worker, topic, id) -> [want, [(fut, n)]]
         self._acks: dict[tuple[int, str, str, int], list[Any]] = {}  # (worker, topic, id, mode) -> [items, waiters]
         self._polling: dict[str, int] = {}  # topic -> consumes of it running on this worker
@@ -730,8 +735,14 @@ class Broker:
                     workers, nodes = self.owners(t, partition)
                     peers = [w for w in workers if w != self.index]
                     here = self.index in workers
+                # Fair share: every PEER_SHARE a consume here leaves room for another worker's
+                # records (half the batch, or all of a single consume) and asks that worker
+                # first, so records there are not starved by local ones that fill every batch.
+                share = self._share_due(name, peers, woken_by) if partition is None and here else None
                 if here:
-                    got = await self.reserve_owned(t, max_n, partition)  # gives back its own if cancelled
+                    cap = max_n - max(1, max_n // 2) if share is not None else max_n
+                    if cap > 0:
+                        got = await self.reserve_owned(t, cap, partition)  # gives back its own if cancelled
                 if len(got) < max_n and (peers or nodes):
                     if wait > 0 and not got and first and partition is not None:
                         for w in peers:
@@ -753,8 +764,14 @@ class Broker:
                             armed = hints_w.get(key_w)
                             if armed is not None and loop.time() - armed < WATCH_TTL:
                                 continue
+                            asked = self._peer_asked.get(key_w, -PEER_SHARE)
+                            if got and w != share and loop.time() - asked < PEER_SHARE:
+                                continue  # records in hand: ask the other worker only now and then
                         want = max_n - len(got)
                         if partition is None:
+                            if len(self._peer_asked) > 100_000:
+                                self._peer_asked.clear()
+                            self._peer_asked[key_w] = loop.time()
                             call = self._probe_at(w, t, want)  # one ConsumeReq per worker per loop pass
                         else:
                             call = self.links.call(w, P.ConsumeReq(name, t.id, want, partition), P.ConsumeResp,
@@ -766,6 +783,8 @@ class Broker:
                             if armed is None or loop.time() - armed >= WATCH_TTL:  # not left by a sibling just now
                                 hints_w[key_w] = loop.time()
                                 self.links.notify(w, P.WatchNote(name, self.index))
+                    if share is not None and len(got) < max_n:
+                        got.extend(await self.reserve_owned(t, max_n - len(got), partition))  # the room left
                     hints = self._armed
                     for n in nodes:
                         if len(got) >= max_n:
@@ -872,6 +891,20 @@ class Broker:
         h.observe(seconds)
 
     # ---- coalesced hops to this node's other workers ------------------------------------------------
+    def _share_due(self, name: str, peers: list[int], woken_by: tuple[str, Any] | None) -> int | None:
+        """The first other worker owed a fair-share probe: not asked for PEER_SHARE,
+        and not holding our watch token (a worker holding it has nothing and says so
+        when it has), unless its note just woke this poll."""
+        now = self.loop.time()
+        for w in peers:
+            key_w = (name, w)
+            if now - self._peer_asked.get(key_w, -PEER_SHARE) < PEER_SHARE:
+                continue
+            armed = self._armed_w.get(key_w)
+            if armed is None or now - armed >= WATCH_TTL or woken_by == ("w", w):
+                return w
+        return None
+
     def _probe_at(self, w: int, t: TopicRecord, want: int) -> Awaitable[P.ConsumeResp]:
         """A consume probe at worker `w`: every probe of `t` made in this loop pass
         travels in one ConsumeReq (their wants added up, capped at PROBE_MAX); the

@@ -10,12 +10,13 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from narad.broker.routing import owner_worker
-from tests.harness import Node, wait_for
+from tests.harness import Cluster, Node, wait_for
 
 OCTET = {"Content-Type": "application/octet-stream"}
 PARTS = 4
@@ -108,3 +109,45 @@ def test_records_on_the_other_worker_are_not_starved_by_local_ones(node: Node) -
     finally:
         c0.close()
         c1.close()
+
+
+def test_records_on_another_node_are_not_starved_by_local_ones(tmp_path: Path) -> None:
+    """The fair share across nodes (NODE_SHARE): a consumer at n1 that keeps finding n1's
+    own records still gets the record committed at n2, long before n1's run out."""
+    c = Cluster(tmp_path, 2).start()
+    try:
+        leader = c.leader()
+        assert c[leader].post("/v1/topics", {"name": "far", "partitions": 4}).status == 201
+        for n in c.initial:
+            wait_for(lambda n=n: c[n].get("/v1/topics/far").status == 200, 30)
+        near = 300
+        body = json.dumps({"messages": [{"payload": f"near{i}"} for i in range(near)]}).encode()
+        assert c["n1"].request("POST", "/v1/topics/far/produce/batch", body,
+                               headers={"Content-Type": "application/json"}).status == 202
+        assert c["n2"].request("POST", "/v1/topics/far/produce", b"far", headers=OCTET).status == 202
+
+        def hwms() -> dict[str, int]:
+            out: dict[str, int] = {}
+            for s in c["n1"].get("/v1/topics/far").json()["partition_stats"]:
+                out[s["owner_node"]] = out.get(s["owner_node"], 0) + s["high_watermark"]
+            return out
+
+        # keyless records are committed at the receiving node's own partitions
+        wait_for(lambda: hwms() == {"n1": near, "n2": 1}, 30, 0.05, "every record committed where it arrived")
+        conn = c["n1"].conn()
+        seen: list[str] = []
+        while "far" not in seen and len(seen) < near + 1:
+            r = c["n1"].request("GET", "/v1/topics/far/consume?max=10&wait=1s", conn=conn,
+                                headers={"X-Narad-Client": "test"})
+            assert r.status == 200, r
+            msgs = r.json()["messages"]
+            seen += [m["payload"] for m in msgs]
+            a = c["n1"].request("POST", "/v1/topics/far/ack",
+                                json.dumps({"receipt_handles": [m["receipt_handle"] for m in msgs]}).encode(),
+                                headers={"Content-Type": "application/json"}, conn=conn)
+            assert a.status == 200 and all(x["status"] == 204 for x in a.json()["results"]), a
+        conn.close()
+        assert "far" in seen
+        assert len(seen) < near, f"the record on n2 came only after the {near} on n1 ran out"
+    finally:
+        c.close()

@@ -93,6 +93,7 @@ WATCH_TTL = 1.0  # a node holding our watch token is asked again after this even
 # for more at most this often per topic (the hop costs more than the records it adds; the
 # other worker's own consumers take them, and this bounds how long they wait when it has none).
 PEER_SHARE = 0.05
+NODE_SHARE = 0.2  # the same for another node's records (a node RPC costs more than a local hop)
 STATS_TOPIC_WAIT = 1.6  # a stats request for an incarnation not applied here yet waits this long (callers: 2 s)
 # partition gauges refreshed this often (test seam: NARAD_METRICS_POLL_MS, never set in production)
 POLL_EVERY = float(os.environ.get("NARAD_METRICS_POLL_MS", "5000")) / 1000.0
@@ -185,6 +186,7 @@ class Broker:
         self._armed: dict[tuple[str, str], float] = {}  # (topic, node) -> when our watch token was left there
         self._armed_w: dict[tuple[str, int], float] = {}  # (topic, worker of this node): the same, for workers
         self._peer_asked: dict[tuple[str, int], float] = {}  # (topic, worker): when a consume here last probed it
+        self._node_asked: dict[tuple[str, str], float] = {}  # (topic, node): the same, for nodes
         self._probes: dict[tuple[int, str, str], list[Any]] = {}  # (worker, topic, id) -> [want, [(fut, n)]]
         self._acks: dict[tuple[int, str, str, int], list[Any]] = {}  # (worker, topic, id, mode) -> [items, waiters]
         self._polling: dict[str, int] = {}  # topic -> consumes of it running on this worker
@@ -739,8 +741,13 @@ class Broker:
                 # records (half the batch, or all of a single consume) and asks that worker
                 # first, so records there are not starved by local ones that fill every batch.
                 share = self._share_due(name, peers, woken_by) if partition is None and here else None
+                # ... and every NODE_SHARE for another node's records the same way (asked after
+                # this node's workers, with the room kept for it).
+                nshare = (self._node_share_due(name, nodes, woken_by)
+                          if partition is None and share is None and nodes else None)
+                room = max(1, max_n // 2) if share is not None or nshare is not None else 0
                 if here:
-                    cap = max_n - max(1, max_n // 2) if share is not None else max_n
+                    cap = max_n - room
                     if cap > 0:
                         got = await self.reserve_owned(t, cap, partition)  # gives back its own if cancelled
                 if len(got) < max_n and (peers or nodes):
@@ -750,8 +757,9 @@ class Broker:
                         for n in nodes:
                             self.remote.notify(n, P.WatchNote(name, self.index, self.node_id))
                     hints_w = self._armed_w
+                    limit_w = max_n - room if nshare is not None else max_n  # the room kept for nshare
                     for w in peers:
-                        if len(got) >= max_n:
+                        if len(got) >= limit_w:
                             break
                         key_w = (name, w)
                         if partition is None and woken_by != ("w", w):
@@ -767,7 +775,7 @@ class Broker:
                             asked = self._peer_asked.get(key_w, -PEER_SHARE)
                             if got and w != share and loop.time() - asked < PEER_SHARE:
                                 continue  # records in hand: ask the other worker only now and then
-                        want = max_n - len(got)
+                        want = limit_w - len(got)
                         if partition is None:
                             if len(self._peer_asked) > 100_000:
                                 self._peer_asked.clear()
@@ -786,7 +794,7 @@ class Broker:
                     if share is not None and len(got) < max_n:
                         got.extend(await self.reserve_owned(t, max_n - len(got), partition))  # the room left
                     hints = self._armed
-                    for n in nodes:
+                    for n in ([nshare, *(x for x in nodes if x != nshare)] if nshare is not None else nodes):
                         if len(got) >= max_n:
                             break
                         if not self.remote.node_alive(n):
@@ -800,6 +808,10 @@ class Broker:
                             if armed is not None and loop.time() - armed < WATCH_TTL:
                                 continue
                         want = max_n - len(got)
+                        if partition is None:
+                            if len(self._node_asked) > 100_000:
+                                self._node_asked.clear()
+                            self._node_asked[key] = loop.time()
                         req = P.ConsumeReq(name, t.id, want, partition, P.NODE)
                         # A pinned consume has only this owner to ask: no answer is a 502 (the
                         # forwarded request got no answer), not "nothing there".
@@ -810,6 +822,8 @@ class Broker:
                         if len(items) < want and partition is None:
                             hints[key] = loop.time()
                             self.remote.notify(n, P.WatchNote(name, self.index, self.node_id))
+                    if nshare is not None and here and len(got) < max_n:
+                        got.extend(await self.reserve_owned(t, max_n - len(got), partition))  # the room left
                 first = False
                 woken_by = None
                 remaining = deadline - loop.time()
@@ -903,6 +917,19 @@ class Broker:
             armed = self._armed_w.get(key_w)
             if armed is None or now - armed >= WATCH_TTL or woken_by == ("w", w):
                 return w
+        return None
+
+    def _node_share_due(self, name: str, nodes: list[str], woken_by: tuple[str, Any] | None) -> str | None:
+        """The first other live node owed a fair-share probe (as ``_share_due``, every
+        NODE_SHARE)."""
+        now = self.loop.time()
+        for n in nodes:
+            key = (name, n)
+            if now - self._node_asked.get(key, -NODE_SHARE) < NODE_SHARE or not self.remote.node_alive(n):
+                continue
+            armed = self._armed.get(key)
+            if armed is None or now - armed >= WATCH_TTL or woken_by == ("n", n):
+                return n
         return None
 
     def _probe_at(self, w: int, t: TopicRecord, want: int) -> Awaitable[P.ConsumeResp]:

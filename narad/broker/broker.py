@@ -94,7 +94,6 @@ WATCH_TTL = 1.0  # a node holding our watch token is asked again after this even
 # other worker's own consumers take them, and this bounds how long they wait when it has none).
 PEER_SHARE = 0.05
 NODE_SHARE = 0.2  # the same for another node's records (a node RPC costs more than a local hop)
-SHARE_WAIT = 0.1  # how long a consume holding records waits for another node's fair-share answer
 STATS_TOPIC_WAIT = 1.6  # a stats request for an incarnation not applied here yet waits this long (callers: 2 s)
 # partition gauges refreshed this often (test seam: NARAD_METRICS_POLL_MS, never set in production)
 POLL_EVERY = float(os.environ.get("NARAD_METRICS_POLL_MS", "5000")) / 1000.0
@@ -816,11 +815,9 @@ class Broker:
                         req = P.ConsumeReq(name, t.id, want, partition, P.NODE)
                         # A pinned consume has only this owner to ask: no answer is a 502 (the
                         # forwarded request got no answer), not "nothing there".
-                        # With records in hand, a fair-share probe waits only briefly: a slow node
-                        # must not hold back what this node already has (a late answer is nacked).
-                        probe_wait = 2.0 if partition is not None else SHARE_WAIT if got else 0.5
                         items = await self._reserve_at(t, self.remote.call(n, req, P.ConsumeResp, timeout=10.0),
-                                                       probe_wait, f"node {n}", pinned=partition is not None)
+                                                       0.5 if partition is None else 2.0, f"node {n}",
+                                                       pinned=partition is not None)
                         got.extend(items)
                         if len(items) < want and partition is None:
                             hints[key] = loop.time()

@@ -53,6 +53,11 @@ class EntryType(IntEnum):
     DELETE_USER_RELEASING = 32  # delete a user and clear the owner of its topics
     # 33-37 are reserved for remote replication.
     IMPORT_METASTORE = 38  # a metastore export applied as one entry (empty cluster, or overwrite)
+    # Partition moves and decommission (issue 13).
+    SET_MOVE_TARGETS = 39  # set or clear move targets, all rows or none: each only if owner and target are as read
+    COMPLETE_MOVE = 40  # the flip: owner := target only if the owner is still the source and the target still it
+    SET_DRAINING = 41  # mark a member draining (decommission) or clear the mark (cancel)
+    REMOVE_MEMBER = 42  # delete a member record that owns and receives nothing, leaving a tombstone
 
 
 # The newest entry type this build applies. A later release raises it, but numbers
@@ -252,6 +257,50 @@ class DeleteUserReleasing(msgspec.Struct, array_like=True):
     username: str
 
 
+class MoveTargetRow(msgspec.Struct, array_like=True):
+    topic: str
+    topic_id: str
+    partition: int
+    owner: str  # the owner the decision was made from
+    expect_target: str | None  # the target it was made from (None: no move in flight)
+    target: str | None  # the new target (None: clear the move)
+
+
+class SetMoveTargets(msgspec.Struct, array_like=True):
+    """Set or clear move targets. Every row is checked first (the row exists for
+    that incarnation, its owner and target are the ones read, a new target is a
+    registered member other than the owner); one mismatch refuses the whole entry
+    (CHANGED), so a planner pass or an abort applies whole or not at all."""
+
+    rows: list[MoveTargetRow]
+
+
+class CompleteMove(msgspec.Struct, array_like=True):
+    """The flip: owner := target, target := None, only if the owner is still
+    `source` and the target still `target`. A flip that already happened (owner
+    == target, no target) answers OK with message "done"; anything else CHANGED;
+    no row of that incarnation NOT_FOUND."""
+
+    topic: str
+    topic_id: str
+    partition: int
+    source: str
+    target: str
+
+
+class SetDraining(msgspec.Struct, array_like=True):
+    node_id: str
+    draining: bool
+
+
+class RemoveMember(msgspec.Struct, array_like=True):
+    """Delete a member record and leave a tombstone (removed_members, stamped
+    with the entry's stamp) that refuses its id. Refused (CHANGED) while it owns
+    a partition or is the target of a move; NOT_FOUND without a record."""
+
+    node_id: str
+
+
 class ImportedSchema(msgspec.Struct, array_like=True):
     topic: str
     schema: SchemaRecord
@@ -299,6 +348,10 @@ PAYLOAD_TYPES: dict[int, type[msgspec.Struct]] = {
     EntryType.MARK_DEAD_OBSERVED: MarkDeadObserved,
     EntryType.DELETE_USER_RELEASING: DeleteUserReleasing,
     EntryType.IMPORT_METASTORE: ImportMetastore,
+    EntryType.SET_MOVE_TARGETS: SetMoveTargets,
+    EntryType.COMPLETE_MOVE: CompleteMove,
+    EntryType.SET_DRAINING: SetDraining,
+    EntryType.REMOVE_MEMBER: RemoveMember,
 }
 # The base type a compare-and-set type stands in for while some member cannot apply it.
 FALLBACK: dict[int, int | None] = {
@@ -313,6 +366,10 @@ FALLBACK: dict[int, int | None] = {
     EntryType.MARK_DEAD_OBSERVED: EntryType.MARK_DEAD,
     EntryType.DELETE_USER_RELEASING: EntryType.DELETE_USER,
     EntryType.IMPORT_METASTORE: None,  # no base equivalent: the import waits for every member
+    EntryType.SET_MOVE_TARGETS: None,  # moves wait until every member applies them
+    EntryType.COMPLETE_MOVE: None,
+    EntryType.SET_DRAINING: None,
+    EntryType.REMOVE_MEMBER: None,
 }
 TYPE_OF: dict[type, int] = {v: k for k, v in PAYLOAD_TYPES.items()}
 

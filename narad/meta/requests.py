@@ -128,6 +128,14 @@ class ForgetServerResp(msgspec.Struct):
     voter: bool
 
 
+class Reason(msgspec.Struct):
+    """Why a decommission is refused or blocked (Narad's DecommissionReason)."""
+
+    code: str  # below_min_voters | no_healthy_majority | no_receivers | owner_dead | move_target |
+    #            dispatch_backlog | node_status_unavailable | move_budget_full | leader_transfer
+    message: str
+
+
 class MemberView(msgspec.Struct):
     id: str
     addr: str
@@ -141,6 +149,115 @@ class MemberView(msgspec.Struct):
     build: str = ""  # the release the member last reported
     newest_entry_type: int = 0  # the newest Raft entry type it last reported applying
     entry_types: list[int] = []  # every Raft entry type it last reported applying
+    decommission_blocked: list[Reason] | None = None  # a draining member: what its removal waits for
+
+
+# ---- partition moves and decommission (issue 13) -------------------------------------
+
+
+class MoveWorkerView(msgspec.Struct):
+    """A destination's move runner for one partition (Narad's MoveWorker)."""
+
+    topic: str
+    partition: int
+    source: str
+    target: str
+    started_at: str  # RFC 3339, UTC
+    phase: str  # copying | frozen | flip_pending | waiting_for_source | blocked
+    attempts: int = 0
+    last_error: str = ""
+    copied_bytes: int = 0
+    blocked: str | None = None  # copy_unverifiable | source_dead_copy_behind
+
+
+class MoveView(msgspec.Struct, rename={"from_": "from"}):
+    """An assignment row with a move target (Narad's Move)."""
+
+    topic: str
+    partition: int
+    from_: str
+    to: str
+    from_status: str  # alive | dead | draining | not_a_member
+    to_status: str
+    blocked: str | None = None  # source_dead | target_dead | target_not_member
+    worker: MoveWorkerView | None = None
+    worker_error: str | None = None
+
+
+class DecommissionReq(msgspec.Struct, tag=True):
+    """POST (mark draining; dry_run: only say whether it would) or DELETE
+    (cancel) /v1/cluster/members/{id}/decommission. Leader; a dry run is
+    answered by the node it reaches from its replica and never forwarded."""
+
+    who: Identity
+    node_id: str
+    dry_run: bool = False
+    cancel: bool = False
+
+
+class DecommissionResp(msgspec.Struct):
+    """The dry run's answer (a real decommission answers 204, a refusal 409 with
+    ``reasons`` in the error body)."""
+
+    member: str
+    would_decommission: bool
+    reasons: list[Reason]
+    voter: bool
+    owned_partitions: int
+    inbound_moves: int
+
+
+class AbortMoveReq(msgspec.Struct, tag=True):
+    """POST /v1/cluster/moves/{topic}/{partition}/abort[?target=]: clear the target
+    (compare-and-set on the target read, or the one given). Leader."""
+
+    who: Identity
+    topic: str
+    partition: int
+    target: str | None = None
+
+
+class AbortMoveResp(msgspec.Struct):
+    move: MoveView  # the move as it was aborted
+    note: str
+
+
+class CompleteMoveReq(msgspec.Struct, tag=True):
+    """A destination flips ownership of a partition it installed (type 40). Leader."""
+
+    topic: str
+    topic_id: str
+    partition: int
+    source: str
+    target: str
+
+
+class CompleteMoveResp(msgspec.Struct):
+    outcome: str  # done (this node owns it now) | refused (the row moved on) | not_found
+
+
+class AssignmentReadReq(msgspec.Struct, tag=True):
+    """A leader read of one assignment row: answered only by the leader, after a
+    barrier and a re-read (a follower answers 421), to resolve an ambiguous flip."""
+
+    topic: str
+    partition: int
+
+
+class AssignmentReadResp(msgspec.Struct):
+    found: bool
+    topic_id: str = ""
+    owner: str = ""
+    target: str | None = None
+
+
+class QuarantinedCopy(msgspec.Struct):
+    kind: str  # stale_copy | install_conflict | unverifiable
+    topic: str
+    partition: int
+    dir: str
+    bytes: int
+    mod_time: str  # RFC 3339, UTC
 
 
 class NodeStatusReq(msgspec.Struct, tag=True, array_like=True):
@@ -153,6 +270,8 @@ class NodeStatusView(msgspec.Struct, array_like=True):
     draining: bool
     produce_in_flight: int  # records staged in the ingress WALs, not yet durable
     dispatch_backlog: int  # accepted records not yet confirmed at their owner
+    moves: list[MoveWorkerView] = []  # this node's move runners (it is their destination)
+    quarantine: list[QuarantinedCopy] = []  # partition copies set aside, never deleted
 
 
 class MembersResp(msgspec.Struct):
@@ -270,6 +389,7 @@ class HeartbeatReq(msgspec.Struct, tag=True):
     client_addr: str = ""
     cluster_addr: str = ""
     entry_types: list[int] = []
+    dispatch_backlog: int = -1  # records in this node's ingress WALs not yet at their owner (-1: unknown)
 
 
 class ForwardReq(msgspec.Struct, tag=True, array_like=True):

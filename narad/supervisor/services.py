@@ -211,6 +211,9 @@ def worker_service(sup: SupervisorView) -> rpc.Service:
         (metrics.NodeMetricsReq, node_metrics), (Q.ConfirmGoneReq, confirm_gone), (Q.ForgetServerReq, write),
         (Q.AttachChildReq, write), (Q.DetachChildReq, write), (Q.ConfirmEpochReq, confirm_epoch),
         (Q.CaughtUpReq, caught_up),
+        # partition moves (issue 13): MetaService answers them on the leader (the router forwards)
+        (Q.DecommissionReq, write), (Q.AbortMoveReq, write), (Q.CompleteMoveReq, write),
+        (Q.AssignmentReadReq, write),
     ):
         s.register(typ, fn)  # type: ignore[arg-type]
     return s

@@ -198,6 +198,20 @@ def test_same_script_gives_identical_databases(tmp_path: Path) -> None:
                           [C.ImportedAssignment("x", 0, AssignmentRecord("n2", "00000000000000ee")),
                            C.ImportedAssignment("x", 1, AssignmentRecord("gone-node", "00000000000000ee"))],
                           [UserRecord("imported", b"h", [Grant("consume", ["x"])])]),
+        # Moves and decommission (39-42): a target set, the same set again refused (the target is
+        # no longer the one read), the flip, its retry ("done"), a flip of a row that is not there,
+        # draining, a removal refused while the member owns partitions, a removal with its
+        # tombstone refusing heartbeat and registration, and the tombstone cleared.
+        C.SetMoveTargets([C.MoveTargetRow("x", "00000000000000ee", 0, "n2", None, "n1")]),
+        C.SetMoveTargets([C.MoveTargetRow("x", "00000000000000ee", 0, "n2", None, "n1")]),  # refused
+        C.CompleteMove("x", "00000000000000ee", 0, "n2", "n1"), C.CompleteMove("x", "00000000000000ee", 0, "n2", "n1"),
+        C.CompleteMove("x", "00000000000000ee", 1, "n2", "n1"),  # refused: no row
+        C.SetDraining("n2", True), C.SetDraining("ghost", True),  # refused: not a member
+        C.RemoveMember("n1"),  # refused: owns partitions
+        C.RegisterMember(MemberRecord("n3", "127.0.0.1:3")), C.Heartbeat("n3", "b", 42, dispatch_backlog=0),
+        C.RemoveMember("n3"), C.Heartbeat("n3", "b", 42),  # refused: removed
+        C.RegisterMember(MemberRecord("n3", "127.0.0.1:3")),  # refused: removed
+        C.RemoveMember("n3", clear_tombstone=True), C.RegisterMember(MemberRecord("n3", "127.0.0.1:3")),
     ]
     assert {C.TYPE_OF[type(p)] for p in script} == set(C.PAYLOAD_TYPES), "the script misses an entry type"
     one, two = Applier(tmp_path / "one"), Applier(tmp_path / "two")
@@ -206,7 +220,7 @@ def test_same_script_gives_identical_databases(tmp_path: Path) -> None:
         results.append(one.apply(p, rid=f"r{i}", stamp=1000 + i))
         two.apply(p, rid=f"r{i}", stamp=1000 + i, commit=(i % 4 == 3))  # different batching
     two.fsm.commit()
-    assert sum(not r.ok for r in results) == 9, [r.message for r in results if not r.ok]
+    assert sum(not r.ok for r in results) == 15, [r.message for r in results if not r.ok]
     assert _digest(one.fsm) == _digest(two.fsm)
     one.fsm.close()
     two.fsm.close()

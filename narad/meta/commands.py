@@ -162,6 +162,7 @@ class Heartbeat(msgspec.Struct, array_like=True):
     client_addr: str = ""
     cluster_addr: str = ""
     entry_types: list[int] = []  # every type the node applies
+    dispatch_backlog: int = -1  # records in its ingress WALs not yet at their owner (-1: unknown)
 
 
 class MarkDead(msgspec.Struct, array_like=True):
@@ -296,9 +297,13 @@ class SetDraining(msgspec.Struct, array_like=True):
 class RemoveMember(msgspec.Struct, array_like=True):
     """Delete a member record and leave a tombstone (removed_members, stamped
     with the entry's stamp) that refuses its id. Refused (CHANGED) while it owns
-    a partition or is the target of a move; NOT_FOUND without a record."""
+    a partition or is the target of a move; NOT_FOUND without a record.
+
+    ``clear_tombstone``: instead, delete the tombstone of ``node_id`` (the node
+    rejoins with an empty data dir, as a new node); OK whether or not one exists."""
 
     node_id: str
+    clear_tombstone: bool = False
 
 
 class ImportedSchema(msgspec.Struct, array_like=True):

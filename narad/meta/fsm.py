@@ -238,6 +238,10 @@ class FSM:
             C.EntryType.MARK_DEAD_OBSERVED: self._mark_dead_observed,
             C.EntryType.DELETE_USER_RELEASING: self._delete_user_releasing,
             C.EntryType.IMPORT_METASTORE: self._import_metastore,
+            C.EntryType.SET_MOVE_TARGETS: self._set_move_targets,
+            C.EntryType.COMPLETE_MOVE: self._complete_move,
+            C.EntryType.SET_DRAINING: self._set_draining,
+            C.EntryType.REMOVE_MEMBER: self._remove_member,
         }
 
     # ---- bookkeeping ------------------------------------------------------
@@ -750,14 +754,21 @@ class FSM:
         m.registered_ms = old.registered_ms if old else stamp
         m.heartbeat_ms = stamp
         m.status = "alive"
+        # A decommission's mark survives re-registration (only type 41 sets or clears it);
+        # the backlog is what the member's heartbeats report.
+        m.draining = old.draining if old else False
+        m.dispatch_backlog = old.dispatch_backlog if old else -1
         txn.put(m.id.encode(), R.ENCODER.encode(m), db=self.dbs["members"])
         return _ok(), {V.MEMBERS}
 
     def _heartbeat(self, txn: Any, p: C.Heartbeat, stamp: int) -> tuple[C.ApplyResult, set[int]]:
+        if txn.get(p.node_id.encode(), db=self.dbs["removed_members"]) is not None:
+            return _refuse(C.Result.REFUSED, f"member {p.node_id} was removed from the cluster"), set()
         m = self._get_member(txn, p.node_id)
         if m is None:
             return _refuse(C.Result.NOT_FOUND, f"member {p.node_id} is not registered"), set()
         m.heartbeat_ms = stamp
+        m.dispatch_backlog = p.dispatch_backlog
         m.build = p.build
         m.newest_entry_type = p.newest_entry_type
         m.entry_types = sorted(set(p.entry_types))
@@ -1075,6 +1086,93 @@ class FSM:
             slots |= {V.TOPICS, V.name_slot(t.name)}
         return _ok(f"{len(owned)} topics released"), slots
 
+
+    # ---- partition moves and decommission (39-42) ------------------------------------------
+    def _live_row(self, txn: Any, topic: str, topic_id: str,
+                  partition: int) -> tuple[R.AssignmentRecord | None, str]:
+        """The assignment row of a live partition of incarnation ``topic_id`` (None and why not)."""
+        t = self._get_topic(txn, topic)
+        if t is None or t.id != topic_id:
+            return None, f'topic "{topic}" incarnation {topic_id} is gone'
+        if not 0 <= partition < t.partitions:
+            return None, f'partition {partition} is not in topic "{topic}"'
+        raw = txn.get(R.part_key(topic, partition), db=self.dbs["assignments"])
+        row = R.ASSIGN_DEC.decode(raw) if raw is not None else None
+        if row is None or row.topic_id != topic_id:
+            return None, f"{topic}/{partition} has no owner on record"
+        return row, ""
+
+    def _set_move_targets(self, txn: Any, p: C.SetMoveTargets, stamp: int) -> tuple[C.ApplyResult, set[int]]:
+        seen: set[tuple[str, int]] = set()
+        rows: list[tuple[C.MoveTargetRow, R.AssignmentRecord]] = []
+        for mv in p.rows:  # every row is checked before any is written
+            if (mv.topic, mv.partition) in seen:
+                return _refuse(C.Result.INVALID, f"{mv.topic}/{mv.partition} is listed twice"), set()
+            seen.add((mv.topic, mv.partition))
+            row, why = self._live_row(txn, mv.topic, mv.topic_id, mv.partition)
+            if row is None:
+                return _refuse(C.Result.CHANGED, f"{why} (move target of {mv.topic}/{mv.partition})"), set()
+            if row.owner != mv.owner or row.target != mv.expect_target:
+                return _refuse(C.Result.CHANGED, f"{mv.topic}/{mv.partition} changed since it was read (owner "
+                                                 f"{row.owner}, target {row.target})"), set()
+            if mv.target is not None and (mv.target == row.owner or not self._live_owner(txn, mv.target)):
+                return _refuse(C.Result.CHANGED, f"{mv.target} cannot receive {mv.topic}/{mv.partition} (the "
+                                                 "owner itself, removed, or never registered)"), set()
+            rows.append((mv, row))
+        slots = {V.ASSIGNMENTS} if rows else set()
+        for mv, row in rows:
+            row.target = mv.target
+            txn.put(R.part_key(mv.topic, mv.partition), R.ENCODER.encode(row), db=self.dbs["assignments"])
+            slots.add(V.name_slot(mv.topic))
+        return _ok(), slots
+
+    def _complete_move(self, txn: Any, p: C.CompleteMove, stamp: int) -> tuple[C.ApplyResult, set[int]]:
+        row, why = self._live_row(txn, p.topic, p.topic_id, p.partition)
+        if row is None:
+            return _refuse(C.Result.NOT_FOUND, why), set()
+        if row.owner == p.target and row.target is None:
+            return _ok("done"), set()  # a retried flip that already happened
+        if row.owner != p.source or row.target != p.target:
+            return _refuse(C.Result.CHANGED, f"{p.topic}/{p.partition} is owned by {row.owner} with target "
+                                             f"{row.target}, not {p.source} -> {p.target}"), set()
+        row.owner, row.target = p.target, None
+        txn.put(R.part_key(p.topic, p.partition), R.ENCODER.encode(row), db=self.dbs["assignments"])
+        return _ok(), {V.ASSIGNMENTS, V.name_slot(p.topic)}
+
+    def _set_draining(self, txn: Any, p: C.SetDraining, stamp: int) -> tuple[C.ApplyResult, set[int]]:
+        m = self._get_member(txn, p.node_id)
+        if m is None:
+            return _refuse(C.Result.NOT_FOUND, f"member {p.node_id} is not registered"), set()
+        if m.draining == p.draining:
+            return _ok("unchanged"), set()
+        m.draining = p.draining
+        txn.put(m.id.encode(), R.ENCODER.encode(m), db=self.dbs["members"])
+        return _ok(), {V.MEMBERS}
+
+    def _remove_member(self, txn: Any, p: C.RemoveMember, stamp: int) -> tuple[C.ApplyResult, set[int]]:
+        key = p.node_id.encode()
+        removed = self.dbs["removed_members"]
+        if p.clear_tombstone:
+            if txn.get(key, db=removed) is None:
+                return _ok("no tombstone"), set()
+            txn.delete(key, db=removed)
+            return _ok(), {V.REMOVED_MEMBERS}
+        if self._get_member(txn, p.node_id) is None:
+            return _refuse(C.Result.NOT_FOUND, f"member {p.node_id} is not registered"), set()
+        topics: dict[str, R.TopicRecord | None] = {}
+        for k, raw in txn.cursor(db=self.dbs["assignments"]):  # key order: deterministic
+            row = R.ASSIGN_DEC.decode(raw)
+            if row.owner != p.node_id and row.target != p.node_id:
+                continue
+            name, part = R.split_part_key(bytes(k))
+            if name not in topics:
+                topics[name] = self._get_topic(txn, name)
+            t = topics[name]
+            if t is not None and t.id == row.topic_id and 0 <= part < t.partitions:  # orphan rows do not count
+                return _refuse(C.Result.CHANGED, f"member {p.node_id} still owns or receives {name}/{part}"), set()
+        txn.delete(key, db=self.dbs["members"])
+        txn.put(key, R.ENCODER.encode(R.RemovedMember(p.node_id, stamp)), db=removed)
+        return _ok(), {V.MEMBERS, V.REMOVED_MEMBERS}
 
     # ---- disaster recovery (38) ------------------------------------------------------------
     def _clear_db(self, txn: Any, name: str) -> None:

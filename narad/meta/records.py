@@ -79,6 +79,9 @@ class MemberRecord(msgspec.Struct):
     newest_entry_type: int = 0
     draining: bool = False
     entry_types: list[int] = []  # every Raft entry type it applies (empty: up to newest_entry_type)
+    # Records in its ingress WALs not yet confirmed at their owner, as its last heartbeat
+    # reported them (-1: unknown). The decommission driver waits for 0.
+    dispatch_backlog: int = -1
 
 
 class SchemaRecord(msgspec.Struct):

@@ -29,11 +29,21 @@ from typing import Any
 import msgspec
 
 from narad.config import Config
-from narad.errors import ATTACH_POINT, BadRequest, Conflict, Forbidden, NotFound, PreconditionFailed, Unavailable
+from narad.errors import (
+    ATTACH_POINT,
+    BadRequest,
+    Conflict,
+    Forbidden,
+    Misdirected,
+    NotFound,
+    PreconditionFailed,
+    Unavailable,
+)
 from narad.meta import commands as C
 from narad.meta import export as EX
 from narad.meta import fsm as F
 from narad.meta import grants as G
+from narad.meta import planner as P
 from narad.meta import requests as Q
 from narad.meta import schemas as S
 from narad.meta import validate as VAL
@@ -43,6 +53,9 @@ from narad.meta.store import MetaStore
 
 log = logging.getLogger("narad.meta.service")
 FORGET_MIN_LEADERSHIP = 12.0  # a leader forgets a Raft server only after leading this long
+MIN_VOTERS = 3  # a decommission never leaves fewer Raft voters
+MOVE_TYPES = (C.EntryType.SET_MOVE_TARGETS, C.EntryType.COMPLETE_MOVE, C.EntryType.SET_DRAINING,
+              C.EntryType.REMOVE_MEMBER)
 audit = logging.getLogger("narad.audit")
 
 # The Raft index of the last entry this task proposed: a node that forwarded the
@@ -125,6 +138,9 @@ class MetaService:
         self._announced: set[int] = set()
         self._held_logged: dict[int, float] = {}
         self._orphans_logged: set[tuple[str, int]] = set()
+        # Held by the controller's planning pass, an abort and a decommission: each reads
+        # the assignments and proposes targets from what it read.
+        self.moves_lock = asyncio.Lock()
         self.stopped = False
 
     # ---- proposing -------------------------------------------------------------
@@ -910,14 +926,187 @@ class MetaService:
     async def register_member(self, req: Q.RegisterReq) -> Q.Empty:
         res = await self.write(C.RegisterMember(req.member))
         if not res.ok:
-            raise Conflict(f"member registration refused: {res.message}")
+            code = "removed" if res.code == C.Result.REFUSED and "removed" in res.message else None
+            raise Conflict(f"member registration refused: {res.message}", code=code)
         return Q.Empty()
 
     async def heartbeat(self, req: Q.HeartbeatReq) -> Q.Empty:
         res = await self.write(C.Heartbeat(req.node_id, req.build, req.newest_entry_type, req.client_addr,
-                                           req.cluster_addr, req.entry_types))
+                                           req.cluster_addr, req.entry_types, req.dispatch_backlog))
         if res.code == C.Result.NOT_FOUND:
             raise NotFound(f"member {req.node_id} is not registered")
+        if res.code == C.Result.REFUSED:
+            raise Conflict(f"heartbeat refused: {res.message}; it rejoins only with an empty data dir",
+                           code="removed")
+        return Q.Empty()
+
+    # ---- partition moves and decommission (issue 13) -----------------------------------------
+    def live_assignments(self) -> list[P.Row]:
+        """The assignment rows of live partitions (their topic's incarnation, in range), sorted."""
+        out: list[P.Row] = []
+        with self.store.read() as r:
+            for t in r.topics():
+                rows = r.assignments(t.name)
+                out.extend((t.name, p, rows[p]) for p in sorted(rows)
+                           if p < t.partitions and rows[p].topic_id == t.id)
+        return out
+
+    def _move_view(self, topic: str, partition: int, owner: str, target: str) -> Q.MoveView:
+        with self.store.read() as r:
+            members = {m.id: m for m in r.members()}
+        src, dst = P.member_status(members, owner), P.member_status(members, target)
+        blocked = ("target_not_member" if dst == "not_a_member" else "target_dead" if dst == "dead"
+                   else "source_dead" if src in ("dead", "not_a_member") else None)
+        return Q.MoveView(topic, partition, owner, target, src, dst, blocked)
+
+    async def complete_move(self, req: Q.CompleteMoveReq) -> Q.CompleteMoveResp:
+        """Leader: the flip of a move (type 40), proposed by its destination.
+        done: the target owns it (now, or a retried flip that already happened);
+        refused: the row moved on (another owner or target); not_found: no row of
+        that incarnation."""
+        self._require_type(C.EntryType.COMPLETE_MOVE, "completing a partition move")
+        await self._leader_view()
+        res = await self.write(C.CompleteMove(req.topic, req.topic_id, req.partition, req.source, req.target))
+        if res.ok:
+            if res.message != "done":
+                log.info("partition move completed", extra={"topic": req.topic, "partition": req.partition,
+                                                            "from": req.source, "to": req.target})
+            return Q.CompleteMoveResp("done")
+        if res.code == C.Result.CHANGED:
+            return Q.CompleteMoveResp("refused")
+        if res.code == C.Result.NOT_FOUND:
+            return Q.CompleteMoveResp("not_found")
+        self._check(res, "assignment")
+        raise AssertionError("unreachable")
+
+    async def read_assignment(self, req: Q.AssignmentReadReq) -> Q.AssignmentReadResp:
+        """A leader read of one row (resolves an ambiguous flip): only the leader
+        answers, after a barrier (everything committed is applied here) and a
+        re-read; any other node answers 421 naming the leader it knows."""
+        if not self.raft.is_leader():
+            raise Misdirected("this node is not the raft leader", extra={"leader": self.raft.leader() or ""})
+        await self.barrier()
+        if not self.raft.is_leader():
+            raise Misdirected("this node lost the raft leadership", extra={"leader": self.raft.leader() or ""})
+        with self.store.read() as r:
+            t = r.topic(req.topic)
+            row = r.assignments(req.topic).get(req.partition) if t is not None else None
+        if t is None or row is None or row.topic_id != t.id or not 0 <= req.partition < t.partitions:
+            return Q.AssignmentReadResp(False)
+        return Q.AssignmentReadResp(True, row.topic_id, row.owner, row.target)
+
+    async def abort_move(self, req: Q.AbortMoveReq) -> Q.AbortMoveResp:
+        """Leader: clear a move's target (type 39, compare-and-set on the target read,
+        or the one given); the partition stays with its owner. 400 bad partition,
+        404 no assignment, 409 no move / another target / it finished meanwhile,
+        503 outcome unknown."""
+        self._require_admin(req.who)
+        if req.partition < 0:
+            raise BadRequest(f"invalid argument: partition must not be negative, got {req.partition}")
+        if req.target is not None and not req.target:
+            raise BadRequest("invalid argument: target must name a node")
+        async with self.moves_lock:
+            await self._leader_view()
+            with self.store.read() as r:
+                t = r.topic(req.topic)
+                row = r.assignments(req.topic).get(req.partition) if t is not None else None
+            if t is None or row is None or row.topic_id != t.id or req.partition >= t.partitions:
+                raise NotFound(f"no assignment for {req.topic}/{req.partition}")
+            if row.target is None:
+                raise Conflict(f"no move in flight for {req.topic}/{req.partition} (owner {row.owner})",
+                               code="no_move")
+            if req.target is not None and req.target != row.target:
+                raise Conflict(f"the move of {req.topic}/{req.partition} targets {row.target}, not {req.target}",
+                               code="target_mismatch")
+            self._require_type(C.EntryType.SET_MOVE_TARGETS, "aborting a partition move")
+            view = self._move_view(req.topic, req.partition, row.owner, row.target)
+            try:
+                res = await self.write(C.SetMoveTargets([C.MoveTargetRow(
+                    req.topic, t.id, req.partition, row.owner, row.target, None)]))
+            except Unavailable as e:
+                raise Unavailable(f"{e.message}; the outcome is unknown: list the moves (GET /v1/cluster/moves) "
+                                  "to check", headers=e.headers) from None
+            if res.code == C.Result.CHANGED:
+                with self.store.read() as r:
+                    now = r.assignments(req.topic).get(req.partition)
+                if now is not None and now.owner == row.target:
+                    raise Conflict(f"the move of {req.topic}/{req.partition} already finished: {now.owner} owns it",
+                                   code="move_finished")
+                raise Conflict(f"the move of {req.topic}/{req.partition} changed while it was read back (owner "
+                               f"{now.owner if now else None}, target {now.target if now else None})",
+                               code="move_changed")
+            self._check(res, "assignment")
+        audit.info("partition move aborted", extra={"topic": req.topic, "partition": req.partition,
+                                                    "from": row.owner, "to": row.target, "by": req.who.name,
+                                                    "outcome": "ok"})
+        return Q.AbortMoveResp(view, f"the target {row.target} is cleared; {req.topic}/{req.partition} stays with "
+                                     f"{row.owner} (the destination sets its copy aside)")
+
+    def decommission_refusals(self, node_id: str) -> tuple[list[Q.Reason], bool, int, int]:
+        """Why marking ``node_id`` draining is refused now (from this node's replica and
+        Raft view), whether it is a voter, the partitions it owns and the moves to it."""
+        with self.store.read() as r:
+            members = {m.id: m for m in r.members()}
+        m = members.get(node_id)
+        if m is None:
+            raise NotFound(f"member {node_id} not found")
+        rows = self.live_assignments()
+        owned = sum(1 for _, _, a in rows if a.owner == node_id)
+        inbound = sum(1 for _, _, a in rows if a.target == node_id)
+        voters = set(self.raft.voters())
+        voter = m.raft_addr in voters
+        reasons: list[Q.Reason] = []
+        if voter and len(voters) - 1 < MIN_VOTERS:
+            reasons.append(Q.Reason("below_min_voters", f"{node_id} is a Raft voter: removing it leaves "
+                                                        f"{len(voters) - 1} voters, fewer than {MIN_VOTERS}"))
+        if voter:
+            rest = voters - {m.raft_addr}
+            alive = {x.raft_addr for x in members.values() if x.status == "alive"} & rest
+            if rest and len(alive) < len(rest) // 2 + 1:
+                reasons.append(Q.Reason("no_healthy_majority", f"only {len(alive)} of the {len(rest)} other voters "
+                                                               "are alive: not a majority"))
+        if not any(x.id != node_id and x.status == "alive" and not x.draining for x in members.values()):
+            reasons.append(Q.Reason("no_receivers", "no other member is alive and not draining to receive its "
+                                                    "partitions"))
+        if m.status != "alive" and owned:
+            reasons.append(Q.Reason("owner_dead", f"{node_id} is dead and owns {owned} partitions: their data is "
+                                                  "only on its disk, so they cannot move"))
+        return reasons, voter, owned, inbound
+
+    async def decommission(self, req: Q.DecommissionReq) -> Q.DecommissionResp | Q.Empty:
+        """Mark a member draining (type 41; 409 with ``reasons`` when refused), clear the
+        mark (``cancel``), or only say whether it would be marked (``dry_run``: answered
+        from this node's replica, on any node). The controller sheds its partitions and
+        removes it once it owns nothing."""
+        self._require_admin(req.who)
+        if req.dry_run and req.cancel:
+            raise BadRequest("invalid argument: dry_run cannot be combined with a cancel")
+        if req.dry_run:
+            reasons, voter, owned, inbound = self.decommission_refusals(req.node_id)
+            return Q.DecommissionResp(req.node_id, not reasons, reasons, voter, owned, inbound)
+        async with self.moves_lock:
+            await self._leader_view()
+            with self.store.read() as r:
+                m = r.member(req.node_id)
+            if m is None:
+                raise NotFound(f"member {req.node_id} not found")
+            if req.cancel:
+                if m.draining:
+                    self._require_type(C.EntryType.SET_DRAINING, "cancelling a decommission")
+                    self._check(await self.write(C.SetDraining(req.node_id, False)), "member")
+                    audit.info("decommission cancelled", extra={"node": req.node_id, "by": req.who.name,
+                                                                "outcome": "ok"})
+                return Q.Empty()
+            if m.draining:
+                return Q.Empty()  # already draining
+            for t in MOVE_TYPES:
+                self._require_type(t, "a decommission")
+            reasons, _, _, _ = self.decommission_refusals(req.node_id)
+            if reasons:
+                raise Conflict(f"decommission of {req.node_id} refused: " + "; ".join(x.message for x in reasons),
+                               extra={"reasons": [msgspec.structs.asdict(x) for x in reasons]})
+            self._check(await self.write(C.SetDraining(req.node_id, True)), "member")
+        audit.info("decommission started", extra={"node": req.node_id, "by": req.who.name, "outcome": "ok"})
         return Q.Empty()
 
     # ---- one entry point for every request (local or forwarded) ---------------------------
@@ -1036,12 +1225,22 @@ class MetaService:
             return await self.forget_server(req)
         if isinstance(req, Q.ImportMetastoreReq):
             return await self.import_metastore(req)
+        if isinstance(req, Q.CompleteMoveReq):
+            return await self.complete_move(req)
+        if isinstance(req, Q.AssignmentReadReq):
+            return await self.read_assignment(req)
+        if isinstance(req, Q.AbortMoveReq):
+            return await self.abort_move(req)
+        if isinstance(req, Q.DecommissionReq):
+            return await self.decommission(req)
         raise BadRequest(f"unsupported metadata request {type(req).__name__}")
 
 
 FORWARDABLE = (Q.CreateTopicReq, Q.AlterTopicReq, Q.DeleteTopicReq, Q.CreateUserReq, Q.SetGrantsReq,
                Q.SetPasswordReq, Q.DeleteUserReq, Q.RegisterReq, Q.HeartbeatReq, Q.ConfirmGoneReq,
-               Q.ForgetServerReq, Q.ImportMetastoreReq, Q.AttachChildReq, Q.DetachChildReq, Q.ConfirmEpochReq)
+               Q.ForgetServerReq, Q.ImportMetastoreReq, Q.AttachChildReq, Q.DetachChildReq, Q.ConfirmEpochReq,
+               # partition moves (issue 13); a decommission dry run is answered where it arrives
+               Q.CompleteMoveReq, Q.AssignmentReadReq, Q.AbortMoveReq, Q.DecommissionReq)
 
 
 def _check_delay(field: str, value: int) -> None:

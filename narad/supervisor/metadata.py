@@ -49,6 +49,10 @@ RESPONSE_TYPES: dict[type, type] = {
     Q.ImportMetastoreReq: Q.ImportMetastoreResp,
     Q.AttachChildReq: TopicRecord,  # the parent after the attach
     Q.ConfirmEpochReq: Q.ConfirmEpochResp,
+    Q.CompleteMoveReq: Q.CompleteMoveResp,
+    Q.AssignmentReadReq: Q.AssignmentReadResp,
+    Q.AbortMoveReq: Q.AbortMoveResp,
+    # Q.DecommissionReq answers Empty when forwarded (a dry run is never forwarded)
 }
 _req_dec = msgspec.msgpack.Decoder(Union[FORWARDABLE])  # type: ignore[valid-type]  # noqa: UP007
 _enc = msgspec.msgpack.Encoder()
@@ -97,6 +101,8 @@ class MetadataRouter:
             metrics.get().meta_write_seconds.labels(metrics.op_label(type(req))).observe(time.monotonic() - t0)
 
     async def _execute(self, req: msgspec.Struct) -> Any:
+        if isinstance(req, Q.DecommissionReq) and req.dry_run:
+            return await self.meta.decommission(req)  # answered from this node's replica, never forwarded
         end = time.monotonic() + self.write_timeout
         rid = uuid.uuid4().hex
         uncertain = False

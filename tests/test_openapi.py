@@ -64,6 +64,12 @@ ALLOWED_UNPRODUCED: dict[tuple[str, int], str] = {
     ("forgetServer", 200): "needs a second Raft server without a member record (a cluster)",
     ("forgetServer", 409): "needs another member (a cluster)",
     ("forgetServer", 503): NO_LEADER,
+    ("decommissionMember", 204): "a lone node is refused (below_min_voters, no_receivers): needs a member whose "
+                                 "removal keeps 3 voters and leaves a receiver (tests/test_moves_cluster.py)",
+    ("decommissionMember", 503): NO_LEADER,
+    ("cancelDecommission", 503): NO_LEADER,
+    ("abortMove", 202): "needs a move in flight, so a second member to move to (tests/test_moves_cluster.py)",
+    ("abortMove", 503): NO_LEADER + "; or the abort's outcome unknown",
     ("createTopic", 503): NO_LEADER,
     ("alterTopic", 503): NO_LEADER,
     ("deleteTopic", 503): NO_LEADER,
@@ -88,7 +94,7 @@ ALLOWED_UNPRODUCED: dict[tuple[str, int], str] = {
 
 PLAIN_PW = "plain-password-1"
 LOCKED_PW = "locked-password-1"
-SAMPLE = {"topic": "oa-t", "parent": "oa-par", "child": "oa-kid", "username": "oa-u", "id": "n9"}
+SAMPLE = {"topic": "oa-t", "parent": "oa-par", "child": "oa-kid", "username": "oa-u", "id": "n9", "partition": "0"}
 JSON = {"Content-Type": "application/json"}
 MIB = 1 << 20
 
@@ -143,6 +149,26 @@ R: dict[tuple[str, int], Recipe] = {
     ("forgetServer", 400): lambda e: e.req("POST", f"/v1/cluster/members/{e.node.node_id}/forget"),
     ("forgetServer", 403): lambda e: e.req("POST", "/v1/cluster/members/n9/forget", auth=e.plain),
     ("forgetServer", 404): lambda e: e.req("POST", "/v1/cluster/members/n9/forget"),
+    ("listMoves", 200): lambda e: e.req("GET", "/v1/cluster/moves?detail=true"),
+    ("listMoves", 400): lambda e: e.req("GET", "/v1/cluster/moves?detail=maybe"),
+    ("listMoves", 403): lambda e: e.req("GET", "/v1/cluster/moves", auth=e.plain),
+    ("decommissionMember", 200): lambda e: e.req("POST", f"/v1/cluster/members/{e.node.node_id}/decommission"
+                                                         "?dry_run=true"),
+    ("decommissionMember", 400): lambda e: e.req("POST", f"/v1/cluster/members/{e.node.node_id}/decommission"
+                                                         "?dry_run=maybe"),
+    ("decommissionMember", 403): lambda e: e.req("POST", "/v1/cluster/members/n9/decommission", auth=e.plain),
+    ("decommissionMember", 404): lambda e: e.req("POST", "/v1/cluster/members/n9/decommission"),
+    # a lone node: its removal would leave no voter and nobody to take its partitions
+    ("decommissionMember", 409): lambda e: e.req("POST", f"/v1/cluster/members/{e.node.node_id}/decommission"),
+    ("cancelDecommission", 204): lambda e: e.req("DELETE", f"/v1/cluster/members/{e.node.node_id}/decommission"),
+    ("cancelDecommission", 400): lambda e: e.req("DELETE", f"/v1/cluster/members/{e.node.node_id}/decommission"
+                                                           "?dry_run=true"),
+    ("cancelDecommission", 403): lambda e: e.req("DELETE", "/v1/cluster/members/n9/decommission", auth=e.plain),
+    ("cancelDecommission", 404): lambda e: e.req("DELETE", "/v1/cluster/members/n9/decommission"),
+    ("abortMove", 400): lambda e: e.req("POST", "/v1/cluster/moves/oa-t/x/abort"),
+    ("abortMove", 403): lambda e: e.req("POST", "/v1/cluster/moves/oa-t/0/abort", auth=e.plain),
+    ("abortMove", 404): lambda e: e.req("POST", "/v1/cluster/moves/oa-none/0/abort"),
+    ("abortMove", 409): lambda e: e.req("POST", "/v1/cluster/moves/oa-t/0/abort"),  # no move in flight
     ("createTopic", 201): lambda e: e.req("POST", "/v1/topics", {"name": "oa-new", "partitions": 3}),
     ("createTopic", 400): lambda e: e.req("POST", "/v1/topics", {"partitions": 3}),
     ("createTopic", 403): lambda e: e.req("POST", "/v1/topics", {"name": "oa-denied"}, auth=e.plain),

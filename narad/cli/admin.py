@@ -1,11 +1,14 @@
-"""``narad user add|ls|grant|rm|passwd``, ``narad cluster members`` and ``narad ctx
-add|select|ls|rm``: users and grants (admin), the member list (admin), and saved
+"""``narad user add|ls|grant|rm|passwd``, ``narad cluster members [forget]|moves
+[abort]|decommission`` and ``narad ctx add|select|ls|rm``: users and grants
+(admin), the members, partition moves and decommission (admin), and saved
 contexts (local, in narad.cli.contexts).
 
 Imports narad.cli.{base,contexts}, narad.client, click and the standard library.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import click
 
@@ -23,7 +26,7 @@ from narad.cli.base import (
     show,
 )
 from narad.cli.contexts import Context, ContextStore
-from narad.client import AsyncClient, Grant, User
+from narad.client import AsyncClient, Conflict, Grant, User
 
 __all__ = ["cluster", "ctx", "user"]
 
@@ -157,29 +160,108 @@ def user_passwd(username: str, new_password_stdin: bool) -> None:
 
 
 # ---- cluster -------------------------------------------------------------------------------
-@click.group("cluster", cls=NaradGroup, help="Inspect the cluster (needs the admin grant).")
+@click.group("cluster", cls=NaradGroup, help="Inspect the cluster, move partitions and decommission members "
+                                             "(needs the admin grant).")
 def cluster() -> None:
     pass
 
 
-@cluster.command("members")
+@cluster.group("members", cls=NaradGroup, invoke_without_command=True)
 @click.option("--detail", is_flag=True, help="Also ask every member for its own status (within 2 s).")
-def cluster_members(detail: bool) -> None:
-    """List the members: status, voter and leader flags, heartbeat age, owned
-    partitions and moves under way, as JSON."""
-    c = connect()
-
-    async def go(cl: AsyncClient) -> dict[str, object]:
-        # narad.client has no members call yet: its request loop, with Narad's read retries
-        query = [("detail", "true")] if detail else []
-        return await cl._json("read", "GET", "/v1/cluster/members", query=query)  # type: ignore[no-any-return]
-
-    d = call(c, go)
+@click.pass_context
+def cluster_members(c: click.Context, detail: bool) -> None:
+    """List the members: status, draining, voter and leader flags, heartbeat age,
+    owned partitions and moves under way, as JSON. 'members forget <id>' removes
+    a Raft server that has no member record."""
+    if c.invoked_subcommand is not None:
+        if detail:
+            raise click.UsageError("--detail goes with the member list, not with a subcommand")
+        return
+    rows = call(connect(), lambda cl: cl.members(detail=detail))
     if json_mode():
-        for m in d.get("members") or []:  # type: ignore[union-attr]
+        for m in rows:
             emit(m)
     else:
+        show({"members": rows})
+
+
+@cluster_members.command("forget")
+@click.argument("id")
+def cluster_members_forget(id: str) -> None:
+    """Remove Raft server ID (its host:port or node id) that has no member record: a
+    joiner that crashed or was replaced. A member is decommissioned instead."""
+    show(call(connect(), lambda cl: cl.forget_member(id)))
+
+
+@cluster.group("moves", cls=NaradGroup, invoke_without_command=True)
+@click.option("--detail", is_flag=True, help="Also ask each destination for its move runner (phase, bytes copied).")
+@click.pass_context
+def cluster_moves(c: click.Context, detail: bool) -> None:
+    """List the partition moves in flight, as JSON: topic, partition, from, to, both
+    ends' status, and why a move is blocked. 'moves abort <topic> <partition>'
+    cancels one."""
+    if c.invoked_subcommand is not None:
+        if detail:
+            raise click.UsageError("--detail goes with the move list, not with a subcommand")
+        return
+    rows = call(connect(), lambda cl: cl.moves(detail=detail))
+    if json_mode():
+        for m in rows:
+            emit(m)
+    else:
+        show({"moves": rows})
+
+
+@cluster_moves.command("abort")
+@click.argument("topic")
+@click.argument("partition", type=click.IntRange(min=0))
+@click.option("--target", metavar="NODE", help="Abort only if the move still goes to NODE (compare-and-set).")
+def cluster_moves_abort(topic: str, partition: int, target: str | None) -> None:
+    """Clear the move target of TOPIC's PARTITION: the partition stays with its owner
+    (a later planner pass may move it again). Prints the move as it was aborted."""
+    d = call(connect(), lambda cl: cl.abort_move(topic, partition, target=target))
+    if json_mode():
+        emit(d)
+    else:
+        click.echo(d.get("note", ""), err=True)
+        show(d.get("move"))
+
+
+@cluster.command("decommission")
+@click.argument("id")
+@click.option("--dry-run", is_flag=True, help="Only say whether the decommission would be accepted, and why not.")
+@click.option("--cancel", is_flag=True, help="Stop a decommission (partitions already moved stay where they are).")
+def cluster_decommission(id: str, dry_run: bool, cancel: bool) -> None:
+    """Drain member ID: it takes no new produce and no partitions, its partitions
+    move to the other members, then it leaves Raft (the leader hands over first)
+    and its id is refused until it rejoins with an empty data directory."""
+    if dry_run and cancel:
+        raise click.UsageError("--dry-run and --cancel do not go together")
+    c = connect()
+
+    async def go(cl: AsyncClient) -> dict[str, Any] | None:
+        if cancel:
+            await cl.cancel_decommission(id)
+            return None
+        try:
+            return await cl.decommission(id, dry_run=dry_run)
+        except Conflict as e:
+            codes = [str(r.get("code")) for r in e.body.get("reasons") or [] if isinstance(r, dict)]
+            missing = [code for code in codes if code not in e.message]
+            if missing:
+                e.message = f"{e.message} (reasons: {', '.join(missing)})"
+            raise
+
+    d = call(c, go)
+    if dry_run:
         show(d)
+    elif json_mode():
+        emit({"member": id, "draining": not cancel})
+    elif cancel:
+        click.echo(f"decommission of {id} cancelled (partitions already moved stay where they are)", err=True)
+    else:
+        click.echo(f"{id} is draining: its partitions move off, then it leaves the cluster "
+                   "(narad cluster members shows what it waits for)", err=True)
 
 
 # ---- ctx -----------------------------------------------------------------------------------

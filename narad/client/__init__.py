@@ -3,9 +3,10 @@
 ``AsyncClient`` (asyncio) and ``Client`` (blocking, a thin wrapper running the
 async client on a thread of its own): produce, batch produce, consume (single,
 batch, long poll), ack / extend / nack, batch ack, replay, topics and fan-out
-children, users; a connection pool over HTTP/1.1 (httpx) or HTTP/3
-(``http3=True``, narad.client.h3); typed errors (narad.client.errors); retries
-only where Narad says they are safe, over a list of nodes; the consumer loop
+children, users, the cluster's members, partition moves and decommission (admin);
+a connection pool over HTTP/1.1 (httpx) or HTTP/3 (``http3=True``, narad.client.h3);
+typed errors (narad.client.errors); retries only where Narad says they are safe,
+over a list of nodes; the consumer loop
 ``consume_forever`` (narad.client.consumer); the Go SDK's envelope, opt-in
 (narad.client.envelope). Guide: docs/sdk.md.
 

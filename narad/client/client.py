@@ -616,6 +616,47 @@ class AsyncClient:
             body["current_password"] = current_password
         await self._json("write", "PUT", f"/v1/users/{_seg(username)}/password", body)
 
+    # ---- cluster (admin) -------------------------------------------------------------------
+    async def members(self, *, detail: bool = False) -> list[dict[str, Any]]:
+        """The members in id order (Narad's Member rows, as JSON). ``detail``: every
+        member is asked for its own ``node_status`` (2 s in all; ``status_error`` when
+        one does not answer)."""
+        query: list[tuple[str, str | bytes]] = [("detail", "true")] if detail else []
+        d = await self._json("read", "GET", "/v1/cluster/members", query=query)
+        return list(d.get("members") or [])
+
+    async def forget_member(self, id: str) -> dict[str, Any]:
+        """Remove a Raft server that has no member record (``{id, voter}``)."""
+        return await self._json("write", "POST", f"/v1/cluster/members/{_seg(id)}/forget")  # type: ignore[no-any-return]
+
+    async def moves(self, *, detail: bool = False) -> list[dict[str, Any]]:
+        """The partition moves in flight (Narad's Move rows: ``topic, partition, from,
+        to, from_status, to_status``, ``blocked`` when it cannot go on). ``detail``:
+        each destination is asked for its move runner (``worker``, or ``worker_error``)."""
+        query: list[tuple[str, str | bytes]] = [("detail", "true")] if detail else []
+        d = await self._json("read", "GET", "/v1/cluster/moves", query=query)
+        return list(d.get("moves") or [])
+
+    async def decommission(self, node_id: str, *, dry_run: bool = False) -> dict[str, Any] | None:
+        """Mark a member draining: its partitions move off, then it leaves Raft (None).
+        ``dry_run``: only say whether it would be accepted (``{member,
+        would_decommission, reasons: [{code, message}], voter, owned_partitions,
+        inbound_moves}``). A refusal raises Conflict with ``err.body["reasons"]``."""
+        query: list[tuple[str, str | bytes]] = [("dry_run", "true")] if dry_run else []
+        return await self._json("read" if dry_run else "write", "POST",  # type: ignore[no-any-return]
+                                f"/v1/cluster/members/{_seg(node_id)}/decommission", query=query)
+
+    async def cancel_decommission(self, node_id: str) -> None:
+        """Stop a decommission (partitions already moved stay where they are)."""
+        await self._call("write", "DELETE", f"/v1/cluster/members/{_seg(node_id)}/decommission")
+
+    async def abort_move(self, topic: str, partition: int, *, target: str | None = None) -> dict[str, Any]:
+        """Clear a partition's move target: it stays with its owner. ``target``: only
+        if the move still goes there (compare-and-set). Returns ``{move, note}``."""
+        query: list[tuple[str, str | bytes]] = [("target", target)] if target is not None else []
+        return await self._json("write", "POST",  # type: ignore[no-any-return]
+                                f"/v1/cluster/moves/{_seg(topic)}/{int(partition)}/abort", query=query)
+
     # ---- consumer loop ---------------------------------------------------------------------
     def consume_forever(
         self,

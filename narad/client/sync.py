@@ -156,6 +156,25 @@ class Client:
     def set_password(self, username: str, new_password: str, *, current_password: str | None = None) -> None:
         self._run(self.aio.set_password(username, new_password, current_password=current_password))
 
+    # ---- cluster (admin) ---------------------------------------------------------------------
+    def members(self, *, detail: bool = False) -> list[dict[str, Any]]:
+        return self._run(self.aio.members(detail=detail))
+
+    def forget_member(self, id: str) -> dict[str, Any]:
+        return self._run(self.aio.forget_member(id))
+
+    def moves(self, *, detail: bool = False) -> list[dict[str, Any]]:
+        return self._run(self.aio.moves(detail=detail))
+
+    def decommission(self, node_id: str, *, dry_run: bool = False) -> dict[str, Any] | None:
+        return self._run(self.aio.decommission(node_id, dry_run=dry_run))
+
+    def cancel_decommission(self, node_id: str) -> None:
+        self._run(self.aio.cancel_decommission(node_id))
+
+    def abort_move(self, topic: str, partition: int, *, target: str | None = None) -> dict[str, Any]:
+        return self._run(self.aio.abort_move(topic, partition, target=target))
+
     # ---- consumer loop -----------------------------------------------------------------------
     def consume_forever(self, topic: str, handler: Handler, *, concurrency: int = 1,
                         on_failure: Literal["nack", "lapse"] = "nack", **kw: Any) -> None:

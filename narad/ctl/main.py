@@ -108,6 +108,35 @@ def _fmt_members(d: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _fmt_moves(d: dict[str, Any]) -> str:
+    if not d["moves"]:
+        return "no partition moves in flight"
+    lines = [f"{'TOPIC':<32} {'PART':>5}  {'FROM':<14} {'TO':<14} {'BLOCKED':<18} PHASE"]
+    for m in d["moves"]:
+        w = m.get("worker")
+        phase = (f"{w['phase']} ({w['copied_bytes']} bytes copied)" if w else m.get("worker_error", "-"))
+        lines.append(f"{m['topic']:<32} {m['partition']:>5}  {m['from'] + ' ' + m['from_status']:<14} "
+                     f"{m['to'] + ' ' + m['to_status']:<14} {m.get('blocked') or '-':<18} {phase}")
+    return "\n".join(lines)
+
+
+def _fmt_abort(d: dict[str, Any]) -> str:
+    return str(d["note"])
+
+
+def _fmt_decommission(d: dict[str, Any]) -> str:
+    if "would_decommission" not in d:
+        if d["draining"]:
+            return f"{d['member']} is draining: its partitions move off, then it leaves the cluster"
+        return f"decommission of {d['member']} cancelled (partitions already moved stay where they are)"
+    head = (f"{d['member']} would be decommissioned" if d["would_decommission"]
+            else f"{d['member']} would NOT be decommissioned")
+    lines = [f"{head} (voter: {'yes' if d['voter'] else 'no'}, owns {d['owned_partitions']} partitions, "
+             f"{d['inbound_moves']} moves to it)"]
+    lines += [f"  {r['code']}: {r['message']}" for r in d["reasons"]]
+    return "\n".join(lines)
+
+
 def _fmt_users(rows: list[dict[str, Any]]) -> str:
     lines = [f"{'USERNAME':<30} GRANTS"]
     for u in rows:
@@ -143,6 +172,18 @@ def build_parser() -> argparse.ArgumentParser:
     m_sub = members.add_subparsers(dest="action")
     mf = m_sub.add_parser("forget", help="remove a Raft server that has no member record")
     mf.add_argument("id", help="the server's Raft address (host:port)")
+    md = m_sub.add_parser("decommission", help="drain a member: its partitions move off, then it leaves Raft")
+    md.add_argument("id", help="the member's node id")
+    md_how = md.add_mutually_exclusive_group()
+    md_how.add_argument("--dry-run", action="store_true", help="only say whether it would be accepted, and why not")
+    md_how.add_argument("--cancel", action="store_true", help="stop a decommission (moved partitions stay moved)")
+    mv = sub.add_parser("moves", help="partition moves in flight; 'moves abort <topic> <partition>' cancels one")
+    mv.add_argument("--detail", action="store_true", help="also ask each destination for its move runner")
+    mv_sub = mv.add_subparsers(dest="action")
+    ma = mv_sub.add_parser("abort", help="clear a partition's move target: it stays with its owner")
+    ma.add_argument("topic")
+    ma.add_argument("partition")
+    ma.add_argument("--target", help="abort only if the move still goes to this node (compare-and-set)")
     topics = sub.add_parser("topics", help="topics").add_subparsers(dest="action", required=True)
     topics.add_parser("ls")
     c = topics.add_parser("create")
@@ -224,8 +265,17 @@ def main(argv: list[str] | None = None) -> int:
     elif ns.command == "members":
         if ns.action == "forget":
             cmd, args = "members.forget", {"id": ns.id}
+        elif ns.action == "decommission":
+            cmd, args = "members.decommission", {"id": ns.id, "dry_run": ns.dry_run, "cancel": ns.cancel}
+            fmt = _fmt_decommission
         else:
             fmt = _fmt_members
+    elif ns.command == "moves":
+        if ns.action == "abort":
+            cmd, fmt = "moves.abort", _fmt_abort
+            args = {"topic": ns.topic, "partition": ns.partition, "target": ns.target}
+        else:
+            cmd, args, fmt = "moves", {"detail": ns.detail}, _fmt_moves
     elif ns.command == "topics":
         cmd = f"topics.{ns.action}"
         if ns.action == "ls":

@@ -302,6 +302,18 @@ def control_service(sup: SupervisorView) -> rpc.Service:
 
             nodes = ClusterRemote(sup.node_id, sup.store, router.client)
             return CtlReply(await ctl_fanout(m.cmd, a, sup.store, nodes.call, router.execute))
+        if m.cmd in ("moves", "moves.abort", "members.decommission"):
+            # naradctl's partition-move commands (narad.api.ops owns the logic, as for HTTP);
+            # a move's destination is asked for its runner over node RPC (this process has no broker)
+            from narad.api.ops import NODE_STATUS_WAIT, ctl_cluster
+            from narad.cluster.remote import ClusterRemote
+
+            peers = ClusterRemote(sup.node_id, sup.store, router.client)
+
+            async def node_status(node: str) -> Q.NodeStatusView:
+                return await peers.call(node, Q.NodeStatusReq(), Q.NodeStatusView, NODE_STATUS_WAIT)
+
+            return CtlReply(await ctl_cluster(m.cmd, a, sup.store, node_status, router.execute))
         if m.cmd == "users.ls":
             from narad.api.users import user_json
 

@@ -1,0 +1,575 @@
+"""Partition copy primitives on disk (partition moves): list, read, stage, verify, install.
+
+Source side: ``list_open`` / ``list_closed`` give a partition's high watermark
+and its segments, the active one only up to its committed boundary (the first
+frame at or above the high watermark: never the hidden tail); ``read_chunk``
+reads a piece of one segment file. The listing reads the high watermark
+first, then the segments, so it never carries a position past what it copies.
+
+Destination side: ``Staging`` is ``<topic dir>/p00003.staging/``. ``plan``
+brings the staged files in line with a listing (drops files the source no
+longer lists, cuts files longer than listed, creates empty ones) and returns
+the byte ranges still to fetch; ``write`` appends a fetched chunk;
+``durable`` syncs; ``verify`` opens the staged copy with the very recovery a
+real open runs and requires it to end exactly at the source's high
+watermark; ``install`` writes the positions (clamped below the high
+watermark), the ``hwm`` file, segment ages and ``move.marker``, makes all of
+it durable, then renames the staging directory over the partition directory
+(an existing directory holding records is quarantined first, never deleted).
+
+A staging directory survives restarts: ``staging.state`` records the boot
+and the sizes the last ``durable`` synced; after a reboot (power loss may
+have left unsynced bytes as garbage) each file is cut back to its synced
+size and fetched again from there.
+
+Quarantine: ``<partition dir>.quarantine-<kind>-<n>`` (kinds: stale_copy,
+install_conflict, unverifiable), never deleted here; ``moved_aside`` renames
+a source's directory after the flip to ``<partition dir>.moved-<token>``.
+
+Everything is synchronous (callers run it on I/O threads). Writes and syncs
+go through narad.storage.fileio (the fault-injection seam).
+Imports msgspec and narad.storage.{fileio,frames,partition_log,offsets,cursor_file}.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import json
+import os
+import re
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import msgspec
+
+from narad.storage import cursor_file as CF
+from narad.storage import fileio
+from narad.storage import frames as FR
+from narad.storage import partition_log as PL
+from narad.storage.offsets import OffsetFile
+
+CHUNK_MAX = 1 << 20
+FUTURE_SLACK_MS = 3600 * 1000  # a source segment time further ahead than this is not believed
+STATE_FILE = "staging.state"
+MARKER_FILE = "move.marker"
+_SEG_RE = re.compile(r"^(\d{20})\.log$")
+_KIND_RE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
+_TOKEN_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_QUAR_RE = re.compile(r"^p(\d{5})\.quarantine-([a-z][a-z0-9_]*)-(\d+)$")
+
+
+class SegInfo(msgspec.Struct, array_like=True):
+    base: int  # first offset (the file's name)
+    size: int  # bytes to copy (the active segment: up to its committed boundary)
+    mtime_ms: int  # last write, source clock
+
+
+def staging_dir(final_dir: Path) -> Path:
+    final_dir = Path(final_dir)
+    return final_dir.with_name(final_dir.name + ".staging")
+
+
+def _seg_name(base: int) -> str:
+    return f"{base:020d}.log"
+
+
+def _mtime_ms(st: os.stat_result) -> int:
+    return st.st_mtime_ns // 1_000_000
+
+
+# ---- source side -----------------------------------------------------------------------------
+
+def _frame_end(path: Path, pos: int) -> int:
+    """Where the frame starting at `pos` of a segment file ends (its header read back)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        hdr = fileio.pread(fd, FR.HEADER_SIZE, pos)
+    finally:
+        os.close(fd)
+    _count, _base, psize, _crc = FR.parse_header(hdr, 0)
+    return pos + FR.HEADER_SIZE + psize
+
+
+def list_open(plog: PL.PartitionLog) -> tuple[int, list[SegInfo]]:
+    """(hwm, segments) of an open log (I/O thread). Under the log's I/O lock no
+    commit runs; one whose frame is written but not yet published sits above the
+    high watermark and is not listed. Raises LogClosed once the log is closed."""
+    with plog._io_lock:
+        if plog.closed:
+            raise PL.LogClosed(0)
+        hwm = plog.hwm  # first: a publish racing this listing only adds frames at or above it
+        segs = list(plog.segments)
+        out: list[SegInfo] = []
+        for i, seg in enumerate(segs):
+            if seg.base > hwm:
+                break  # (never: a segment starts where the previous commit ended)
+            try:
+                st = seg.path.stat()
+            except FileNotFoundError:
+                if out:
+                    raise
+                continue  # retention deleted it under this listing
+            mtime = _mtime_ms(st)
+            if i + 1 < len(segs) and segs[i + 1].base <= hwm:
+                out.append(SegInfo(seg.base, seg.size, mtime))
+                continue
+            # The last segment holding offsets below hwm: up to the first frame at or
+            # above hwm. Published frames are appended base first, then position.
+            bases, positions = seg.frame_bases, seg.frame_pos
+            n = min(len(bases), len(positions))
+            k = bisect.bisect_left(bases, hwm, 0, n)
+            if k < n:
+                size = positions[k]
+            elif k > 0:
+                size = _frame_end(seg.path, positions[k - 1])
+            else:
+                size = 0
+            out.append(SegInfo(seg.base, size, mtime))
+            break
+        return hwm, out
+
+
+def _closed_hwm(d: Path, active_base: int, tail: int, ends: set[int]) -> int:
+    """The high watermark ``PartitionLog.open`` would recover (its rules, read-only)."""
+    raw = PL._read_small(d / "hwm")
+    if len(raw) != 8:
+        return tail
+    written = PL._U64.unpack(raw)[0]
+    if written >= tail:
+        return tail
+    if written in ends or written == active_base:
+        return written
+    return tail  # no frame boundary: a damaged file, ignored as open ignores it
+
+
+def list_closed(d: Path) -> tuple[int, list[SegInfo]]:
+    """(hwm, segments) of a partition whose log is not open (read-only: nothing
+    is cut, synced or created). The active segment's frames are walked and CRC
+    checked as an open walks them; a torn tail is left out of the listing."""
+    d = Path(d)
+    files = PL._segment_files(d)
+    if not files:
+        return 0, []
+    active_base, ast = files[-1]
+    try:
+        data = (d / _seg_name(active_base)).read_bytes()
+    except FileNotFoundError:
+        data = b""
+    bases: list[int] = []
+    positions: list[int] = []
+    ends: set[int] = set()
+    tail, good_end = PL._walk_frames(data, active_base, bases, positions, ends, str(d))
+    hwm = _closed_hwm(d, active_base, tail, ends)
+    k = bisect.bisect_left(bases, hwm)
+    boundary = positions[k] if k < len(bases) else good_end
+    out = [SegInfo(b, st.st_size, _mtime_ms(st)) for b, st in files[:-1]]
+    out.append(SegInfo(active_base, boundary, _mtime_ms(ast)))
+    return hwm, out
+
+
+def read_chunk(d: Path, base: int, offset: int, length: int) -> bytes:
+    """Up to min(length, CHUNK_MAX) bytes of segment `base` from `offset` (short at
+    its end). FileNotFoundError when the segment is gone (retention)."""
+    if base < 0 or offset < 0 or length < 0:
+        raise ValueError("base, offset and length must be >= 0")
+    length = min(length, CHUNK_MAX)
+    fd = os.open(Path(d) / _seg_name(base), os.O_RDONLY)
+    try:
+        out = bytearray()
+        while len(out) < length:
+            b = fileio.pread(fd, length - len(out), offset + len(out))
+            if not b:
+                break
+            out += b
+        return bytes(out)
+    finally:
+        os.close(fd)
+
+
+# ---- destination side ------------------------------------------------------------------------
+
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _write_file_durable(d: Path, name: str, data: bytes) -> None:
+    """`data` as `d/name` through a temp file, fdatasync and a rename (the caller
+    syncs the directory)."""
+    tmp = d / f".{name}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        fileio.pwrite_all(fd, data, 0)
+        fileio.fdatasync(fd)
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    os.close(fd)
+    os.replace(tmp, d / name)
+
+
+def _holds_records(d: Path) -> bool:
+    return any(st.st_size > 0 for _b, st in PL._segment_files(d))
+
+
+class Staging:
+    """One partition's copy in progress. One caller at a time (a lock orders calls
+    anyway)."""
+
+    def __init__(self, final_dir: Path) -> None:
+        self.final = Path(final_dir)
+        self.dir = staging_dir(self.final)
+        self._lock = threading.Lock()
+        self._listed: dict[int, int] | None = None  # the last plan's listing
+        self._dirty: set[int] = set()  # segment files written or cut since the last durable()
+        self._dir_dirty = False
+        self._fd_base = -1
+        self._fd = -1
+        existed = self.dir.is_dir()
+        if not existed:
+            self.dir.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            self.dir.mkdir(mode=0o700)
+            fileio.fsync_dir(self.dir.parent)
+        self._sizes = self._scan()
+        self._synced: dict[int, int] = {}  # bytes of each file known durable
+        if existed:
+            self._recover()
+        self._write_state()
+
+    # staging.state: the boot and the sizes last made durable
+    def _write_state(self) -> None:
+        doc = {"boot": _boot_id(), "synced": {str(b): s for b, s in sorted(self._synced.items())}}
+        _write_file_durable(self.dir, STATE_FILE, json.dumps(doc).encode())
+        fileio.fsync_dir(self.dir)
+
+    def _read_state(self) -> tuple[str, dict[int, int]] | None:
+        try:
+            doc = json.loads((self.dir / STATE_FILE).read_bytes())
+            boot = doc["boot"]
+            synced = {int(k): int(v) for k, v in doc["synced"].items()}
+            if not isinstance(boot, str):
+                return None
+            return boot, synced
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return None
+
+    def _recover(self) -> None:
+        """After a restart every file counts as unsynced; after a reboot (or with no
+        readable state) bytes past what was synced are not trusted: cut away."""
+        st = self._read_state()
+        old = st[1] if st is not None else {}
+        self._synced = {b: min(s, self._sizes[b]) for b, s in old.items() if b in self._sizes}
+        self._dirty = set(self._sizes)
+        self._dir_dirty = True
+        if st is not None and st[0] and st[0] == _boot_id():
+            return  # the page cache survived: what was written is there
+        for base, size in list(self._sizes.items()):
+            keep = self._synced.get(base, 0)
+            if keep < size:
+                self._truncate(base, keep)
+
+    def _lower_synced(self) -> bool:
+        """Synced sizes never above the files (after a cut); True when one was lowered."""
+        new = {b: min(s, self._sizes[b]) for b, s in self._synced.items() if b in self._sizes}
+        changed = new != self._synced
+        self._synced = new
+        return changed
+
+    def _scan(self) -> dict[int, int]:
+        out: dict[int, int] = {}
+        with os.scandir(self.dir) as it:
+            for e in it:
+                m = _SEG_RE.match(e.name)
+                if m:
+                    out[int(m.group(1))] = e.stat().st_size
+        return out
+
+    def _close_fd(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+        self._fd, self._fd_base = -1, -1
+
+    def _fd_for(self, base: int) -> int:
+        if self._fd_base != base:
+            self._close_fd()
+            path = self.dir / _seg_name(base)
+            created = not path.exists()
+            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+            self._fd_base = base
+            if created:
+                self._dir_dirty = True
+        return self._fd
+
+    def _truncate(self, base: int, size: int) -> None:
+        fd = os.open(self.dir / _seg_name(base), os.O_WRONLY)
+        try:
+            fileio.ftruncate(fd, size)
+        finally:
+            os.close(fd)
+        self._sizes[base] = size
+        self._dirty.add(base)
+
+    def staged(self) -> dict[int, int]:
+        with self._lock:
+            return dict(self._sizes)
+
+    def plan(self, segs: list[SegInfo]) -> list[tuple[int, int, int]]:
+        """Bring the staged files in line with a listing; the (base, offset, length)
+        ranges still to fetch, in order, <= CHUNK_MAX each."""
+        listed: dict[int, int] = {}
+        prev = -1
+        for s in segs:
+            if s.base <= prev or s.size < 0:
+                raise ValueError("segment listing not in ascending base order or with a negative size")
+            listed[s.base] = s.size
+            prev = s.base
+        with self._lock:
+            self._close_fd()
+            for base in sorted(self._sizes):
+                if base not in listed:
+                    (self.dir / _seg_name(base)).unlink()
+                    del self._sizes[base]
+                    self._dirty.discard(base)
+                    self._dir_dirty = True
+                elif self._sizes[base] > listed[base]:
+                    self._truncate(base, listed[base])
+            out: list[tuple[int, int, int]] = []
+            for base, size in listed.items():
+                have = self._sizes.get(base)
+                if have is None:
+                    fd = os.open(self.dir / _seg_name(base), os.O_WRONLY | os.O_CREAT, 0o600)
+                    os.close(fd)
+                    self._sizes[base] = have = 0
+                    self._dirty.add(base)
+                    self._dir_dirty = True
+                pos = have
+                while pos < size:
+                    n = min(CHUNK_MAX, size - pos)
+                    out.append((base, pos, n))
+                    pos += n
+            if self._lower_synced():
+                self._write_state()  # before any byte lands past a cut
+            self._listed = listed
+            return out
+
+    def write(self, base: int, offset: int, data: bytes) -> None:
+        """Append a fetched chunk (pwrite at `offset`, which must be the staged size)."""
+        with self._lock:
+            have = self._sizes.get(base, 0)
+            if offset != have:
+                raise ValueError(f"chunk of segment {base} at {offset}, staged size is {have}")
+            if self._listed is not None:
+                lim = self._listed.get(base)
+                if lim is None or offset + len(data) > lim:
+                    raise ValueError(f"chunk of segment {base} runs past the listing")
+            if not data:
+                return
+            fd = self._fd_for(base)
+            try:
+                fileio.pwrite_all(fd, data, offset)
+            except OSError:
+                # A partial write leaves an unknown size: find it again.
+                self._close_fd()
+                self._sizes[base] = (self.dir / _seg_name(base)).stat().st_size
+                self._dirty.add(base)
+                raise
+            self._sizes[base] = offset + len(data)
+            self._dirty.add(base)
+
+    def durable(self) -> None:
+        """fdatasync every segment file written since the last call, then the directory."""
+        with self._lock:
+            self._durable()
+
+    def _durable(self) -> None:
+        self._close_fd()
+        for base in sorted(self._dirty):
+            fd = os.open(self.dir / _seg_name(base), os.O_RDONLY)
+            try:
+                fileio.fdatasync(fd)
+            finally:
+                os.close(fd)
+        self._dirty.clear()
+        fileio.fsync_dir(self.dir)
+        self._dir_dirty = False
+        self._synced = dict(self._sizes)
+        self._write_state()
+
+    def verify(self, hwm: int) -> str | None:
+        """None when the staged copy, opened as a real open opens a log, ends exactly
+        at `hwm` (no hidden tail); else what is wrong."""
+        with self._lock:
+            self._close_fd()
+            if self._listed is not None and self._listed != self._sizes:
+                return "staged segments differ from the listing"
+            if not self._sizes:
+                return None if hwm == 0 else f"nothing staged, source hwm is {hwm}"
+            with contextlib.suppress(FileNotFoundError):
+                (self.dir / "hwm").unlink()  # left by an interrupted install: open must use the tail
+            plog = PL.PartitionLog(self.dir)
+            try:
+                plog.open()
+            except (OSError, ValueError) as e:
+                return f"staged copy cannot be opened: {e}"
+            try:
+                if plog.next_offset != hwm or plog.hwm != hwm:
+                    return f"staged copy recovers to {plog.next_offset} (hwm {plog.hwm}), source hwm is {hwm}"
+            finally:
+                plog.close(clean=False)
+                # open may have created segment 0 (nothing staged) or cut a torn tail
+                self._sizes = self._scan()
+                self._dirty.update(self._sizes)
+                if self._lower_synced():
+                    self._write_state()
+            return None
+
+    def install(self, *, hwm: int, frontier: int, ahead: list[int], cursors: dict[str, tuple[str, int]],
+                marker: dict[str, object], seg_mtimes: dict[int, int]) -> Path | None:
+        """Write positions (clamped below `hwm`), the hwm file, segment ages and
+        move.marker, make everything durable, then rename the staging directory to
+        the partition directory. Returns where an existing directory holding records
+        was quarantined (None: there was none, or it held no record and was removed)."""
+        for child in cursors:
+            if not child or "/" in child or "\0" in child or child.startswith("."):
+                raise ValueError(f"bad fan-out child name {child!r}")
+        frontier = max(-1, min(frontier, hwm - 1))
+        held = sorted({a for a in ahead if frontier < a < hwm})
+        with self._lock:
+            d = self.dir
+            # Leftovers of an interrupted install: every one is written again below.
+            for e in list(os.scandir(d)):
+                n = e.name
+                if n in ("hwm", "consumer.ahead", "consumer.offset", MARKER_FILE) or n.endswith(".tmp") or (
+                        n.startswith("fanout-") and n.endswith(".offset")):
+                    os.unlink(e.path)
+            self._durable()
+            now_ms = int(time.time() * 1000)
+            for base, ms in seg_mtimes.items():
+                if base in self._sizes and 0 < ms <= now_ms + FUTURE_SLACK_MS:
+                    p = d / _seg_name(base)
+                    os.utime(p, ns=(p.stat().st_atime_ns, ms * 1_000_000))
+            off = OffsetFile(d)
+            off.load(max_frontier=hwm - 1)
+            off.close(frontier, held)
+            for child, (epoch, nxt) in sorted(cursors.items()):
+                CF.CursorFile(d, child).anchor(epoch, max(0, min(nxt, hwm)))
+            _write_file_durable(d, "hwm", PL._U64.pack(hwm))
+            fileio.fsync_dir(d)
+            doc = dict(marker)
+            doc["hwm"] = hwm
+            doc.setdefault("durable_at_ms", int(time.time() * 1000))
+            _write_file_durable(d, MARKER_FILE, json.dumps(doc, sort_keys=True).encode())
+            fileio.fsync_dir(d)
+            aside: Path | None = None
+            if self.final.exists():
+                if _holds_records(self.final):
+                    aside = quarantine(self.final, "install_conflict")
+                else:
+                    shutil.rmtree(self.final)
+                    fileio.fsync_dir(self.final.parent)
+            os.rename(d, self.final)
+            fileio.fsync_dir(self.final.parent)
+            with contextlib.suppress(FileNotFoundError):
+                (self.final / STATE_FILE).unlink()
+                fileio.fsync_dir(self.final)
+            self._sizes, self._dirty, self._listed = {}, set(), None
+            return aside
+
+    def discard(self) -> None:
+        """Remove the staging directory and everything in it."""
+        with self._lock:
+            self._close_fd()
+            if self.dir.exists():
+                shutil.rmtree(self.dir)
+                fileio.fsync_dir(self.dir.parent)
+            self._sizes, self._dirty, self._listed = {}, set(), None
+
+
+# ---- quarantine and the source's directory after a flip -----------------------------------------
+
+def quarantine(d: Path, kind: str) -> Path:
+    """Rename `d` to ``<d>.quarantine-<kind>-<n>`` (the first n free) and sync the parent.
+    Its modification time becomes the moment it was set aside."""
+    if not _KIND_RE.match(kind):
+        raise ValueError(f"bad quarantine kind {kind!r}")
+    d = Path(d)
+    n = 1
+    while True:
+        target = d.with_name(f"{d.name}.quarantine-{kind}-{n}")
+        if not target.exists() and not target.is_symlink():
+            break
+        n += 1
+    os.rename(d, target)
+    with contextlib.suppress(OSError):
+        os.utime(target)
+    fileio.fsync_dir(d.parent)
+    return target
+
+
+def _tree_bytes(d: Path) -> int:
+    total = 0
+    for root, _dirs, files in os.walk(d):
+        for f in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(root, f)).st_size
+    return total
+
+
+def quarantined(topics_root: Path) -> list[tuple[str, str, int, Path, int, int]]:
+    """Every quarantined partition copy under ``<data>/topics``:
+    (kind, topic, partition, dir, bytes, mtime_ms), by topic, partition, name."""
+    out: list[tuple[str, str, int, Path, int, int]] = []
+    root = Path(topics_root)
+    try:
+        tops = sorted(e for e in os.scandir(root) if e.is_dir(follow_symlinks=False))
+    except FileNotFoundError:
+        return out
+    for t in tops:
+        topic = t.name.rsplit("@", 1)[0]
+        try:
+            entries = sorted((e.name, e.path) for e in os.scandir(t.path) if e.is_dir(follow_symlinks=False))
+        except OSError:
+            continue
+        for name, path in entries:
+            m = _QUAR_RE.match(name)
+            if not m:
+                continue
+            try:
+                mtime = _mtime_ms(os.stat(path))
+            except OSError:
+                continue
+            out.append((m.group(2), topic, int(m.group(1)), Path(path), _tree_bytes(Path(path)), mtime))
+    out.sort(key=lambda r: (r[1], r[2], r[3].name))
+    return out
+
+
+def read_marker(d: Path) -> dict[str, object] | None:
+    """The move.marker of a partition directory; None when absent or unreadable."""
+    try:
+        doc = json.loads((Path(d) / MARKER_FILE).read_bytes())
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def moved_aside(d: Path, token: str) -> Path:
+    """The source after the flip: rename `d` to ``<d>.moved-<token>`` and sync the
+    parent (idempotent: already there, the same path is returned)."""
+    if not _TOKEN_RE.match(token):
+        raise ValueError(f"bad move token {token!r}")
+    d = Path(d)
+    target = d.with_name(f"{d.name}.moved-{token}")
+    if not d.exists() and target.exists():
+        return target
+    if target.exists():
+        raise FileExistsError(f"{target} exists")
+    os.rename(d, target)
+    fileio.fsync_dir(d.parent)
+    return target

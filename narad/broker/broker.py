@@ -63,14 +63,16 @@ from narad import metrics
 from narad.broker import peers as P
 from narad.broker.dispatcher import Dispatcher
 from narad.broker.fanout import FanoutEngine, FanoutSettings
-from narad.broker.partition import Partition, finish_stats, stats_from_disk
+from narad.broker.moves import MoveRunner, MoveSource
+from narad.broker.partition import Partition, finish_stats, rfc3339_ms, stats_from_disk
 from narad.broker.routing import RoundRobin, key_partition, owner_worker
 from narad.errors import BadGateway, Conflict, NaradError, NotFound, Unavailable
 from narad.meta import versions as V
 from narad.meta.records import TopicRecord
-from narad.meta.requests import ConfirmEpochReq, ConfirmEpochResp
+from narad.meta.requests import ConfirmEpochReq, ConfirmEpochResp, QuarantinedCopy
 from narad.meta.store import MetaStore
 from narad.storage import partition_log as PL
+from narad.storage import transfer as TR
 from narad.storage.offsets import OffsetFile
 from narad.storage.partition_log import OffsetGone, PartitionLog
 from narad.storage.wal import Entry, IngressWAL
@@ -144,6 +146,7 @@ class Broker:
         caught_up: Callable[[], Awaitable[bool]] | None = None,
         confirm_epoch: Callable[[ConfirmEpochReq], Awaitable[ConfirmEpochResp]] | None = None,
         fanout: FanoutSettings | None = None,
+        meta_call: Callable[[Any, Any, float], Awaitable[Any]] | None = None,
     ) -> None:
         self.data_dir = Path(data_dir)
         self.store = store
@@ -211,6 +214,12 @@ class Broker:
         # Fan-out cursors for the parent partitions this worker owns (off without the
         # supervisor's caught-up and confirm-epoch answers: nothing would start safely).
         self.fanout = FanoutEngine(self, fanout or FanoutSettings(), caught_up, confirm_epoch)
+        # Partition moves: this worker as a source (freeze, lists, chunks) and as a
+        # destination (the runner; off on a lone node and without a supervisor).
+        self.caught_up = caught_up
+        self.move_source = MoveSource(self)
+        self.mover = MoveRunner(self, meta_call)
+        self._assign_ver = -1
         self._register_peer_handlers()
 
     # ---- lifecycle ------------------------------------------------------------------
@@ -237,10 +246,12 @@ class Broker:
                      self._metrics_poller()):
             self._tasks.append(loop.create_task(coro))
         self.fanout.start()
+        self.mover.start()
 
     async def close(self) -> None:
         """Graceful: stop dispatching, persist every partition's offsets and hwm."""
         self.closing = True
+        await self.mover.stop()  # its staging copies stay and resume at the next start
         await self.fanout.stop()  # cursors first: their files stay where the last committed slab left them
         for t in [*self._tasks, *self._late]:
             t.cancel()
@@ -537,6 +548,12 @@ class Broker:
                            f"the topic is {t.id if t else 'absent'}", code="incarnation_mismatch")
         if not 0 <= partition < t.partitions:
             raise Conflict(f"partition {partition} is not in topic {topic}", code="incarnation_mismatch")
+        node, worker = self.where(t, partition)
+        if node != self.node_id or worker != self.index:
+            # The sender's replica and ours disagree (a move's flip, a fresh placement):
+            # retryable; never committed into a copy this worker does not own.
+            raise Unavailable(f"partition {partition} of {topic} is owned by {node}/{worker}, not {self.node_id}/"
+                              f"{self.index}; retry", code="partition_moving")
         p = await self.partition(t, partition)
         return await p.commit(records, self.io)
 
@@ -1472,6 +1489,25 @@ class Broker:
                         out.setdefault(child, {}).update(row)
             return P.FanoutLagResp(out)
 
+        src = self.move_source
+
+        def at_owner(fn: Callable[[Any], Awaitable[Any]], resp: type) -> Callable[[Any, Any], Awaitable[Any]]:
+            async def handler(m: Any, _c: Any) -> Any:
+                w = self.route(m.topic, m.partition)
+                if w != self.index:
+                    return await self.links.call(w, m, resp, timeout=30)
+                return await fn(m)
+            return handler
+
+        async def move_status(m: P.MoveStatusReq, _c: Any) -> P.MoveStatusResp:
+            return P.MoveStatusResp(self.mover.status())
+
+        for typ, fn in ((P.MoveListReq, at_owner(src.list, P.MoveListResp)),
+                        (P.MoveChunkReq, at_owner(src.chunk, P.MoveChunkResp)),
+                        (P.MoveFreezeReq, at_owner(src.freeze, P.MoveFreezeResp)),
+                        (P.MoveThawReq, at_owner(src.thaw, P.MoveFreezeResp)),
+                        (P.MoveStatusReq, move_status)):
+            s.register(typ, fn)  # type: ignore[arg-type]
         for typ, fn in ((P.CommitReq, commit), (P.ConsumeReq, consume), (P.AckReq, ack), (P.ReplayReq, replay),
                         (P.StatsReq, stats), (P.WatchNote, watch), (P.UnwatchNote, unwatch), (P.ReadyNote, ready),
                         (P.FanoutLagReq, fanout_lag)):
@@ -1655,6 +1691,10 @@ class Broker:
         the consumers parked on it."""
         while True:
             await asyncio.sleep(TOPIC_CHECK_EVERY)
+            aver = self.versions.load(V.ASSIGNMENTS)
+            if aver != self._assign_ver:
+                self._assign_ver = aver
+                await self._moved_away()
             ver = self.versions.load(V.TOPICS)
             if ver == self._topics_ver:
                 continue
@@ -1668,6 +1708,64 @@ class Broker:
                 t = self.store.topic(name)
                 if t is None:
                     self._wake(name, len(self._waiters.get(name, ())))
+
+    # ---- partition moves --------------------------------------------------------------------------------
+    async def _moved_away(self) -> None:
+        """Partitions open here whose owner is now another node (a move's flip):
+        close them (leases are not transferred: the new owner redelivers what was
+        unacked) and set their directory aside, never deleting it."""
+        for key, p in list(self.partitions.items()):
+            t = self.store.topic(p.topic)
+            if t is None or t.id != p.topic_id or not 0 <= p.index < t.partitions:
+                continue  # the topic watch retires those
+            node, w = self.where(t, p.index)
+            if node is None or (node == self.node_id and w == self.index):
+                continue
+            if node == self.node_id:
+                continue  # another worker of this node (never: the hash is fixed)
+            token = p.freeze_token or f"t{int(time.time() * 1000)}"
+            await self._close_partition(key, p, clean=True)
+            self._drained.discard((p.topic, p.index, p.topic_id))
+            d = topic_dir(self.data_dir, p.topic, p.topic_id) / f"p{p.index:05d}"
+            try:
+                aside = await self.loop.run_in_executor(self.io, TR.moved_aside, d, token)
+            except OSError as e:
+                log.error("could not set a moved partition's directory aside", extra={
+                    "topic": p.topic, "partition": p.index, "err": str(e)})
+                continue
+            log.info("partition moved to another node; its old copy set aside", extra={
+                "topic": p.topic, "partition": p.index, "owner": node, "dir": str(aside)})
+
+    def forget_partition(self, name: str, index: int, topic_id: str) -> None:
+        """Before and after a move installs a partition here: nothing of an older
+        copy stays in memory (an open object, the drained mark, cached gauges)."""
+        p = self.partitions.get((name, index))
+        if p is not None and not p.leases and not p._committing:
+            del self.partitions[(name, index)]
+            p.closed = True
+            with contextlib.suppress(Exception):
+                p.log.close(clean=False)
+        self._drained.discard((name, index, topic_id))
+        self._cold_rows.pop((name, index), None)
+
+    async def move_status(self) -> tuple[list[Any], list[Any]]:
+        """Every worker's move runners and this node's quarantined copies."""
+        moves = list(self.mover.status())
+        for w in range(self.workers):
+            if w == self.index:
+                continue
+            try:
+                got = await self.links.call(w, P.MoveStatusReq(), P.MoveStatusResp, timeout=1.5)
+            except Exception:
+                continue
+            moves.extend(got.moves)
+        try:
+            rows = await self.loop.run_in_executor(self.io, TR.quarantined, self.data_dir / "topics")
+        except OSError:
+            rows = []
+        quarantine = [QuarantinedCopy(kind, topic, part, str(d), size, rfc3339_ms(mtime))
+                      for kind, topic, part, d, size, mtime in rows]
+        return moves, quarantine
 
     # ---- metrics poller ------------------------------------------------------------------------------
     async def _metrics_poller(self) -> None:

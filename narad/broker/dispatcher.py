@@ -39,6 +39,7 @@ REROUTE_AFTER = 3.0
 BATCH_RECORDS = 4096
 BATCH_BYTES = 8 << 20
 RETRY_AFTER = 1.0
+MOVING_RETRY_AFTER = 0.05  # a partition frozen for a move (its flip is a Raft round trip away)
 
 
 class Target(Protocol):
@@ -180,13 +181,18 @@ class Dispatcher:
     async def _commit(self, key: tuple[str, bytes, int], d: _Dest, batch: list[Entry], groups: list[_Group]) -> None:
         topic, inc, part = key
         outcome = "retry"
+        moving = False
         try:
             outcome = await self.target.deliver(topic, inc.hex(), part, batch)
         except asyncio.CancelledError:
             raise
         except Exception as e:
-            log.warning("dispatch to partition owner failed; retrying", extra={
-                "topic": topic, "partition": part, "records": len(batch), "err": f"{type(e).__name__}: {e}"})
+            moving = getattr(e, "code", None) == "partition_moving"
+            if moving:  # frozen for a move, or the replicas disagree on a fresh flip: retried soon
+                log.debug("partition is moving; dispatch retried", extra={"topic": topic, "partition": part})
+            else:
+                log.warning("dispatch to partition owner failed; retrying", extra={
+                    "topic": topic, "partition": part, "records": len(batch), "err": f"{type(e).__name__}: {e}"})
         finally:
             d.inflight = False
             self._inflight -= 1
@@ -207,7 +213,7 @@ class Dispatcher:
             d.groups.extendleft(reversed(groups))
             now = time.monotonic()
             d.failing_since = d.failing_since or now
-            d.retry_at = now + RETRY_AFTER
+            d.retry_at = now + (MOVING_RETRY_AFTER if moving else RETRY_AFTER)
         self._pump()
 
     def _reroute(self, key: tuple[str, bytes, int], d: _Dest, probe: bool = True) -> bool:

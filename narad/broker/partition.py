@@ -21,6 +21,12 @@ Lives in the worker that owns the partition, on its event-loop thread only.
   (no lease, no commit queued or running, acks written and synced, the held
   acks fit one offset slot), so closing and reopening loses nothing.
   ``stats_from_disk`` gives a closed partition's stats from its files alone.
+* A move freezes the partition on its source (``freeze``): while the freeze
+  token is live, commits are refused (``partition_moving``, retried by the
+  dispatchers; they land at the new owner after the flip) and no new lease is
+  taken; acks, extends and nacks of existing leases still work. A frozen
+  partition is never evicted. The freeze lapses by itself (its TTL) unless the
+  destination re-arms it.
 * Metrics: the owner's counters for this partition (messages and payload bytes
   appended, the commit's fdatasync time) are children the broker hands over
   at open (``meter``): one add per commit, none per record.
@@ -43,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from narad import metrics
+from narad.errors import Unavailable
 from narad.storage import frames as FR
 from narad.storage import offsets as OFF
 from narad.storage import partition_log as PL
@@ -112,6 +119,23 @@ class Partition:
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]  # set by the broker
         self.on_visible: Callable[[Partition, int], None] | None = None
         self.on_released: Callable[[Partition], None] | None = None
+        # A move's freeze on this (source) partition: token and monotonic deadline.
+        self.freeze_token: str | None = None
+        self.freeze_until = 0.0
+
+    # ---- move freeze (source side) ----------------------------------------------------
+    def frozen(self, now: float | None = None) -> bool:
+        return self.freeze_token is not None and (now if now is not None else time.monotonic()) < self.freeze_until
+
+    def moving_error(self) -> Unavailable:
+        return Unavailable(f"partition {self.index} of {self.topic} is being moved to another node; retry",
+                           code="partition_moving")
+
+    async def commits_idle(self, timeout: float = 30.0) -> None:
+        """Wait until no commit is running (a frozen partition refuses new ones)."""
+        task = self._task
+        if task is not None and not task.done():
+            await asyncio.wait_for(asyncio.shield(task), timeout)
 
     def meter(self, produced: Any, nbytes: Any, fsync: Any) -> None:
         """Count commits into these metric children (event-loop thread)."""
@@ -175,7 +199,7 @@ class Partition:
                 max_acked_ahead: int, make: Callable[[int, int, int, Record], Any] = Delivery) -> list[Any]:
         """Lease and read up to max_n records; each is returned as make(partition,
         offset, nonce, record) (a Delivery unless the caller builds its own)."""
-        if self.closed:
+        if self.closed or (self.freeze_token is not None and self.frozen(now)):
             return []
         self.last_used = now
         self.purge(now)
@@ -298,6 +322,8 @@ class Partition:
         if self.closed:
             raise OSError(9, "partition closed")
         self.last_used = time.monotonic()
+        if self.freeze_token is not None and self.frozen(self.last_used):
+            raise self.moving_error()
         loop = self.loop
         fut: asyncio.Future[int] = loop.create_future()
         self._commit_queue.append((batch, fut))
@@ -310,6 +336,14 @@ class Partition:
         loop = self.loop
         try:
             while self._commit_queue and not self.closed:
+                if self.freeze_token is not None and self.frozen():
+                    # Frozen meanwhile (a move): what is queued is refused, to land at the new owner.
+                    err = self.moving_error()
+                    for _, f in self._commit_queue:
+                        if not f.done():
+                            f.set_exception(err)
+                    self._commit_queue.clear()
+                    break
                 queue: list[tuple[list[tuple[bytes | None, int, bytes]], asyncio.Future[int]]] = []
                 size = 0
                 while self._commit_queue and (not queue or size < MAX_COMBINED_BYTES):
@@ -383,6 +417,8 @@ class Partition:
         held above the frontier fit one offset slot whole)."""
         if self.closed or self.leases or self._committing or self._commit_queue:
             return False
+        if self.freeze_token is not None and self.frozen():
+            return False
         if self._task is not None and not self._task.done():
             return False
         if self.dirty or self.offsets.dirty_since_sync:
@@ -421,7 +457,7 @@ class Partition:
         """Records a reserve with these caps would hand out now (an estimate, like
         ``available``): none while the in-flight cap is full, only the frontier
         record while the acked-ahead cap is."""
-        if self.closed or len(self.leases) >= max_in_flight:
+        if self.closed or len(self.leases) >= max_in_flight or (self.freeze_token is not None and self.frozen()):
             return 0
         n = self.available()
         if n <= 0:

@@ -7,7 +7,7 @@ extend / nack, replay, partition stats, fan-out lag, and the watch / unwatch / d
 notes that wake a long-poll parked on another worker. Links reconnect on demand (a
 restarted peer comes back on the same path).
 
-Imports narad.ipc.
+Imports narad.ipc and narad.meta.requests (pure data).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import msgspec
 
 from narad.errors import Unavailable
 from narad.ipc import rpc
+from narad.meta.requests import MoveWorkerView, QuarantinedCopy
 
 log = logging.getLogger("narad.broker.peers")
 T = TypeVar("T")
@@ -147,6 +148,79 @@ class ReadyNote(msgspec.Struct, tag=True, array_like=True):
     worker: int = -1  # the parked worker to wake (-1: whoever receives it)
     node: str = ""  # the node whose records are ready ("" = this node)
     src: int = -1  # the worker whose token fired (-1: not said; a trailing field older peers ignore)
+
+
+# ---- partition moves (issue 13): the destination asks the source's owner worker ----
+SegTuple = tuple[int, int, int]  # segment base offset, bytes to copy, mtime (unix ms) at the source
+
+
+class MoveListReq(msgspec.Struct, tag=True, array_like=True):
+    """The source's segments of a partition, the active one only up to its high watermark."""
+
+    topic: str
+    topic_id: str
+    partition: int
+
+
+class MoveListResp(msgspec.Struct, array_like=True):
+    hwm: int
+    segments: list[SegTuple]
+    now_ms: int  # the source's clock when it listed (segment ages travel relative to it)
+    frozen: bool = False
+
+
+class MoveChunkReq(msgspec.Struct, tag=True, array_like=True):
+    topic: str
+    topic_id: str
+    partition: int
+    base: int
+    offset: int
+    length: int
+
+
+class MoveChunkResp(msgspec.Struct, array_like=True):
+    data: bytes
+
+
+class MoveFreezeReq(msgspec.Struct, tag=True, array_like=True):
+    """Freeze the source (token ""), re-arm a live freeze (token, renew_only), or
+    fence (token, not renew_only: 409 ``freeze_lapsed`` if that freeze lapsed,
+    else renewed and the transfer positions read again)."""
+
+    topic: str
+    topic_id: str
+    partition: int
+    token: str = ""
+    renew_only: bool = False
+    ttl_ms: int = 30_000
+
+
+class MoveFreezeResp(msgspec.Struct, array_like=True):
+    token: str
+    hwm: int = -1
+    frontier: int = -1
+    ahead: list[int] = []
+    cursors: list[tuple[str, str, int]] = []  # fan-out cursors: child, attach epoch, next offset
+    segments: list[SegTuple] = []
+    now_ms: int = 0
+
+
+class MoveThawReq(msgspec.Struct, tag=True, array_like=True):
+    """An abandoned move: lift its freeze now (instead of at its TTL)."""
+
+    topic: str
+    topic_id: str
+    partition: int
+    token: str
+
+
+class MoveStatusReq(msgspec.Struct, tag=True, array_like=True):
+    """One worker's move runners and quarantined copies (for NodeStatusView)."""
+
+
+class MoveStatusResp(msgspec.Struct, array_like=True):
+    moves: list[MoveWorkerView] = []
+    quarantine: list[QuarantinedCopy] = []
 
 
 class Remote(Protocol):

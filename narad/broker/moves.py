@@ -1,0 +1,567 @@
+"""Partition moves (rebalance, decommission): copy-then-flip, destination-driven.
+
+The controller only sets an assignment row's *target*; this module does the work,
+in the worker of the destination node that will own the partition (the same
+``owner_worker`` hash as everywhere), and answers the source's side in the
+worker that owns it there.
+
+Destination (``MoveRunner``, one task per partition whose target is this node):
+1. pre-copy: list the source's segments (the active one only up to its high
+   watermark) and fetch what the staging copy lacks, in chunks, while produce and
+   consume go on; a few passes, until a pass copies little;
+2. freeze the source (``MoveFreezeReq``): it refuses new commits (the dispatchers
+   retry; the records land here after the flip) and new leases; acks of existing
+   leases still work. The freeze token is re-armed every TTL/4 on its own timer;
+3. finalize: copy until two passes in a row copy nothing at the same high
+   watermark; make the copy durable and verify that it recovers to exactly that
+   high watermark (else discard it and copy again; twice: blocked);
+4. fence: present the token again; a lapsed freeze (409 ``freeze_lapsed``) means
+   commits may have landed behind the copy: freeze afresh and finalize again;
+5. install (``transfer.Staging.install``): positions clamped, fan-out cursors,
+   ``move.marker``; any old in-memory state of the partition here dropped;
+6. flip: one compare-and-set Raft entry (type 40) through the supervisor. An
+   error is not a failure: the install is kept and the outcome read from the
+   leader; only a leader read started at least 15 s after the last proposal that
+   says the flip cannot commit undoes the install (renamed back to staging).
+
+Source (``MoveSource``): the list, chunk, freeze/fence and thaw requests, on the
+owner worker, refused (409 ``not_owner``) where this node does not own the
+partition. After the flip the broker's topic watch closes the partition here and
+renames its directory aside (``<dir>.moved-<token>``, never deleted here).
+
+Imports narad.storage.transfer, narad.meta (read side and request structs), the
+broker's peers messages; the broker hands itself in (no import of broker.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import shutil
+import time
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, TypeVar
+
+from narad.errors import Conflict, NaradError, NotFound, Unavailable
+from narad.meta import requests as Q
+from narad.meta import versions as V
+from narad.meta.records import TopicRecord
+from narad.storage import cursor_file as CF
+from narad.storage import transfer as TR
+
+from . import peers as P
+
+log = logging.getLogger("narad.broker.moves")
+T = TypeVar("T")
+
+TICK = 1.0  # the runner looks at the assignments this often (sooner after a change)
+FULL_PASS_EVERY = 30.0
+PRECOPY_PASSES = 8
+LAG_BYTES = 1 << 20  # a pre-copy pass that copied less than this is close enough to freeze
+FREEZE_TTL_MS = 30_000
+LEASE_DRAIN = 0.5  # the source waits this long (at most) for outstanding leases before reading positions
+FLIP_WINDOW = 120.0  # a flip is re-proposed (under a re-armed freeze) for this long
+AMBIGUITY_WAIT = 15.0  # an install is undone only by a leader read this long after the last proposal
+RPC_TIMEOUT = 10.0
+MAX_FINALIZE_PASSES = 200
+# Test seams (environment, tests only): slow a copy down per chunk, hold a move in its
+# frozen phase before the fence, or just before it proposes the flip (kill windows).
+COPY_DELAY = float(os.environ.get("NARAD_FAULT_MOVE_CHUNK_DELAY_MS", "0")) / 1000.0
+HOLD_FROZEN = float(os.environ.get("NARAD_FAULT_MOVE_HOLD_FROZEN_MS", "0")) / 1000.0
+HOLD_FLIP = float(os.environ.get("NARAD_FAULT_MOVE_HOLD_FLIP_MS", "0")) / 1000.0
+
+
+class _Aborted(Exception):
+    """The move's target was cleared (abort, re-plan, dead destination)."""
+
+
+class _Lapsed(Exception):
+    """The source's freeze lapsed (or it restarted): commits may be behind the copy."""
+
+
+def _rfc3339(ms: int) -> str:
+    return datetime.fromtimestamp(ms / 1000, tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _part_dir(data_dir: Path, topic: str, topic_id: str, partition: int) -> Path:
+    return data_dir / "topics" / f"{topic}@{topic_id}" / f"p{partition:05d}"
+
+
+def read_cursors(d: Path) -> list[tuple[str, str, int]]:
+    """The fan-out cursor files of a partition directory: (child, epoch, next offset).
+    A damaged or unreadable one is left out (the new owner's cursor then starts
+    from its attach point again: duplicates in the child, never a loss)."""
+    out: list[tuple[str, str, int]] = []
+    try:
+        names = sorted(os.listdir(d))
+    except FileNotFoundError:
+        return out
+    for name in names:
+        if not (name.startswith("fanout-") and name.endswith(".offset")):
+            continue
+        child = name[len("fanout-"):-len(".offset")]
+        try:
+            with open(d / name, "rb") as fh:
+                st = CF.decode(fh.read())
+        except (OSError, ValueError):
+            continue
+        out.append((child, st.epoch, st.next_offset))
+    return out
+
+
+class MoveSource:
+    """The source side of a move, in the worker that owns the partition."""
+
+    def __init__(self, broker: Any) -> None:
+        self.b = broker
+
+    def _owned_here(self, topic: str, topic_id: str, partition: int) -> TopicRecord:
+        b = self.b
+        t = b.store.topic(topic)
+        if t is None or t.id != topic_id or not 0 <= partition < t.partitions:
+            raise NotFound(f'partition {partition} of topic "{topic}" incarnation {topic_id} is not here',
+                           code="topic_gone")
+        node, _w = b.where(t, partition)
+        if node != b.node_id:
+            raise Conflict(f"partition {partition} of {topic} is owned by {node}, not by {b.node_id}",
+                           code="not_owner")
+        return t
+
+    async def list(self, m: P.MoveListReq) -> P.MoveListResp:
+        t = self._owned_here(m.topic, m.topic_id, m.partition)
+        p = await self.b.partition(t, m.partition)
+        hwm, segs = await self.b.loop.run_in_executor(self.b.io, TR.list_open, p.log)
+        return P.MoveListResp(hwm, [(s.base, s.size, s.mtime_ms) for s in segs], int(time.time() * 1000),
+                              p.frozen())
+
+    async def chunk(self, m: P.MoveChunkReq) -> P.MoveChunkResp:
+        t = self._owned_here(m.topic, m.topic_id, m.partition)
+        d = _part_dir(self.b.data_dir, t.name, t.id, m.partition)
+        length = max(0, min(m.length, TR.CHUNK_MAX))
+        try:
+            data = await self.b.loop.run_in_executor(self.b.io, TR.read_chunk, d, m.base, m.offset, length)
+        except FileNotFoundError:
+            raise NotFound(f"segment {m.base} of partition {m.partition} of {t.name} is gone (retention)",
+                           code="segment_gone") from None
+        return P.MoveChunkResp(data)
+
+    async def freeze(self, m: P.MoveFreezeReq) -> P.MoveFreezeResp:
+        t = self._owned_here(m.topic, m.topic_id, m.partition)
+        p = await self.b.partition(t, m.partition)
+        ttl = max(1.0, min(m.ttl_ms, 120_000) / 1000.0)
+        now = time.monotonic()
+        if m.token:
+            if p.freeze_token != m.token or now >= p.freeze_until:
+                raise Conflict(f"the freeze of partition {m.partition} of {t.name} lapsed (or the source "
+                               "restarted): commits may have landed behind the copy", code="freeze_lapsed")
+            p.freeze_until = now + ttl
+            if m.renew_only:
+                return P.MoveFreezeResp(m.token)
+        else:
+            if p.freeze_token is not None and now < p.freeze_until:
+                log.info("partition refrozen for another move attempt", extra={"topic": t.name,
+                                                                              "partition": m.partition})
+            p.freeze_token = secrets.token_hex(8)
+            p.freeze_until = now + ttl
+            log.info("partition frozen for a move", extra={"topic": t.name, "partition": m.partition,
+                                                          "ttl_s": ttl})
+            end = now + min(LEASE_DRAIN, ttl / 4)
+            while p.leases and time.monotonic() < end:  # outstanding leases get a moment to be acked
+                await asyncio.sleep(0.02)
+        await p.commits_idle()  # an in-flight commit is either in the copy or refused
+        # Positions first, then the high watermark and the segments: a listing never
+        # carries a position past what it copies.
+        frontier, ahead = p.snapshot_offsets()
+        d = _part_dir(self.b.data_dir, t.name, t.id, m.partition)
+        loop = self.b.loop
+        cursors = await loop.run_in_executor(self.b.io, read_cursors, d)
+        hwm, segs = await loop.run_in_executor(self.b.io, TR.list_open, p.log)
+        return P.MoveFreezeResp(p.freeze_token or "", hwm, frontier, ahead, cursors,
+                                [(s.base, s.size, s.mtime_ms) for s in segs], int(time.time() * 1000))
+
+    async def thaw(self, m: P.MoveThawReq) -> P.MoveFreezeResp:
+        p = self.b.partitions.get((m.topic, m.partition))
+        if p is not None and p.topic_id == m.topic_id and p.freeze_token == m.token:
+            p.freeze_token = None
+            p.freeze_until = 0.0
+            log.info("move freeze lifted", extra={"topic": m.topic, "partition": m.partition})
+        return P.MoveFreezeResp("")
+
+
+class _Move:
+    __slots__ = ("aborted", "attempts", "blocked", "copied", "key", "last_error", "phase", "source",
+                 "started_ms", "task", "token", "topic_id", "unverifiable")
+
+    def __init__(self, key: tuple[str, int], topic_id: str, source: str) -> None:
+        self.key = key
+        self.topic_id = topic_id
+        self.source = source
+        self.started_ms = int(time.time() * 1000)
+        self.phase = "copying"
+        self.attempts = 0
+        self.last_error = ""
+        self.copied = 0
+        self.blocked: str | None = None
+        self.token = ""
+        self.aborted = False
+        self.unverifiable = 0
+        self.task: asyncio.Task[None] | None = None
+
+    def view(self, target: str) -> Q.MoveWorkerView:
+        return Q.MoveWorkerView(self.key[0], self.key[1], self.source, target, _rfc3339(self.started_ms),
+                                self.phase, self.attempts, self.last_error, self.copied, self.blocked)
+
+
+class MoveRunner:
+    """The destination side: one task per partition this worker is to receive."""
+
+    def __init__(self, broker: Any, meta_call: Callable[[Any, type[T], float], Awaitable[T]] | None) -> None:
+        self.b = broker
+        self.meta_call = meta_call
+        self.moves: dict[tuple[str, int], _Move] = {}
+        self._seen = -1
+        self._last_full = 0.0
+        self._task: asyncio.Task[None] | None = None
+        self.m_bytes = None
+        self.m_done = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.meta_call is not None and not isinstance(self.b.remote, P.SingleNode)
+
+    def start(self) -> None:
+        if self.enabled:
+            self._task = self.b.loop.create_task(self._loop())
+
+    async def stop(self) -> None:
+        tasks = [t for t in [self._task, *(mv.task for mv in self.moves.values())] if t is not None]
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(BaseException):
+                await t
+
+    def status(self) -> list[Q.MoveWorkerView]:
+        return [mv.view(self.b.node_id) for mv in self.moves.values()]
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                self.reconcile()
+            except Exception:
+                log.exception("move runner pass failed")
+            await asyncio.sleep(TICK)
+
+    def reconcile(self) -> None:
+        b = self.b
+        ver = b.versions.load(V.ASSIGNMENTS) + (b.versions.load(V.EPOCH) << 40)
+        now = time.monotonic()
+        if ver == self._seen and now - self._last_full < FULL_PASS_EVERY:
+            return
+        self._seen = ver
+        self._last_full = now
+        want: dict[tuple[str, int], tuple[str, str]] = {}
+        with b.store.read() as r:
+            for name, part, a in r.all_assignments():
+                if a.target == b.node_id and a.owner != b.node_id and b.route(name, part) == b.index:
+                    want[(name, part)] = (a.topic_id, a.owner)
+        for key, mv in list(self.moves.items()):
+            if want.get(key) != (mv.topic_id, mv.source):
+                mv.aborted = True  # the task notices at its next step (never in the middle of a flip)
+        for key, (tid, src) in want.items():
+            if key not in self.moves:
+                mv = _Move(key, tid, src)
+                self.moves[key] = mv
+                mv.task = b.loop.create_task(self._run(mv))
+                log.info("partition move started", extra={"topic": key[0], "partition": key[1], "from": src,
+                                                         "to": b.node_id})
+
+    # ---- one move ------------------------------------------------------------------------
+    def _check(self, mv: _Move) -> None:
+        if mv.aborted:
+            raise _Aborted()
+
+    async def _call(self, mv: _Move, msg: Any, typ: type[T], timeout: float = RPC_TIMEOUT) -> T:
+        return await self.b.remote.call(mv.source, msg, typ, timeout)
+
+    async def _io(self, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
+        if kw:
+            return await self.b.loop.run_in_executor(self.b.io, lambda: fn(*args, **kw))
+        return await self.b.loop.run_in_executor(self.b.io, fn, *args)
+
+    async def _run(self, mv: _Move) -> None:
+        name, part = mv.key
+        final = _part_dir(self.b.data_dir, name, mv.topic_id, part)
+        try:
+            while True:
+                try:
+                    if await self._attempt(mv, final):
+                        log.info("partition move finished", extra={"topic": name, "partition": part,
+                                                                  "from": mv.source, "to": self.b.node_id,
+                                                                  "copied_bytes": mv.copied})
+                        return
+                except _Aborted:
+                    await self._abandon(mv, final)
+                    log.info("partition move abandoned (its target was cleared)",
+                             extra={"topic": name, "partition": part, "from": mv.source})
+                    return
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:
+                    mv.attempts += 1
+                    mv.last_error = f"{type(e).__name__}: {e}"[:300]
+                    lvl = logging.INFO if mv.attempts < 3 else logging.WARNING
+                    log.log(lvl, "partition move attempt failed; retrying",
+                            extra={"topic": name, "partition": part, "from": mv.source, "err": mv.last_error,
+                                   "attempts": mv.attempts})
+                    if mv.aborted:
+                        await self._abandon(mv, final)
+                        return
+                    await asyncio.sleep(min(5.0, 0.25 * (2 ** min(mv.attempts, 5))))
+        finally:
+            if self.moves.get(mv.key) is mv:
+                del self.moves[mv.key]
+            self._seen = -1  # look again at once: a new target may be waiting
+
+    async def _abandon(self, mv: _Move, final: Path) -> None:
+        if mv.token:
+            with contextlib.suppress(Exception):
+                await self._call(mv, P.MoveThawReq(mv.key[0], mv.topic_id, mv.key[1], mv.token), P.MoveFreezeResp, 5.0)
+        with contextlib.suppress(Exception):
+            await self._io(TR.Staging(final).discard)
+
+    async def _copy(self, mv: _Move, st: TR.Staging, segs: list[tuple[int, int, int]]) -> int:
+        """Fetch what the staging copy lacks of this listing; returns bytes copied."""
+        infos = [TR.SegInfo(b, s, t) for b, s, t in segs]
+        ranges = await self._io(st.plan, infos)
+        n = 0
+        name, part = mv.key
+        for base, off, length in ranges:
+            while length > 0:
+                self._check(mv)
+                got = await self._call(mv, P.MoveChunkReq(name, mv.topic_id, part, base, off,
+                                                          min(length, TR.CHUNK_MAX)), P.MoveChunkResp)
+                if not got.data:
+                    raise Unavailable(f"the source returned no bytes for segment {base} at {off}")
+                await self._io(st.write, base, off, got.data)
+                if COPY_DELAY:
+                    await asyncio.sleep(COPY_DELAY)
+                k = len(got.data)
+                off += k
+                length -= k
+                n += k
+                mv.copied += k
+                if self.m_bytes is not None:
+                    self.m_bytes.inc(k)
+        return n
+
+    async def _rearm(self, mv: _Move) -> None:
+        name, part = mv.key
+        while True:
+            await asyncio.sleep(FREEZE_TTL_MS / 4000.0)
+            if not mv.token:
+                continue
+            try:
+                await self._call(mv, P.MoveFreezeReq(name, mv.topic_id, part, mv.token, True, FREEZE_TTL_MS),
+                                 P.MoveFreezeResp, 5.0)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # the fence finds out whether it lapsed
+                log.info("move freeze re-arm failed", extra={"topic": name, "partition": part, "err": str(e)})
+
+    async def _attempt(self, mv: _Move, final: Path) -> bool:
+        name, part = mv.key
+        st = TR.Staging(final)
+        installed = await self._io(TR.read_marker, final)
+        if installed is not None and installed.get("source") == mv.source and \
+                installed.get("target") == self.b.node_id and installed.get("topic_id", mv.topic_id) == mv.topic_id:
+            # A restart after the install, before the flip was seen: resolve the flip first.
+            mv.phase = "flip_pending"
+            return await self._flip(mv, final, int(installed.get("hwm", -1)), time.monotonic())
+        mv.phase = "copying"
+        mv.token = ""
+        for _ in range(PRECOPY_PASSES):
+            self._check(mv)
+            lst = await self._call(mv, P.MoveListReq(name, mv.topic_id, part), P.MoveListResp)
+            if await self._copy(mv, st, lst.segments) < LAG_BYTES:
+                break
+        self._check(mv)
+        fr = await self._call(mv, P.MoveFreezeReq(name, mv.topic_id, part, "", False, FREEZE_TTL_MS),
+                              P.MoveFreezeResp)
+        mv.token = fr.token
+        mv.phase = "frozen"
+        rearm = self.b.loop.create_task(self._rearm(mv))
+        try:
+            while True:
+                hwm = await self._finalize(mv, st, fr)
+                if HOLD_FROZEN:
+                    log.info("move held frozen (test seam)", extra={"topic": name, "partition": part})
+                    await asyncio.sleep(HOLD_FROZEN)
+                await self._io(st.durable)
+                why = await self._io(st.verify, hwm)
+                if why is not None:
+                    mv.unverifiable += 1
+                    await self._io(st.discard)
+                    if mv.unverifiable >= 2:
+                        mv.blocked = "copy_unverifiable"
+                        mv.phase = "blocked"
+                        log.error("partition move blocked: the copy does not verify",
+                                  extra={"topic": name, "partition": part, "err": why})
+                        with contextlib.suppress(Exception):
+                            await self._call(mv, P.MoveThawReq(name, mv.topic_id, part, mv.token), P.MoveFreezeResp, 5)
+                        mv.token = ""
+                        while not mv.aborted:  # holds its slot until aborted or re-planned
+                            await asyncio.sleep(TICK)
+                        raise _Aborted()
+                    raise Unavailable(f"the staged copy does not verify ({why}); copying again from scratch")
+                self._check(mv)
+                try:
+                    fz = await self._call(mv, P.MoveFreezeReq(name, mv.topic_id, part, mv.token, False,
+                                                              FREEZE_TTL_MS), P.MoveFreezeResp)
+                except Conflict as e:
+                    if e.code == "freeze_lapsed":
+                        raise _Lapsed() from None
+                    raise
+                if fz.hwm != hwm:
+                    fr = fz
+                    continue  # commits landed before the freeze took: copy them too
+                break
+            self._check(mv)
+            self.b.forget_partition(name, part, mv.topic_id)
+            src_now = fz.now_ms or int(time.time() * 1000)
+            skew = int(time.time() * 1000) - src_now
+            mtimes = {b: t + skew for b, _s, t in fz.segments}
+            marker = {"source": mv.source, "target": self.b.node_id, "topic_id": mv.topic_id, "hwm": hwm,
+                      "token": mv.token, "forced": False}
+            qdir = await self._io(st.install, hwm=hwm, frontier=fz.frontier, ahead=list(fz.ahead),
+                                  cursors={c: (e, n) for c, e, n in fz.cursors}, marker=marker, seg_mtimes=mtimes)
+            if qdir is not None:
+                log.error("an older copy of the partition was in the way of the install; quarantined",
+                          extra={"topic": name, "partition": part, "dir": str(qdir)})
+            self.b.forget_partition(name, part, mv.topic_id)
+            mv.phase = "flip_pending"
+            return await self._flip(mv, final, hwm, time.monotonic())
+        except _Lapsed:
+            log.info("move freeze lapsed before the flip; freezing again", extra={"topic": name, "partition": part})
+            mv.token = ""
+            return False
+        finally:
+            rearm.cancel()
+
+    async def _finalize(self, mv: _Move, st: TR.Staging, fr: P.MoveFreezeResp) -> int:
+        """Copy under the freeze until two passes in a row copy nothing at the same hwm."""
+        name, part = mv.key
+        await self._copy(mv, st, fr.segments)
+        last = fr.hwm
+        quiet = 0
+        for _ in range(MAX_FINALIZE_PASSES):
+            self._check(mv)
+            lst = await self._call(mv, P.MoveListReq(name, mv.topic_id, part), P.MoveListResp)
+            if not lst.frozen:
+                raise _Lapsed()
+            n = await self._copy(mv, st, lst.segments)
+            if n == 0 and lst.hwm == last:
+                quiet += 1
+                if quiet >= 2:
+                    return last
+            else:
+                quiet = 0
+            last = lst.hwm
+        raise Unavailable("the source kept changing under its freeze")
+
+    async def _leader_read(self, name: str, part: int) -> Q.AssignmentReadResp:
+        assert self.meta_call is not None
+        return await self.meta_call(Q.AssignmentReadReq(name, part), Q.AssignmentReadResp, 15.0)
+
+    async def _flip(self, mv: _Move, final: Path, hwm: int, since: float) -> bool:
+        """Propose the flip; resolve an unknown outcome by leader reads. True: this
+        node owns the partition. False: go round again (the install was undone)."""
+        assert self.meta_call is not None
+        name, part = mv.key
+        req = Q.CompleteMoveReq(name, mv.topic_id, part, mv.source, self.b.node_id)
+        last_proposal = since
+        end = time.monotonic() + FLIP_WINDOW
+        propose = True
+        if HOLD_FLIP:
+            log.info("move held before its flip (test seam)", extra={"topic": name, "partition": part})
+            await asyncio.sleep(HOLD_FLIP)
+        while True:
+            if propose:
+                propose = False
+                last_proposal = time.monotonic()
+                try:
+                    r = await self.meta_call(req, Q.CompleteMoveResp, 20.0)
+                    if r.outcome == "done":
+                        return True
+                except NaradError as e:
+                    log.info("move flip outcome unknown; asking the leader",
+                             extra={"topic": name, "partition": part, "err": e.message})
+                except (TimeoutError, OSError) as e:
+                    log.info("move flip outcome unknown; asking the leader",
+                             extra={"topic": name, "partition": part, "err": repr(e)})
+            try:
+                started = time.monotonic()
+                a = await self._leader_read(name, part)
+            except Exception as e:  # an unknown answer never undoes an install
+                mv.last_error = f"leader read: {type(e).__name__}: {e}"[:300]
+                await asyncio.sleep(1.0)
+                continue
+            if a.found and a.topic_id == mv.topic_id and a.owner == self.b.node_id:
+                return True
+            pending = a.found and a.topic_id == mv.topic_id and a.owner == mv.source and a.target == self.b.node_id
+            if pending and time.monotonic() < end:
+                # Not committed (yet): re-propose while the source still has exactly what we installed.
+                try:
+                    fz = await self._call(mv, P.MoveFreezeReq(name, mv.topic_id, part, mv.token, False,
+                                                              FREEZE_TTL_MS), P.MoveFreezeResp) if mv.token else None
+                except Conflict as e:
+                    fz = None
+                    if e.code not in ("freeze_lapsed",):
+                        raise
+                except Exception as e:
+                    mv.last_error = f"fence: {type(e).__name__}: {e}"[:300]
+                    await asyncio.sleep(1.0)
+                    continue
+                if fz is not None and fz.hwm == hwm:
+                    propose = True
+                    await asyncio.sleep(0.2)
+                    continue
+                if fz is None and mv.token == "":
+                    # After a restart: freeze afresh and check the high watermark is still the one installed.
+                    try:
+                        fz = await self._call(mv, P.MoveFreezeReq(name, mv.topic_id, part, "", False,
+                                                                  FREEZE_TTL_MS), P.MoveFreezeResp)
+                        mv.token = fz.token
+                    except Exception as e:
+                        mv.last_error = f"refreeze: {type(e).__name__}: {e}"[:300]
+                        await asyncio.sleep(1.0)
+                        continue
+                    if fz.hwm == hwm:
+                        propose = True
+                        continue
+            # The flip cannot commit as installed (refused, or the source moved on). Undo the
+            # install only from a leader read started AMBIGUITY_WAIT after the last proposal.
+            if started - last_proposal < AMBIGUITY_WAIT:
+                await asyncio.sleep(min(1.0, AMBIGUITY_WAIT - (started - last_proposal)))
+                continue
+            await self._uninstall(final)
+            log.info("move install undone (the flip did not commit)", extra={"topic": name, "partition": part})
+            if not pending:
+                raise _Aborted()
+            return False
+
+    async def _uninstall(self, final: Path) -> None:
+        def undo() -> None:
+            sd = TR.staging_dir(final)
+            if sd.exists():
+                shutil.rmtree(sd)
+            if final.exists():
+                os.rename(final, sd)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(sd / "move.marker")
+        await self._io(undo)

@@ -32,7 +32,7 @@ from narad.broker.caps import shm_name_for as caps_shm_name_for
 from narad.cluster import rpc_auth
 from narad.cluster.transport import NodeRpcClient
 from narad.config import Config, check_start, load_config, worker_count
-from narad.errors import ConfigError, FailStop, Unavailable
+from narad.errors import ConfigError, FailStop, NaradError, Unavailable
 from narad.ipc import rpc
 from narad.ipc.proctitle import set_title
 from narad.meta import commands as C
@@ -130,6 +130,7 @@ class Supervisor:
         self.t_started = time.monotonic()  # for narad_boot_duration_seconds
         self.metrics_listener: MetricsListener | None = None
         self._older_joiner_logged: dict[str, float] = {}  # node id -> when its refusal was last logged
+        self._tombstones_clearing: set[str] = set()  # removed ids rejoining with an empty disk (leader)
 
     # ------------------------------------------------------------------------
     # Boot checklist. Steps 1-9 run before any thread or event loop exists.
@@ -310,7 +311,8 @@ class Supervisor:
         self.controller = Controller(self.meta, self.router, member=member, data_dir=self.data_dir,
                                      security=cfg.security.enabled, versions=self.versions,
                                      heartbeat_every=cfg.seconds("cluster", "heartbeat_interval"),
-                                     dead_after=cfg.seconds("cluster", "member_dead_after"))
+                                     dead_after=cfg.seconds("cluster", "member_dead_after"),
+                                     backlog=self._dispatch_backlog)
         self._tasks.append(asyncio.create_task(self.controller.run()))
         # 14. Readiness is recomputed continuously and published in shared memory;
         #     the metrics listener (http.metrics_addr) answers from here on.
@@ -382,6 +384,10 @@ class Supervisor:
         this node. Until then the node is not ready and Raft does not run."""
         req = {"node_id": self.node_id, "raft_addr": self.raft_addr, "build": BUILD,
                "newest_entry_type": self.newest_type, "entry_types": sorted(self.applies)}
+        # An empty data dir (no metadata, no partition directory) may clear a tombstone
+        # its id left when it was decommissioned: it joins as a new node.
+        topics = self.data_dir / "topics"
+        req["empty_disk"] = self.fsm.is_empty() and not (topics.is_dir() and any(topics.iterdir()))
         peers = [addr for nid, addr in self.cfg.peer_map.items() if nid != self.node_id]
         last_refusal = 0.0
         while True:
@@ -421,7 +427,13 @@ class Supervisor:
 
             r = Reader(txn, self.fsm.dbs)
             if txn.get(node_id.encode(), db=self.fsm.dbs["removed_members"]) is not None:
-                return 409, {"code": "removed", "error": f"node {node_id} was removed from the cluster"}
+                if req.get("empty_disk") is True:
+                    self.raft.loop.call_soon_threadsafe(self._clear_tombstone, node_id)
+                    return 503, {"code": "removed", "error": f"node {node_id} was removed from the cluster; it "
+                                                             "rejoins with an empty data dir: its tombstone is "
+                                                             "being cleared, retry"}
+                return 409, {"code": "removed", "error": f"node {node_id} was removed from the cluster; it "
+                                                         "rejoins only with an empty data dir"}
             members = [m for m in r.members() if m.id != node_id]
             known = self.raft.voters()
             if str(req.get("raft_addr")) in known:
@@ -567,6 +579,37 @@ class Supervisor:
         self.exit_code = 1
         assert self._stop is not None
         self._stop.set()
+
+    def _clear_tombstone(self, node_id: str) -> None:
+        """Leader, loop: delete the tombstone of a removed node that asks to join with
+        an empty data dir (type 42 with clear_tombstone); its next join request passes."""
+        if node_id in self._tombstones_clearing:
+            return
+        self._tombstones_clearing.add(node_id)
+
+        async def clear() -> None:
+            try:
+                if self.meta.use_type(C.EntryType.REMOVE_MEMBER):
+                    res = await self.meta.write(C.RemoveMember(node_id, clear_tombstone=True))
+                    log.info("tombstone cleared: a removed node rejoins with an empty data dir",
+                             extra={"node": node_id, "outcome": res.message or "ok"})
+            except NaradError as e:
+                log.warning("clearing a tombstone failed; the node's next join retries", extra={"node": node_id,
+                                                                                                "err": str(e)})
+            finally:
+                self._tombstones_clearing.discard(node_id)
+
+        self._tasks.append(asyncio.create_task(clear()))
+
+    async def _dispatch_backlog(self) -> int:
+        """Records in this node's ingress WALs not yet confirmed at their owner (staged
+        plus accepted, every worker, as of its last second), for the heartbeat; -1 unknown."""
+        families = await self._gather_metrics()
+        names = ("narad_ingress_wal_pending_records", "narad_ingress_dispatch_backlog_records")
+        found = [f for f in families if f.name in names and f.samples]
+        if not found or len(self.worker_metrics) < sum(1 for w in self.workers.workers if w.alive):
+            return -1
+        return int(sum(v[0] for f in found for _, v in f.samples))
 
     def _on_worker_exit(self, pid: int) -> None:
         with contextlib.suppress(Exception):
@@ -818,17 +861,23 @@ class Supervisor:
         with self.store.read() as r:
             members = r.members()
             owned: dict[str, int] = {}
+            outbound: dict[str, int] = {}
             for _, _, a in r.all_assignments():
                 owned[a.owner] = owned.get(a.owner, 0) + 1
+                if a.target is not None:
+                    outbound[a.owner] = outbound.get(a.owner, 0) + 1
+        blocked = self.controller.decommission_blocked if self.raft.is_leader() else {}
         out = []
         for mrec in sorted(members, key=lambda x: x.id):
             out.append(Q.MemberView(
                 id=mrec.id, addr=mrec.client_addr, status=mrec.status, draining=mrec.draining,
-                owned_partitions=owned.get(mrec.id, 0), outbound_moves=0, voter=mrec.raft_addr in voters,
+                owned_partitions=owned.get(mrec.id, 0), outbound_moves=outbound.get(mrec.id, 0),
+                voter=mrec.raft_addr in voters,
                 leader=st.leader is not None and mrec.raft_addr == st.leader,
                 heartbeat_age_seconds=round(max(0.0, (now_ms - mrec.heartbeat_ms) / 1000), 3),
                 build=mrec.build, newest_entry_type=mrec.newest_entry_type,
                 entry_types=sorted(C.types_reported(mrec.entry_types, mrec.newest_entry_type)),
+                decommission_blocked=list(blocked[mrec.id]) if mrec.draining and mrec.id in blocked else None,
             ))
         return Q.MembersResp(out)
 

@@ -41,6 +41,7 @@ from narad.errors import (
     UnsupportedMediaType,
 )
 from narad.meta import grants as G
+from narad.meta import versions as V
 from narad.meta.records import TopicRecord
 from narad.meta.schemas import PayloadValidator
 from narad.meta.validate import INT64_MAX, INT64_MIN, strict_int
@@ -55,6 +56,7 @@ MAX_ACK_BATCH = 100
 ACK_BODY_LIMIT = 64 << 10
 RESPONSE_BUDGET = 8 << 20
 GONE_HANDLE = "receipt handle no longer matches an active reservation"
+DRAINING = "node is draining (decommission): produce to another node"
 
 _raw_json = msgspec.json.Decoder(msgspec.Raw)
 _enc = msgspec.json.Encoder()
@@ -184,6 +186,8 @@ class MessagesAPI:
         self.m = ctx.broker.m
         self._background: set[asyncio.Task[None]] = set()
         self._incs: dict[str, bytes] = {}  # topic id -> its incarnation bytes
+        self._members_ver = -1  # the members version slot _draining was read at
+        self._draining = False  # this node's member record is marked draining (decommission)
 
     def register(self, r: Router) -> None:
         r.add("POST", "/v1/topics/{topic}/produce", self.produce, body_limit=MAX_MESSAGE, fast=self.produce_fast)
@@ -211,6 +215,20 @@ class MessagesAPI:
         """A delay child is fed only by its parent: a produce to it is a 409 (counted)."""
         self.m.produce_rejections.labels(t.name, "delayed_child").inc()
         return Conflict(f'topic "{t.name}" is a delay child of "{t.parent}"; produce to the parent')
+
+    def _refuse_if_draining(self, t: TopicRecord) -> None:
+        """A node being decommissioned takes no new produce (503 with Retry-After:
+        nothing was stored, so a client sends it to another node). The member record
+        is re-read only when the members version slot moved (one atomic load)."""
+        ver = self.ctx.versions.load(V.MEMBERS)
+        if ver != self._members_ver:
+            with self.ctx.store.read() as r:
+                rec = r.member(self.ctx.node_id)
+            self._draining = rec is not None and rec.draining
+            self._members_ver = ver
+        if self._draining:
+            self.m.produce_rejections.labels(t.name, "draining").inc()
+            raise Unavailable(DRAINING, headers=[("Retry-After", "1")])
 
     def _identity_key(self, req: Request) -> str:
         who: G.Identity = req.identity
@@ -313,6 +331,7 @@ class MessagesAPI:
         self._require(req, t, "produce")
         if t.delay_ms and t.parent is not None:  # a delay child (one attribute check when not)
             raise self._delay_child(t)
+        self._refuse_if_draining(t)
         body = req.body
         if not body:
             raise BadRequest("message required")
@@ -373,6 +392,7 @@ class MessagesAPI:
         self._require(req, t, "produce")
         if t.delay_ms and t.parent is not None:
             raise self._delay_child(t)
+        self._refuse_if_draining(t)
         if req.query.get("key") or req.query.get("partition"):
             raise BadRequest("invalid argument: key and partition go in each message of a batch, not the query")
         body = req.body

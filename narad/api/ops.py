@@ -37,7 +37,7 @@ from narad.errors import BadRequest, Forbidden, NotFound
 from narad.meta import grants as G
 from narad.meta import requests as Q
 from narad.meta import versions as V
-from narad.meta.store import MetaStore
+from narad.meta.store import MetaStore, Reader
 
 _OPENAPI: bytes | None = None
 
@@ -129,28 +129,33 @@ def _node_state(members: dict[str, Any], node: str) -> str:
     return "draining" if rec.draining else "alive"
 
 
-def moves_from_replica(store: MetaStore) -> list[Q.MoveView]:
-    """Every assignment row of a live topic incarnation with a move target, from
-    this node's replica, in (topic, partition) order, with both ends' status and
-    why the move cannot go on (``blocked``), when it cannot."""
+def moves_in(r: Reader) -> list[Q.MoveView]:
+    """Every assignment row of a live topic incarnation with a move target, in
+    (topic, partition) order, with both ends' status and why the move cannot go
+    on (``blocked``), when it cannot."""
     out: list[Q.MoveView] = []
-    with store.read() as r:
-        members = {m.id: m for m in r.members()}
-        incarnation: dict[str, str | None] = {}
-        for name, part, a in r.all_assignments():
-            if a.target is None:
-                continue
-            if name not in incarnation:
-                t = r.topic(name)
-                incarnation[name] = t.id if t is not None else None
-            if incarnation[name] != a.topic_id:
-                continue  # a row of a deleted incarnation, waiting to be pruned
-            src, dst = _node_state(members, a.owner), _node_state(members, a.target)
-            blocked = ("target_not_member" if dst == "not_a_member" else "target_dead" if dst == "dead"
-                       else "source_dead" if src in ("dead", "not_a_member") else None)
-            out.append(Q.MoveView(name, part, a.owner, a.target, src, dst, blocked))
+    members = {m.id: m for m in r.members()}
+    incarnation: dict[str, str | None] = {}
+    for name, part, a in r.all_assignments():
+        if a.target is None:
+            continue
+        if name not in incarnation:
+            t = r.topic(name)
+            incarnation[name] = t.id if t is not None else None
+        if incarnation[name] != a.topic_id:
+            continue  # a row of a deleted incarnation, waiting to be pruned
+        src, dst = _node_state(members, a.owner), _node_state(members, a.target)
+        blocked = ("target_not_member" if dst == "not_a_member" else "target_dead" if dst == "dead"
+                   else "source_dead" if src in ("dead", "not_a_member") else None)
+        out.append(Q.MoveView(name, part, a.owner, a.target, src, dst, blocked))
     out.sort(key=lambda m: (m.topic, m.partition))
     return out
+
+
+def moves_from_replica(store: MetaStore) -> list[Q.MoveView]:
+    """``moves_in`` this node's replica."""
+    with store.read() as r:
+        return moves_in(r)
 
 
 def move_json(m: Q.MoveView) -> dict[str, Any]:

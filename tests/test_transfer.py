@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -439,3 +441,90 @@ def test_marker_moved_aside_and_chunk_reads(tmp_path: Path) -> None:
     with pytest.raises(ValueError):
         TR.moved_aside(d, "../evil")
     assert TR.quarantined(tmp_path) == []  # moved aside is no quarantine
+
+
+def test_listings_taken_under_live_commits_each_verify(tmp_path: Path) -> None:
+    """A committer thread writes and publishes (with rolls) while listings are taken:
+    every listing, copied, recovers to exactly its own hwm."""
+    src = tmp_path / "s" / "p00000"
+    plog = PartitionLog(src, segment_bytes=2048)
+    plog.open()
+    stop = threading.Event()
+
+    def committer() -> None:
+        while not stop.is_set():
+            commit(plog, 1 + plog.next_offset % 4)
+
+    t = threading.Thread(target=committer)
+    t.start()
+    seen: set[int] = set()
+    try:
+        deadline = time.monotonic() + 30
+        k = 0
+        while (len(seen) < 8 or k < 8) and time.monotonic() < deadline:
+            hwm, segs = TR.list_open(plog)
+            st = TR.Staging(tmp_path / "d" / f"p{k:05d}")
+            copy_all(src, st, segs)
+            assert st.verify(hwm) is None, (hwm, segs)
+            st.discard()
+            seen.add(hwm)
+            k += 1
+    finally:
+        stop.set()
+        t.join()
+        plog.close()
+    assert len(seen) >= 8 and len(plog.segments) > 2
+
+
+def test_a_failed_sync_fetches_the_unsynced_bytes_again(tmp_path: Path) -> None:
+    src = tmp_path / "s" / "p00000"
+    plog = source_log(src, [5] * 6)
+    hwm, segs = TR.list_open(plog)
+    plog.close()
+    st = TR.Staging(tmp_path / "d" / "p00000")
+    ranges = st.plan(segs)
+    half = len(ranges) // 2
+    for base, off, n in ranges[:half]:
+        st.write(base, off, TR.read_chunk(src, base, off, n))
+    st.durable()
+    synced = st.staged()
+    for base, off, n in ranges[half:]:
+        st.write(base, off, TR.read_chunk(src, base, off, n))
+
+    def eio(fd: int) -> None:
+        raise OSError(5, "injected EIO")
+
+    fileio.fdatasync = eio
+    with pytest.raises(OSError):
+        st.durable()
+    fileio.reset()
+    # the file whose sync failed is back at what was synced before; the rest still counts
+    # as unsynced, and everything not proven is fetched again
+    failed = ranges[half][0]
+    assert st.staged()[failed] == synced.get(failed, 0)
+    rest = st.plan(segs)
+    assert rest and rest[0][0] == failed
+    for base, off, n in rest:
+        st.write(base, off, TR.read_chunk(src, base, off, n))
+    st.durable()
+    assert st.verify(hwm) is None
+
+
+def test_install_refuses_bad_input_before_writing_anything(tmp_path: Path) -> None:
+    src = tmp_path / "s" / "p00000"
+    plog = source_log(src, [3])
+    hwm, segs = TR.list_open(plog)
+    plog.close()
+    final = tmp_path / "d" / "p00000"
+    st = TR.Staging(final)
+    with pytest.raises(ValueError):
+        st.write(0, 0, b"x")  # no plan yet
+    copy_all(src, st, segs)
+    before = sorted(p.name for p in st.dir.iterdir())
+    for kw in ({"cursors": {"../x": ("e", 1)}}, {"cursors": {"c": ("e" * 300, 1)}}, {"marker": {"x": object()}}):
+        args: dict[str, object] = {"hwm": hwm, "frontier": 0, "ahead": [], "cursors": {}, "marker": {},
+                                   "seg_mtimes": {}}
+        args.update(kw)
+        with pytest.raises((ValueError, TypeError)):
+            st.install(**args)  # type: ignore[arg-type]
+    assert sorted(p.name for p in st.dir.iterdir()) == before and not final.exists()

@@ -215,6 +215,19 @@ def _write_file_durable(d: Path, name: str, data: bytes) -> None:
     os.replace(tmp, d / name)
 
 
+def _mkdirs_durable(d: Path) -> None:
+    """Create `d` and any missing parent (0700), each new entry synced into its parent."""
+    missing: list[Path] = []
+    p = d
+    while not p.is_dir():
+        missing.append(p)
+        p = p.parent
+    for q in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            q.mkdir(mode=0o700)
+        fileio.fsync_dir(q.parent)
+
+
 def _holds_records(d: Path) -> bool:
     return any(st.st_size > 0 for _b, st in PL._segment_files(d))
 
@@ -229,14 +242,11 @@ class Staging:
         self._lock = threading.Lock()
         self._listed: dict[int, int] | None = None  # the last plan's listing
         self._dirty: set[int] = set()  # segment files written or cut since the last durable()
-        self._dir_dirty = False
         self._fd_base = -1
         self._fd = -1
         existed = self.dir.is_dir()
         if not existed:
-            self.dir.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            self.dir.mkdir(mode=0o700)
-            fileio.fsync_dir(self.dir.parent)
+            _mkdirs_durable(self.dir)
         self._sizes = self._scan()
         self._synced: dict[int, int] = {}  # bytes of each file known durable
         if existed:
@@ -267,7 +277,6 @@ class Staging:
         old = st[1] if st is not None else {}
         self._synced = {b: min(s, self._sizes[b]) for b, s in old.items() if b in self._sizes}
         self._dirty = set(self._sizes)
-        self._dir_dirty = True
         if st is not None and st[0] and st[0] == _boot_id():
             return  # the page cache survived: what was written is there
         for base, size in list(self._sizes.items()):
@@ -300,11 +309,8 @@ class Staging:
         if self._fd_base != base:
             self._close_fd()
             path = self.dir / _seg_name(base)
-            created = not path.exists()
             self._fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
             self._fd_base = base
-            if created:
-                self._dir_dirty = True
         return self._fd
 
     def _truncate(self, base: int, size: int) -> None:
@@ -337,7 +343,6 @@ class Staging:
                     (self.dir / _seg_name(base)).unlink()
                     del self._sizes[base]
                     self._dirty.discard(base)
-                    self._dir_dirty = True
                 elif self._sizes[base] > listed[base]:
                     self._truncate(base, listed[base])
             out: list[tuple[int, int, int]] = []
@@ -348,7 +353,6 @@ class Staging:
                     os.close(fd)
                     self._sizes[base] = have = 0
                     self._dirty.add(base)
-                    self._dir_dirty = True
                 pos = have
                 while pos < size:
                     n = min(CHUNK_MAX, size - pos)
@@ -365,10 +369,11 @@ class Staging:
             have = self._sizes.get(base, 0)
             if offset != have:
                 raise ValueError(f"chunk of segment {base} at {offset}, staged size is {have}")
-            if self._listed is not None:
-                lim = self._listed.get(base)
-                if lim is None or offset + len(data) > lim:
-                    raise ValueError(f"chunk of segment {base} runs past the listing")
+            if self._listed is None:
+                raise ValueError("no listing planned yet: call plan() first")
+            lim = self._listed.get(base)
+            if lim is None or offset + len(data) > lim:
+                raise ValueError(f"chunk of segment {base} runs past the listing")
             if not data:
                 return
             fd = self._fd_for(base)
@@ -391,14 +396,21 @@ class Staging:
     def _durable(self) -> None:
         self._close_fd()
         for base in sorted(self._dirty):
-            fd = os.open(self.dir / _seg_name(base), os.O_RDONLY)
+            fd = os.open(self.dir / _seg_name(base), os.O_RDWR)
             try:
                 fileio.fdatasync(fd)
+            except OSError:
+                # A failed sync proves nothing about what it covered, nor will a later one
+                # (the pages may be gone): what was not synced before is fetched again.
+                keep = self._synced.get(base, 0)
+                with contextlib.suppress(OSError):
+                    fileio.ftruncate(fd, keep)
+                    self._sizes[base] = keep
+                raise
             finally:
                 os.close(fd)
-        self._dirty.clear()
+            self._dirty.discard(base)
         fileio.fsync_dir(self.dir)
-        self._dir_dirty = False
         self._synced = dict(self._sizes)
         self._write_state()
 
@@ -436,9 +448,16 @@ class Staging:
         move.marker, make everything durable, then rename the staging directory to
         the partition directory. Returns where an existing directory holding records
         was quarantined (None: there was none, or it held no record and was removed)."""
-        for child in cursors:
+        # Everything that can be refused is refused before anything is written.
+        if hwm < 0:
+            raise ValueError("hwm must be >= 0")
+        clamped: dict[str, tuple[str, int]] = {}
+        for child, (epoch, nxt) in cursors.items():
             if not child or "/" in child or "\0" in child or child.startswith("."):
                 raise ValueError(f"bad fan-out child name {child!r}")
+            clamped[child] = (epoch, max(0, min(nxt, hwm)))
+            CF.encode(*clamped[child])  # ValueError: an epoch too long for the file
+        json.dumps(marker)  # TypeError: not JSON
         frontier = max(-1, min(frontier, hwm - 1))
         held = sorted({a for a in ahead if frontier < a < hwm})
         with self._lock:
@@ -458,8 +477,8 @@ class Staging:
             off = OffsetFile(d)
             off.load(max_frontier=hwm - 1)
             off.close(frontier, held)
-            for child, (epoch, nxt) in sorted(cursors.items()):
-                CF.CursorFile(d, child).anchor(epoch, max(0, min(nxt, hwm)))
+            for child, (epoch, nxt) in sorted(clamped.items()):
+                CF.CursorFile(d, child).anchor(epoch, nxt)
             _write_file_durable(d, "hwm", PL._U64.pack(hwm))
             fileio.fsync_dir(d)
             doc = dict(marker)

@@ -181,6 +181,10 @@ def test_chunked_copy_verifies_and_installs_with_positions_clamped(tmp_path: Pat
     assert st.plan(segs) == []  # nothing left to fetch
     assert st.verify(hwm) is None
     assert st.verify(hwm - 5) is not None and st.verify(hwm + 4) is not None
+    assert st.recovers_to() == hwm
+    with pytest.raises(ValueError):  # the last verify failed: no install
+        st.install(hwm=hwm, frontier=0, ahead=[], cursors={}, marker={}, seg_mtimes={})
+    assert st.verify(hwm) is None
     # the source clock: one segment an hour old, one stamped 2 h in the future (not believed)
     old = segs[0].mtime_ms - 3_600_000
     future = segs[1].mtime_ms + 7_200_000
@@ -347,6 +351,12 @@ def test_existing_copy_with_records_is_quarantined_never_deleted(tmp_path: Path)
     assert len(TR.quarantined(topics)) == 2
     with pytest.raises(ValueError):
         TR.quarantine(other, "../x")
+    # a staged copy set aside (unverifiable) is listed too
+    st2 = TR.Staging(final)
+    st2.plan(segs)
+    unver = TR.quarantine(st2.dir, "unverifiable")
+    assert unver.name == "p00003.staging.quarantine-unverifiable-1"
+    assert ("unverifiable", "orders", 3, unver) in [r[:4] for r in TR.quarantined(topics)]
 
 
 def test_existing_copy_without_records_is_replaced(tmp_path: Path) -> None:
@@ -520,11 +530,26 @@ def test_install_refuses_bad_input_before_writing_anything(tmp_path: Path) -> No
     with pytest.raises(ValueError):
         st.write(0, 0, b"x")  # no plan yet
     copy_all(src, st, segs)
+    assert st.verify(hwm) is None
     before = sorted(p.name for p in st.dir.iterdir())
-    for kw in ({"cursors": {"../x": ("e", 1)}}, {"cursors": {"c": ("e" * 300, 1)}}, {"marker": {"x": object()}}):
+    bad: list[dict[str, object]] = [{"hwm": hwm - 1}, {"cursors": {"../x": ("e", 1)}},
+                                    {"cursors": {"c": ("e" * 300, 1)}}, {"marker": {"x": object()}}]
+    for kw in bad:
         args: dict[str, object] = {"hwm": hwm, "frontier": 0, "ahead": [], "cursors": {}, "marker": {},
                                    "seg_mtimes": {}}
         args.update(kw)
         with pytest.raises((ValueError, TypeError)):
             st.install(**args)  # type: ignore[arg-type]
     assert sorted(p.name for p in st.dir.iterdir()) == before and not final.exists()
+    # still verified: the good install goes through; a chunk written after a verify needs another
+    assert st.install(hwm=hwm, frontier=0, ahead=[], cursors={}, marker={}, seg_mtimes={}) is None
+    st2 = TR.Staging(tmp_path / "d" / "p00001")
+    ranges = st2.plan(segs)
+    base, off, n = ranges[0]
+    st2.write(base, off, TR.read_chunk(src, base, off, n - 1))
+    assert st2.verify(hwm) is not None
+    st2.write(base, off + n - 1, TR.read_chunk(src, base, off + n - 1, 1))
+    for b, o, k in ranges[1:]:
+        st2.write(b, o, TR.read_chunk(src, b, o, k))
+    assert st2.verify(hwm) is None
+    assert st2.recovers_to() == hwm

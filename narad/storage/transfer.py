@@ -58,7 +58,8 @@ MARKER_FILE = "move.marker"
 _SEG_RE = re.compile(r"^(\d{20})\.log$")
 _KIND_RE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
 _TOKEN_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-_QUAR_RE = re.compile(r"^p(\d{5})\.quarantine-([a-z][a-z0-9_]*)-(\d+)$")
+# p00003.quarantine-<kind>-<n>, also of a staging or moved-aside copy (p00003.staging.quarantine-...)
+_QUAR_RE = re.compile(r"^p(\d{5})(?:\.[A-Za-z0-9_-]+)*?\.quarantine-([a-z][a-z0-9_]*)-(\d+)$")
 
 
 class SegInfo(msgspec.Struct, array_like=True):
@@ -241,6 +242,7 @@ class Staging:
         self.dir = staging_dir(self.final)
         self._lock = threading.Lock()
         self._listed: dict[int, int] | None = None  # the last plan's listing
+        self._verified: int | None = None  # the hwm the last verify() passed at (None: changed since)
         self._dirty: set[int] = set()  # segment files written or cut since the last durable()
         self._fd_base = -1
         self._fd = -1
@@ -360,6 +362,8 @@ class Staging:
                     pos += n
             if self._lower_synced():
                 self._write_state()  # before any byte lands past a cut
+            if listed != self._listed or out:
+                self._verified = None
             self._listed = listed
             return out
 
@@ -376,6 +380,7 @@ class Staging:
                 raise ValueError(f"chunk of segment {base} runs past the listing")
             if not data:
                 return
+            self._verified = None
             fd = self._fd_for(base)
             try:
                 fileio.pwrite_all(fd, data, offset)
@@ -415,32 +420,55 @@ class Staging:
         self._write_state()
 
     def verify(self, hwm: int) -> str | None:
-        """None when the staged copy, opened as a real open opens a log, ends exactly
-        at `hwm` (no hidden tail); else what is wrong."""
+        """None when the staged copy, made durable and then opened as a real open
+        opens a log, ends exactly at `hwm` (no hidden tail) and holds exactly the
+        last listing; else what is wrong. OSError: the copy could not be synced (a
+        file whose sync failed is cut back to what was synced before)."""
         with self._lock:
-            self._close_fd()
+            self._verified = None
             if self._listed is not None and self._listed != self._sizes:
                 return "staged segments differ from the listing"
-            if not self._sizes:
-                return None if hwm == 0 else f"nothing staged, source hwm is {hwm}"
-            with contextlib.suppress(FileNotFoundError):
-                (self.dir / "hwm").unlink()  # left by an interrupted install: open must use the tail
-            plog = PL.PartitionLog(self.dir)
-            try:
-                plog.open()
-            except (OSError, ValueError) as e:
-                return f"staged copy cannot be opened: {e}"
-            try:
-                if plog.next_offset != hwm or plog.hwm != hwm:
-                    return f"staged copy recovers to {plog.next_offset} (hwm {plog.hwm}), source hwm is {hwm}"
-            finally:
-                plog.close(clean=False)
-                # open may have created segment 0 (nothing staged) or cut a torn tail
-                self._sizes = self._scan()
-                self._dirty.update(self._sizes)
-                if self._lower_synced():
-                    self._write_state()
+            if self._dirty:
+                self._durable()
+            end, why = self._recovered_end()
+            if why is not None:
+                return why
+            if end != hwm:
+                return f"staged copy recovers to {end}, source hwm is {hwm}"
+            self._verified = hwm
             return None
+
+    def recovers_to(self) -> int | None:
+        """Where the staged copy ends when opened as a real open opens it (a force
+        promotion checks it against the source's last known hwm); None: it cannot
+        be opened, or it would open with a hidden tail."""
+        with self._lock:
+            end, why = self._recovered_end()
+            return None if why is not None else end
+
+    def _recovered_end(self) -> tuple[int, str | None]:
+        self._close_fd()
+        if not self._sizes:
+            return 0, None  # an open would create an empty segment 0
+        with contextlib.suppress(FileNotFoundError):
+            (self.dir / "hwm").unlink()  # left by an interrupted install: open must use the tail
+        plog = PL.PartitionLog(self.dir)
+        before = dict(self._sizes)
+        try:
+            plog.open()
+        except (OSError, ValueError) as e:
+            return 0, f"staged copy cannot be opened: {e}"
+        try:
+            if plog.hwm != plog.next_offset:
+                return plog.hwm, f"staged copy opens with a hidden tail ({plog.hwm} < {plog.next_offset})"
+            return plog.hwm, None
+        finally:
+            plog.close(clean=False)
+            # open cuts a torn tail (and syncs the cut): those bytes are fetched again
+            self._sizes = self._scan()
+            self._dirty.update(b for b, n in self._sizes.items() if before.get(b) != n)
+            if self._lower_synced():
+                self._write_state()
 
     def install(self, *, hwm: int, frontier: int, ahead: list[int], cursors: dict[str, tuple[str, int]],
                 marker: dict[str, object], seg_mtimes: dict[int, int]) -> Path | None:
@@ -449,8 +477,8 @@ class Staging:
         the partition directory. Returns where an existing directory holding records
         was quarantined (None: there was none, or it held no record and was removed)."""
         # Everything that can be refused is refused before anything is written.
-        if hwm < 0:
-            raise ValueError("hwm must be >= 0")
+        if self._verified is None or self._verified != hwm:
+            raise ValueError(f"the staged copy was not verified at hwm {hwm} (call verify(hwm) first)")
         clamped: dict[str, tuple[str, int]] = {}
         for child, (epoch, nxt) in cursors.items():
             if not child or "/" in child or "\0" in child or child.startswith("."):
@@ -498,7 +526,7 @@ class Staging:
             with contextlib.suppress(FileNotFoundError):
                 (self.final / STATE_FILE).unlink()
                 fileio.fsync_dir(self.final)
-            self._sizes, self._dirty, self._listed = {}, set(), None
+            self._sizes, self._dirty, self._listed, self._verified = {}, set(), None, None
             return aside
 
     def discard(self) -> None:
@@ -508,7 +536,7 @@ class Staging:
             if self.dir.exists():
                 shutil.rmtree(self.dir)
                 fileio.fsync_dir(self.dir.parent)
-            self._sizes, self._dirty, self._listed = {}, set(), None
+            self._sizes, self._dirty, self._listed, self._verified = {}, set(), None, None
 
 
 # ---- quarantine and the source's directory after a flip -----------------------------------------

@@ -7,7 +7,9 @@ here: the empty move list, the dry run's reasons, every refusal (400/403/404/409
 with the node's state unchanged after it, members?detail's move fields, and the
 ``narad`` and ``naradctl`` commands for each. The listing of real move rows (statuses
 and ``blocked``) is checked on an LMDB metastore the FSM wrote, read by the same
-function the route calls. Moves between nodes are tests/test_moves_cluster.py's.
+function the route calls. One small 4-node cluster (the least that lets a voter be
+decommissioned) checks what a draining node answers a produce, and the cancel.
+Moves between nodes are tests/test_moves_cluster.py's.
 """
 
 from __future__ import annotations
@@ -21,13 +23,13 @@ from typing import Any
 import pytest
 from click.testing import CliRunner, Result
 
-from narad.api import ops
+from narad.api import messages, ops
 from narad.cli.main import cli
 from narad.client import Client, Conflict
 from narad.meta import commands as C
 from narad.meta import requests as Q
 from narad.meta.records import MemberRecord
-from tests.harness import ADMIN_PASSWORD, Node, basic
+from tests.harness import ADMIN_PASSWORD, Cluster, Node, basic, wait_for
 from tests.test_fsm import Applier, topic
 
 PLAIN = basic("mv-plain", "mv-plain-pw-1")
@@ -221,3 +223,51 @@ def test_move_rows_from_a_real_metastore(tmp_path: Path) -> None:
     r = a.read()
     assert [(m.topic, m.partition) for m in ops.moves_in(r)] == [("b", 1)]
     r.txn.abort()
+
+
+def test_draining_node_refuses_produce_until_cancelled(tmp_path: Path) -> None:
+    """Four voters: n4's removal keeps three, so its decommission is accepted (204) and,
+    once n4's replica holds the mark, n4 answers every produce 503 with Retry-After
+    (nothing stored: the SDK sends it to the next node) while the others accept; the
+    cancel makes n4 take produce again."""
+    c = Cluster(tmp_path, 4).start()
+    try:
+        n1, n4 = c["n1"], c["n4"]
+        octet = {"Content-Type": "application/octet-stream"}
+        assert n1.post("/v1/topics", {"name": "dr", "partitions": 4}).status == 201
+        assert n4.post("/v1/topics/dr/produce", b"before", headers=octet).status == 202
+        dry = n1.post("/v1/cluster/members/n4/decommission?dry_run=true").json()
+        assert dry["would_decommission"] is True and dry["reasons"] == [] and dry["voter"] is True, dry
+        assert n1.post("/v1/cluster/members/n4/decommission").status == 204
+
+        early = []  # produces n4 took before its replica applied the mark (stored)
+
+        def refused() -> Any:
+            r = n4.post("/v1/topics/dr/produce", b"early", headers=octet)
+            if r.status == 202:
+                early.append(r)
+            return r if r.status == 503 else None
+
+        r = wait_for(refused, 15, what="n4's replica to see it draining")
+        assert r.json() == {"error": messages.DRAINING} and r.headers.get("retry-after") == "1"
+        r = n4.post("/v1/topics/dr/produce/batch", {"messages": [{"payload": 1}, {"payload": 2}]})
+        assert r.status == 503 and r.json() == {"error": messages.DRAINING}, r
+        assert n1.post("/v1/topics/dr/produce", b"elsewhere", headers=octet).status == 202
+        with Client([f"127.0.0.1:{n4.port}", f"127.0.0.1:{n1.port}"], auth=("admin", ADMIN_PASSWORD)) as sdk:
+            sdk.produce("dr", b"via-sdk")  # n4 refuses, n1 stores it
+        assert {m["id"]: m["draining"] for m in n1.get("/v1/cluster/members").json()["members"]}["n4"] is True
+        assert n1.request("DELETE", "/v1/cluster/members/n4/decommission").status == 204
+        wait_for(lambda: n4.post("/v1/topics/dr/produce", b"after", headers=octet).status == 202, 15,
+                 what="n4 to take produce again after the cancel")
+        assert n1.request("DELETE", "/v1/cluster/members/n4/decommission").status == 204  # not draining: no-op
+
+        # what was accepted is stored, nothing refused is: before, early, elsewhere, via-sdk, after
+        def stored() -> int:
+            d = n1.get("/v1/topics/dr").json()
+            return sum(p["high_watermark"] for p in d["partition_stats"])
+
+        want = 4 + len(early)
+        wait_for(lambda: stored() >= want, 15, what="the accepted records to commit")
+        assert stored() == want
+    finally:
+        c.close()

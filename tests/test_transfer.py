@@ -553,3 +553,28 @@ def test_install_refuses_bad_input_before_writing_anything(tmp_path: Path) -> No
         st2.write(b, o, TR.read_chunk(src, b, o, k))
     assert st2.verify(hwm) is None
     assert st2.recovers_to() == hwm
+
+
+def test_an_install_renamed_back_to_staging_resumes_without_fetching_again(tmp_path: Path) -> None:
+    """The move runner undoes an install whose flip did not commit by renaming the
+    partition directory back to staging: the copy is trusted as synced (it was,
+    before its hwm file was written) and installs again as it is."""
+    src = tmp_path / "s" / "p00000"
+    plog = source_log(src, [5] * 6)
+    hwm, segs = TR.list_open(plog)
+    plog.close()
+    final = tmp_path / "d" / "p00000"
+    st = TR.Staging(final)
+    assert not st.dir.exists()  # constructing it touched nothing
+    copy_all(src, st, segs)
+    assert st.verify(hwm) is None
+    st.install(hwm=hwm, frontier=3, ahead=[], cursors={}, marker={"token": "a"}, seg_mtimes={})
+    os.rename(final, TR.staging_dir(final))
+    os.unlink(TR.staging_dir(final) / "move.marker")
+    st2 = TR.Staging(final)
+    assert st2.staged() == {s.base: s.size for s in segs}
+    assert st2.plan(segs) == []
+    assert st2.verify(hwm) is None
+    st2.install(hwm=hwm, frontier=4, ahead=[], cursors={}, marker={"token": "b"}, seg_mtimes={})
+    assert records(final) == (hwm, [payload(o) for o in range(hwm)])
+    assert OffsetFile(final).load(max_frontier=hwm - 1) == (4, [])

@@ -234,8 +234,9 @@ def _holds_records(d: Path) -> bool:
 
 
 class Staging:
-    """One partition's copy in progress. One caller at a time (a lock orders calls
-    anyway)."""
+    """One partition's copy in progress. Constructing one does no I/O (the event
+    loop may); the directory is created, or found and recovered, at the first call.
+    One caller at a time (a lock orders calls anyway)."""
 
     def __init__(self, final_dir: Path) -> None:
         self.final = Path(final_dir)
@@ -246,14 +247,23 @@ class Staging:
         self._dirty: set[int] = set()  # segment files written or cut since the last durable()
         self._fd_base = -1
         self._fd = -1
+        self._sizes: dict[int, int] = {}
+        self._synced: dict[int, int] = {}  # bytes of each file known durable
+        self._ready = False  # the directory is created or recovered at the first call, not here
+
+    def _ensure(self) -> None:
+        if self._ready:
+            return
         existed = self.dir.is_dir()
         if not existed:
             _mkdirs_durable(self.dir)
         self._sizes = self._scan()
-        self._synced: dict[int, int] = {}  # bytes of each file known durable
+        self._synced = {}
+        self._dirty = set()
         if existed:
             self._recover()
         self._write_state()
+        self._ready = True
 
     # staging.state: the boot and the sizes last made durable
     def _write_state(self) -> None:
@@ -276,6 +286,10 @@ class Staging:
         """After a restart every file counts as unsynced; after a reboot (or with no
         readable state) bytes past what was synced are not trusted: cut away."""
         st = self._read_state()
+        if st is None and (self.dir / "hwm").exists():
+            # An install that was undone (renamed back), or interrupted after its hwm
+            # file: every segment was synced before that file was written.
+            st = ("", dict(self._sizes))
         old = st[1] if st is not None else {}
         self._synced = {b: min(s, self._sizes[b]) for b, s in old.items() if b in self._sizes}
         self._dirty = set(self._sizes)
@@ -326,6 +340,7 @@ class Staging:
 
     def staged(self) -> dict[int, int]:
         with self._lock:
+            self._ensure()
             return dict(self._sizes)
 
     def plan(self, segs: list[SegInfo]) -> list[tuple[int, int, int]]:
@@ -339,6 +354,7 @@ class Staging:
             listed[s.base] = s.size
             prev = s.base
         with self._lock:
+            self._ensure()
             self._close_fd()
             for base in sorted(self._sizes):
                 if base not in listed:
@@ -370,6 +386,7 @@ class Staging:
     def write(self, base: int, offset: int, data: bytes) -> None:
         """Append a fetched chunk (pwrite at `offset`, which must be the staged size)."""
         with self._lock:
+            self._ensure()
             have = self._sizes.get(base, 0)
             if offset != have:
                 raise ValueError(f"chunk of segment {base} at {offset}, staged size is {have}")
@@ -396,6 +413,7 @@ class Staging:
     def durable(self) -> None:
         """fdatasync every segment file written since the last call, then the directory."""
         with self._lock:
+            self._ensure()
             self._durable()
 
     def _durable(self) -> None:
@@ -425,6 +443,7 @@ class Staging:
         last listing; else what is wrong. OSError: the copy could not be synced (a
         file whose sync failed is cut back to what was synced before)."""
         with self._lock:
+            self._ensure()
             self._verified = None
             if self._listed is not None and self._listed != self._sizes:
                 return "staged segments differ from the listing"
@@ -443,6 +462,7 @@ class Staging:
         promotion checks it against the source's last known hwm); None: it cannot
         be opened, or it would open with a hidden tail."""
         with self._lock:
+            self._ensure()
             end, why = self._recovered_end()
             return None if why is not None else end
 
@@ -489,6 +509,7 @@ class Staging:
         frontier = max(-1, min(frontier, hwm - 1))
         held = sorted({a for a in ahead if frontier < a < hwm})
         with self._lock:
+            self._ensure()
             d = self.dir
             # Leftovers of an interrupted install: every one is written again below.
             for e in list(os.scandir(d)):
@@ -527,6 +548,7 @@ class Staging:
                 (self.final / STATE_FILE).unlink()
                 fileio.fsync_dir(self.final)
             self._sizes, self._dirty, self._listed, self._verified = {}, set(), None, None
+            self._ready = False
             return aside
 
     def discard(self) -> None:
@@ -537,6 +559,7 @@ class Staging:
                 shutil.rmtree(self.dir)
                 fileio.fsync_dir(self.dir.parent)
             self._sizes, self._dirty, self._listed, self._verified = {}, set(), None, None
+            self._ready = False
 
 
 # ---- quarantine and the source's directory after a flip -----------------------------------------

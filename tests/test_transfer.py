@@ -251,6 +251,12 @@ def test_cut_back_and_retention_at_the_source(tmp_path: Path, small_chunks: None
         st.write(last.base, last.size + 1, b"x")
     with pytest.raises(ValueError):
         st.write(last.base, last.size, b"x")
+    # a listing no source can produce is refused, the staged copy untouched
+    for bad in ([TR.SegInfo(5, 10, 0), TR.SegInfo(5, 10, 0)], [TR.SegInfo(0, TR.MAX_SEGMENT_BYTES + 1, 0)],
+                [TR.SegInfo(-1, 0, 0)], [TR.SegInfo(0, -1, 0)]):
+        with pytest.raises(ValueError):
+            st.plan(bad)
+    assert st.staged() == {s.base: s.size for s in segs2} and st.verify(hwm2) is None
 
 
 def test_verify_refuses_a_short_or_damaged_copy(tmp_path: Path) -> None:

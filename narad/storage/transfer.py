@@ -52,6 +52,8 @@ from narad.storage import partition_log as PL
 from narad.storage.offsets import OffsetFile
 
 CHUNK_MAX = 1 << 20
+# No segment file grows past this: a commit that would overflow a non-empty segment rolls.
+MAX_SEGMENT_BYTES = max(PL.SEGMENT_BYTES, FR.HEADER_SIZE + FR.MAX_FRAME_BYTES)
 FUTURE_SLACK_MS = 3600 * 1000  # a source segment time further ahead than this is not believed
 STATE_FILE = "staging.state"
 MARKER_FILE = "move.marker"
@@ -349,8 +351,8 @@ class Staging:
         listed: dict[int, int] = {}
         prev = -1
         for s in segs:
-            if s.base <= prev or s.size < 0:
-                raise ValueError("segment listing not in ascending base order or with a negative size")
+            if s.base <= prev or not 0 <= s.size <= MAX_SEGMENT_BYTES:
+                raise ValueError("segment listing not in ascending base order, or a size out of range")
             listed[s.base] = s.size
             prev = s.base
         with self._lock:

@@ -348,6 +348,9 @@ def test_existing_copy_with_records_is_quarantined_never_deleted(tmp_path: Path)
     assert aside is not None and aside.name == "p00003.quarantine-install_conflict-1"
     assert records(aside) == (2, [payload(0), payload(1)])
     assert records(final) == (hwm, [payload(o) for o in range(hwm)])
+    for other_topic in ("a@1", "zz@2", "orders@old"):  # other topics, one with a plain partition dir
+        (topics / other_topic / "p00000").mkdir(parents=True)
+    (topics / "stray-file").write_bytes(b"")
     q = TR.quarantined(topics)
     assert [(k, t, p, d) for k, t, p, d, _b, _m in q] == [("install_conflict", "orders", 3, aside)]
     assert q[0][4] == old_bytes and q[0][5] > 0

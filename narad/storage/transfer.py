@@ -600,7 +600,7 @@ def quarantined(topics_root: Path) -> list[tuple[str, str, int, Path, int, int]]
     out: list[tuple[str, str, int, Path, int, int]] = []
     root = Path(topics_root)
     try:
-        tops = sorted(e for e in os.scandir(root) if e.is_dir(follow_symlinks=False))
+        tops = sorted((e for e in os.scandir(root) if e.is_dir(follow_symlinks=False)), key=lambda e: e.name)
     except FileNotFoundError:
         return out
     for t in tops:

@@ -428,6 +428,7 @@ class Staging:
                 # A failed sync proves nothing about what it covered, nor will a later one
                 # (the pages may be gone): what was not synced before is fetched again.
                 keep = self._synced.get(base, 0)
+                self._verified = None
                 with contextlib.suppress(OSError):
                     fileio.ftruncate(fd, keep)
                     self._sizes[base] = keep
@@ -488,6 +489,8 @@ class Staging:
             plog.close(clean=False)
             # open cuts a torn tail (and syncs the cut): those bytes are fetched again
             self._sizes = self._scan()
+            if self._sizes != before:
+                self._verified = None
             self._dirty.update(b for b, n in self._sizes.items() if before.get(b) != n)
             if self._lower_synced():
                 self._write_state()

@@ -441,6 +441,8 @@ def test_marker_moved_aside_and_chunk_reads(tmp_path: Path) -> None:
     d = tmp_path / "t@1" / "p00000"
     plog = source_log(d, [3])
     plog.close()
+    with pytest.raises(PL.LogClosed):
+        TR.list_open(plog)
     assert TR.read_marker(d) is None
     (d / "move.marker").write_text("[1]")
     assert TR.read_marker(d) is None

@@ -8,7 +8,8 @@ with the node's state unchanged after it, members?detail's move fields, and the
 ``narad`` and ``naradctl`` commands for each. The listing of real move rows (statuses
 and ``blocked``) is checked on an LMDB metastore the FSM wrote, read by the same
 function the route calls. One small 4-node cluster (the least that lets a voter be
-decommissioned) checks what a draining node answers a produce, and the cancel.
+decommissioned) checks a real decommission: the draining node's produce 503, the
+move it sheds in every view, a real abort, and the cancel.
 Moves between nodes are tests/test_moves_cluster.py's.
 """
 
@@ -225,21 +226,29 @@ def test_move_rows_from_a_real_metastore(tmp_path: Path) -> None:
     r.txn.abort()
 
 
-def test_draining_node_refuses_produce_until_cancelled(tmp_path: Path) -> None:
-    """Four voters: n4's removal keeps three, so its decommission is accepted (204) and,
-    once n4's replica holds the mark, n4 answers every produce 503 with Retry-After
-    (nothing stored: the SDK sends it to the next node) while the others accept; the
-    cancel makes n4 take produce again."""
-    c = Cluster(tmp_path, 4).start()
+def test_decommission_a_voter_of_four(tmp_path: Path) -> None:
+    """Four voters: n4's removal keeps three, so its decommission is accepted (204).
+    Once n4's replica holds the mark it answers every produce 503 with Retry-After
+    (nothing stored: the SDK goes on to the next node) while the others accept. The
+    planner gives n4's partition a target, which every view shows (the copy is held
+    by a test seam so it stays in flight): the move list, its runner on the
+    destination (detail, over HTTP and naradctl), the member's outbound move. A
+    compare-and-set abort on the wrong target is refused, on the right one answers
+    202; the cancel makes n4 take produce again; exactly the accepted records are
+    stored."""
+    env = {"NARAD_MOVE_PLAN_MS": "300", "NARAD_FAULT_MOVE_CHUNK_DELAY_MS": "60000"}
+    c = Cluster(tmp_path, 4, env=env).start()
     try:
         n1, n4 = c["n1"], c["n4"]
         octet = {"Content-Type": "application/octet-stream"}
         assert n1.post("/v1/topics", {"name": "dr", "partitions": 4}).status == 201
-        assert n4.post("/v1/topics/dr/produce", b"before", headers=octet).status == 202
+        own = {s["index"]: s["owner_node"] for s in n1.get("/v1/topics/dr").json()["partition_stats"]}
+        [p4] = [p for p, o in own.items() if o == "n4"]
+        assert n4.post(f"/v1/topics/dr/produce?partition={p4}", b"before", headers=octet).status == 202
         dry = n1.post("/v1/cluster/members/n4/decommission?dry_run=true").json()
         assert dry["would_decommission"] is True and dry["reasons"] == [] and dry["voter"] is True, dry
+        assert dry["owned_partitions"] == 1 and dry["inbound_moves"] == 0
         assert n1.post("/v1/cluster/members/n4/decommission").status == 204
-
         early = []  # produces n4 took before its replica applied the mark (stored)
 
         def refused() -> Any:
@@ -255,16 +264,43 @@ def test_draining_node_refuses_produce_until_cancelled(tmp_path: Path) -> None:
         assert n1.post("/v1/topics/dr/produce", b"elsewhere", headers=octet).status == 202
         with Client([f"127.0.0.1:{n4.port}", f"127.0.0.1:{n1.port}"], auth=("admin", ADMIN_PASSWORD)) as sdk:
             sdk.produce("dr", b"via-sdk")  # n4 refuses, n1 stores it
-        assert {m["id"]: m["draining"] for m in n1.get("/v1/cluster/members").json()["members"]}["n4"] is True
+
+        # the planner's move of n4's partition, as every view shows it
+        def planned() -> Any:
+            got = n1.get("/v1/cluster/moves?detail=true").json()["moves"]
+            return got if got and "worker" in got[0] else None
+
+        [mv] = wait_for(planned, 30, what="a move of n4's partition with its runner")
+        to = mv["to"]
+        assert (mv["topic"], mv["partition"], mv["from"], mv["from_status"], mv["to_status"]) == (
+            "dr", p4, "n4", "draining", "alive") and to in ("n1", "n2", "n3") and "blocked" not in mv, mv
+        w = mv["worker"]
+        assert (w["topic"], w["partition"], w["source"], w["target"], w["phase"]) == ("dr", p4, "n4", to, "copying")
+        assert [(m["from"], m["to"]) for m in n4.get("/v1/cluster/moves").json()["moves"]] == [("n4", to)]
+        ctl = n1.ctl("moves", "--detail")["moves"]
+        assert [(m["to"], m["worker"]["phase"]) for m in ctl] == [(to, "copying")]
+        rows = {m["id"]: m for m in n1.get("/v1/cluster/members?detail=true").json()["members"]}
+        assert rows["n4"]["draining"] is True and rows["n4"]["outbound_moves"] == 1
+        assert rows["n4"]["node_status"]["draining"] is True
+        assert [(x["topic"], x["phase"]) for x in rows[to]["node_status"]["moves"]] == [("dr", "copying")]
+        wrong = next(x for x in ("n1", "n2", "n3") if x != to)
+        r = n1.post(f"/v1/cluster/moves/dr/{p4}/abort?target={wrong}")
+        assert r.status == 409 and to in r.json()["error"], r
+        r = n1.post(f"/v1/cluster/moves/dr/{p4}/abort?target={to}")
+        assert r.status == 202, r
+        d = r.json()
+        assert {k: d["move"][k] for k in ("topic", "partition", "from", "to")} == {
+            "topic": "dr", "partition": p4, "from": "n4", "to": to} and d["note"], d
+
         assert n1.request("DELETE", "/v1/cluster/members/n4/decommission").status == 204
         wait_for(lambda: n4.post("/v1/topics/dr/produce", b"after", headers=octet).status == 202, 15,
                  what="n4 to take produce again after the cancel")
         assert n1.request("DELETE", "/v1/cluster/members/n4/decommission").status == 204  # not draining: no-op
+        assert own == {s["index"]: s["owner_node"] for s in n1.get("/v1/topics/dr").json()["partition_stats"]}
 
         # what was accepted is stored, nothing refused is: before, early, elsewhere, via-sdk, after
         def stored() -> int:
-            d = n1.get("/v1/topics/dr").json()
-            return sum(p["high_watermark"] for p in d["partition_stats"])
+            return sum(p["high_watermark"] for p in n1.get("/v1/topics/dr").json()["partition_stats"])
 
         want = 4 + len(early)
         wait_for(lambda: stored() >= want, 15, what="the accepted records to commit")

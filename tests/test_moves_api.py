@@ -112,7 +112,8 @@ def test_decommission_refusals_leave_the_member_as_it_was(node: Node) -> None:
 
 def test_abort_refusals(node: Node) -> None:
     for p, want in (("mv-t/x/abort", 400), ("mv-t/-1/abort", 400), ("mv-t/0/abort?target=", 400),
-                    ("mv-t/0/abort?target=a&target=b", 400), ("mv-none/0/abort", 404), ("mv-t/3/abort", 404),
+                    ("mv-t/0/abort?target=a&target=b", 400), ("mv-t/0/abort?target=%FF", 400),
+                    ("mv-t/99999999999999999999/abort", 400), ("mv-none/0/abort", 404), ("mv-t/3/abort", 404),
                     ("mv-t/0/abort", 409), (f"mv-t/0/abort?target={node.node_id}", 409)):
         r = node.post(f"/v1/cluster/moves/{p}")
         assert r.status == want, (p, r)

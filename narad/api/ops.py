@@ -231,6 +231,24 @@ def decommission_dry_run(value: str | None, *, cancel: bool) -> bool:
     raise BadRequest("invalid argument: dry_run must be true or false")
 
 
+NODE_ID_MAX = 256
+
+
+def node_arg(value: str | None, name: str) -> str | None:
+    """A node id given as a query parameter: non-empty UTF-8 (a query's undecodable
+    bytes arrive as surrogates, which no node id holds), at most NODE_ID_MAX bytes."""
+    if value is None:
+        return None
+    try:
+        size = len(value.encode("utf-8"))
+    except UnicodeEncodeError:
+        size = -1
+    if not 0 < size <= NODE_ID_MAX:
+        raise BadRequest(f"invalid argument: {name} must name a node (1 to {NODE_ID_MAX} bytes of UTF-8); leave "
+                         "it out to abort whatever move is in flight")
+    return value
+
+
 def abort_note(m: Q.MoveView) -> str:
     return (f"the move of {m.topic}/{m.partition} to {m.to} is aborted: the partition stays with {m.from_}; "
             "a later planner pass may move it again")
@@ -255,11 +273,7 @@ async def ctl_cluster(cmd: str, args: dict[str, Any], store: MetaStore, node_sta
     if cmd == "moves.abort":
         topic, target = str(args.get("topic", "")), args.get("target")
         partition = parse_int(str(args.get("partition", "")), "partition")
-        if target is not None and not isinstance(target, str):
-            raise BadRequest("invalid argument: target must name a node")
-        if target == "":
-            raise BadRequest("invalid argument: target must name a node (leave it out to abort whatever move "
-                             "is in flight)")
+        target = node_arg(None if target is None else str(target), "target")
         resp = await execute(Q.AbortMoveReq(G.OPERATOR, topic, partition, target))
         return abort_json(resp)
     if cmd == "members.decommission":
@@ -392,10 +406,7 @@ class OpsAPI:
         on ``target`` when given): 202 with the move as it was aborted."""
         who = self._admin(req)
         partition = parse_int(req.params["partition"], "partition")
-        target = single_query(req, "target")
-        if target == "":
-            raise BadRequest("invalid argument: target must name a node (leave it out to abort whatever move "
-                             "is in flight)")
+        target = node_arg(single_query(req, "target"), "target")
         resp = await self.ctx.call(Q.AbortMoveReq(who, req.params["topic"], partition, target), Q.AbortMoveResp)
         return json_response(202, abort_json(resp))
 

@@ -27,6 +27,7 @@ from click.testing import CliRunner, Result
 from narad.api import messages, ops
 from narad.cli.main import cli
 from narad.client import Client, Conflict
+from narad.ctl import main as naradctl
 from narad.meta import commands as C
 from narad.meta import requests as Q
 from narad.meta.records import MemberRecord
@@ -167,7 +168,10 @@ def test_narad_cli_commands(node: Node) -> None:
 
 def test_naradctl_commands(node: Node) -> None:
     assert node.ctl("moves", "--detail") == {"moves": []}
+    assert naradctl._fmt_moves({"moves": []}) == "no partition moves in flight"
     d = node.ctl("members", "decommission", node.node_id, "--dry-run")
+    assert "would NOT be decommissioned" in naradctl._fmt_decommission(d) and "below_min_voters" in \
+        naradctl._fmt_decommission(d)
     assert d["would_decommission"] is False and {"below_min_voters", "no_receivers"} <= {
         x["code"] for x in d["reasons"]}
     p = node.ctl("members", "decommission", node.node_id, check=False)
@@ -278,9 +282,13 @@ def test_decommission_a_voter_of_four(tmp_path: Path) -> None:
         w = mv["worker"]
         assert (w["topic"], w["partition"], w["source"], w["target"], w["phase"]) == ("dr", p4, "n4", to, "copying")
         assert [(m["from"], m["to"]) for m in n4.get("/v1/cluster/moves").json()["moves"]] == [("n4", to)]
-        ctl = n1.ctl("moves", "--detail")["moves"]
-        assert [(m["to"], m["worker"]["phase"]) for m in ctl] == [(to, "copying")]
-        rows = {m["id"]: m for m in n1.get("/v1/cluster/members?detail=true").json()["members"]}
+        ctl = n1.ctl("moves", "--detail")
+        assert [(m["to"], m["worker"]["phase"]) for m in ctl["moves"]] == [(to, "copying")]
+        assert "n4 draining" in naradctl._fmt_moves(ctl) and "copying" in naradctl._fmt_moves(ctl)
+        members = n1.get("/v1/cluster/members?detail=true").json()
+        assert [ln.split()[2] for ln in naradctl._fmt_members(members).splitlines() if ln.startswith("n4 ")] == [
+            "draining"]
+        rows = {m["id"]: m for m in members["members"]}
         assert rows["n4"]["draining"] is True and rows["n4"]["outbound_moves"] == 1
         assert rows["n4"]["node_status"]["draining"] is True
         assert [(x["topic"], x["phase"]) for x in rows[to]["node_status"]["moves"]] == [("dr", "copying")]

@@ -101,10 +101,15 @@ def _fmt_children(d: dict[str, Any]) -> str:
 
 
 def _fmt_members(d: dict[str, Any]) -> str:
-    lines = [f"{'ID':<20} {'ADDR':<22} {'STATUS':<6} {'VOTER':<5} {'LEADER':<6} {'HEARTBEAT':>9}  PARTITIONS"]
+    lines = [f"{'ID':<20} {'ADDR':<22} {'STATUS':<8} {'VOTER':<5} {'LEADER':<6} {'HEARTBEAT':>9}  PARTITIONS"]
     for m in d["members"]:
-        lines.append(f"{m['id']:<20} {m['addr']:<22} {m['status']:<6} {'yes' if m['voter'] else 'no':<5} "
-                     f"{'yes' if m['leader'] else '':<6} {m['heartbeat_age_seconds']:>8.1f}s  {m['owned_partitions']}")
+        status = "draining" if m.get("draining") else m["status"]
+        moving = f" ({m['outbound_moves']} moving off)" if m.get("outbound_moves") else ""
+        lines.append(f"{m['id']:<20} {m['addr']:<22} {status:<8} {'yes' if m['voter'] else 'no':<5} "
+                     f"{'yes' if m['leader'] else '':<6} {m['heartbeat_age_seconds']:>8.1f}s  "
+                     f"{m['owned_partitions']}{moving}")
+        for r in m.get("decommission_blocked") or []:
+            lines.append(f"{'':<20} waits: {r['code']}: {r['message']}")
     return "\n".join(lines)
 
 

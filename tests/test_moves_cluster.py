@@ -200,3 +200,112 @@ def test_kill9_leader_just_before_a_flip(tmp_path: Path) -> None:
         c[leader].start()
 
     scale_with_fault(tmp_path, {"NARAD_FAULT_MOVE_HOLD_FLIP_MS": "3000"}, fault, "kill -9 leader before a flip")
+
+
+def test_abort_a_frozen_move_lifts_the_freeze_and_keeps_the_owner(tmp_path: Path) -> None:
+    """A move held in its frozen phase is aborted: 202 with the move, the target is
+    cleared at once, the runner abandons it and thaws the source; the planner may
+    plan it again later (as Narad's does), and nothing is lost either way."""
+    def fault(c: Cluster, h: History) -> None:
+        n1, n4 = c["n1"], c["n4"]
+        wait_for(lambda: _log_has(n4, "move held frozen (test seam)"), 60, 0.05, "a move held frozen")
+        m = next(x for x in moves(n1) if x["to"] == "n4")
+        r = n1.post(f"/v1/cluster/moves/{m['topic']}/{m['partition']}/abort?target=n4")
+        assert r.status == 202, r
+        body = r.json()
+        assert body["move"]["topic"] == m["topic"] and body["move"]["partition"] == m["partition"], body
+        assert body["move"]["from"] == m["from"] and body["move"]["to"] == "n4", body
+        again = n1.post(f"/v1/cluster/moves/{m['topic']}/{m['partition']}/abort?target=n4")
+        assert again.status in (409, 202), again  # 409 unless the planner already set the target again
+        wait_for(lambda: _log_has(n4, "partition move abandoned"), 30, 0.05, "the runner abandons the move")
+        src = c[m["from"]]
+        wait_for(lambda: _log_has(src, "move freeze lifted"), 30, 0.05, "the source's freeze lifted")
+        n4.extra_env.pop("NARAD_FAULT_MOVE_HOLD_FROZEN_MS", None)
+
+    scale_with_fault(tmp_path, {"NARAD_FAULT_MOVE_HOLD_FROZEN_MS": "4000"}, fault, "abort a frozen move")
+
+
+def test_decommission_a_node_under_traffic_until_it_leaves(tmp_path: Path) -> None:
+    c = Cluster(tmp_path, 4, initial=3, env=FAST)
+    try:
+        c.start()
+        n1 = c["n1"]
+        assert n1.post("/v1/topics", {"name": "mv", "partitions": 8}).status == 201
+        c.start(["n4"])
+        wait_for(lambda: spread(n1, "mv", c.ids, 8), 120, 0.2, "partitions spread over 4 nodes")
+        h = History(3.0)
+        live = list(c.ids)
+        tr = Traffic(h, "mv", lambda: [c[x] for x in live], producers=2, consumers=2, rotate_every=50).start()
+        tr.wait_more(200, what="before the decommission")
+        dry = n1.post("/v1/cluster/members/n4/decommission?dry_run=true")
+        assert dry.status == 200 and dry.json()["would_decommission"] is True, dry
+        with h.fault("decommission n4 (its partitions move off; moves redeliver what was unacked)"):
+            r = n1.post("/v1/cluster/members/n4/decommission")
+            assert r.status == 204, r
+            live.remove("n4")
+            wait_for(lambda: "n4" not in owners(n1, "mv").values() and not moves(n1), 120, 0.2,
+                     "n4 owns nothing")
+            tr.wait_more(200, what="after the drain")
+
+            def gone() -> bool:
+                ms = n1.get("/v1/cluster/members").json()["members"]
+                return all(m["id"] != "n4" for m in ms)
+            wait_for(gone, 120, 0.2, "n4 removed from the members")
+            voters = n1.status()["raft"]["voters"]
+            assert f"127.0.0.1:{c['n4'].raft_port}" not in voters, voters
+        assert collections.Counter(owners(n1, "mv").values()) == {"n1": 3, "n2": 3, "n3": 2} or \
+            sorted(collections.Counter(owners(n1, "mv").values()).values()) == [2, 3, 3]
+        finish(c, h, tr, "mv", 8, n1, "decommission n4")
+        # The removed node hears no leader any more: it asks, is told its id was removed, says
+        # so and reports not ready; a restart with its old disk is refused the same way.
+        n4 = c["n4"]
+        said = "this node was removed from the cluster"
+        wait_for(lambda: said in n4.log(), 60, 0.2, "n4 learns it was removed")
+        r = n4.get("/readyz")
+        assert r.status == 503 and "removed from the cluster" in r.json()["error"], r
+        n4.kill9()
+        n4.start(wait=False)
+        wait_for(lambda: n4.log().count(said) >= 2, 60, 0.2, "the restarted removed node refused")
+        ms = n1.get("/v1/cluster/members").json()["members"]
+        assert all(m["id"] != "n4" for m in ms), ms
+    finally:
+        stop_all()
+        c.close()
+
+
+def test_chaos_scale_three_to_five_then_kill_leader_and_new_node_together(tmp_path: Path) -> None:
+    """The lifecycle seed's chaos row: zero loss."""
+    c = Cluster(tmp_path, 5, initial=3, env=FAST)
+    try:
+        c.start()
+        n1 = c["n1"]
+        assert n1.post("/v1/topics", {"name": "mv", "partitions": 10}).status == 201
+        for nid in c.initial:
+            wait_for(lambda nid=nid: c[nid].get("/v1/topics/mv").status == 200)
+        h = History(3.0)
+        live = list(c.initial)
+        tr = Traffic(h, "mv", lambda: [c[x] for x in live], producers=2, consumers=2, rotate_every=50).start()
+        tr.wait_more(200, what="before the scale-out")
+        with h.fault("scale 3 to 5, then kill -9 the leader and n5 together"):
+            c.start(["n4", "n5"])
+            live.extend(["n4", "n5"])
+            wait_for(lambda: any(m["to"] == "n5" for m in moves(n1)) or "n5" in owners(n1, "mv").values(),
+                     60, 0.05, "a move to n5 under way")
+            leader = c.leader(c.initial)
+            for nid in (leader, "n5"):
+                live.remove(nid)
+            c[leader].kill9()
+            c["n5"].kill9()
+            tr.wait_more(100, what="with the leader and n5 down")
+            c[leader].start(wait=False)
+            c["n5"].start(wait=False)
+            c[leader].wait_ready(60)
+            c["n5"].wait_ready(60)
+            live.extend([leader, "n5"])
+            via = c["n2"] if leader == "n1" else n1
+            wait_for(lambda: spread(via, "mv", c.ids, 10), 180, 0.2, "partitions spread over 5 nodes")
+            tr.wait_more(200, what="after the restarts")
+        finish(c, h, tr, "mv", 10, via, "chaos: scale 3 to 5, kill leader and new node")
+    finally:
+        stop_all()
+        c.close()

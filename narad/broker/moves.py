@@ -283,6 +283,13 @@ class MoveRunner:
 
     # ---- one move ------------------------------------------------------------------------
     def _check(self, mv: _Move) -> None:
+        """Raise _Aborted once the replica no longer names this move (abort, re-plan,
+        a dead destination cleared): checked before every step, so an abort is seen
+        within a chunk even if the planner sets the same target again soon after."""
+        if not mv.aborted:
+            a = self.b.store.assignments(mv.key[0]).get(mv.key[1])
+            if a is None or a.topic_id != mv.topic_id or a.owner != mv.source or a.target != self.b.node_id:
+                mv.aborted = True
         if mv.aborted:
             raise _Aborted()
 
@@ -401,7 +408,10 @@ class MoveRunner:
                 hwm = await self._finalize(mv, st, fr)
                 if HOLD_FROZEN:
                     log.info("move held frozen (test seam)", extra={"topic": name, "partition": part})
-                    await asyncio.sleep(HOLD_FROZEN)
+                    held = time.monotonic() + HOLD_FROZEN
+                    while time.monotonic() < held:
+                        self._check(mv)
+                        await asyncio.sleep(0.02)
                 await self._io(st.durable)
                 why = await self._io(st.verify, hwm)
                 if why is not None:

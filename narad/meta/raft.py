@@ -866,6 +866,10 @@ class RaftNode:
         if addr in voters:
             answer(200, voters=voters, voter=True)
             return
+        if req.get("probe"):
+            # A member that lost its leader asks whether it is still a server: never add it here.
+            answer(409, code="not_a_server", error=f"{addr} is not a Raft server of this cluster")
+            return
         if req.get("readonly") or len(voters) >= self.max_voters or not addr:
             answer(200, voters=voters, voter=False)
             return

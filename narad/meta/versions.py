@@ -84,6 +84,8 @@ READY_REASONS.update({
     11: "a worker is not responding",
     12: "the raft tick thread is not responding",
     13: "the fork server is not responding",
+    14: "this node was removed from the cluster (decommissioned): start it with an empty data directory "
+        "to rejoin as a new node",
 })
 
 # ---- heartbeat segment layout -------------------------------------------------

@@ -59,6 +59,7 @@ log = logging.getLogger("narad.supervisor")
 READY_EVERY = 0.1
 READER_CHECK_EVERY = 5.0
 JOIN_EVERY = 2.0
+LEADERLESS_PROBE = 15.0  # a member without a leader this long asks whether it was removed
 METRICS_POLL_EVERY = 10.0
 VITALS_EVERY = 5.0  # data directory size and free bytes
 LEADER_CONTACT_FRESH = 5.0
@@ -124,6 +125,7 @@ class Supervisor:
         self.admitted = asyncio.Event()
         self.raft_mode = "single"
         self.join_rounds = 0
+        self.removed = False  # the leader refused this node's id: it was decommissioned
         self.worker_conns: dict[int, rpc.Connection] = {}
         self.worker_metrics: dict[int, list[metrics.Family]] = {}  # last snapshot per worker pid
         self.retired_metrics: list[metrics.Family] = []  # counters of workers that died
@@ -290,6 +292,10 @@ class Supervisor:
             self._tasks.append(asyncio.create_task(self._join_loop()))
         else:
             self._start_raft()
+        if self.cfg.peer_map and self.raft_mode != "single":
+            # A member that hears no leader for LEADERLESS_PROBE asks its peers to admit
+            # it: the leader answers 409 "removed" to a decommissioned node's id.
+            self._tasks.append(asyncio.create_task(self._removal_probe()))
         # 11. Local RPC: the worker socket (metadata writes, throttle) and the
         #     naradctl control socket, both mode 0600.
         self._servers.append(await rpc.serve_unix(str(self.runtime_dir / "worker.sock"),
@@ -414,6 +420,48 @@ class Supervisor:
                     last_refusal = time.monotonic()
                     log.error("cluster join refused", extra={"code": ans.get("code"), "error": ans.get("error")})
             await asyncio.sleep(JOIN_EVERY)
+
+    async def _removal_probe(self) -> None:
+        """A decommissioned node is removed from the Raft voters first, so it never
+        receives the entry that removes its member record and leaves its tombstone:
+        it just stops hearing a leader. After LEADERLESS_PROBE without one, ask the
+        peers the way a joiner does; the leader refuses a removed id with 409
+        ``removed``: say so at error, report not ready with the reason, and stop
+        Raft (its elections would only be ignored)."""
+        since: float | None = None
+        while not self.removed:
+            await asyncio.sleep(2.0)
+            if self.raft_mode == "join" and not self.admitted.is_set():
+                continue  # the join loop asks already
+            st = self.raft.status()
+            if st.leader is not None and st.role in ("leader", "follower"):
+                since = None
+                continue
+            now = time.monotonic()
+            since = since or now
+            if now - since < LEADERLESS_PROBE:
+                continue
+            since = now  # next probe after another LEADERLESS_PROBE
+            req = {"node_id": self.node_id, "raft_addr": self.raft_addr, "build": BUILD,
+                   "newest_entry_type": self.newest_type, "entry_types": sorted(self.applies), "probe": True}
+            for nid, addr in self.cfg.peer_map.items():
+                if nid == self.node_id:
+                    continue
+                ans = await asyncio.to_thread(self.raft.request_join, addr, req)
+                hops = 0
+                while ans.get("status") == 421 and ans.get("leader") and hops < 4:
+                    hops += 1
+                    ans = await asyncio.to_thread(self.raft.request_join, ans["leader"], req)
+                if ans.get("status") == 409 and ans.get("code") == "removed":
+                    self.removed = True
+                    log.error("this node was removed from the cluster (decommissioned); it stops taking part. "
+                              "To rejoin, start it with an empty data directory: it joins as a new node",
+                              extra={"node": self.node_id, "leader_said": ans.get("error")})
+                    with contextlib.suppress(Exception):
+                        await asyncio.to_thread(self.raft.close)
+                    return
+                if ans.get("status") in (200, 409):
+                    break  # the leader answered: still a server (a partition, not a removal) or refused otherwise
 
     def _join_policy(self, req: dict[str, object]) -> tuple[int, dict[str, object]] | None:
         """Leader, tick thread: refuse a joiner older than the cluster (it would
@@ -675,6 +723,8 @@ class Supervisor:
         silent = self.not_responding()
         if silent is not None:
             return False, silent[0]
+        if self.removed:
+            return False, 14
         if not self.admitted.is_set():
             return False, 9
         st = self.raft.status()

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 from click.testing import CliRunner, Result
 
@@ -33,6 +34,7 @@ from narad.meta import requests as Q
 from narad.meta.records import MemberRecord
 from tests.harness import ADMIN_PASSWORD, Cluster, Node, basic, wait_for
 from tests.test_fsm import Applier, topic
+from tests.test_openapi import DOC, undocumented
 
 PLAIN = basic("mv-plain", "mv-plain-pw-1")
 
@@ -55,6 +57,14 @@ def narad(node: Node, *args: str, code: int = 0) -> Result:
     r = CliRunner().invoke(cli, list(args), env=env, catch_exceptions=False)
     assert r.exit_code == code, f"narad {' '.join(args)} exited {r.exit_code}:\n{r.stdout}\n{r.stderr}"
     return r
+
+
+def conforms(body: Any, schema_name: str) -> None:
+    """``body`` is what narad/api/openapi.json says (schema ``schema_name``), every
+    field of it documented."""
+    schema = {"$ref": f"#/components/schemas/{schema_name}"}
+    jsonschema.Draft202012Validator({**schema, "components": DOC["components"]}).validate(body)
+    assert not undocumented(body, schema, ""), undocumented(body, schema, "")
 
 
 def member(node: Node) -> dict[str, Any]:
@@ -251,6 +261,7 @@ def test_decommission_a_voter_of_four(tmp_path: Path) -> None:
         [p4] = [p for p, o in own.items() if o == "n4"]
         assert n4.post(f"/v1/topics/dr/produce?partition={p4}", b"before", headers=octet).status == 202
         dry = n1.post("/v1/cluster/members/n4/decommission?dry_run=true").json()
+        conforms(dry, "DecommissionDryRun")
         assert dry["would_decommission"] is True and dry["reasons"] == [] and dry["voter"] is True, dry
         assert dry["owned_partitions"] == 1 and dry["inbound_moves"] == 0
         assert n1.post("/v1/cluster/members/n4/decommission").status == 204
@@ -276,6 +287,7 @@ def test_decommission_a_voter_of_four(tmp_path: Path) -> None:
             return got if got and "worker" in got[0] else None
 
         [mv] = wait_for(planned, 30, what="a move of n4's partition with its runner")
+        conforms({"moves": [mv]}, "Moves")
         to = mv["to"]
         assert (mv["topic"], mv["partition"], mv["from"], mv["from_status"], mv["to_status"]) == (
             "dr", p4, "n4", "draining", "alive") and to in ("n1", "n2", "n3") and "blocked" not in mv, mv
@@ -286,6 +298,7 @@ def test_decommission_a_voter_of_four(tmp_path: Path) -> None:
         assert [(m["to"], m["worker"]["phase"]) for m in ctl["moves"]] == [(to, "copying")]
         assert "n4 draining" in naradctl._fmt_moves(ctl) and "copying" in naradctl._fmt_moves(ctl)
         members = n1.get("/v1/cluster/members?detail=true").json()
+        conforms(members, "Members")
         assert [ln.split()[2] for ln in naradctl._fmt_members(members).splitlines() if ln.startswith("n4 ")] == [
             "draining"]
         rows = {m["id"]: m for m in members["members"]}
@@ -298,6 +311,7 @@ def test_decommission_a_voter_of_four(tmp_path: Path) -> None:
         r = n1.post(f"/v1/cluster/moves/dr/{p4}/abort?target={to}")
         assert r.status == 202, r
         d = r.json()
+        conforms(d, "AbortResult")
         assert {k: d["move"][k] for k in ("topic", "partition", "from", "to")} == {
             "topic": "dr", "partition": p4, "from": "n4", "to": to} and d["note"], d
 

@@ -171,6 +171,9 @@ def test_narad_cli_commands(node: Node) -> None:
     assert "HTTP 409" in r.stderr and "no move" in r.stderr
     narad(node, "cluster", "moves", "abort", "mv-t", "x", code=2)
     narad(node, "cluster", "decommission", node.node_id, "--dry-run", "--cancel", code=2)
+    r = narad(node, "cluster", "members", "forget", "n9", code=1)
+    assert "HTTP 404" in r.stderr
+    narad(node, "cluster", "members", "--detail", "forget", "n9", code=2)
     rows = [json.loads(x) for x in narad(node, "--json", "cluster", "members", "--detail").stdout.splitlines()]
     assert [m["id"] for m in rows] == [node.node_id] and rows[0]["node_status"]["moves"] == []
     assert member(node)["draining"] is False

@@ -236,7 +236,8 @@ def test_move_rows_from_a_real_metastore(tmp_path: Path) -> None:
     ops.attach_workers(got, {"n2": Q.NodeStatusView("n2", True, 0, 0, [runner]), "n3": "member is marked dead"})
     assert [ops.move_json(m).get("worker", {}).get("copied_bytes") for m in got] == [42, None, None]
     assert ops.move_json(got[0])["worker"]["phase"] == "copying" and "blocked" not in ops.move_json(got[0])["worker"]
-    assert got[1].worker_error == "node n4 was not asked" and got[2].worker_error == "member is marked dead"
+    assert got[1].worker_error == "node n4 is marked dead: not asked" and got[2].worker_error == "member is marked dead"
+    assert ops.destinations(got) == ["n2"]
     # a deleted topic's rows are not moves any more
     assert a.apply(C.DeleteTopic("a")).ok
     r = a.read()

@@ -182,8 +182,19 @@ def attach_workers(moves: list[Q.MoveView], statuses: dict[str, Q.NodeStatusView
                 m.worker = w
             else:
                 m.worker_error = f"node {m.to} runs no move of this partition (yet)"
+        elif st is not None:
+            m.worker_error = st
+        elif m.to_status == "dead":
+            m.worker_error = f"node {m.to} is marked dead: not asked"
+        elif m.to_status == "not_a_member":
+            m.worker_error = f"node {m.to} is not a member: not asked"
         else:
-            m.worker_error = st if st is not None else f"node {m.to} was not asked"
+            m.worker_error = f"node {m.to} was not asked"
+
+
+def destinations(moves: list[Q.MoveView]) -> list[str]:
+    """The destinations worth asking for their runners: members alive (or draining)."""
+    return list(dict.fromkeys(m.to for m in moves if m.to_status in ("alive", "draining")))
 
 
 NodeStatusCall = Callable[[str], Awaitable[Q.NodeStatusView]]
@@ -268,7 +279,7 @@ async def ctl_cluster(cmd: str, args: dict[str, Any], store: MetaStore, node_sta
     if cmd == "moves":
         moves = moves_from_replica(store)
         if args.get("detail"):
-            attach_workers(moves, await gather_node_statuses([m.to for m in moves], node_status))
+            attach_workers(moves, await gather_node_statuses(destinations(moves), node_status))
         return {"moves": [move_json(m) for m in moves]}
     if cmd == "moves.abort":
         topic, target = str(args.get("topic", "")), args.get("target")
@@ -377,7 +388,7 @@ class OpsAPI:
         detail = query_bool(req, "detail")
         moves = moves_from_replica(self.ctx.store)
         if detail and moves:
-            attach_workers(moves, await self._node_statuses([m.to for m in moves]))
+            attach_workers(moves, await self._node_statuses(destinations(moves)))
         return json_response(200, {"moves": [move_json(m) for m in moves]})
 
     async def decommission(self, req: Request) -> Response:

@@ -65,10 +65,12 @@ ALLOWED_UNPRODUCED: dict[tuple[str, int], str] = {
     ("forgetServer", 409): "needs another member (a cluster)",
     ("forgetServer", 503): NO_LEADER,
     ("decommissionMember", 204): "a lone node is refused (below_min_voters, no_receivers): needs a member whose "
-                                 "removal keeps 3 voters and leaves a receiver (tests/test_moves_cluster.py)",
+                                 "removal keeps 3 voters and leaves a receiver "
+                                 "(tests/test_moves_api.py::test_decommission_a_voter_of_four)",
     ("decommissionMember", 503): NO_LEADER,
     ("cancelDecommission", 503): NO_LEADER,
-    ("abortMove", 202): "needs a move in flight, so a second member to move to (tests/test_moves_cluster.py)",
+    ("abortMove", 202): "needs a move in flight, so a second member to move to "
+                        "(tests/test_moves_api.py::test_decommission_a_voter_of_four, tests/test_moves_cluster.py)",
     ("abortMove", 503): NO_LEADER + "; or the abort's outcome unknown",
     ("createTopic", 503): NO_LEADER,
     ("alterTopic", 503): NO_LEADER,

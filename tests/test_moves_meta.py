@@ -132,6 +132,26 @@ def test_the_flip_commits_only_from_the_source_to_the_target_and_a_retry_answers
     assert fsm.apply(C.SetMoveTargets([row(0, "n1", "n3", None)])).code == C.Result.CHANGED
 
 
+def test_a_force_promote_flips_only_while_the_source_stays_silent(fsm: Applier) -> None:
+    assert fsm.apply(C.SetMoveTargets([row(0, "n1", None, "n3")])).ok
+    assert fsm.apply(C.MarkDead("n1")).ok
+    judged = fsm.member("n1").heartbeat_ms  # type: ignore[union-attr]
+    # The source heartbeat after the leader judged it silent: the force-promote is refused.
+    assert fsm.apply(C.Heartbeat("n1", "b", 42)).ok
+    assert fsm.apply(C.MarkDead("n1")).ok  # dead again, but with a newer heartbeat on record
+    assert fsm.apply(C.CompleteMove("t", TID, 0, "n1", "n3", judged)).code == C.Result.CHANGED
+    assert fsm.rows()[0] == AssignmentRecord("n1", TID, "n3")
+    # Judged from the heartbeat on record, while it is dead: the flip commits.
+    judged = fsm.member("n1").heartbeat_ms  # type: ignore[union-attr]
+    assert fsm.apply(C.CompleteMove("t", TID, 0, "n1", "n3", judged)).ok
+    assert fsm.rows()[0] == AssignmentRecord("n3", TID, None)
+    # Alive (registered again) refuses it too.
+    assert fsm.apply(C.SetMoveTargets([row(1, "n1", None, "n2")])).ok
+    assert fsm.apply(C.RegisterMember(MemberRecord("n1", "127.0.0.1:9000"))).ok
+    judged = fsm.member("n1").heartbeat_ms  # type: ignore[union-attr]
+    assert fsm.apply(C.CompleteMove("t", TID, 1, "n1", "n2", judged)).code == C.Result.CHANGED
+
+
 def test_draining_survives_registration_and_heartbeats_store_the_backlog(fsm: Applier) -> None:
     assert fsm.apply(C.SetDraining("ghost", True)).code == C.Result.NOT_FOUND
     assert fsm.apply(C.SetDraining("n2", True)).ok

@@ -280,13 +280,18 @@ class CompleteMove(msgspec.Struct, array_like=True):
     """The flip: owner := target, target := None, only if the owner is still
     `source` and the target still `target`. A flip that already happened (owner
     == target, no target) answers OK with message "done"; anything else CHANGED;
-    no row of that incarnation NOT_FOUND."""
+    no row of that incarnation NOT_FOUND.
+
+    ``source_heartbeat_ms`` (a force-promote; -1: not one): also CHANGED unless
+    the source's member record is dead with no heartbeat newer than this stamp
+    (the one the leader judged the source's silence from)."""
 
     topic: str
     topic_id: str
     partition: int
     source: str
     target: str
+    source_heartbeat_ms: int = -1
 
 
 class SetDraining(msgspec.Struct, array_like=True):

@@ -1135,6 +1135,11 @@ class FSM:
         if row.owner != p.source or row.target != p.target:
             return _refuse(C.Result.CHANGED, f"{p.topic}/{p.partition} is owned by {row.owner} with target "
                                              f"{row.target}, not {p.source} -> {p.target}"), set()
+        if p.source_heartbeat_ms >= 0:  # a force-promote: only while the source stays silent
+            src = self._get_member(txn, p.source)
+            if src is not None and (src.status == "alive" or src.heartbeat_ms > p.source_heartbeat_ms):
+                return _refuse(C.Result.CHANGED, f"the source {p.source} is alive again (heartbeat after it was "
+                                                 "judged dead): no force-promote"), set()
         row.owner, row.target = p.target, None
         txn.put(R.part_key(p.topic, p.partition), R.ENCODER.encode(row), db=self.dbs["assignments"])
         return _ok(), {V.ASSIGNMENTS, V.name_slot(p.topic)}

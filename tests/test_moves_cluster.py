@@ -309,3 +309,49 @@ def test_chaos_scale_three_to_five_then_kill_leader_and_new_node_together(tmp_pa
     finally:
         stop_all()
         c.close()
+
+
+def test_dead_source_is_force_promoted_and_its_returning_copy_reclaimed(tmp_path: Path) -> None:
+    """The source dies while its partition is frozen and stays down: after the
+    force-promote time (seam: 4 s) seen by the destination and the leader (the
+    member marked dead), the destination flips from its copy; when the source
+    returns, the stale-copy sweep finds the owner vouching for everything its copy
+    holds and removes it. Nothing acknowledged is lost."""
+    env = {**FAST, "NARAD_MOVE_FORCE_AFTER_MS": "4000", "NARAD_CLUSTER_HEARTBEAT_INTERVAL": "1s",
+           "NARAD_CLUSTER_MEMBER_DEAD_AFTER": "3s", "NARAD_MOVE_SWEEP_MS": "2000"}
+    c = Cluster(tmp_path, 4, initial=3, env=env)
+    try:
+        c.start()
+        n1 = c["n1"]
+        assert n1.post("/v1/topics", {"name": "mv", "partitions": 6}).status == 201
+        for nid in c.initial:
+            wait_for(lambda nid=nid: c[nid].get("/v1/topics/mv").status == 200)
+        h = History(3.0)
+        live = list(c.initial)
+        tr = Traffic(h, "mv", lambda: [c[x] for x in live], producers=2, consumers=2, rotate_every=50).start()
+        tr.wait_more(200, what="before the scale-out")
+        n4 = c["n4"]
+        n4.extra_env["NARAD_FAULT_MOVE_HOLD_FROZEN_MS"] = "2000"
+        with h.fault("n4 joins; the source of its move dies while frozen and stays down"):
+            c.start(["n4"])
+            live.append("n4")
+            wait_for(lambda: _log_has(n4, "move held frozen (test seam)"), 60, 0.05, "a move held frozen")
+            m = next(x for x in moves(n1 if "n1" in live else c["n2"]) if x["to"] == "n4")
+            src = c[m["from"]]
+            live.remove(src.node_id)
+            src.kill9()
+            via = c["n2"] if src.node_id == "n1" else n1
+            wait_for(lambda: _log_has(n4, "partition force-promoted from a copy of its dead source"), 90, 0.2,
+                     "the force-promote")
+            assert owners(via, "mv")[m["partition"]] == "n4"
+            tr.wait_more(150, what="with the source down")
+            src.start()
+            live.append(src.node_id)
+            wait_for(lambda: _log_has(src, "old copy of a moved partition removed"), 60, 0.2,
+                     "the returning source's copy reclaimed")
+            assert "quarantined" not in src.log()
+            tr.wait_more(150, what="after the source returned")
+        finish(c, h, tr, "mv", 6, via, "force-promote a dead source")
+    finally:
+        stop_all()
+        c.close()

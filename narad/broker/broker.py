@@ -1506,6 +1506,7 @@ class Broker:
                         (P.MoveChunkReq, at_owner(src.chunk, P.MoveChunkResp)),
                         (P.MoveFreezeReq, at_owner(src.freeze, P.MoveFreezeResp)),
                         (P.MoveThawReq, at_owner(src.thaw, P.MoveFreezeResp)),
+                        (P.MoveVouchReq, at_owner(src.vouch, P.MoveVouchResp)),
                         (P.MoveStatusReq, move_status)):
             s.register(typ, fn)  # type: ignore[arg-type]
         for typ, fn in ((P.CommitReq, commit), (P.ConsumeReq, consume), (P.AckReq, ack), (P.ReplayReq, replay),

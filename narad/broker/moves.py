@@ -52,6 +52,7 @@ from narad.meta import requests as Q
 from narad.meta import versions as V
 from narad.meta.records import TopicRecord
 from narad.storage import cursor_file as CF
+from narad.storage import fileio
 from narad.storage import transfer as TR
 
 from . import peers as P
@@ -69,6 +70,9 @@ FLIP_WINDOW = 120.0  # a flip is re-proposed (under a re-armed freeze) for this 
 AMBIGUITY_WAIT = 15.0  # an install is undone only by a leader read this long after the last proposal
 RPC_TIMEOUT = 10.0
 MAX_FINALIZE_PASSES = 200
+FORCE_AFTER = float(os.environ.get("NARAD_MOVE_FORCE_AFTER_MS", "120000")) / 1000.0  # a dead source's partition
+SWEEP_EVERY = float(os.environ.get("NARAD_MOVE_SWEEP_MS", "30000")) / 1000.0  # the stale-copy sweep
+_SOURCE_DOWN = (OSError, TimeoutError, Unavailable)
 # Test seams (environment, tests only): slow a copy down per chunk, hold a move in its
 # frozen phase before the fence, or just before it proposes the flip (kill windows).
 COPY_DELAY = float(os.environ.get("NARAD_FAULT_MOVE_CHUNK_DELAY_MS", "0")) / 1000.0
@@ -114,6 +118,37 @@ def read_cursors(d: Path) -> list[tuple[str, str, int]]:
     return out
 
 
+def _stale_candidates(root: Path) -> list[tuple[str, str, int, Path, bool]]:
+    """(topic, incarnation, partition, dir, moved aside?) of every plain partition
+    directory and every ``<p>.moved-<token>`` one under the topics root."""
+    out: list[tuple[str, str, int, Path, bool]] = []
+    try:
+        tops = sorted(os.listdir(root))
+    except FileNotFoundError:
+        return out
+    for tname in tops:
+        name, sep, tid = tname.rpartition("@")
+        if not sep:
+            continue
+        try:
+            subs = sorted(os.listdir(root / tname))
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        for sub in subs:
+            head, dot, rest = sub.partition(".")
+            if len(head) != 6 or head[0] != "p" or not head[1:].isdigit():
+                continue
+            if dot and not rest.startswith("moved-"):
+                continue  # staging and quarantine directories are not stale copies
+            out.append((name, tid, int(head[1:]), root / tname / sub, bool(dot)))
+    return out
+
+
+def _remove_tree(d: Path) -> None:
+    shutil.rmtree(d)
+    fileio.fsync_dir(d.parent)
+
+
 class MoveSource:
     """The source side of a move, in the worker that owns the partition."""
 
@@ -135,9 +170,27 @@ class MoveSource:
     async def list(self, m: P.MoveListReq) -> P.MoveListResp:
         t = self._owned_here(m.topic, m.topic_id, m.partition)
         p = await self.b.partition(t, m.partition)
+        frontier, ahead = p.snapshot_offsets()  # positions first: never past what the listing copies
+        d = _part_dir(self.b.data_dir, t.name, t.id, m.partition)
+        cursors = await self.b.loop.run_in_executor(self.b.io, read_cursors, d)
         hwm, segs = await self.b.loop.run_in_executor(self.b.io, TR.list_open, p.log)
         return P.MoveListResp(hwm, [(s.base, s.size, s.mtime_ms) for s in segs], int(time.time() * 1000),
-                              p.frozen())
+                              p.frozen(), frontier, ahead, cursors)
+
+    async def vouch(self, m: P.MoveVouchReq) -> P.MoveVouchResp:
+        """What this node (the owner, its replica says) holds of a partition another
+        node keeps an old copy of: its move marker and its high watermark now."""
+        b = self.b
+        t = b.store.topic(m.topic)
+        if t is None or t.id != m.topic_id or not 0 <= m.partition < t.partitions:
+            return P.MoveVouchResp(False)
+        node, _w = b.where(t, m.partition)
+        if node != b.node_id:
+            return P.MoveVouchResp(False)
+        d = _part_dir(b.data_dir, t.name, t.id, m.partition)
+        marker = await b.loop.run_in_executor(b.io, TR.read_marker, d) or {}
+        p = await b.partition(t, m.partition)
+        return P.MoveVouchResp(True, p.log.hwm, marker)
 
     async def chunk(self, m: P.MoveChunkReq) -> P.MoveChunkResp:
         t = self._owned_here(m.topic, m.topic_id, m.partition)
@@ -194,8 +247,8 @@ class MoveSource:
 
 
 class _Move:
-    __slots__ = ("aborted", "attempts", "blocked", "copied", "key", "last_error", "phase", "source",
-                 "started_ms", "task", "token", "topic_id", "unverifiable")
+    __slots__ = ("aborted", "attempts", "blocked", "copied", "down_since", "key", "last", "last_error", "phase",
+                 "source", "started_ms", "task", "token", "topic_id", "unverifiable", "warned")
 
     def __init__(self, key: tuple[str, int], topic_id: str, source: str) -> None:
         self.key = key
@@ -211,6 +264,9 @@ class _Move:
         self.aborted = False
         self.unverifiable = 0
         self.task: asyncio.Task[None] | None = None
+        self.last: P.MoveListResp | None = None  # the newest listing (a force-promote installs its positions)
+        self.down_since: float | None = None  # monotonic: since when the source does not answer
+        self.warned = False
 
     def view(self, target: str) -> Q.MoveWorkerView:
         return Q.MoveWorkerView(self.key[0], self.key[1], self.source, target, _rfc3339(self.started_ms),
@@ -250,12 +306,67 @@ class MoveRunner:
         return [mv.view(self.b.node_id) for mv in self.moves.values()]
 
     async def _loop(self) -> None:
+        next_sweep = time.monotonic() + SWEEP_EVERY / 3
         while True:
             try:
                 self.reconcile()
             except Exception:
                 log.exception("move runner pass failed")
+            if time.monotonic() >= next_sweep:
+                next_sweep = time.monotonic() + SWEEP_EVERY
+                try:
+                    await self.sweep()
+                except Exception as e:
+                    log.warning("stale-copy sweep failed", extra={"err": f"{type(e).__name__}: {e}"})
             await asyncio.sleep(TICK)
+
+    # ---- the stale-copy sweep ----------------------------------------------------------------
+    async def sweep(self) -> int:
+        """Old copies of partitions this node no longer owns (``<p>.moved-<token>``
+        after a flip, or a plain directory a crash or a force-promote left): removed
+        only when this replica is provably current, the leader confirms another owner,
+        and that owner vouches for everything the copy holds (its move marker names this
+        node as the source, at a high watermark at least the copy's); otherwise
+        quarantined, never deleted. Returns how many copies were removed."""
+        b = self.b
+        if b.caught_up is None or self.meta_call is None or not await b.caught_up():
+            return 0
+        cands = await self._io(_stale_candidates, b.data_dir / "topics")
+        removed = 0
+        for topic, tid, part, d, moved in cands:
+            if b.route(topic, part) != b.index:
+                continue
+            t = b.store.topic(topic)
+            a = b.store.assignments(topic).get(part)
+            if t is None or t.id != tid or a is None or a.topic_id != tid:
+                continue  # a deleted incarnation: the retire path and the orphan sweep own those
+            if not moved and (a.owner == b.node_id or a.target == b.node_id or (topic, part) in b.partitions):
+                continue  # ours, or an install waiting for its flip
+            lr = await self._leader_read(topic, part)
+            if not lr.found or lr.topic_id != tid or lr.owner == b.node_id or not lr.owner:
+                continue
+            try:
+                v = await b.remote.call(lr.owner, P.MoveVouchReq(topic, tid, part), P.MoveVouchResp, RPC_TIMEOUT)
+            except Exception:
+                continue  # the owner does not answer: ask again next sweep
+            if not v.owns:
+                continue
+            local_hwm, _segs = await self._io(TR.list_closed, d)
+            mk = v.marker
+            mk_hwm = mk.get("hwm")
+            ours = mk.get("source") == b.node_id and mk.get("topic_id", tid) == tid and isinstance(mk_hwm, int)
+            if ours and local_hwm <= mk_hwm:
+                await self._io(_remove_tree, d)
+                removed += 1
+                log.info("old copy of a moved partition removed (its new owner vouched for it)", extra={
+                    "topic": topic, "partition": part, "owner": lr.owner, "dir": str(d), "hwm": local_hwm})
+                continue
+            q = await self._io(TR.quarantine, d, "stale_copy")
+            log.error("old copy of a partition quarantined: its owner cannot vouch for all it holds "
+                      "(recover its records by hand if needed; it is never deleted)", extra={
+                          "topic": topic, "partition": part, "owner": lr.owner, "dir": str(q),
+                          "copy_hwm": local_hwm, "owner_marker": mk, "owner_hwm": v.hwm})
+        return removed
 
     def reconcile(self) -> None:
         b = self.b
@@ -294,7 +405,17 @@ class MoveRunner:
             raise _Aborted()
 
     async def _call(self, mv: _Move, msg: Any, typ: type[T], timeout: float = RPC_TIMEOUT) -> T:
-        return await self.b.remote.call(mv.source, msg, typ, timeout)
+        try:
+            out = await self.b.remote.call(mv.source, msg, typ, timeout)
+        except _SOURCE_DOWN as e:
+            down = not isinstance(e, NaradError) or e.code in (None, "", "unavailable", "node_unreachable")
+            if down and mv.down_since is None:
+                mv.down_since = time.monotonic()
+            raise
+        mv.down_since = None
+        if isinstance(out, P.MoveListResp) and (mv.last is None or out.hwm >= mv.last.hwm):
+            mv.last = out
+        return out
 
     async def _io(self, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
         if kw:
@@ -322,13 +443,21 @@ class MoveRunner:
                 except Exception as e:
                     mv.attempts += 1
                     mv.last_error = f"{type(e).__name__}: {e}"[:300]
-                    lvl = logging.INFO if mv.attempts < 3 else logging.WARNING
-                    log.log(lvl, "partition move attempt failed; retrying",
-                            extra={"topic": name, "partition": part, "from": mv.source, "err": mv.last_error,
-                                   "attempts": mv.attempts})
+                    # Logged at the first few failures, then every 10th (a dead source fails every 5 s).
+                    if mv.attempts <= 3 or mv.attempts % 10 == 0:
+                        lvl = logging.INFO if mv.attempts < 3 else logging.WARNING
+                        log.log(lvl, "partition move attempt failed; retrying",
+                                extra={"topic": name, "partition": part, "from": mv.source, "err": mv.last_error,
+                                       "attempts": mv.attempts})
                     if mv.aborted:
                         await self._abandon(mv, final)
                         return
+                    if mv.down_since is not None and not self.b.remote.node_alive(mv.source):
+                        mv.phase = "waiting_for_source"
+                        if time.monotonic() - mv.down_since >= FORCE_AFTER and await self._force_promote(mv, final):
+                            log.warning("partition force-promoted from a copy of its dead source", extra={
+                                "topic": name, "partition": part, "from": mv.source, "to": self.b.node_id})
+                            return
                     await asyncio.sleep(min(5.0, 0.25 * (2 ** min(mv.attempts, 5))))
         finally:
             if self.moves.get(mv.key) is mv:
@@ -484,16 +613,49 @@ class MoveRunner:
             last = lst.hwm
         raise Unavailable("the source kept changing under its freeze")
 
+    async def _force_promote(self, mv: _Move, final: Path) -> bool:
+        """The source has been dead (its member record, and unreachable from here) for
+        FORCE_AFTER: flip from the staged copy, without a freeze, if the copy reaches
+        at least the high watermark the source last reported (what it committed after
+        that is lost unless it returns; its copy is then quarantined, never deleted)."""
+        name, part = mv.key
+        last = mv.last
+        st = TR.Staging(final)
+        reached = await self._io(st.recovers_to) if last is not None else None
+        if last is None or reached is None or reached < last.hwm:
+            mv.blocked = "source_dead_copy_behind"
+            mv.phase = "blocked"
+            if not mv.warned:
+                mv.warned = True
+                log.error("partition move cannot force-promote: the copy is behind the dead source's last "
+                          "known high watermark (waiting for the source)", extra={
+                              "topic": name, "partition": part, "from": mv.source,
+                              "copy_hwm": reached, "source_hwm": None if last is None else last.hwm})
+            return False
+        why = await self._io(st.verify, reached)
+        if why is not None:
+            mv.last_error = f"force-promote: the copy does not verify: {why}"
+            return False
+        marker = {"source": mv.source, "target": self.b.node_id, "topic_id": mv.topic_id, "hwm": reached,
+                  "token": "", "forced": True}
+        self.b.forget_partition(name, part, mv.topic_id)
+        await self._io(st.install, hwm=reached, frontier=last.frontier, ahead=list(last.ahead),
+                       cursors={c: (e, n) for c, e, n in last.cursors}, marker=marker, seg_mtimes={})
+        self.b.forget_partition(name, part, mv.topic_id)
+        mv.phase = "flip_pending"
+        mv.blocked = None
+        return await self._flip(mv, final, reached, time.monotonic(), force=True)
+
     async def _leader_read(self, name: str, part: int) -> Q.AssignmentReadResp:
         assert self.meta_call is not None
         return await self.meta_call(Q.AssignmentReadReq(name, part), Q.AssignmentReadResp, 15.0)
 
-    async def _flip(self, mv: _Move, final: Path, hwm: int, since: float) -> bool:
+    async def _flip(self, mv: _Move, final: Path, hwm: int, since: float, force: bool = False) -> bool:
         """Propose the flip; resolve an unknown outcome by leader reads. True: this
         node owns the partition. False: go round again (the install was undone)."""
         assert self.meta_call is not None
         name, part = mv.key
-        req = Q.CompleteMoveReq(name, mv.topic_id, part, mv.source, self.b.node_id)
+        req = Q.CompleteMoveReq(name, mv.topic_id, part, mv.source, self.b.node_id, force)
         last_proposal = since
         end = time.monotonic() + FLIP_WINDOW
         propose = True
@@ -524,6 +686,10 @@ class MoveRunner:
             if a.found and a.topic_id == mv.topic_id and a.owner == self.b.node_id:
                 return True
             pending = a.found and a.topic_id == mv.topic_id and a.owner == mv.source and a.target == self.b.node_id
+            if pending and force and time.monotonic() < end:
+                await asyncio.sleep(1.0)  # no freeze to renew: the leader decides whether the source is dead
+                propose = True
+                continue
             if pending and time.monotonic() < end:
                 # Not committed (yet): re-propose while the source still has exactly what we installed.
                 try:

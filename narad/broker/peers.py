@@ -167,6 +167,25 @@ class MoveListResp(msgspec.Struct, array_like=True):
     segments: list[SegTuple]
     now_ms: int  # the source's clock when it listed (segment ages travel relative to it)
     frozen: bool = False
+    # The positions as of this listing (read before it): what a force-promote installs
+    # (clamped) when the source never answers again.
+    frontier: int = -1
+    ahead: list[int] = []
+    cursors: list[tuple[str, str, int]] = []
+
+
+class MoveVouchReq(msgspec.Struct, tag=True, array_like=True):
+    """A node holding an old copy of a partition asks its owner what the owner holds."""
+
+    topic: str
+    topic_id: str
+    partition: int
+
+
+class MoveVouchResp(msgspec.Struct, array_like=True):
+    owns: bool  # this node owns the partition (its replica says so)
+    hwm: int = -1  # the owner's high watermark now
+    marker: dict[str, Any] = {}  # its move.marker ({} if none)
 
 
 class MoveChunkReq(msgspec.Struct, tag=True, array_like=True):

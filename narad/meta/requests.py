@@ -230,6 +230,9 @@ class CompleteMoveReq(msgspec.Struct, tag=True):
     partition: int
     source: str
     target: str
+    # A force-promote (the source dead): the leader also requires the source's member
+    # record dead with its last heartbeat at least the force-promote time old.
+    force: bool = False
 
 
 class CompleteMoveResp(msgspec.Struct):

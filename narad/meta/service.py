@@ -18,6 +18,7 @@ import contextlib
 import contextvars
 import json
 import logging
+import os
 import secrets
 import time
 import uuid
@@ -54,6 +55,7 @@ from narad.meta.store import MetaStore
 log = logging.getLogger("narad.meta.service")
 FORGET_MIN_LEADERSHIP = 12.0  # a leader forgets a Raft server only after leading this long
 MIN_VOTERS = 3  # a decommission never leaves fewer Raft voters
+FORCE_PROMOTE_AFTER_MS = int(os.environ.get("NARAD_MOVE_FORCE_AFTER_MS", "120000"))  # dead source: flip anyway
 MOVE_TYPES = (C.EntryType.SET_MOVE_TARGETS, C.EntryType.COMPLETE_MOVE, C.EntryType.SET_DRAINING,
               C.EntryType.REMOVE_MEMBER)
 audit = logging.getLogger("narad.audit")
@@ -966,7 +968,20 @@ class MetaService:
         that incarnation."""
         self._require_type(C.EntryType.COMPLETE_MOVE, "completing a partition move")
         await self._leader_view()
-        res = await self.write(C.CompleteMove(req.topic, req.topic_id, req.partition, req.source, req.target))
+        if req.force:
+            # A force-promote: the leader's own view must agree the source is dead, with its
+            # last heartbeat (stamped by a leader's clock) at least FORCE_PROMOTE_AFTER old.
+            with self.store.read() as r:
+                src = r.member(req.source)
+            age_ms = self.now_ms() - src.heartbeat_ms if src is not None else None
+            if src is not None and (src.status != "dead" or (age_ms or 0) < FORCE_PROMOTE_AFTER_MS):
+                raise Conflict(f"node {req.source} is not dead long enough to force-promote its partition "
+                               f"(status {src.status}, last heartbeat {(age_ms or 0) / 1000:.0f}s ago; "
+                               f"needs {FORCE_PROMOTE_AFTER_MS / 1000:.0f}s)", code="source_alive")
+        # A force-promote names the heartbeat it judged: one landing before the entry applies refuses it.
+        judged = src.heartbeat_ms if req.force and src is not None else -1
+        res = await self.write(C.CompleteMove(req.topic, req.topic_id, req.partition, req.source, req.target,
+                                              judged))
         if res.ok:
             if res.message != "done":
                 log.info("partition move completed", extra={"topic": req.topic, "partition": req.partition,

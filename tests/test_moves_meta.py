@@ -454,3 +454,85 @@ def test_controller_drains_a_member_then_removes_it_once_its_backlog_is_empty(no
         assert "n2" not in owners and len(owners) == 6
 
     node.run(main())
+
+
+def test_a_draining_leader_hands_over_and_leaves_the_raft_voters(tmp_path: Path) -> None:
+    """Four voters in process (real pysyncobj on 127.0.0.1, one LMDB file each): the
+    leader is decommissioned; owning nothing, with an empty backlog reported, it hands
+    the leadership over (leader_transfer), the new leader removes it from the voters
+    (4 -> 3, never below 3) and then removes its member record."""
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        cfg = load_config(os.devnull, env={})
+        addrs = [f"127.0.0.1:{p}" for p in free_ports(4)]
+        ids = [f"v{i + 1}" for i in range(4)]
+        versions = [V.VersionTable.create(f"/narad-moves4-{os.getpid()}-{i}-{time.monotonic_ns()}")
+                    for i in range(4)]
+        fsms = [FSM(tmp_path / f"fsm{i}") for i in range(4)]
+        stores = [MetaStore(tmp_path / f"fsm{i}", versions[i], fsm=fsms[i]) for i in range(4)]
+        rafts = [RaftNode(self_addr=addrs[i], peers=addrs, raft_dir=tmp_path / f"raft{i}", sm=fsms[i], loop=loop,
+                          password=None, bind_host="127.0.0.1") for i in range(4)]
+        metas = [MetaService(cfg, rafts[i], stores[i], ids[i]) for i in range(4)]
+        routers = [MetadataRouter(node_id=ids[i], meta=metas[i], raft=rafts[i], store=stores[i],
+                                  applied=lambda i=i: fsms[i].applied_index, client=None,
+                                  write_timeout=5.0) for i in range(4)]
+        ctls = [Controller(metas[i], routers[i], member=MemberRecord(ids[i], addrs[i]), data_dir=tmp_path,
+                           security=False, versions=versions[i], plan_every=0.0) for i in range(4)]
+
+        def leader() -> int | None:
+            return next((i for i in range(4) if rafts[i].is_leader()), None)
+
+        try:
+            for r in rafts:
+                r.start()
+            deadline = time.monotonic() + 30
+            while leader() is None:
+                assert time.monotonic() < deadline, "no leader"
+                await asyncio.sleep(0.02)
+            first = leader()
+            assert first is not None
+            for i in range(4):
+                assert (await metas[first].write(C.RegisterMember(MemberRecord(
+                    ids[i], addrs[i], newest_entry_type=42, entry_types=EVERY)))).ok
+            await metas[first].decommission(Q.DecommissionReq(OPERATOR, ids[first]))
+            seen: set[str] = set()
+            deadline = time.monotonic() + 60
+            while True:
+                assert time.monotonic() < deadline, (seen, [r.status() for r in rafts])
+                now = leader()
+                if now is not None:
+                    try:
+                        with stores[now].read() as rd:
+                            if rd.member(ids[first]) is None:
+                                break
+                        await metas[now].heartbeat(Q.HeartbeatReq(ids[first], "b", 42, entry_types=EVERY,
+                                                                  dispatch_backlog=0))
+                        await ctls[now].move_duties(time.monotonic())
+                        seen |= {x.code for x in ctls[now].decommission_blocked.get(ids[first], [])}
+                    except (Unavailable, Conflict) as e:  # an election in between
+                        seen.add(f"err:{type(e).__name__}")
+                await asyncio.sleep(0.1)
+            now = leader()
+            assert now is not None and now != first
+            assert "leader_transfer" in seen
+            assert sorted(rafts[now].voters()) == sorted(a for i, a in enumerate(addrs) if i != first)
+            with stores[now].read() as rd:
+                assert rd.txn.get(ids[first].encode(), db=rd.dbs["removed_members"]) is not None
+                assert sorted(m.id for m in rd.members()) == sorted(x for i, x in enumerate(ids) if i != first)
+            with pytest.raises(Conflict) as e:
+                await metas[now].heartbeat(Q.HeartbeatReq(ids[first], "b", 42, dispatch_backlog=0))
+            assert e.value.code == "removed"
+            # Three voters left: a further decommission of a voter is refused.
+            other = next(i for i in range(4) if i not in (first, now))
+            with pytest.raises(Conflict) as e:
+                await metas[now].decommission(Q.DecommissionReq(OPERATOR, ids[other]))
+            assert [r["code"] for r in e.value.extra["reasons"]] == ["below_min_voters"]  # type: ignore[union-attr]
+        finally:
+            for r in rafts:
+                r.close()
+            for f in fsms:
+                f.close()
+            for v in versions:
+                v.close()
+
+    asyncio.run(main())

@@ -536,3 +536,28 @@ def test_a_draining_leader_hands_over_and_leaves_the_raft_voters(tmp_path: Path)
                 v.close()
 
     asyncio.run(main())
+
+
+def test_a_node_heartbeat_carries_its_dispatch_backlog(tmp_path: Path) -> None:
+    """A real node (one worker): its heartbeats report the dispatch backlog its
+    workers' ingress WALs hold (0 when idle), read from the member record in its
+    metastore file; a record the decommission driver could never act on says -1."""
+    from narad.meta import fsm as F
+    from tests.harness import Node, wait_for
+
+    n = Node(tmp_path / "data", workers=1, env={"NARAD_CLUSTER_HEARTBEAT_INTERVAL": "250ms"}).start()
+    try:
+        env = F.open_env(F.fsm_dir(n.data_dir), readonly=True)
+        try:
+            dbs = F.open_dbs(env, create=False)
+
+            def backlog() -> int | None:
+                with env.begin() as txn:
+                    m = Reader(txn, dbs).member(n.node_id)
+                return None if m is None else m.dispatch_backlog
+
+            wait_for(lambda: backlog() == 0, timeout=30, what=f"a heartbeat reporting backlog 0 (got {backlog()})")
+        finally:
+            env.close()
+    finally:
+        n.close()

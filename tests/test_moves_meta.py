@@ -382,6 +382,42 @@ def test_service_decommission_refusals_dry_run_and_cancel(node: Node, tmp_path: 
     assert decom("n3", cancel=True) == Q.Empty()
 
 
+def test_a_removed_id_is_refused_at_join_until_it_comes_with_an_empty_disk(node: Node) -> None:
+    """The leader's join policy (the supervisor's, on this real replica and Raft group):
+    a tombstoned id is refused 409 ``removed``; a join declaring an empty data dir gets
+    503 while the leader clears the tombstone (type 42), then it is admitted."""
+    from types import SimpleNamespace
+
+    from narad.supervisor.main import Supervisor
+
+    sup: Any = SimpleNamespace(fsm=node.fsm, raft=node.raft, meta=node.meta, _tasks=[], _older_joiner_logged={},
+                               _tombstones_clearing=set())
+    sup._clear_tombstone = lambda nid: Supervisor._clear_tombstone(sup, nid)
+    join = {"node_id": "j1", "raft_addr": "127.0.0.1:77", "newest_entry_type": 42, "entry_types": EVERY}
+    j1 = MemberRecord("j1", "127.0.0.1:77", newest_entry_type=42, entry_types=EVERY)
+
+    async def main() -> None:
+        assert (await node.meta.write(C.RegisterMember(j1))).ok
+        assert (await node.meta.write(C.RemoveMember("j1"))).ok
+        for extra in ({}, {"empty_disk": False}, {"probe": True}):
+            verdict = Supervisor._join_policy(sup, {**join, **extra})
+            assert verdict is not None and verdict[0] == 409 and verdict[1]["code"] == "removed", verdict
+        verdict = Supervisor._join_policy(sup, {**join, "empty_disk": True})
+        assert verdict is not None and verdict[0] == 503 and verdict[1]["code"] == "removed"
+        deadline = time.monotonic() + 10
+        while True:
+            with node.store.read() as r:
+                if r.txn.get(b"j1", db=r.dbs["removed_members"]) is None:
+                    break
+            assert time.monotonic() < deadline, "tombstone not cleared"
+            await asyncio.sleep(0.02)
+        assert Supervisor._join_policy(sup, {**join, "empty_disk": True}) is None  # admitted
+        assert (await node.meta.write(C.RegisterMember(j1))).ok
+        assert (await node.meta.write(C.RemoveMember("j1"))).ok  # leave the other tests their members
+
+    node.run(main())
+
+
 def test_controller_drains_a_member_then_removes_it_once_its_backlog_is_empty(node: Node) -> None:
     """The whole decommission on the leader: planned moves off the draining member
     (never onto it), flips by the destination, the wait for a heartbeat reporting an

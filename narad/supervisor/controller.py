@@ -54,7 +54,7 @@ PLACEMENT_EVERY = 10.0
 PRUNE_EVERY = 60.0  # orphan assignment rows: at takeover, then about every minute
 PLAN_EVERY = float(os.environ.get("NARAD_MOVE_PLAN_MS", "10000")) / 1000  # the move planner's tick
 REMOVED_RETRY = 30.0  # a removed node asks again this often (its registration and heartbeats are refused)
-BACKLOG_MARGIN_MS = 1000  # the backlog gauges are up to a second old: a heartbeat counts this long after
+BACKLOG_MARGIN_MS = 2000  # gauges up to 1 s old, the value sent up to 1 s more: a heartbeat counts after this
 MOVES_SOON = 1.0  # the move duties run this soon after a change, or while a member drains
 REMOVE_WAIT = 10.0  # a Raft server removal that did not commit within this is retried next tick
 

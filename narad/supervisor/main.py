@@ -133,6 +133,7 @@ class Supervisor:
         self.metrics_listener: MetricsListener | None = None
         self._older_joiner_logged: dict[str, float] = {}  # node id -> when its refusal was last logged
         self._tombstones_clearing: set[str] = set()  # removed ids rejoining with an empty disk (leader)
+        self._backlog_cache: tuple[float, int] | None = None  # (when, value) of the heartbeat's dispatch backlog
 
     # ------------------------------------------------------------------------
     # Boot checklist. Steps 1-9 run before any thread or event loop exists.
@@ -651,13 +652,21 @@ class Supervisor:
 
     async def _dispatch_backlog(self) -> int:
         """Records in this node's ingress WALs not yet confirmed at their owner (staged
-        plus accepted, every worker, as of its last second), for the heartbeat; -1 unknown."""
+        plus accepted, every worker, as of its last second), for the heartbeat; -1 unknown.
+        The workers set those gauges once a second: asked at most that often (a short
+        heartbeat interval does not gather every worker's metrics four times a second)."""
+        now = time.monotonic()
+        cached = self._backlog_cache
+        if cached is not None and now - cached[0] < 1.0:
+            return cached[1]
         families = await self._gather_metrics()
         names = ("narad_ingress_wal_pending_records", "narad_ingress_dispatch_backlog_records")
         found = [f for f in families if f.name in names and f.samples]
-        if not found or len(self.worker_metrics) < sum(1 for w in self.workers.workers if w.alive):
-            return -1
-        return int(sum(v[0] for f in found for _, v in f.samples))
+        value = -1
+        if found and len(self.worker_metrics) >= sum(1 for w in self.workers.workers if w.alive):
+            value = int(sum(v[0] for f in found for _, v in f.samples))
+        self._backlog_cache = (now, value)
+        return value
 
     def _on_worker_exit(self, pid: int) -> None:
         with contextlib.suppress(Exception):

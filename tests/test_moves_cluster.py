@@ -261,8 +261,11 @@ def test_decommission_a_node_under_traffic_until_it_leaves(tmp_path: Path) -> No
         n4 = c["n4"]
         said = "this node was removed from the cluster"
         wait_for(lambda: said in n4.log(), 60, 0.2, "n4 learns it was removed")
-        r = n4.get("/readyz")
-        assert r.status == 503 and "removed from the cluster" in r.json()["error"], r
+
+        def says_removed() -> bool:
+            r = n4.get("/readyz")
+            return r.status == 503 and "removed from the cluster" in r.json()["error"]
+        wait_for(says_removed, 10, 0.1, "n4's /readyz naming the removal")
         n4.kill9()
         n4.start(wait=False)
         wait_for(lambda: n4.log().count(said) >= 2, 60, 0.2, "the restarted removed node refused")

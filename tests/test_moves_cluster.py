@@ -124,12 +124,15 @@ def move_detail(n: Node) -> list[dict[str, Any]]:
     return list(r.json()["moves"]) if r.status == 200 else []
 
 
-def scale_with_fault(tmp_path: Path, seam: dict[str, str], fault: Any, name: str, *, fill_bytes: int = 0) -> None:
+def scale_with_fault(tmp_path: Path, seam: dict[str, str], fault: Any, name: str, *, fill_bytes: int = 0,
+                     initial_env: dict[str, str] | None = None) -> None:
     """3 nodes, a loaded 6-partition topic, then n4 joins with `seam` in its
     environment; `fault(c, h)` runs once a move is under way (and declares its own
     fault window); afterwards every partition must be spread (2/2/1/1... floor/ceil)
     and every message answered 202 delivered and acked."""
     c = Cluster(tmp_path, 4, initial=3, env=FAST)
+    for nid in c.initial:
+        c[nid].extra_env.update(initial_env or {})
     try:
         c.start()
         n1 = c["n1"]
@@ -225,52 +228,57 @@ def test_abort_a_frozen_move_lifts_the_freeze_and_keeps_the_owner(tmp_path: Path
     scale_with_fault(tmp_path, {"NARAD_FAULT_MOVE_HOLD_FROZEN_MS": "4000"}, fault, "abort a frozen move")
 
 
-def test_decommission_a_node_under_traffic_until_it_leaves(tmp_path: Path) -> None:
+@pytest.mark.parametrize("which", ["joiner", "leader"])
+def test_decommission_a_node_under_traffic_until_it_leaves(tmp_path: Path, which: str) -> None:
+    """Decommission a node (the joiner n4, or the Raft leader: leadership is handed
+    over first) under traffic: it sheds its partitions, leaves the Raft voters and
+    the members, learns it was removed, and its id is refused after a restart."""
     c = Cluster(tmp_path, 4, initial=3, env=FAST)
     try:
         c.start()
-        n1 = c["n1"]
-        assert n1.post("/v1/topics", {"name": "mv", "partitions": 8}).status == 201
+        assert c["n1"].post("/v1/topics", {"name": "mv", "partitions": 8}).status == 201
         c.start(["n4"])
-        wait_for(lambda: spread(n1, "mv", c.ids, 8), 120, 0.2, "partitions spread over 4 nodes")
+        wait_for(lambda: spread(c["n1"], "mv", c.ids, 8), 120, 0.2, "partitions spread over 4 nodes")
+        vid = "n4" if which == "joiner" else c.leader()
+        victim = c[vid]
+        via = c[next(x for x in c.ids if x != vid)]
         h = History(3.0)
         live = list(c.ids)
         tr = Traffic(h, "mv", lambda: [c[x] for x in live], producers=2, consumers=2, rotate_every=50).start()
         tr.wait_more(200, what="before the decommission")
-        dry = n1.post("/v1/cluster/members/n4/decommission?dry_run=true")
+        dry = via.post(f"/v1/cluster/members/{vid}/decommission?dry_run=true")
         assert dry.status == 200 and dry.json()["would_decommission"] is True, dry
-        with h.fault("decommission n4 (its partitions move off; moves redeliver what was unacked)"):
-            r = n1.post("/v1/cluster/members/n4/decommission")
+        with h.fault(f"decommission {vid} (its partitions move off; moves redeliver what was unacked)"):
+            r = via.post(f"/v1/cluster/members/{vid}/decommission")
             assert r.status == 204, r
-            live.remove("n4")
-            wait_for(lambda: "n4" not in owners(n1, "mv").values() and not moves(n1), 120, 0.2,
-                     "n4 owns nothing")
+            live.remove(vid)
+            wait_for(lambda: vid not in owners(via, "mv").values() and not moves(via), 120, 0.2,
+                     f"{vid} owns nothing")
             tr.wait_more(200, what="after the drain")
 
             def gone() -> bool:
-                ms = n1.get("/v1/cluster/members").json()["members"]
-                return all(m["id"] != "n4" for m in ms)
-            wait_for(gone, 120, 0.2, "n4 removed from the members")
-            voters = n1.status()["raft"]["voters"]
-            assert f"127.0.0.1:{c['n4'].raft_port}" not in voters, voters
-        assert collections.Counter(owners(n1, "mv").values()) == {"n1": 3, "n2": 3, "n3": 2} or \
-            sorted(collections.Counter(owners(n1, "mv").values()).values()) == [2, 3, 3]
-        finish(c, h, tr, "mv", 8, n1, "decommission n4")
+                ms = via.get("/v1/cluster/members").json()["members"]
+                return all(m["id"] != vid for m in ms)
+            wait_for(gone, 120, 0.2, f"{vid} removed from the members")
+            voters = via.status()["raft"]["voters"]
+            assert f"127.0.0.1:{victim.raft_port}" not in voters, voters
+            assert len(voters) == 3, voters
+        assert sorted(collections.Counter(owners(via, "mv").values()).values()) == [2, 3, 3]
+        finish(c, h, tr, "mv", 8, via, f"decommission {vid}")
         # The removed node hears no leader any more: it asks, is told its id was removed, says
         # so and reports not ready; a restart with its old disk is refused the same way.
-        n4 = c["n4"]
         said = "this node was removed from the cluster"
-        wait_for(lambda: said in n4.log(), 60, 0.2, "n4 learns it was removed")
+        wait_for(lambda: said in victim.log(), 60, 0.2, f"{vid} learns it was removed")
 
         def says_removed() -> bool:
-            r = n4.get("/readyz")
+            r = victim.get("/readyz")
             return r.status == 503 and "removed from the cluster" in r.json()["error"]
-        wait_for(says_removed, 10, 0.1, "n4's /readyz naming the removal")
-        n4.kill9()
-        n4.start(wait=False)
-        wait_for(lambda: n4.log().count(said) >= 2, 60, 0.2, "the restarted removed node refused")
-        ms = n1.get("/v1/cluster/members").json()["members"]
-        assert all(m["id"] != "n4" for m in ms), ms
+        wait_for(says_removed, 10, 0.1, f"{vid}'s /readyz naming the removal")
+        victim.kill9()
+        victim.start(wait=False)
+        wait_for(lambda: victim.log().count(said) >= 2, 60, 0.2, "the restarted removed node refused")
+        ms = via.get("/v1/cluster/members").json()["members"]
+        assert all(m["id"] != vid for m in ms), ms
     finally:
         stop_all()
         c.close()
@@ -358,3 +366,22 @@ def test_dead_source_is_force_promoted_and_its_returning_copy_reclaimed(tmp_path
     finally:
         stop_all()
         c.close()
+
+
+def test_kill9_leader_mid_flip_after_commit_the_destination_resolves_by_a_leader_read(tmp_path: Path) -> None:
+    """The flip entry commits but the leader dies before answering: the destination
+    (its call failed) keeps its install and asks the new leader, which says it owns
+    the partition."""
+    def fault(c: Cluster, h: History) -> None:
+        def holding() -> str | None:
+            return next((x for x in c.initial if c[x].proc is not None and
+                         _log_has(c[x], "flip committed; answer held (test seam)")), None)
+        leader = wait_for(holding, 60, 0.05, "a leader holding a flip's answer")
+        c[leader].kill9()
+        c[leader].extra_env.pop("NARAD_FAULT_FLIP_ANSWER_HOLD_MS", None)
+        c[leader].start()
+        # The destination's runner itself ends (its call failed; the new leader says it owns it).
+        wait_for(lambda: _log_has(c["n4"], "partition move finished"), 60, 0.1, "the runner resolves the flip")
+
+    c_env = {"NARAD_FAULT_FLIP_ANSWER_HOLD_MS": "30000"}
+    scale_with_fault(tmp_path, {}, fault, "kill -9 leader mid-flip", initial_env=c_env)

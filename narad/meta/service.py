@@ -55,6 +55,7 @@ from narad.meta.store import MetaStore
 log = logging.getLogger("narad.meta.service")
 FORGET_MIN_LEADERSHIP = 12.0  # a leader forgets a Raft server only after leading this long
 MIN_VOTERS = 3  # a decommission never leaves fewer Raft voters
+FLIP_ANSWER_HOLD = float(os.environ.get("NARAD_FAULT_FLIP_ANSWER_HOLD_MS", "0")) / 1000.0  # tests only
 FORCE_PROMOTE_AFTER_MS = int(os.environ.get("NARAD_MOVE_FORCE_AFTER_MS", "120000"))  # dead source: flip anyway
 MOVE_TYPES = (C.EntryType.SET_MOVE_TARGETS, C.EntryType.COMPLETE_MOVE, C.EntryType.SET_DRAINING,
               C.EntryType.REMOVE_MEMBER)
@@ -986,6 +987,10 @@ class MetaService:
             if res.message != "done":
                 log.info("partition move completed", extra={"topic": req.topic, "partition": req.partition,
                                                             "from": req.source, "to": req.target})
+                if FLIP_ANSWER_HOLD:  # test seam: the flip committed, its answer not sent (kill the leader now)
+                    log.info("flip committed; answer held (test seam)", extra={"topic": req.topic,
+                                                                              "partition": req.partition})
+                    await asyncio.sleep(FLIP_ANSWER_HOLD)
             return Q.CompleteMoveResp("done")
         if res.code == C.Result.CHANGED:
             return Q.CompleteMoveResp("refused")

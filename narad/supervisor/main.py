@@ -732,8 +732,9 @@ class Supervisor:
         silent = self.not_responding()
         if silent is not None:
             return False, silent[0]
-        if self.removed:
-            return False, 14
+        ctl = getattr(self, "controller", None)
+        if self.removed or (ctl is not None and ctl.removed):
+            return False, 14  # the leader refused this node's id (the probe, or a refused heartbeat)
         if not self.admitted.is_set():
             return False, 9
         st = self.raft.status()

@@ -36,6 +36,7 @@ broker's peers messages; the broker hands itself in (no import of broker.py).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import os
@@ -70,6 +71,7 @@ FLIP_WINDOW = 120.0  # a flip is re-proposed (under a re-armed freeze) for this 
 AMBIGUITY_WAIT = 15.0  # an install is undone only by a leader read this long after the last proposal
 RPC_TIMEOUT = 10.0
 MAX_FINALIZE_PASSES = 200
+COPY_WINDOW = 4  # chunk requests in flight per move (1 MiB each)
 FORCE_AFTER = float(os.environ.get("NARAD_MOVE_FORCE_AFTER_MS", "120000")) / 1000.0  # a dead source's partition
 SWEEP_EVERY = float(os.environ.get("NARAD_MOVE_SWEEP_MS", "30000")) / 1000.0  # the stale-copy sweep
 _SOURCE_DOWN = (OSError, TimeoutError, Unavailable)
@@ -472,29 +474,48 @@ class MoveRunner:
             await self._io(TR.Staging(final).discard)
 
     async def _copy(self, mv: _Move, st: TR.Staging, segs: list[tuple[int, int, int]]) -> int:
-        """Fetch what the staging copy lacks of this listing; returns bytes copied."""
+        """Fetch what the staging copy lacks of this listing; returns bytes copied.
+        Up to COPY_WINDOW chunk requests are in flight; chunks are written in order."""
         infos = [TR.SegInfo(b, s, t) for b, s, t in segs]
         ranges = await self._io(st.plan, infos)
-        n = 0
         name, part = mv.key
+        pieces: list[tuple[int, int, int]] = []
         for base, off, length in ranges:
             while length > 0:
-                self._check(mv)
-                got = await self._call(mv, P.MoveChunkReq(name, mv.topic_id, part, base, off,
-                                                          min(length, TR.CHUNK_MAX)), P.MoveChunkResp)
-                if not got.data:
-                    raise Unavailable(f"the source returned no bytes for segment {base} at {off}")
-                await self._io(st.write, base, off, got.data)
-                if COPY_DELAY:
-                    await asyncio.sleep(COPY_DELAY)
-                k = len(got.data)
+                k = min(length, TR.CHUNK_MAX)
+                pieces.append((base, off, k))
                 off += k
                 length -= k
+        n = 0
+        window: collections.deque[tuple[int, int, int, asyncio.Task[P.MoveChunkResp]]] = collections.deque()
+        it = iter(pieces)
+        try:
+            while True:
+                while len(window) < COPY_WINDOW:
+                    nxt = next(it, None)
+                    if nxt is None:
+                        break
+                    self._check(mv)
+                    b, o, k = nxt
+                    req = P.MoveChunkReq(name, mv.topic_id, part, b, o, k)
+                    window.append((b, o, k, self.b.loop.create_task(self._call(mv, req, P.MoveChunkResp))))
+                if not window:
+                    return n
+                b, o, k, task = window.popleft()
+                got = await task
+                if len(got.data) != k:
+                    raise Unavailable(f"the source returned {len(got.data)} bytes for segment {b} at {o}, "
+                                      f"not {k}")
+                await self._io(st.write, b, o, got.data)
+                if COPY_DELAY:
+                    await asyncio.sleep(COPY_DELAY)
                 n += k
                 mv.copied += k
                 if self.m_bytes is not None:
                     self.m_bytes.inc(k)
-        return n
+        finally:
+            for _b, _o, _k, t in window:
+                t.cancel()
 
     async def _rearm(self, mv: _Move) -> None:
         name, part = mv.key
@@ -526,6 +547,7 @@ class MoveRunner:
             lst = await self._call(mv, P.MoveListReq(name, mv.topic_id, part), P.MoveListResp)
             if await self._copy(mv, st, lst.segments) < LAG_BYTES:
                 break
+        await self._io(st.durable)  # what the pre-copy wrote is synced before the freeze, not during it
         self._check(mv)
         fr = await self._call(mv, P.MoveFreezeReq(name, mv.topic_id, part, "", False, FREEZE_TTL_MS),
                               P.MoveFreezeResp)

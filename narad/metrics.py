@@ -275,6 +275,28 @@ class _Metrics:
         self.fanout_dropped = a(Counter("narad_fanout_child_dropped_messages",
                                         "parent records never copied: aged out of parent retention before the "
                                         "cursor read them, or unreadable (loss)", ["parent", "child"]))
+        # Partition moves (issue 13): destination runners, the source's freezes, the leader's view.
+        self.move_copied = a(Counter("narad_move_copied_bytes_total",
+                                     "bytes copied by this node's move runners (it is their destination)"))
+        self.moves_finished = a(Counter("narad_moves_finished_total",
+                                        "moves this node received or abandoned, by outcome (done: flipped after "
+                                        "a freeze; forced: force-promoted from a dead source; abandoned: the "
+                                        "target was cleared)", ["outcome"]))
+        self.moves_running = a(Gauge("narad_moves_in_flight", "move runners on this node (it is their destination)"))
+        self.moves_blocked = a(Gauge("narad_moves_blocked",
+                                     "move runners blocked, by reason (copy_unverifiable, source_dead_copy_behind)",
+                                     ["reason"]))
+        self.move_freezes = a(Counter("narad_move_freezes_total",
+                                      "partitions this node froze as a move's source (refreezes included)"))
+        self.quarantined = a(Gauge("narad_quarantined_copies",
+                                   "partition copies this node set aside (quarantine), never deleted: look at them"))
+        self.decommission_blocked = a(Gauge("narad_decommission_blocked",
+                                            "the leader's view: a draining member's removal waits for this reason",
+                                            ["node", "reason"]))
+        for outcome in ("done", "forced", "abandoned"):
+            self.moves_finished.labels(outcome)
+        for reason in ("copy_unverifiable", "source_dead_copy_behind"):
+            self.moves_blocked.labels(reason)
         for labels in ERROR_KINDS:
             self.errors.labels(*labels)
         for reason in SCHEMA_REJECTION_REASONS:

@@ -85,6 +85,12 @@ def test_scale_three_to_five_spreads_partitions_under_traffic(tmp_path: Path) ->
         print(f"\nscale 3 to 5: partitions spread in {took:.1f}s; owners {sorted(owners(n1, 'mv').items())}")
         own = owners(n1, "mv")
         assert collections.Counter(own.values()) == {x: 2 for x in c.ids}
+        # The metrics say so: each new node received its two moves; the sources froze four partitions.
+        wait_for(lambda: all(c[x].metric('narad_moves_finished_total{outcome="done"}') >= 2 for x in ("n4", "n5")),
+                 20, 0.5, "the receivers' finished-move counters (5 s metrics poll)")
+        assert all(c[x].metric("narad_move_copied_bytes_total") > 0 for x in ("n4", "n5"))
+        assert sum(c[x].metric("narad_move_freezes_total") for x in c.initial) >= 4
+        assert all(c[x].metric("narad_moves_in_flight") == 0 for x in c.ids)
         for nid in c.ids:  # every node sees the same owners
             wait_for(lambda nid=nid: owners(c[nid], "mv") == own, 20, 0.1, f"{nid} sees the new owners")
         finish(c, h, tr, "mv", 10, n1, "scale 3 to 5")

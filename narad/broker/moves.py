@@ -48,6 +48,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
+from narad import metrics
 from narad.errors import Conflict, NaradError, NotFound, Unavailable
 from narad.meta import requests as Q
 from narad.meta import versions as V
@@ -223,6 +224,7 @@ class MoveSource:
                                                                               "partition": m.partition})
             p.freeze_token = secrets.token_hex(8)
             p.freeze_until = now + ttl
+            metrics.get().move_freezes.inc()
             log.info("partition frozen for a move", extra={"topic": t.name, "partition": m.partition,
                                                           "ttl_s": ttl})
             end = now + min(LEASE_DRAIN, ttl / 4)
@@ -285,8 +287,11 @@ class MoveRunner:
         self._seen = -1
         self._last_full = 0.0
         self._task: asyncio.Task[None] | None = None
-        self.m_bytes = None
-        self.m_done = None
+        m = metrics.get()
+        self.m_bytes = m.move_copied
+        self.m_finished = m.moves_finished
+        self.m_running = m.moves_running
+        self.m_blocked = m.moves_blocked
 
     @property
     def enabled(self) -> bool:
@@ -331,6 +336,9 @@ class MoveRunner:
         node as the source, at a high watermark at least the copy's); otherwise
         quarantined, never deleted. Returns how many copies were removed."""
         b = self.b
+        if b.index == 0:  # one worker counts the node's quarantined copies
+            with contextlib.suppress(OSError):
+                metrics.get().quarantined.set(len(await self._io(TR.quarantined, b.data_dir / "topics")))
         if b.caught_up is None or self.meta_call is None or not await b.caught_up():
             return 0
         cands = await self._io(_stale_candidates, b.data_dir / "topics")
@@ -386,6 +394,7 @@ class MoveRunner:
         for key, mv in list(self.moves.items()):
             if want.get(key) != (mv.topic_id, mv.source):
                 mv.aborted = True  # the task notices at its next step (never in the middle of a flip)
+        self._gauges()
         for key, (tid, src) in want.items():
             if key not in self.moves:
                 mv = _Move(key, tid, src)
@@ -393,6 +402,11 @@ class MoveRunner:
                 mv.task = b.loop.create_task(self._run(mv))
                 log.info("partition move started", extra={"topic": key[0], "partition": key[1], "from": src,
                                                          "to": b.node_id})
+
+    def _gauges(self) -> None:
+        self.m_running.set(len(self.moves))
+        for reason in ("copy_unverifiable", "source_dead_copy_behind"):
+            self.m_blocked.labels(reason).set(sum(1 for mv in self.moves.values() if mv.blocked == reason))
 
     # ---- one move ------------------------------------------------------------------------
     def _check(self, mv: _Move) -> None:
@@ -431,11 +445,13 @@ class MoveRunner:
             while True:
                 try:
                     if await self._attempt(mv, final):
+                        self.m_finished.labels("done").inc()
                         log.info("partition move finished", extra={"topic": name, "partition": part,
                                                                   "from": mv.source, "to": self.b.node_id,
                                                                   "copied_bytes": mv.copied})
                         return
                 except _Aborted:
+                    self.m_finished.labels("abandoned").inc()
                     await self._abandon(mv, final)
                     log.info("partition move abandoned (its target was cleared)",
                              extra={"topic": name, "partition": part, "from": mv.source})
@@ -457,6 +473,7 @@ class MoveRunner:
                     if mv.down_since is not None and not self.b.remote.node_alive(mv.source):
                         mv.phase = "waiting_for_source"
                         if time.monotonic() - mv.down_since >= FORCE_AFTER and await self._force_promote(mv, final):
+                            self.m_finished.labels("forced").inc()
                             log.warning("partition force-promoted from a copy of its dead source", extra={
                                 "topic": name, "partition": part, "from": mv.source, "to": self.b.node_id})
                             return
@@ -464,6 +481,7 @@ class MoveRunner:
         finally:
             if self.moves.get(mv.key) is mv:
                 del self.moves[mv.key]
+            self._gauges()
             self._seen = -1  # look again at once: a new target may be waiting
 
     async def _abandon(self, mv: _Move, final: Path) -> None:

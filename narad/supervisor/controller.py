@@ -297,6 +297,7 @@ class Controller:
         plan_every), drive decommissions. Everything under the moves lock."""
         if not self._moves_enabled():
             self.decommission_blocked = {}
+            metrics.drop_children(metrics.get().decommission_blocked, lambda labels: True)
             return
         with self.store.read() as r:
             members = r.members()
@@ -354,6 +355,10 @@ class Controller:
 
     def _block(self, node: str, reasons: list[Q.Reason]) -> None:
         self.decommission_blocked[node] = reasons
+        gauge = metrics.get().decommission_blocked
+        metrics.drop_children(gauge, lambda labels: labels[0] == node)
+        for x in reasons:
+            gauge.labels(node, x.code).set(1)
         logged = self._blocked_logged.setdefault(node, set())
         codes = {x.code for x in reasons}
         for x in reasons:
@@ -369,6 +374,7 @@ class Controller:
         for gone in set(self.decommission_blocked) - ids:
             self.decommission_blocked.pop(gone, None)
             self._blocked_logged.pop(gone, None)
+            metrics.drop_children(metrics.get().decommission_blocked, lambda labels, g=gone: labels[0] == g)
         for gone in set(self._empty_since) - ids:
             self._empty_since.pop(gone, None)
         receivers = [m for m in members if m.status == "alive" and not m.draining]
@@ -440,6 +446,7 @@ class Controller:
         if res.ok:
             self.decommission_blocked.pop(m.id, None)
             self._blocked_logged.pop(m.id, None)
+            metrics.drop_children(metrics.get().decommission_blocked, lambda labels: labels[0] == m.id)
             self._empty_since.pop(m.id, None)
             log.warning("member decommissioned: removed from the cluster, its id is refused until it rejoins "
                         "with an empty data dir", extra={"node": m.id})

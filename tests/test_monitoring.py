@@ -39,7 +39,9 @@ PENDING_H_METRICS: frozenset[str] = frozenset()
 
 # Series with no samples until their first event (their label values are not known before it):
 # the node must declare them (a TYPE line in /metrics) and the panels still show them.
-EVENT_ONLY: dict[str, str] = {}  # name -> why it has no samples yet
+EVENT_ONLY: dict[str, str] = {  # name -> why it has no samples yet
+    "narad_decommission_blocked": "a series exists only while a draining member's removal waits (leader)",
+}
 
 # Series the rules use that Prometheus makes, not the node.
 FROM_PROMETHEUS = frozenset({"up"})

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import collections
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,8 @@ from tests.harness import Cluster, Node, wait_for
 pytestmark = pytest.mark.slow
 
 FAST = {"NARAD_MOVE_PLAN_MS": "300", "NARAD_METRICS_POLL_MS": "1000"}
+# Every topic here has a 3 s visibility timeout, the History's: a lease a killed node took for its
+# consumer comes back within the checker's grace (visibility + 20 s) after the fault window.
 
 
 def owners(n: Node, topic: str) -> dict[int, str]:
@@ -59,6 +62,10 @@ def finish(c: Cluster, h: History, tr: Traffic, topic: str, parts: int, via: Nod
     empty = tr.drain(broker_empty(via, topic, parts), timeout=120)
     v = check(h, "faults", broker_empty=empty)
     print("\n" + v.summary(name) + f"\n{name}: client-side errors {tr.errors}")
+    if not empty or not v.ok:  # what happened to the messages named, for the failure's reader
+        named = set(re.findall(r"\b(p\d+-\d+|fill-\d+-\d+)\b", v.summary(name))) | set(sorted(h.unacked())[:5])
+        for mid in sorted(named)[:8]:
+            print(f"{mid}:\n  " + "\n  ".join(h.trail(mid)))
     assert empty, "some partition still holds an unacked message (or an owner is unavailable)"
     assert v.ok, v.summary(name)
 
@@ -68,7 +75,7 @@ def test_scale_three_to_five_spreads_partitions_under_traffic(tmp_path: Path) ->
     try:
         c.start()
         n1 = c["n1"]
-        assert n1.post("/v1/topics", {"name": "mv", "partitions": 10}).status == 201
+        assert n1.post("/v1/topics", {"name": "mv", "partitions": 10, "visibility_timeout_ms": 3000}).status == 201
         for nid in c.initial:
             wait_for(lambda nid=nid: c[nid].get("/v1/topics/mv").status == 200)
         h = History(3.0)
@@ -142,7 +149,7 @@ def scale_with_fault(tmp_path: Path, seam: dict[str, str], fault: Any, name: str
     try:
         c.start()
         n1 = c["n1"]
-        assert n1.post("/v1/topics", {"name": "mv", "partitions": 6}).status == 201
+        assert n1.post("/v1/topics", {"name": "mv", "partitions": 6, "visibility_timeout_ms": 3000}).status == 201
         for nid in c.initial:
             wait_for(lambda nid=nid: c[nid].get("/v1/topics/mv").status == 200)
         h = History(3.0)
@@ -242,7 +249,7 @@ def test_decommission_a_node_under_traffic_until_it_leaves(tmp_path: Path, which
     c = Cluster(tmp_path, 4, initial=3, env=FAST)
     try:
         c.start()
-        assert c["n1"].post("/v1/topics", {"name": "mv", "partitions": 8}).status == 201
+        assert c["n1"].post("/v1/topics", {"name": "mv", "partitions": 8, "visibility_timeout_ms": 3000}).status == 201
         c.start(["n4"])
         wait_for(lambda: spread(c["n1"], "mv", c.ids, 8), 120, 0.2, "partitions spread over 4 nodes")
         vid = "n4" if which == "joiner" else c.leader()
@@ -296,7 +303,7 @@ def test_chaos_scale_three_to_five_then_kill_leader_and_new_node_together(tmp_pa
     try:
         c.start()
         n1 = c["n1"]
-        assert n1.post("/v1/topics", {"name": "mv", "partitions": 10}).status == 201
+        assert n1.post("/v1/topics", {"name": "mv", "partitions": 10, "visibility_timeout_ms": 3000}).status == 201
         for nid in c.initial:
             wait_for(lambda nid=nid: c[nid].get("/v1/topics/mv").status == 200)
         h = History(3.0)
@@ -340,7 +347,7 @@ def test_dead_source_is_force_promoted_and_its_returning_copy_reclaimed(tmp_path
     try:
         c.start()
         n1 = c["n1"]
-        assert n1.post("/v1/topics", {"name": "mv", "partitions": 6}).status == 201
+        assert n1.post("/v1/topics", {"name": "mv", "partitions": 6, "visibility_timeout_ms": 3000}).status == 201
         for nid in c.initial:
             wait_for(lambda nid=nid: c[nid].get("/v1/topics/mv").status == 200)
         h = History(3.0)
@@ -408,7 +415,7 @@ def test_parent_and_child_partitions_move_and_every_copy_arrives(tmp_path: Path)
     try:
         c.start()
         n1 = c["n1"]
-        assert n1.post("/v1/topics", {"name": "mv", "partitions": 6}).status == 201
+        assert n1.post("/v1/topics", {"name": "mv", "partitions": 6, "visibility_timeout_ms": 3000}).status == 201
         r = n1.post("/v1/topics", {"name": "ma-c", "parent": "mv"})
         assert r.status == 201 and r.json()["role"] == "child", r
         for nid in c.initial:
@@ -457,6 +464,90 @@ def test_parent_and_child_partitions_move_and_every_copy_arrives(tmp_path: Path)
         # The cursors travelled with the parent partitions: a cursor started again from its attach
         # point would copy every record of a moved partition twice (about half of them here).
         assert copies - len(got) < len(accepted) // 10, (copies, len(got))
+    finally:
+        stop_all()
+        c.close()
+
+
+def _hwm(n: Node, topic: str, part: int) -> int:
+    r = n.get(f"/v1/topics/{topic}")
+    for s in r.json()["partition_stats"]:
+        if int(s["index"]) == part:
+            return int(s.get("high_watermark", -1))
+    return -1
+
+
+def test_dead_destination_freeze_lapses_and_the_source_takes_commits_again(tmp_path: Path) -> None:
+    """The destination dies while the source is frozen and stays down: the freeze
+    lapses by itself (its TTL; seam: 3 s) and the source commits that partition's
+    records again; when the destination returns, the move finishes."""
+    def fault(c: Cluster, h: History) -> None:
+        n4 = c["n4"]
+        wait_for(lambda: _log_has(n4, "move held frozen (test seam)"), 60, 0.05, "a move held frozen")
+        m = next(x for x in moves(c["n1"]) if x["to"] == "n4")
+        src, part = c[m["from"]], int(m["partition"])
+        n4.kill9()
+        before = _hwm(src, "mv", part)
+        for i in range(5):
+            assert src.request("POST", f"/v1/topics/mv/produce?partition={part}", f"lapse-{i}:".encode(),
+                               headers={"Content-Type": "application/octet-stream"}).status == 202
+        h.produced([f"lapse-{i}" for i in range(5)], 0, 1, 202, src.node_id)
+        wait_for(lambda: _hwm(src, "mv", part) >= before + 5, 20, 0.1, "the source commits again")
+        n4.extra_env.pop("NARAD_FAULT_MOVE_HOLD_FROZEN_MS", None)
+        n4.start()
+
+    scale_with_fault(tmp_path, {"NARAD_FAULT_MOVE_HOLD_FROZEN_MS": "60000", "NARAD_MOVE_FREEZE_TTL_MS": "3000"},
+                     fault, "the destination dies frozen")
+
+
+def test_returning_source_ahead_of_the_promoted_copy_is_quarantined(tmp_path: Path) -> None:
+    """The documented loss case, and its safety net: the source commits records after
+    the destination's last listing, then dies; the destination is force-promoted from
+    its copy (as far as that listing); when the source returns its copy holds more
+    than the promoted one, so the sweep quarantines it (never deletes it): the records
+    are still on its disk for an operator, and the node says so."""
+    from narad.storage import transfer as TR
+
+    env = {**FAST, "NARAD_MOVE_FORCE_AFTER_MS": "4000", "NARAD_CLUSTER_HEARTBEAT_INTERVAL": "1s",
+           "NARAD_CLUSTER_MEMBER_DEAD_AFTER": "3s", "NARAD_MOVE_SWEEP_MS": "2000"}
+    c = Cluster(tmp_path, 4, initial=3, env=env)
+    try:
+        c.start()
+        n1 = c["n1"]
+        assert n1.post("/v1/topics", {"name": "mv", "partitions": 6, "visibility_timeout_ms": 3000}).status == 201
+        for nid in c.initial:
+            wait_for(lambda nid=nid: c[nid].get("/v1/topics/mv").status == 200)
+        for p in range(6):
+            for i in range(10):
+                assert n1.request("POST", f"/v1/topics/mv/produce?partition={p}", f"m{p}-{i}:".encode(),
+                                  headers={"Content-Type": "application/octet-stream"}).status == 202
+        n4 = c["n4"]
+        n4.extra_env["NARAD_FAULT_MOVE_HOLD_PRECOPY_MS"] = "8000"
+        c.start(["n4"])
+        wait_for(lambda: _log_has(n4, "move held after its pre-copy (test seam)"), 60, 0.05, "a pre-copied move")
+        m = next(x for x in moves(n1) if x["to"] == "n4")
+        src, part = c[m["from"]], int(m["partition"])
+        via = c[next(x for x in c.initial if x != src.node_id)]
+        listed = _hwm(src, "mv", part)
+        for i in range(7):  # committed at the source after the destination's last listing
+            assert src.request("POST", f"/v1/topics/mv/produce?partition={part}", f"late-{i}:".encode(),
+                               headers={"Content-Type": "application/octet-stream"}).status == 202
+        wait_for(lambda: _hwm(src, "mv", part) == listed + 7, 20, 0.05, "the late records committed at the source")
+        src.kill9()
+        wait_for(lambda: _log_has(n4, "partition force-promoted from a copy of its dead source"), 90, 0.2,
+                 "the force-promote")
+        assert owners(via, "mv")[part] == "n4"
+        assert _hwm(via, "mv", part) == listed, "promoted from the last listing"
+        src.start()
+        wait_for(lambda: _log_has(src, "old copy of a partition quarantined"), 60, 0.2, "the sweep quarantines")
+        rows = TR.quarantined(src.data_dir / "topics")
+        assert [(r[0], r[1], r[2]) for r in rows] == [("stale_copy", "mv", part)], rows
+        hwm, _segs = TR.list_closed(rows[0][3])
+        assert hwm == listed + 7, "the late records are still in the quarantined copy"
+        wait_for(lambda: src.metric("narad_quarantined_copies") == 1, 20, 0.5, "the quarantine gauge")
+        detail = via.get("/v1/cluster/members?detail=true").json()["members"]
+        q = next(x for x in detail if x["id"] == src.node_id)["node_status"]["quarantine"]
+        assert q["copies"] == 1 and q["list"][0]["partition"] == part, q
     finally:
         stop_all()
         c.close()

@@ -66,7 +66,7 @@ TICK = 1.0  # the runner looks at the assignments this often (sooner after a cha
 FULL_PASS_EVERY = 30.0
 PRECOPY_PASSES = 8
 LAG_BYTES = 1 << 20  # a pre-copy pass that copied less than this is close enough to freeze
-FREEZE_TTL_MS = 30_000
+FREEZE_TTL_MS = int(os.environ.get("NARAD_MOVE_FREEZE_TTL_MS", "30000"))  # the env: tests only
 LEASE_DRAIN = 0.5  # the source waits this long (at most) for outstanding leases before reading positions
 FLIP_WINDOW = 120.0  # a flip is re-proposed (under a re-armed freeze) for this long
 AMBIGUITY_WAIT = 15.0  # an install is undone only by a leader read this long after the last proposal
@@ -81,6 +81,7 @@ _SOURCE_DOWN = (OSError, TimeoutError, Unavailable)
 COPY_DELAY = float(os.environ.get("NARAD_FAULT_MOVE_CHUNK_DELAY_MS", "0")) / 1000.0
 HOLD_FROZEN = float(os.environ.get("NARAD_FAULT_MOVE_HOLD_FROZEN_MS", "0")) / 1000.0
 HOLD_FLIP = float(os.environ.get("NARAD_FAULT_MOVE_HOLD_FLIP_MS", "0")) / 1000.0
+HOLD_PRECOPY = float(os.environ.get("NARAD_FAULT_MOVE_HOLD_PRECOPY_MS", "0")) / 1000.0
 
 
 class _Aborted(Exception):
@@ -566,6 +567,12 @@ class MoveRunner:
             if await self._copy(mv, st, lst.segments) < LAG_BYTES:
                 break
         await self._io(st.durable)  # what the pre-copy wrote is synced before the freeze, not during it
+        if HOLD_PRECOPY:
+            log.info("move held after its pre-copy (test seam)", extra={"topic": name, "partition": part})
+            held = time.monotonic() + HOLD_PRECOPY
+            while time.monotonic() < held:
+                self._check(mv)
+                await asyncio.sleep(0.02)
         self._check(mv)
         fr = await self._call(mv, P.MoveFreezeReq(name, mv.topic_id, part, "", False, FREEZE_TTL_MS),
                               P.MoveFreezeResp)

@@ -70,18 +70,28 @@ def finish(c: Cluster, h: History, tr: Traffic, topic: str, parts: int, via: Nod
     assert v.ok, v.summary(name)
 
 
+def loaded(c: Cluster, parts: int, before: int) -> tuple[History, Traffic, list[str]]:
+    """Topic "mv" (`parts` partitions, 3 s visibility) created at n1 and seen by every
+    initial member, then traffic over the nodes in the returned `live` list (append a
+    node to send it traffic, remove one to spare it) until `before` more messages
+    were accepted."""
+    assert c["n1"].post("/v1/topics", {"name": "mv", "partitions": parts,
+                                       "visibility_timeout_ms": 3000}).status == 201
+    for nid in c.initial:
+        wait_for(lambda nid=nid: c[nid].get("/v1/topics/mv").status == 200)
+    h = History(3.0)
+    live = list(c.initial)
+    tr = Traffic(h, "mv", lambda: [c[x] for x in live], producers=2, consumers=2, rotate_every=50).start()
+    tr.wait_more(before, what="before the scale-out")
+    return h, tr, live
+
+
 def test_scale_three_to_five_spreads_partitions_under_traffic(tmp_path: Path) -> None:
     c = Cluster(tmp_path, 5, initial=3, env=FAST)
     try:
         c.start()
         n1 = c["n1"]
-        assert n1.post("/v1/topics", {"name": "mv", "partitions": 10, "visibility_timeout_ms": 3000}).status == 201
-        for nid in c.initial:
-            wait_for(lambda nid=nid: c[nid].get("/v1/topics/mv").status == 200)
-        h = History(3.0)
-        live = list(c.initial)
-        tr = Traffic(h, "mv", lambda: [c[x] for x in live], producers=2, consumers=2, rotate_every=50).start()
-        tr.wait_more(300, what="before the scale-out")
+        h, tr, live = loaded(c, 10, 300)
         t0 = time.monotonic()
         with h.fault("scale 3 to 5 (moves redeliver what was unacked at each flip)"):
             c.start(["n4", "n5"])
@@ -303,13 +313,7 @@ def test_chaos_scale_three_to_five_then_kill_leader_and_new_node_together(tmp_pa
     try:
         c.start()
         n1 = c["n1"]
-        assert n1.post("/v1/topics", {"name": "mv", "partitions": 10, "visibility_timeout_ms": 3000}).status == 201
-        for nid in c.initial:
-            wait_for(lambda nid=nid: c[nid].get("/v1/topics/mv").status == 200)
-        h = History(3.0)
-        live = list(c.initial)
-        tr = Traffic(h, "mv", lambda: [c[x] for x in live], producers=2, consumers=2, rotate_every=50).start()
-        tr.wait_more(200, what="before the scale-out")
+        h, tr, live = loaded(c, 10, 200)
         with h.fault("scale 3 to 5, then kill -9 the leader and n5 together"):
             c.start(["n4", "n5"])
             live.extend(["n4", "n5"])
@@ -347,13 +351,7 @@ def test_dead_source_is_force_promoted_and_its_returning_copy_reclaimed(tmp_path
     try:
         c.start()
         n1 = c["n1"]
-        assert n1.post("/v1/topics", {"name": "mv", "partitions": 6, "visibility_timeout_ms": 3000}).status == 201
-        for nid in c.initial:
-            wait_for(lambda nid=nid: c[nid].get("/v1/topics/mv").status == 200)
-        h = History(3.0)
-        live = list(c.initial)
-        tr = Traffic(h, "mv", lambda: [c[x] for x in live], producers=2, consumers=2, rotate_every=50).start()
-        tr.wait_more(200, what="before the scale-out")
+        h, tr, live = loaded(c, 6, 200)
         n4 = c["n4"]
         n4.extra_env["NARAD_FAULT_MOVE_HOLD_FROZEN_MS"] = "2000"
         with h.fault("n4 joins; the source of its move dies while frozen and stays down"):

@@ -567,12 +567,7 @@ class MoveRunner:
             if await self._copy(mv, st, lst.segments) < LAG_BYTES:
                 break
         await self._io(st.durable)  # what the pre-copy wrote is synced before the freeze, not during it
-        if HOLD_PRECOPY:
-            log.info("move held after its pre-copy (test seam)", extra={"topic": name, "partition": part})
-            held = time.monotonic() + HOLD_PRECOPY
-            while time.monotonic() < held:
-                self._check(mv)
-                await asyncio.sleep(0.02)
+        await self._hold(mv, HOLD_PRECOPY, "move held after its pre-copy (test seam)")
         self._check(mv)
         fr = await self._call(mv, P.MoveFreezeReq(name, mv.topic_id, part, "", False, FREEZE_TTL_MS),
                               P.MoveFreezeResp)
@@ -582,12 +577,7 @@ class MoveRunner:
         try:
             while True:
                 hwm = await self._finalize(mv, st, fr)
-                if HOLD_FROZEN:
-                    log.info("move held frozen (test seam)", extra={"topic": name, "partition": part})
-                    held = time.monotonic() + HOLD_FROZEN
-                    while time.monotonic() < held:
-                        self._check(mv)
-                        await asyncio.sleep(0.02)
+                await self._hold(mv, HOLD_FROZEN, "move held frozen (test seam)")
                 await self._io(st.durable)
                 why = await self._io(st.verify, hwm)
                 if why is not None:
@@ -638,6 +628,16 @@ class MoveRunner:
             return False
         finally:
             rearm.cancel()
+
+    async def _hold(self, mv: _Move, seconds: float, what: str) -> None:
+        """A test seam's kill window: wait `seconds` at this phase, still seeing an abort."""
+        if not seconds:
+            return
+        log.info(what, extra={"topic": mv.key[0], "partition": mv.key[1]})
+        held = time.monotonic() + seconds
+        while time.monotonic() < held:
+            self._check(mv)
+            await asyncio.sleep(0.02)
 
     async def _finalize(self, mv: _Move, st: TR.Staging, fr: P.MoveFreezeResp) -> int:
         """Copy under the freeze until two passes in a row copy nothing at the same hwm."""

@@ -23,7 +23,14 @@ The checker (``check``) gives a verdict over a history (rules, see ``RULES``):
 - undrained: a message answered 202 (or a delivered copy) never acked with 204 by the
   end (an ack whose answer was lost or 5xx counts only if the caller saw the broker
   empty at the end: ``broker_empty=True``);
-- dup (strict mode only): a redelivery no lease expiry, nack or 410 explains.
+- dup (strict mode only): a redelivery no lease expiry, nack or 410 explains;
+- delayed_early: a copy nacked with a delay (issue 14) delivered again (another
+  nonce) for certain before that delay ran out, counted from the nack's call (the
+  owner applied it no earlier), minus the slack; allowed (counted) inside a declared
+  fault window + grace in either mode (a restart or a move forgets delays).
+
+A delivery may carry its own lease length (``vis_ns``: a consume with
+``visibility``) and an extend its new one; 0 means the history's visibility.
 
 Only tests import this module; it touches nothing in narad/.
 """
@@ -43,7 +50,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-RULES = ("lost", "phantom", "dup_after_ack", "double_lease", "not_redelivered", "undrained", "dup")
+RULES = ("lost", "phantom", "dup_after_ack", "double_lease", "not_redelivered", "undrained", "dup", "delayed_early")
 OCTET = {"Content-Type": "application/octet-stream"}
 JSON_CT = {"Content-Type": "application/json"}
 NS = 1_000_000_000
@@ -71,6 +78,7 @@ class Delivery:
     call: int
     ret: int
     node: str = ""
+    vis_ns: int = 0  # this delivery's lease length (consume ?visibility=); 0: the history's
 
     @property
     def handle(self) -> str:
@@ -88,6 +96,8 @@ class Settle:
     call: int
     ret: int
     status: int | None  # None: no answer
+    delay_ns: int = 0  # a nack's delay (?delay= / "delay"); 0: immediate
+    vis_ns: int = 0  # an extend's lease length (?visibility=); 0: the history's
 
     @property
     def ok(self) -> bool:
@@ -204,7 +214,8 @@ class Verdict:
     mode: str
     counts: dict[str, int] = field(default_factory=dict)
     violations: dict[str, list[str]] = field(default_factory=lambda: {r: [] for r in RULES})
-    allowed: dict[str, int] = field(default_factory=lambda: {"dup_after_ack": 0, "double_lease": 0})
+    allowed: dict[str, int] = field(default_factory=lambda: {"dup_after_ack": 0, "double_lease": 0,
+                                                             "delayed_early": 0})
     fault_coverage: float = 0.0
     lost_ack_ages_ns: list[int] = field(default_factory=list)  # fault start - ack return, per allowed dup
     allowed_details: list[str] = field(default_factory=list)
@@ -294,10 +305,13 @@ def check(h: History, mode: str = "strict", *, grace_s: float | None = None, sla
 
     def lease_bounds(d: Delivery) -> tuple[int, int]:
         """(earliest, latest) instant d's lease can have run out, extends included."""
-        lo, hi = d.call + vis, d.ret + vis
+        dv = d.vis_ns or vis
+        lo, hi = d.call + dv, d.ret + dv
         for s in by_handle.get(d.handle, []):
             if s.kind == "extend" and s.ok:
-                lo, hi = max(lo, s.call + vis), max(hi, s.ret + vis)
+                sv = s.vis_ns or vis
+                # an extend sets the lease to now + its length: it may shorten it too
+                lo, hi = (s.call + sv, s.ret + sv) if s.vis_ns else (max(lo, s.call + sv), max(hi, s.ret + sv))
         return lo, hi
 
     # (a) lost and phantom
@@ -369,7 +383,7 @@ def check(h: History, mode: str = "strict", *, grace_s: float | None = None, sla
                 continue
             nacks = [s for s in ss if s.kind == "nack" and s.ok]
             _, hi = lease_bounds(d)
-            due = min([hi] + [s.ret for s in nacks])
+            due = min([hi] + [s.ret + s.delay_ns for s in nacks])
             if any(d2.nonce != d.nonce and d2.ret > d.ret for d2 in ds if d2 is not d):  # answered after d
                 explained += 1
             elif any(acks_ok(x) for x in ds if x is not d):
@@ -426,6 +440,26 @@ def check(h: History, mode: str = "strict", *, grace_s: float | None = None, sla
                     v.violations["dup"].append(
                         f"{copy[0]}:{copy[1]} ({d2.mid}) redelivered at +{(d2.call - h.start_ns) / NS:.3f} s with "
                         f"no lease expiry, nack or 410 to explain it")
+
+    # (f) a nack with a delay: that copy is not delivered again before the delay ran out
+    for copy, ds in by_copy.items():
+        for d in ds:
+            for s in by_handle.get(d.handle, []):
+                if s.kind != "nack" or not s.ok or s.delay_ns <= 0:
+                    continue
+                not_before = s.call + s.delay_ns  # the owner applied the nack after its call
+                for d2 in ds:
+                    if d2.nonce == d.nonce or d2.ret <= s.call or d2.ret + slack >= not_before:
+                        continue
+                    rel = lambda t: f"+{(t - h.start_ns) / NS:.3f} s"  # noqa: E731
+                    detail = (f"{copy[0]}:{copy[1]} ({d2.mid}) delivered again at {rel(d2.ret)} by {d2.node or '?'}, "
+                              f"before the {s.delay_ns / NS:g} s delay of its nack (called {rel(s.call)}) ran out "
+                              f"at {rel(not_before)}")
+                    if in_window(d2.call):
+                        v.allowed["delayed_early"] += 1
+                        v.allowed_details.append(detail)
+                    else:
+                        v.violations["delayed_early"].append(detail)
 
     # fault coverage of the run
     covered = 0
@@ -522,10 +556,17 @@ class Recorder:
         return out
 
     def settle(self, node: Any, ds: Sequence[Delivery], kind: str = "ack",
-               conn: http.client.HTTPConnection | None = None) -> list[int | None]:
-        """Batch ack / extend / nack; per-handle statuses (None for all when no answer)."""
+               conn: http.client.HTTPConnection | None = None, *, delay_s: float = 0.0,
+               visibility_s: float = 0.0) -> list[int | None]:
+        """Batch ack / extend / nack; per-handle statuses (None for all when no answer).
+        ``delay_s``: a nack's delay; ``visibility_s``: an extend's lease length."""
         q = {"ack": "", "extend": "?extend=true", "nack": "?extend=0"}[kind]
-        body = json.dumps({"receipt_handles": [d.handle for d in ds]}).encode()
+        doc: dict[str, Any] = {"receipt_handles": [d.handle for d in ds]}
+        if delay_s:
+            doc["delay"] = f"{round(delay_s * 1000)}ms"
+        if visibility_s:
+            doc["visibility"] = f"{round(visibility_s * 1000)}ms"
+        body = json.dumps(doc).encode()
         t0 = now()
         statuses: list[int | None]
         try:
@@ -537,7 +578,8 @@ class Recorder:
             statuses, err = [None] * len(ds), e
         t1 = now()
         for d, st in zip(ds, statuses, strict=True):
-            self.h.settled(Settle(d.handle, kind, t0, t1, st), d.mid)
+            self.h.settled(Settle(d.handle, kind, t0, t1, st, round(delay_s * 1000) * 1_000_000,
+                                  round(visibility_s * 1000) * 1_000_000), d.mid)
         if err is not None:
             raise err
         return statuses

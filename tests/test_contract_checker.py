@@ -180,6 +180,52 @@ def test_expired_or_nacked_lease_must_be_delivered_again() -> None:
         assert "not_redelivered" in check(s.end(5), "faults").failed_rules(), kind
 
 
+def test_a_delayed_nack_delivered_again_early_is_a_violation() -> None:
+    """A nack with a 5 s delay: the copy delivered again 1 s later is ``delayed_early``
+    (strict and faults, outside fault windows); after the delay, or inside a declared
+    fault window (an owner restart forgets delays), it is not."""
+    def run(again_at: float, fault: bool = False) -> History:
+        s = Synth(vis=30.0)
+        s.produce("a")
+        d = s.deliver("a", 0.1)
+        s.h.settled(Settle(d.handle, "nack", at(0.2), at(0.21), 204, delay_ns=at(5.0)), "a")
+        if fault:
+            s.h.faults.append(Fault("kill -9 owner", at(0.5), at(0.8)))
+        s.settle(s.deliver("a", again_at), again_at + 0.1)
+        return s.end(again_at + 1)
+
+    for mode in ("strict", "faults"):
+        v = check(run(1.2), mode)
+        assert v.failed_rules() == {"delayed_early"}, v.summary()
+        assert "delay of its nack" in v.violations["delayed_early"][0]
+        assert check(run(5.3), mode).ok, check(run(5.3), mode).summary()
+    v = check(run(1.2, fault=True), "faults")
+    assert v.ok and v.allowed["delayed_early"] == 1, v.summary()
+    # a delayed nack never followed by a delivery is not due before its delay ran out
+    s = Synth(vis=30.0)
+    s.produce("a")
+    d = s.deliver("a", 0.1)
+    s.h.settled(Settle(d.handle, "nack", at(0.2), at(0.21), 204, delay_ns=at(5.0)), "a")
+    assert "not_redelivered" not in check(s.end(3.0), "faults").failed_rules()
+    assert "not_redelivered" in check(s.end(6.0), "faults").failed_rules()
+
+
+def test_a_per_delivery_visibility_bounds_its_lease() -> None:
+    """A consume with its own lease length (vis_ns): redelivered after 1 s though the
+    history's visibility is 30 s is explained; before it, a double lease."""
+    s = Synth(vis=30.0)
+    s.produce("a")
+    d = Delivery("a", 0, 0, "x9", at(0.1), at(0.11), vis_ns=at(1.0))
+    s.h.delivered(d)
+    s.settle(s.deliver("a", 1.5), 1.6)
+    assert check(s.end(2), "strict").ok, check(s.end(2), "strict").summary()
+    s = Synth(vis=30.0)
+    s.produce("a")
+    s.h.delivered(Delivery("a", 0, 0, "x9", at(0.1), at(0.11), vis_ns=at(5.0)))
+    s.settle(s.deliver("a", 1.5), 1.6)
+    assert "double_lease" in check(s.end(2), "strict").failed_rules()
+
+
 def test_undrained_and_acks_in_doubt() -> None:
     s = Synth()
     s.produce("a")

@@ -429,3 +429,48 @@ def test_served_document_is_the_file(env: Env) -> None:
     r = env.req("GET", "/v1/openapi.json", auth=None)
     assert r.status == 200 and r.headers["content-type"].startswith("application/json")
     assert r.body == DOC_PATH.read_bytes()
+
+
+def _param(op_id: str, name: str) -> dict[str, Any]:
+    return next(p for p in OPS[op_id][2]["parameters"] if p["name"] == name)
+
+
+def test_the_retry_delay_extensions_are_described_and_answer_as_documented(env: Env) -> None:
+    """Issue 14's optional parameters: consume ``visibility``, ack ``delay`` and
+    ``visibility`` (query and batch body): named in the document, the bodies sent
+    valid against its request schema, the answers valid against its responses."""
+    for op_id, name in (("consume", "visibility"), ("ack", "delay"), ("ack", "visibility")):
+        p = _param(op_id, name)
+        assert p["in"] == "query" and not p["required"] and p["schema"] == {"type": "string"}, (op_id, p)
+    body_schema = {**DOC["components"]["schemas"]["AckBatchRequest"], "components": DOC["components"]}
+    assert env.req("POST", "/v1/topics", {"name": "oa-rd", "partitions": 3}).status == 201
+    for i in range(3):
+        assert env.req("POST", "/v1/topics/oa-rd/produce?partition=0", f"r{i}".encode(),
+                       headers={"Content-Type": "application/octet-stream"}).status == 202
+    got: list[dict[str, Any]] = []
+
+    def take() -> bool:
+        r = env.req("GET", "/v1/topics/oa-rd/consume?visibility=30s&max=3&wait=1s", headers={"X-Narad-Client": "t"})
+        if r.status == 200:
+            _validate("consume", 200, r)
+            got.extend(r.json()["messages"])
+        return len(got) >= 3
+
+    wait_for(take, 20, 0.0, "three records of oa-rd")
+    h = [m["receipt_handle"] for m in got]
+    r = env.req("POST", f"/v1/topics/oa-rd/ack?receipt_handle={h[0]}&extend=true&visibility=2m")
+    assert r.status == 204, r
+    _validate("ack", 204, r)
+    for body, q in (({"receipt_handles": h[:2], "visibility": "1m"}, "?extend=true"),
+                    ({"receipt_handles": h[1:], "delay": "10s"}, "?extend=0")):
+        jsonschema.Draft202012Validator(body_schema).validate(body)
+        r = env.req("POST", f"/v1/topics/oa-rd/ack{q}", body)
+        assert r.status == 200, r
+        _validate("ack", 200, r)
+    for path in ("/v1/topics/oa-rd/ack?receipt_handle=0:0:1&extend=0&delay=1d",
+                 "/v1/topics/oa-rd/ack?receipt_handle=0:0:1&delay=1s",
+                 "/v1/topics/oa-rd/consume?visibility=100ms"):
+        r = env.req("POST" if "/ack" in path else "GET", path)
+        assert r.status == 400, r
+        _validate("ack" if "/ack" in path else "consume", 400, r)
+    assert env.req("POST", f"/v1/topics/oa-rd/ack?receipt_handle={h[0]}").status == 204

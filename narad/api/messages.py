@@ -5,6 +5,11 @@ Handlers check the request (Narad's rules and status codes), then call the
 worker's broker: a produce returns 202 only after the WAL sync that covers it;
 a consume reserves before it reads; acks go to each partition's owner.
 
+Extensions (issue 14, optional, absent = Narad's behaviour): ``delay`` on a nack
+(``extend=0``; query or batch body field, 0 to 12 h) holds the record back that
+long; ``visibility`` on a consume (this delivery's lease length) and on an extend
+(``extend=true``: the new lease length), 1 s to 12 h. Go duration syntax.
+
 Imports narad.api.{context,router}, narad.broker, narad.meta, narad.errors.
 """
 
@@ -149,6 +154,8 @@ class BatchBody(msgspec.Struct, forbid_unknown_fields=True):
 
 class AckBody(msgspec.Struct, forbid_unknown_fields=True):
     receipt_handles: list[str] | msgspec.UnsetType = msgspec.UNSET
+    delay: str | msgspec.UnsetType = msgspec.UNSET  # a nack's delay (extension, issue 14)
+    visibility: str | msgspec.UnsetType = msgspec.UNSET  # an extend's lease length (extension)
 
 
 _batch_dec = msgspec.json.Decoder(BatchBody)
@@ -157,6 +164,20 @@ _count_dec = msgspec.json.Decoder(dict[str, list[msgspec.Raw]])
 
 
 _waits = functools.lru_cache(maxsize=256)(parse_go_duration)  # consume's ?wait= (clients repeat one value)
+MAX_DELAY_S = 12 * 3600.0  # a nack's delay: 0 to 12 h
+MIN_VISIBILITY_S, MAX_VISIBILITY_S = 1.0, 12 * 3600.0  # a consume's or an extend's lease length
+
+
+def duration_ms(raw: str, name: str, lo: float, hi: float) -> int:
+    """A Go duration argument within [lo, hi] seconds, in whole ms (400 otherwise)."""
+    try:
+        sec = _waits(raw)
+    except ValueError:
+        raise BadRequest(f'invalid argument: {name} must be a duration such as "30s", "2m" or "1h" '
+                         f"(units ns, us, ms, s, m, h), got {raw[:32]!r}") from None
+    if not lo <= sec <= hi:
+        raise BadRequest(f"invalid argument: {name} must be from {format_go_duration(lo)} to 12h, got {raw[:32]!r}")
+    return round(sec * 1000)
 _SETTLED: dict[str, Any] = {"status": 204}
 _GONE_RESULT: dict[str, Any] = {"status": 410, "error": GONE_HANDLE}
 _HANDLE = re.compile(r"([0-9]{1,20}):([0-9]{1,20}):([0-9]{1,20})")
@@ -504,6 +525,10 @@ class MessagesAPI:
         partition = self._partition_arg(req, t)
         raw_off = self._single_query(req, "offset")
         raw_max = self._single_query(req, "max")
+        raw_vis = self._single_query(req, "visibility") if req.query else None
+        vis_ms = 0
+        if raw_vis is not None:
+            vis_ms = duration_ms(raw_vis, "visibility", MIN_VISIBILITY_S, MAX_VISIBILITY_S)
         batch = raw_max is not None
         max_n = 1
         if batch:
@@ -517,6 +542,9 @@ class MessagesAPI:
                 raise BadRequest("partition required for replay-mode consume")
             if batch:
                 raise BadRequest("invalid argument: max cannot be combined with offset")
+            if raw_vis is not None:
+                raise BadRequest("invalid argument: visibility cannot be combined with offset "
+                                 "(a replay takes no lease)")
             offset = parse_int(raw_off, "offset", minimum=0)
             return await self._replay(t, partition, offset)
         if wait > 0:
@@ -529,7 +557,7 @@ class MessagesAPI:
                 raise TooManyRequests(f"too many in-flight consume requests for this identity "
                                       f"(limit {self.consume_cap} per node)")
         try:
-            items = await self.broker.consume(t, max_n, wait, partition)
+            items = await self.broker.consume(t, max_n, wait, partition, vis_ms)
         finally:
             if ident is not None and self.caps is not None:
                 self.caps.give_back(self.ctx.worker_index, CAPS.CONSUME, ident, max_n)
@@ -592,12 +620,15 @@ class MessagesAPI:
             mode = NACK
         else:
             raise BadRequest('invalid argument: extend must be "true"/"1" (extend), "0" (nack) or absent (ack)')
+        raw_delay = self._single_query(req, "delay")
+        raw_vis = self._single_query(req, "visibility")
         handle = self._single_query(req, "receipt_handle")
         if handle is not None:
+            dur_ms = _settle_ms(mode, raw_delay, raw_vis)
             item = _handle_fields(handle)
             if item is None:
                 raise BadRequest("invalid argument: receipt_handle is not partition:offset:nonce")
-            (status,) = await self.broker.settle(t, [item], mode)
+            (status,) = await self.broker.settle(t, [item], mode, dur_ms)
             if status == 204:
                 return empty(204)
             if status == 410:
@@ -610,6 +641,9 @@ class MessagesAPI:
         except msgspec.ValidationError as e:
             if "Expected `array` of length <=" in str(e):
                 raise BadRequest(f"too many receipt_handles: more than {MAX_ACK_BATCH}") from None
+            for f in ("delay", "visibility"):
+                if str(e).endswith(f"`$.{f}`"):
+                    raise BadRequest(f'invalid argument: {f} must be a duration string such as "30s"') from None
             raise BadRequest(f"invalid json: {e}") from None
         except msgspec.DecodeError as e:
             raise BadRequest(f"invalid json: {e}") from None
@@ -620,6 +654,15 @@ class MessagesAPI:
             raise BadRequest("receipt_handles required (1 to 100)")
         if len(handles) > MAX_ACK_BATCH:
             raise BadRequest(f"too many receipt_handles: more than {MAX_ACK_BATCH}")
+        if body.delay is not msgspec.UNSET:
+            if raw_delay is not None:
+                raise BadRequest("invalid argument: delay given both in the query and the body; give one")
+            raw_delay = body.delay
+        if body.visibility is not msgspec.UNSET:
+            if raw_vis is not None:
+                raise BadRequest("invalid argument: visibility given both in the query and the body; give one")
+            raw_vis = body.visibility
+        dur_ms = _settle_ms(mode, raw_delay, raw_vis)
         results: list[dict[str, Any] | None] = [None] * len(handles)
         parsed: list[tuple[int, int, int]] = []
         where: list[int] = []
@@ -630,7 +673,7 @@ class MessagesAPI:
             else:
                 parsed.append(it)
                 where.append(i)
-        statuses = await self.broker.settle(t, parsed, mode) if parsed else []
+        statuses = await self.broker.settle(t, parsed, mode, dur_ms) if parsed else []
         for i, s in zip(where, statuses, strict=True):
             if s == 204:
                 results[i] = _SETTLED  # one shared (never mutated) dict per status
@@ -639,6 +682,23 @@ class MessagesAPI:
             else:
                 results[i] = {"status": s, "error": "partition owner is unavailable; retry"}
         return Response(200, _enc.encode({"results": results}), "application/json")
+
+
+def _settle_ms(mode: int, raw_delay: str | None, raw_vis: str | None) -> int:
+    """The settle's duration in ms: a nack's delay or an extend's lease length (0:
+    none given). Each belongs to one mode only: elsewhere it is a 400."""
+    if raw_delay is not None:
+        if mode != NACK:
+            raise BadRequest("invalid argument: delay applies to a nack only (extend=0)")
+        if raw_vis is not None:
+            raise BadRequest("invalid argument: visibility applies to an extend only (extend=true), not a nack")
+        return duration_ms(raw_delay, "delay", 0.0, MAX_DELAY_S)
+    if raw_vis is not None:
+        if mode != EXTEND:
+            raise BadRequest("invalid argument: visibility applies to an extend only (extend=true), "
+                             "not an ack or a nack")
+        return duration_ms(raw_vis, "visibility", MIN_VISIBILITY_S, MAX_VISIBILITY_S)
+    return 0
 
 
 def _parse_handle(h: str) -> tuple[int, int, int] | None:

@@ -190,8 +190,8 @@ class Broker:
         self._armed_w: dict[tuple[str, int], float] = {}  # (topic, worker of this node): the same, for workers
         self._peer_asked: dict[tuple[str, int], float] = {}  # (topic, worker): when a consume here last probed it
         self._node_asked: dict[tuple[str, str], float] = {}  # (topic, node): the same, for nodes
-        self._probes: dict[tuple[int, str, str], list[Any]] = {}  # (worker, topic, id) -> [want, [(fut, n)]]
-        self._acks: dict[tuple[int, str, str, int], list[Any]] = {}  # (worker, topic, id, mode) -> [items, waiters]
+        self._probes: dict[tuple[int, str, str, int], list[Any]] = {}  # (worker, topic, id, vis_ms) -> [want, waiters]
+        self._acks: dict[tuple[int, str, str, int, int], list[Any]] = {}  # (worker, topic, id, mode, dur_ms) -> [..]
         self._polling: dict[str, int] = {}  # topic -> consumes of it running on this worker
         self._topics_ver = -1
         self._synced: dict[tuple[str, int], float] = {}
@@ -684,11 +684,13 @@ class Broker:
         return woke
 
     # ---- consume --------------------------------------------------------------------------------
-    def _reserve_in(self, p: Partition, t: TopicRecord, max_n: int, now: float) -> list[P.Item]:
-        return p.reserve(now, max_n, t.visibility_timeout_ms / 1000.0, t.max_in_flight_per_partition,
+    def _reserve_in(self, p: Partition, t: TopicRecord, max_n: int, now: float, vis_ms: int = 0) -> list[P.Item]:
+        vis = (vis_ms or t.visibility_timeout_ms) / 1000.0  # vis_ms: this consume's own lease length (0: the topic's)
+        return p.reserve(now, max_n, vis, t.max_in_flight_per_partition,
                          t.max_acked_ahead_per_partition, _item)  # type: ignore[return-value]
 
-    async def reserve_owned(self, t: TopicRecord, max_n: int, partition: int | None) -> list[P.Item]:
+    async def reserve_owned(self, t: TopicRecord, max_n: int, partition: int | None,
+                            vis_ms: int = 0) -> list[P.Item]:
         """Reserve up to max_n from the partitions of `t` this worker owns."""
         if partition is not None:
             parts = [partition] if self.where(t, partition) == (self.node_id, self.index) else []
@@ -715,12 +717,13 @@ class Broker:
                 nxt = p.next_expiry()
                 if nxt is None or nxt > now:  # nothing deliverable and no lease to expire: skip it
                     continue  # (not a use: a partition only polled may close when idle)
-            out.extend(self._reserve_in(p, t, max_n - len(out), now))
+            out.extend(self._reserve_in(p, t, max_n - len(out), now, vis_ms))
             if len(out) >= max_n:
                 break
         return out
 
-    async def consume(self, t: TopicRecord, max_n: int, wait: float, partition: int | None = None) -> list[P.Item]:
+    async def consume(self, t: TopicRecord, max_n: int, wait: float, partition: int | None = None,
+                      vis_ms: int = 0) -> list[P.Item]:
         """This worker's partitions first, then this node's other workers (one
         hop each), then the other nodes' owners (a probe each). An owner node
         whose probe came back short gets a delivery token (a watch: it reserves
@@ -766,7 +769,7 @@ class Broker:
                 if here:
                     cap = max_n - room
                     if cap > 0:
-                        got = await self.reserve_owned(t, cap, partition)  # gives back its own if cancelled
+                        got = await self.reserve_owned(t, cap, partition, vis_ms)  # gives back its own if cancelled
                 if len(got) < max_n and (peers or nodes):
                     if wait > 0 and not got and first and partition is not None:
                         for w in peers:
@@ -797,10 +800,10 @@ class Broker:
                             if len(self._peer_asked) > 100_000:
                                 self._peer_asked.clear()
                             self._peer_asked[key_w] = loop.time()
-                            call = self._probe_at(w, t, want)  # one ConsumeReq per worker per loop pass
+                            call = self._probe_at(w, t, want, vis_ms)  # one ConsumeReq per worker per loop pass
                         else:
-                            call = self.links.call(w, P.ConsumeReq(name, t.id, want, partition), P.ConsumeResp,
-                                                   timeout=10.0)
+                            call = self.links.call(w, P.ConsumeReq(name, t.id, want, partition, P.WORKER, vis_ms),
+                                                   P.ConsumeResp, timeout=10.0)
                         items = await self._reserve_at(t, call, 2.0, f"worker {w}")
                         got.extend(items)
                         if len(items) < want and partition is None and wait > 0:
@@ -809,7 +812,7 @@ class Broker:
                                 hints_w[key_w] = loop.time()
                                 self.links.notify(w, P.WatchNote(name, self.index))
                     if share is not None and len(got) < max_n:
-                        got.extend(await self.reserve_owned(t, max_n - len(got), partition))  # the room left
+                        got.extend(await self.reserve_owned(t, max_n - len(got), partition, vis_ms))  # the room left
                     hints = self._armed
                     for n in ([nshare, *(x for x in nodes if x != nshare)] if nshare is not None else nodes):
                         if len(got) >= max_n:
@@ -829,7 +832,7 @@ class Broker:
                             if len(self._node_asked) > 100_000:
                                 self._node_asked.clear()
                             self._node_asked[key] = loop.time()
-                        req = P.ConsumeReq(name, t.id, want, partition, P.NODE)
+                        req = P.ConsumeReq(name, t.id, want, partition, P.NODE, vis_ms)
                         # A pinned consume has only this owner to ask: no answer is a 502 (the
                         # forwarded request got no answer), not "nothing there".
                         items = await self._reserve_at(t, self.remote.call(n, req, P.ConsumeResp, timeout=10.0),
@@ -840,7 +843,7 @@ class Broker:
                             hints[key] = loop.time()
                             self.remote.notify(n, P.WatchNote(name, self.index, self.node_id))
                     if nshare is not None and here and len(got) < max_n:
-                        got.extend(await self.reserve_owned(t, max_n - len(got), partition))  # the room left
+                        got.extend(await self.reserve_owned(t, max_n - len(got), partition, vis_ms))  # the room left
                 first = False
                 woken_by = None
                 remaining = deadline - loop.time()
@@ -949,11 +952,11 @@ class Broker:
                 return n
         return None
 
-    def _probe_at(self, w: int, t: TopicRecord, want: int) -> Awaitable[P.ConsumeResp]:
-        """A consume probe at worker `w`: every probe of `t` made in this loop pass
-        travels in one ConsumeReq (their wants added up, capped at PROBE_MAX); the
-        records it brings are shared out in request order."""
-        key = (w, t.name, t.id)
+    def _probe_at(self, w: int, t: TopicRecord, want: int, vis_ms: int = 0) -> Awaitable[P.ConsumeResp]:
+        """A consume probe at worker `w`: every probe of `t` with this lease length
+        made in this loop pass travels in one ConsumeReq (their wants added up, capped
+        at PROBE_MAX); the records it brings are shared out in request order."""
+        key = (w, t.name, t.id, vis_ms)
         b = self._probes.get(key)
         if b is None or b[0] + want > PROBE_MAX:
             b = self._probes[key] = [0, []]
@@ -963,16 +966,16 @@ class Broker:
         b[0] += want
         return _share(fut)
 
-    def _send_probes(self, key: tuple[int, str, str], b: list[Any]) -> None:
+    def _send_probes(self, key: tuple[int, str, str, int], b: list[Any]) -> None:
         if self._probes.get(key) is b:
             del self._probes[key]
-        w, name, tid = key
+        w, name, tid, vis_ms = key
         total, waiters = b
 
         async def send() -> None:
             try:
-                items = (await self.links.call(w, P.ConsumeReq(name, tid, total), P.ConsumeResp,
-                                               timeout=10.0)).items
+                items = (await self.links.call(w, P.ConsumeReq(name, tid, total, None, P.WORKER, vis_ms),
+                                               P.ConsumeResp, timeout=10.0)).items
             except Exception as e:
                 for fut, _ in waiters:
                     if not fut.done():
@@ -998,10 +1001,12 @@ class Broker:
         self._late.add(task)
         task.add_done_callback(self._late.discard)
 
-    async def _ack_at(self, w: int, t: TopicRecord, mode: int, sub: list[tuple[int, int, int]]) -> list[int]:
-        """Settle at worker `w`: every settle of `t` with this mode made in this loop
-        pass travels in one AckReq; statuses come back in order (503 if it failed)."""
-        key = (w, t.name, t.id, mode)
+    async def _ack_at(self, w: int, t: TopicRecord, mode: int, sub: list[tuple[int, int, int]],
+                      dur_ms: int = 0) -> list[int]:
+        """Settle at worker `w`: every settle of `t` with this mode (and nack delay or
+        extend length) made in this loop pass travels in one AckReq; statuses come back
+        in order (503 if it failed)."""
+        key = (w, t.name, t.id, mode, dur_ms)
         b = self._acks.get(key)
         if b is None or len(b[0]) + len(sub) > ACK_MAX:
             b = self._acks[key] = [[], []]
@@ -1011,15 +1016,15 @@ class Broker:
         b[0].extend(sub)
         return await asyncio.shield(fut)  # a caller that goes away leaves the batch alone
 
-    def _send_acks(self, key: tuple[int, str, str, int], b: list[Any]) -> None:
+    def _send_acks(self, key: tuple[int, str, str, int, int], b: list[Any]) -> None:
         if self._acks.get(key) is b:
             del self._acks[key]
-        w, name, tid, mode = key
+        w, name, tid, mode, dur_ms = key
         items, waiters = b
 
         async def send() -> None:
             try:
-                statuses = (await self.links.call(w, P.AckReq(name, tid, mode, items), P.AckResp,
+                statuses = (await self.links.call(w, P.AckReq(name, tid, mode, items, P.WORKER, dur_ms), P.AckResp,
                                                   timeout=2.0)).statuses
                 if len(statuses) != len(items):
                     statuses = [503] * len(items)
@@ -1145,9 +1150,12 @@ class Broker:
             await self.settle(t, [(i.partition, i.offset, i.nonce) for i in items], NACK)
 
     # ---- settle (ack / extend / nack) -------------------------------------------------------------
-    def settle_owned(self, t: TopicRecord, items: list[tuple[int, int, int]], mode: int) -> list[int]:
+    def settle_owned(self, t: TopicRecord, items: list[tuple[int, int, int]], mode: int,
+                     dur_ms: int = 0) -> list[int]:
+        """`dur_ms`: a nack's delay, or an extend's lease length (0: none / the topic's)."""
         now = time.monotonic()
-        vis = t.visibility_timeout_ms / 1000.0
+        vis = (dur_ms if mode == EXTEND and dur_ms > 0 else t.visibility_timeout_ms) / 1000.0
+        delay = dur_ms / 1000.0 if mode == NACK else 0.0
         out = []
         for part, off, nonce in items:
             p = self.partitions.get((t.name, part))
@@ -1159,7 +1167,7 @@ class Broker:
             elif mode == EXTEND:
                 ok = p.extend(off, nonce, now, vis)
             else:
-                ok = p.nack(off, nonce, now)
+                ok = p.nack(off, nonce, now, delay)
             out.append(204 if ok else 410)
         if mode == EXTEND:
             self.m.ack_extended.labels(t.name).inc(sum(1 for s in out if s == 204))
@@ -1167,14 +1175,15 @@ class Broker:
             self.m.nacks.labels(t.name).inc(sum(1 for s in out if s == 204))
         return out
 
-    async def settle(self, t: TopicRecord, items: list[tuple[int, int, int]], mode: int) -> list[int]:
+    async def settle(self, t: TopicRecord, items: list[tuple[int, int, int]], mode: int,
+                     dur_ms: int = 0) -> list[int]:
         """Statuses in request order: 204 settled, 410 no live lease, 503 owner
         down or unknown, 502 a forwarded call got no answer. Items of this
         worker's own partitions are settled here at once (no task, no hop);
         the rest go to their owners, one call per owner."""
         mine = self._placement(t).mine_set
         if all(it[0] in mine for it in items):
-            return self.settle_owned(t, items, mode)
+            return self.settle_owned(t, items, mode, dur_ms)
         result = [410] * len(items)
         groups: dict[tuple[str | None, int], list[int]] = {}
         for i, (part, _, _) in enumerate(items):
@@ -1187,15 +1196,15 @@ class Broker:
             if node is None:
                 statuses = [503] * len(sub)
             elif node == self.node_id and worker == self.index:
-                statuses = self.settle_owned(t, sub, mode)
+                statuses = self.settle_owned(t, sub, mode, dur_ms)
             elif node == self.node_id:
-                statuses = await self._ack_at(worker, t, mode, sub)
+                statuses = await self._ack_at(worker, t, mode, sub, dur_ms)
             elif not self.remote.node_alive(node):
                 statuses = [503] * len(sub)
             else:
                 try:
-                    resp = await self.remote.call(node, P.AckReq(t.name, t.id, mode, sub, P.NODE), P.AckResp,
-                                                  timeout=2.0)
+                    resp = await self.remote.call(node, P.AckReq(t.name, t.id, mode, sub, P.NODE, dur_ms),
+                                                  P.AckResp, timeout=2.0)
                     statuses = resp.statuses
                 except Unavailable:
                     statuses = [503] * len(sub)
@@ -1361,14 +1370,14 @@ class Broker:
 
         async def consume(m: P.ConsumeReq, _c: Any) -> P.ConsumeResp:
             t = self._topic_for(m.topic, m.topic_id)
-            items = await self.reserve_owned(t, m.max, m.partition)  # gives back its own if cancelled
+            items = await self.reserve_owned(t, m.max, m.partition, m.vis_ms)  # gives back its own if cancelled
             if m.scope == P.NODE and len(items) < m.max:
                 workers, _ = self.owners(t, m.partition)
                 try:
                     for w in workers:
                         if w == self.index or len(items) >= m.max:
                             continue
-                        sub = P.ConsumeReq(m.topic, m.topic_id, m.max - len(items), m.partition)
+                        sub = P.ConsumeReq(m.topic, m.topic_id, m.max - len(items), m.partition, P.WORKER, m.vis_ms)
                         items.extend(await self._reserve_at(
                             t, self.links.call(w, sub, P.ConsumeResp, timeout=10.0), 0.3, f"worker {w}"))
                 except asyncio.CancelledError:  # the caller gave up (reset its stream)
@@ -1381,8 +1390,8 @@ class Broker:
             if t is None or t.id != m.topic_id:
                 return P.AckResp([410] * len(m.items))
             if m.scope == P.WORKER:
-                return P.AckResp(self.settle_owned(t, m.items, m.mode))
-            return P.AckResp(await self.settle(t, m.items, m.mode))
+                return P.AckResp(self.settle_owned(t, m.items, m.mode, m.dur_ms))
+            return P.AckResp(await self.settle(t, m.items, m.mode, m.dur_ms))
 
         async def replay(m: P.ReplayReq, _c: Any) -> P.ReplayResp:
             t = self._topic_for(m.topic, m.topic_id)
@@ -1551,7 +1560,7 @@ class Broker:
             await asyncio.sleep(SWEEP_EVERY)
             now = time.monotonic()
             for p in list(self.partitions.values()):
-                if p.leases and p.purge(now):
+                if (p.leases or p.delayed) and p.purge(now):  # expiries and delayed nacks now due
                     self._on_released(p)
                 self._report_dropped(p)
             self.m_open_logs.set(len(self.partitions))

@@ -15,6 +15,13 @@ Lives in the worker that owns the partition, on its event-loop thread only.
   message (committed + 1) is deliverable. Acks are never refused.
 * Expired leases are found on every touch and by the worker's 1 s sweep;
   their offsets are delivered again (lowest first).
+* A nack with a delay (issue 14) parks the offset on a due-time heap
+  (``_delayed``: one heap entry per offset, no timer per message); every touch
+  and the 1 s sweep move what fell due to the redelivery queue. A delayed
+  offset is not deliverable, not counted by ``available``/``ready``, and keeps
+  the partition from being evicted. Delays live in memory only: a restart or a
+  partition move forgets them (the record is delivered again at once, as any
+  lease that was out).
 * Idle partitions are closed whole (the broker's idle eviction): ``last_used``
   is stamped by every reserve, settle and commit (never by stats), and
   ``evictable`` says whether everything the object holds is on disk already
@@ -100,6 +107,8 @@ class Partition:
         self.acked_ahead: set[int] = set()
         self._expiry: list[tuple[float, int, int]] = []
         self._redeliver: list[int] = []
+        self._delayed: list[tuple[float, int]] = []  # (due, offset): nacked with a delay
+        self.delayed: dict[int, float] = {}  # offset -> due (monotonic) of the live entry
         self.cursor = 0
         self.dirty = False
         self.dropped = 0  # offsets the frontier passed without an ack (retention, corruption)
@@ -167,8 +176,15 @@ class Partition:
 
     # ---- reserve ---------------------------------------------------------------------
     def purge(self, now: float) -> int:
-        """Release expired leases; returns how many."""
+        """Release expired leases and delayed nacks that fell due; returns how many."""
         n = 0
+        dheap = self._delayed
+        while dheap and dheap[0][0] <= now:
+            due, off = heapq.heappop(dheap)
+            if self.delayed.get(off) == due:
+                del self.delayed[off]
+                heapq.heappush(self._redeliver, off)
+                n += 1
         heap = self._expiry
         while heap and heap[0][0] <= now:
             exp, off, nonce = heapq.heappop(heap)
@@ -180,7 +196,8 @@ class Partition:
         return n
 
     def _deliverable(self, off: int) -> bool:
-        return off > self.committed and off not in self.leases and off not in self.acked_ahead
+        return (off > self.committed and off not in self.leases and off not in self.acked_ahead
+                and off not in self.delayed)
 
     def _candidate(self) -> int | None:
         red = self._redeliver
@@ -254,6 +271,8 @@ class Partition:
             self.acked_ahead = {a for a in self.acked_ahead if a >= oldest}
             for off in [o for o in self.leases if o < oldest]:
                 del self.leases[off]
+            for off in [o for o in self.delayed if o < oldest]:
+                del self.delayed[off]  # its heap entry is dropped when it falls due
             self._advance()
             self.cursor = max(self.cursor, self.committed + 1)
             self.dirty = True
@@ -303,11 +322,18 @@ class Partition:
         heapq.heappush(self._expiry, (expiry, off, nonce))
         return True
 
-    def nack(self, off: int, nonce: int, now: float) -> bool:
+    def nack(self, off: int, nonce: int, now: float, delay_s: float = 0.0) -> bool:
+        """Give the lease back: delivered again at once, or (``delay_s`` > 0) not
+        before ``now + delay_s`` (the due-time heap; the sweep or a touch moves it)."""
         self.last_used = now
         if not self._lease_ok(off, nonce, now):
             return False
         del self.leases[off]
+        if delay_s > 0:
+            due = now + delay_s
+            self.delayed[off] = due
+            heapq.heappush(self._delayed, (due, off))
+            return True  # nothing deliverable yet: the wake comes when it falls due
         heapq.heappush(self._redeliver, off)
         if self.on_released is not None:
             self.on_released(self)
@@ -415,7 +441,7 @@ class Partition:
         """Everything this object holds is on disk: closing it loses nothing (no
         lease, no commit queued or in flight, acks written and synced, and the acks
         held above the frontier fit one offset slot whole)."""
-        if self.closed or self.leases or self._committing or self._commit_queue:
+        if self.closed or self.leases or self.delayed or self._committing or self._commit_queue:
             return False
         if self.freeze_token is not None and self.frozen():
             return False
@@ -426,7 +452,12 @@ class Partition:
         return not self.acked_ahead or OFF.fits(self.committed, sorted(self.acked_ahead))
 
     def next_expiry(self) -> float | None:
-        return self._expiry[0][0] if self._expiry else None
+        """The earliest lease expiry or delayed nack due time (None: neither)."""
+        a = self._expiry[0][0] if self._expiry else None
+        b = self._delayed[0][0] if self._delayed else None
+        if a is None:
+            return b
+        return a if b is None else min(a, b)
 
     # ---- stats ------------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
@@ -451,7 +482,8 @@ class Partition:
 
     def available(self) -> int:
         """Records no lease covers, above the frontier (an estimate)."""
-        return max(0, self.log.hwm - 1 - self.committed - len(self.leases) - len(self.acked_ahead))
+        return max(0, self.log.hwm - 1 - self.committed - len(self.leases) - len(self.acked_ahead)
+                   - len(self.delayed))
 
     def ready(self, max_in_flight: int, max_acked_ahead: int) -> int:
         """Records a reserve with these caps would hand out now (an estimate, like
@@ -464,7 +496,7 @@ class Partition:
             return 0
         if len(self.acked_ahead) >= max_acked_ahead:
             f = self.committed + 1
-            return 1 if f < self.log.hwm and f not in self.leases else 0
+            return 1 if f < self.log.hwm and f not in self.leases and f not in self.delayed else 0
         return min(n, max_in_flight - len(self.leases))
 
     def snapshot_offsets(self) -> tuple[int, list[int]]:

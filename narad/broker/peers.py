@@ -63,6 +63,7 @@ class ConsumeReq(msgspec.Struct, tag=True, array_like=True):
     max: int
     partition: int | None = None
     scope: int = WORKER
+    vis_ms: int = 0  # this consume's lease length (0: the topic's); a trailing field older peers ignore
 
 
 class ConsumeResp(msgspec.Struct, array_like=True):
@@ -75,6 +76,7 @@ class AckReq(msgspec.Struct, tag=True, array_like=True):
     mode: int  # 0 ack, 1 extend, 2 nack
     items: list[tuple[int, int, int]]  # partition, offset, nonce
     scope: int = WORKER
+    dur_ms: int = 0  # nack: its delay; extend: the new lease length (0: none / the topic's); trailing, defaulted
 
 
 class AckResp(msgspec.Struct, array_like=True):

@@ -135,8 +135,11 @@ def pub(topic: str, message: str | None, key: str | None, partition: int | None,
 @click.option("--max", "max_", type=click.IntRange(min=1), metavar="N", help="Stop after N messages.")
 @click.option("--timeout", type=Duration(), metavar="DURATION",
               help="Stop after this long, such as 30s (with --max, exit 1 if fewer than N came).")
+@click.option("--visibility", type=Duration(), metavar="DURATION",
+              help="Queue mode: lease each delivery this long (1s to 12h) instead of the topic's visibility "
+                   "timeout (an extension: a Narad node refuses it).")
 def sub(topic: str, peek: bool, partition: int | None, from_: int | None, no_ack: bool, raw: bool,
-        max_: int | None, timeout: int | None) -> None:
+        max_: int | None, timeout: int | None, visibility: int | None) -> None:
     """Stream messages from TOPIC until Ctrl-C (or --max, or --timeout).
 
     Queue mode (the default) consumes: it prints each message and acks it, competing
@@ -149,6 +152,8 @@ def sub(topic: str, peek: bool, partition: int | None, from_: int | None, no_ack
         raise click.UsageError("--from needs --partition")
     if no_ack and peek:
         raise click.UsageError("--no-ack is a queue-mode flag (--peek never acks)")
+    if visibility is not None and peek:
+        raise click.UsageError("--visibility is a queue-mode flag (--peek takes no lease)")
     if raw and json_mode():
         raise click.UsageError("--raw and --json are two output forms: choose one")
     c = connect(timeout=15.0)
@@ -172,7 +177,8 @@ def sub(topic: str, peek: bool, partition: int | None, from_: int | None, no_ack
             rem = left()
             wait = 10.0 if rem is None else max(0.0, min(10.0, rem))
             try:
-                msgs = await cl.consume_batch(topic, want, wait=wait, partition=partition)
+                msgs = await cl.consume_batch(topic, want, wait=wait, partition=partition,
+                                              visibility=None if visibility is None else visibility / 1000)
             except NaradError as e:
                 if not _transient(e):
                     raise

@@ -382,14 +382,18 @@ class AsyncClient:
 
     # ---- consume -------------------------------------------------------------------------
     async def consume(self, topic: str, *, wait: float = 0.0, partition: int | None = None,
-                      deadline: float | None = None) -> Message | None:
+                      deadline: float | None = None, visibility: float | None = None) -> Message | None:
         """Lease the next message (None when nothing came within ``wait`` seconds, at
-        most 10). Ack, extend or nack it with its ``receipt_handle``."""
+        most 10). Ack, extend or nack it with its ``receipt_handle``. ``visibility``
+        (seconds, 1 to 43200; an extension a Narad node refuses with 400): this
+        delivery's lease length instead of the topic's visibility timeout."""
         query: list[tuple[str, str | bytes]] = []
         if wait > 0:
             query.append(("wait", go_duration(wait)))
         if partition is not None:
             query.append(("partition", str(partition)))
+        if visibility is not None:
+            query.append(("visibility", go_duration(visibility)))
         status, _h, data = await self._call("consume", "GET", f"/v1/topics/{_seg(topic)}/consume", query=query,
                                             timeout=self.timeout + wait, deadline=_dl(deadline, wait, self))
         if status == 204 or not data:
@@ -397,14 +401,16 @@ class AsyncClient:
         return Message.parse_one(data)
 
     async def consume_batch(self, topic: str, max: int, *, wait: float = 0.0, partition: int | None = None,
-                            deadline: float | None = None) -> list[Message]:
+                            deadline: float | None = None, visibility: float | None = None) -> list[Message]:
         """Lease up to ``max`` (1-100) messages: whatever is ready; it waits (``wait``)
-        only while nothing at all is."""
+        only while nothing at all is. ``visibility``: as for ``consume``."""
         query: list[tuple[str, str | bytes]] = [("max", str(max))]
         if wait > 0:
             query.append(("wait", go_duration(wait)))
         if partition is not None:
             query.append(("partition", str(partition)))
+        if visibility is not None:
+            query.append(("visibility", go_duration(visibility)))
         status, _h, data = await self._call("consume", "GET", f"/v1/topics/{_seg(topic)}/consume", query=query,
                                             timeout=self.timeout + wait, deadline=_dl(deadline, wait, self))
         if status == 204 or not data:
@@ -421,7 +427,8 @@ class AsyncClient:
         return Message.parse_one(data)
 
     # ---- ack / extend / nack ---------------------------------------------------------------
-    async def _settle(self, topic: str, handle: str | Message, mode: AckMode) -> None:
+    async def _settle(self, topic: str, handle: str | Message, mode: AckMode,
+                      extra: list[tuple[str, str | bytes]] | None = None) -> None:
         h = handle.receipt_handle if isinstance(handle, Message) else handle
         if not h:
             raise ValueError("no receipt handle (a replayed message has none)")
@@ -429,6 +436,7 @@ class AsyncClient:
         ext = _EXTEND[mode]
         if ext is not None:
             query.append(("extend", ext))
+        query += extra or []
         await self._call("ack", "POST", f"/v1/topics/{_seg(topic)}/ack", query=query, op="ack")
 
     async def ack(self, topic: str, handle: str | Message) -> None:
@@ -436,22 +444,41 @@ class AsyncClient:
         had already run out (it will be, or was, delivered again)."""
         await self._settle(topic, handle, "ack")
 
-    async def extend(self, topic: str, handle: str | Message) -> None:
-        """Restart the lease for a full visibility timeout from now."""
-        await self._settle(topic, handle, "extend")
+    async def extend(self, topic: str, handle: str | Message, *, visibility: float | None = None) -> None:
+        """Restart the lease for a full visibility timeout from now, or (``visibility``,
+        seconds, 1 to 43200; an extension a Narad node refuses with 400) for that long
+        from now (shorter than what is left shortens it)."""
+        extra = [("visibility", go_duration(visibility))] if visibility is not None else None
+        await self._settle(topic, handle, "extend", extra)
 
-    async def nack(self, topic: str, handle: str | Message) -> None:
-        """End the lease now: the message may be delivered again at once."""
-        await self._settle(topic, handle, "nack")
+    async def nack(self, topic: str, handle: str | Message, *, delay: float | None = None) -> None:
+        """End the lease now: the message may be delivered again at once, or (``delay``,
+        seconds, 0 to 43200; an extension a Narad node refuses with 400) not before that
+        long. The delay lives in the owner's memory: after an owner restart or a
+        partition move the message may come back at once."""
+        extra = [("delay", go_duration(delay))] if delay is not None else None
+        await self._settle(topic, handle, "nack", extra)
 
     async def ack_batch(self, topic: str, handles: Sequence[str | Message], *, mode: AckMode = "ack",
-                        deadline: float | None = None) -> list[AckResult]:
+                        deadline: float | None = None, delay: float | None = None,
+                        visibility: float | None = None) -> list[AckResult]:
         """Ack (extend, nack) many handles, 100 per request; one result per handle in
         order. Handles answered 502/503 are sent again (with backoff, within the
-        deadline); what is still 502/503 at the end is returned as such."""
+        deadline); what is still 502/503 at the end is returned as such. ``delay``
+        (mode "nack") and ``visibility`` (mode "extend"): as for ``nack`` / ``extend``,
+        for every handle."""
         hs = [h.receipt_handle if isinstance(h, Message) else h for h in handles]
         if any(not h for h in hs):
             raise ValueError("no receipt handle (a replayed message has none)")
+        if delay is not None and mode != "nack":
+            raise ValueError('delay applies to mode="nack" only')
+        if visibility is not None and mode != "extend":
+            raise ValueError('visibility applies to mode="extend" only')
+        extra: dict[str, str] = {}
+        if delay is not None:
+            extra["delay"] = go_duration(delay)
+        if visibility is not None:
+            extra["visibility"] = go_duration(visibility)
         results: dict[int, AckResult] = {}
         pol = self.retry
         end = time.monotonic() + (deadline if deadline is not None else pol.deadline)
@@ -465,7 +492,7 @@ class AsyncClient:
                 if ext is not None:
                     query.append(("extend", ext))
                 ans = await self._json("ack", "POST", f"/v1/topics/{_seg(topic)}/ack",
-                                       {"receipt_handles": [hs[i] for i in chunk]}, query=query, op="ack",
+                                       {"receipt_handles": [hs[i] for i in chunk], **extra}, query=query, op="ack",
                                        deadline=max(0.1, end - time.monotonic()))
                 rows = (ans or {}).get("results", [])
                 for i, row in zip(chunk, rows, strict=False):

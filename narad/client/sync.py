@@ -88,14 +88,15 @@ class Client:
     def ack(self, topic: str, handle: str | Message) -> None:
         self._run(self.aio.ack(topic, handle))
 
-    def extend(self, topic: str, handle: str | Message) -> None:
-        self._run(self.aio.extend(topic, handle))
+    def extend(self, topic: str, handle: str | Message, *, visibility: float | None = None) -> None:
+        self._run(self.aio.extend(topic, handle, visibility=visibility))
 
-    def nack(self, topic: str, handle: str | Message) -> None:
-        self._run(self.aio.nack(topic, handle))
+    def nack(self, topic: str, handle: str | Message, *, delay: float | None = None) -> None:
+        self._run(self.aio.nack(topic, handle, delay=delay))
 
-    def ack_batch(self, topic: str, handles: Sequence[str | Message], *, mode: AckMode = "ack") -> list[AckResult]:
-        return self._run(self.aio.ack_batch(topic, handles, mode=mode))
+    def ack_batch(self, topic: str, handles: Sequence[str | Message], *, mode: AckMode = "ack",
+                  delay: float | None = None, visibility: float | None = None) -> list[AckResult]:
+        return self._run(self.aio.ack_batch(topic, handles, mode=mode, delay=delay, visibility=visibility))
 
     def retry_later(self, msg: Message, error: BaseException | str | None, topic: str | None = None) -> None:
         self._run(self.aio.retry_later(msg, error, topic))

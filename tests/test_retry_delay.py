@@ -267,6 +267,22 @@ def test_partition_delayed_offsets_are_held_back_uncounted_and_keep_it_open(tmp_
     assert [x.offset for x in p.reserve(107.0, 5, 30.0, 1024, 1024)] == [1]
 
 
+def test_partition_a_delayed_nack_keeps_its_in_flight_slot(tmp_path: Path) -> None:
+    """Leases plus delayed nacks never exceed max_in_flight (the memory of delays is
+    bounded as the leases' is): nacking with a delay frees no slot until it falls due."""
+    from tests.test_partition import _partition
+
+    p = _partition(tmp_path, 4)
+    d = p.reserve(100.0, 5, 30.0, 2, 1024)
+    assert [x.offset for x in d] == [0, 1]
+    assert p.nack(0, d[0].nonce, 100.0, 10.0)
+    assert p.ready(2, 1024) == 0 and p.reserve(101.0, 5, 30.0, 2, 1024) == []
+    assert p.nack(1, d[1].nonce, 101.0, 0.0)  # an immediate nack frees its slot: offset 1 again
+    assert [x.offset for x in p.reserve(101.0, 5, 30.0, 2, 1024)] == [1]
+    assert p.ready(2, 1024) == 0
+    assert [x.offset for x in p.reserve(110.0, 5, 30.0, 3, 1024)] == [0, 2]  # due: back first, then the next
+
+
 # ---- a 3-node cluster -------------------------------------------------------------------------------
 def test_cluster_nack_with_delay_at_non_owners_and_the_bound_after_a_kill9(tmp_path: Path) -> None:
     """Nacks with a delay sent to a node that does not own (all of) the partitions are

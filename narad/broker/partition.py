@@ -18,10 +18,12 @@ Lives in the worker that owns the partition, on its event-loop thread only.
 * A nack with a delay (issue 14) parks the offset on a due-time heap
   (``_delayed``: one heap entry per offset, no timer per message); every touch
   and the 1 s sweep move what fell due to the redelivery queue. A delayed
-  offset is not deliverable, not counted by ``available``/``ready``, and keeps
-  the partition from being evicted. Delays live in memory only: a restart or a
-  partition move forgets them (the record is delivered again at once, as any
-  lease that was out).
+  offset is not deliverable, not counted by ``available``/``ready``, keeps
+  the partition from being evicted, and holds its slot of the in-flight cap
+  until it falls due (so leases plus delays never exceed ``max_in_flight``: the
+  memory they take is bounded as the leases' is). Delays live in memory only: a
+  restart or a partition move forgets them (the record is delivered again at
+  once, as any lease that was out).
 * Idle partitions are closed whole (the broker's idle eviction): ``last_used``
   is stamped by every reserve, settle and commit (never by stats), and
   ``evictable`` says whether everything the object holds is on disk already
@@ -222,8 +224,8 @@ class Partition:
         self.purge(now)
         out: list[Delivery] = []
         while len(out) < max_n:
-            if len(self.leases) >= max_in_flight:
-                break
+            if len(self.leases) + len(self.delayed) >= max_in_flight:
+                break  # a delayed nack keeps its in-flight slot until it falls due
             off = self._candidate()
             if off is None:
                 break
@@ -271,8 +273,12 @@ class Partition:
             self.acked_ahead = {a for a in self.acked_ahead if a >= oldest}
             for off in [o for o in self.leases if o < oldest]:
                 del self.leases[off]
-            for off in [o for o in self.delayed if o < oldest]:
-                del self.delayed[off]  # its heap entry is dropped when it falls due
+            gone = [o for o in self.delayed if o < oldest]
+            if gone:
+                for off in gone:
+                    del self.delayed[off]
+                self._delayed = [(d, o) for d, o in self._delayed if self.delayed.get(o) == d]
+                heapq.heapify(self._delayed)
             self._advance()
             self.cursor = max(self.cursor, self.committed + 1)
             self.dirty = True
@@ -489,7 +495,8 @@ class Partition:
         """Records a reserve with these caps would hand out now (an estimate, like
         ``available``): none while the in-flight cap is full, only the frontier
         record while the acked-ahead cap is."""
-        if self.closed or len(self.leases) >= max_in_flight or (self.freeze_token is not None and self.frozen()):
+        held = len(self.leases) + len(self.delayed)
+        if self.closed or held >= max_in_flight or (self.freeze_token is not None and self.frozen()):
             return 0
         n = self.available()
         if n <= 0:
@@ -497,7 +504,7 @@ class Partition:
         if len(self.acked_ahead) >= max_acked_ahead:
             f = self.committed + 1
             return 1 if f < self.log.hwm and f not in self.leases and f not in self.delayed else 0
-        return min(n, max_in_flight - len(self.leases))
+        return min(n, max_in_flight - held)
 
     def snapshot_offsets(self) -> tuple[int, list[int]]:
         return self.committed, sorted(self.acked_ahead)

@@ -242,6 +242,38 @@ def test_sdk_nack_delay_extend_visibility_and_consume_visibility(node: Node) -> 
         assert [r.status for r in c.ack_batch(name, again)] == [204, 204]
 
 
+def test_the_trailing_wire_fields_decode_both_ways() -> None:
+    """ConsumeReq.vis_ms and AckReq.dur_ms are trailing defaulted fields: a frame from a
+    node without them decodes (0: the topic's lease, no delay), and one with them
+    decodes at such a node (the field is dropped: the safe failure is Narad's behaviour)."""
+    import msgspec
+
+    from narad.broker import peers as P
+
+    class OldConsumeReq(msgspec.Struct, tag="ConsumeReq", array_like=True):
+        topic: str
+        topic_id: str
+        max: int
+        partition: int | None = None
+        scope: int = P.WORKER
+
+    class OldAckReq(msgspec.Struct, tag="AckReq", array_like=True):
+        topic: str
+        topic_id: str
+        mode: int
+        items: list[tuple[int, int, int]]
+        scope: int = P.WORKER
+
+    enc = msgspec.msgpack.encode
+    assert msgspec.msgpack.decode(enc(OldConsumeReq("t", "id", 3, 1, P.NODE)), type=P.ConsumeReq) == \
+        P.ConsumeReq("t", "id", 3, 1, P.NODE, 0)
+    assert msgspec.msgpack.decode(enc(OldAckReq("t", "id", 2, [(0, 1, 2)])), type=P.AckReq).dur_ms == 0
+    assert msgspec.msgpack.decode(enc(P.ConsumeReq("t", "id", 3, None, P.WORKER, 5000)), type=OldConsumeReq) == \
+        OldConsumeReq("t", "id", 3, None, P.WORKER)
+    assert msgspec.msgpack.decode(enc(P.AckReq("t", "id", 2, [(0, 1, 2)], P.NODE, 30_000)), type=OldAckReq) == \
+        OldAckReq("t", "id", 2, [(0, 1, 2)], P.NODE)
+
+
 # ---- the partition's lease state (no node) ----------------------------------------------------------
 def test_partition_delayed_offsets_are_held_back_uncounted_and_keep_it_open(tmp_path: Path) -> None:
     from tests.test_partition import _partition

@@ -384,6 +384,11 @@ def test_cluster_nack_with_delay_at_non_owners_and_the_bound_after_a_kill9(tmp_p
             for nid in c.ids:
                 t1 = C.now()
                 rr = c[nid].get(f"/v1/topics/{name}/consume?partition={k}&wait=0s")
+                if rr.status == 200 and C.message_id(rr.json()["payload"]) != "k0":
+                    # A first-phase record whose ack the kill -9 caught before the owner synced
+                    # its offsets (at most ~1 s of acks): at least once, not this history's business.
+                    c[nid].post(f"/v1/topics/{name}/ack?receipt_handle={rr.json()['receipt_handle']}")
+                    return False
                 if rr.status == 200:
                     back.append(C.record_delivery(h2, rr.json(), t1, C.now(), nid))
                     t2 = C.now()

@@ -169,7 +169,10 @@ def test_a_parked_long_poll_is_woken_when_the_delay_falls_due(node: Node) -> Non
     assert out["r"].status == 200 and out["r"].json()["payload"] == "p", out
     assert out["at"] >= due - 0.05  # never early
     late = out["at"] - due
-    assert late < 1.5, f"the parked poll got the record {late:.2f}s after it fell due"
+    # Woken by the 1 s sweep (or its own 1 s re-check), not at the end of its 15 s wait; the
+    # bound is generous (a loaded CI box), the figure is printed.
+    print(f"\nparked poll got the delayed record {late:.2f}s after it fell due")
+    assert late < 6.0, f"the parked poll got the record {late:.2f}s after it fell due (its wait was 15 s)"
     assert node.post(f"/v1/topics/{name}/ack?receipt_handle={out['r'].json()['receipt_handle']}").status == 204
 
 

@@ -408,3 +408,37 @@ def test_cluster_nack_with_delay_at_non_owners_and_the_bound_after_a_kill9(tmp_p
     finally:
         C.stop_all()
         c.close()
+
+
+def test_consume_forever_retry_delay_holds_a_failed_message_back(node: Node) -> None:
+    """The SDK's worker pool with ``retry_delay``: a handler that raises has its message
+    nacked with that delay; it comes back not before it, and is then acked."""
+    import asyncio
+
+    from narad.client import AsyncClient
+    from tests.harness import ADMIN_PASSWORD
+
+    name = mk(node, "rd-loop-", visibility_timeout_ms=60_000)
+    produce(node, name, b"job")
+    seen: list[float] = []
+
+    async def run() -> list[str]:
+        async with AsyncClient(f"127.0.0.1:{node.port}", auth=("admin", ADMIN_PASSWORD)) as c:
+            async def handler(m: Any) -> None:
+                seen.append(time.monotonic())
+                if len(seen) == 1:
+                    raise RuntimeError("first attempt fails")
+
+            with pytest.raises(ValueError):
+                c.consume_forever(name, handler, on_failure="lapse", retry_delay=1.0)
+            loop = c.consume_forever(name, handler, wait=1.0, retry_delay=1.5)
+            outcomes: list[str] = []
+            async for o in loop:
+                outcomes.append(o.result)
+                if o.result == "acked":
+                    loop.request_stop()
+            return outcomes
+
+    outcomes = asyncio.run(asyncio.wait_for(run(), 30))
+    assert outcomes == ["nacked", "acked"], outcomes
+    assert seen[1] - seen[0] >= 1.5 - 0.1, seen  # held back by the delay, not redelivered at once

@@ -697,14 +697,18 @@ class AsyncClient:
         renew_fraction: float = 0.5,
         visibility_timeout: float | None = None,
         drain_timeout: float = 30.0,
+        retry_delay: float | None = None,
     ) -> Consumer:
         """A worker pool of ``concurrency`` handlers: ``await`` it to run until ``stop()``,
         or ``async for`` it to see each message's outcome. ``batch`` (default: the
-        concurrency, at most 100) caps the messages leased per request. See
+        concurrency, at most 100) caps the messages leased per request. ``retry_delay``
+        (seconds): a message whose handler raised is nacked with that delay, so it comes
+        back not before it (an extension a Narad node refuses with 400). See
         narad.client.consumer.Consumer."""
         return Consumer(self, topic, handler, concurrency=concurrency, batch=batch, wait=wait,
                         on_failure=on_failure, renew_fraction=renew_fraction,
-                        visibility_timeout=visibility_timeout, drain_timeout=drain_timeout)
+                        visibility_timeout=visibility_timeout, drain_timeout=drain_timeout,
+                        retry_delay=retry_delay)
 
 
 def _dl(deadline: float | None, wait: float, c: AsyncClient) -> float:

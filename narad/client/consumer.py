@@ -7,7 +7,8 @@ timeout, one batch-extend request for all that are due: per-handle results),
 so a slow handler keeps its message. A lease the node reports gone (410 on
 extend), or one that could not be renewed before its estimated end, cancels its
 handler: someone else may hold the message now. A handler that returns acks;
-one that raises nacks (the message comes back at once) or, with
+one that raises nacks (the message comes back at once; with ``retry_delay``,
+not before that many seconds: a Narad-compatible extension) or, with
 ``on_failure="lapse"``, stops renewing and lets the lease run out.
 
 ``stop()`` (or ``request_stop()``) ends fetching at once (a parked long poll is
@@ -59,7 +60,7 @@ class ClientLike(Protocol):
 
     async def ack(self, topic: str, handle: str | Message) -> None: ...
 
-    async def nack(self, topic: str, handle: str | Message) -> None: ...
+    async def nack(self, topic: str, handle: str | Message, *, delay: float | None = ...) -> None: ...
 
     async def ack_batch(self, topic: str, handles: Sequence[str | Message], *, mode: Any = ...,
                         deadline: float | None = ...) -> list[AckResult]: ...
@@ -103,7 +104,7 @@ class Consumer:
     def __init__(self, client: ClientLike, topic: str, handler: Handler, *, concurrency: int = 1,
                  batch: int | None = None, wait: float = 10.0, on_failure: Literal["nack", "lapse"] = "nack",
                  renew_fraction: float = 0.5, visibility_timeout: float | None = None,
-                 drain_timeout: float = 30.0) -> None:
+                 drain_timeout: float = 30.0, retry_delay: float | None = None) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
         if batch is None:
@@ -114,6 +115,8 @@ class Consumer:
             raise ValueError("renew_fraction must be between 0 and 1")
         if on_failure not in ("nack", "lapse"):
             raise ValueError('on_failure is "nack" or "lapse"')
+        if retry_delay is not None and not (0 <= retry_delay <= 43200 and on_failure == "nack"):
+            raise ValueError('retry_delay is 0 to 43200 seconds, with on_failure="nack"')
         self.client = client
         self.topic = topic
         self.handler = handler
@@ -121,6 +124,7 @@ class Consumer:
         self.batch = batch
         self.wait = wait
         self.on_failure = on_failure
+        self.retry_delay = retry_delay  # a failed message's nack holds it back this long (an extension)
         self.renew_fraction = renew_fraction
         self.drain_timeout = drain_timeout
         self._vt = visibility_timeout
@@ -344,7 +348,10 @@ class Consumer:
                     outcome = Outcome(msg, "lapsed", err, le.extends)
                 else:
                     try:
-                        await self.client.nack(self.topic, handle)
+                        if self.retry_delay is None:
+                            await self.client.nack(self.topic, handle)
+                        else:
+                            await self.client.nack(self.topic, handle, delay=self.retry_delay)
                         outcome = Outcome(msg, "nacked", err, le.extends)
                     except E.NaradError as e2:
                         log.warning("nack of %s %s failed: %s", self.topic, handle, e2)

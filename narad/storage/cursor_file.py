@@ -21,7 +21,6 @@ Imports crc32c and narad.storage.fileio.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import time
@@ -129,18 +128,7 @@ class CursorFile:
         epoch, or replacing anything else). Durable when this returns."""
         data = encode(epoch, next_offset)
         self.close()
-        tmp = self.dir / f".{self.path.name}.tmp"
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            fileio.pwrite_all(fd, data, 0)
-            fileio.fdatasync(fd)
-        except BaseException:
-            os.close(fd)
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-            raise
-        os.close(fd)
-        os.replace(tmp, self.path)
+        fileio.replace_durable(self.path, data)
         fileio.fsync_dir(self.dir)
 
     def advance(self, epoch: str, next_offset: int) -> None:

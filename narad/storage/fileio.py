@@ -8,6 +8,7 @@ code never changes these functions. Imports nothing from narad.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 from collections.abc import Callable
@@ -44,6 +45,25 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def replace_durable(path: str | os.PathLike[str], data: bytes) -> None:
+    """`data` as `path` through a temp file beside it (``.<name>.tmp``), fdatasync and
+    a rename over the name; the caller syncs the directory."""
+    path = os.fspath(path)
+    head, name = os.path.split(path)
+    tmp = os.path.join(head, f".{name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        pwrite_all(fd, data, 0)
+        fdatasync(fd)
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    os.close(fd)
+    os.replace(tmp, path)
 
 
 def reset() -> None:

@@ -204,18 +204,7 @@ def _boot_id() -> str:
 def _write_file_durable(d: Path, name: str, data: bytes) -> None:
     """`data` as `d/name` through a temp file, fdatasync and a rename (the caller
     syncs the directory)."""
-    tmp = d / f".{name}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        fileio.pwrite_all(fd, data, 0)
-        fileio.fdatasync(fd)
-    except BaseException:
-        os.close(fd)
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
-    os.close(fd)
-    os.replace(tmp, d / name)
+    fileio.replace_durable(d / name, data)
 
 
 def _mkdirs_durable(d: Path) -> None:

@@ -1728,11 +1728,9 @@ class Broker:
             t = self.store.topic(p.topic)
             if t is None or t.id != p.topic_id or not 0 <= p.index < t.partitions:
                 continue  # the topic watch retires those
-            node, w = self.where(t, p.index)
-            if node is None or (node == self.node_id and w == self.index):
-                continue
-            if node == self.node_id:
-                continue  # another worker of this node (never: the hash is fixed)
+            node, _w = self.where(t, p.index)
+            if node is None or node == self.node_id:
+                continue  # still this node's (its worker is fixed by the hash)
             token = p.freeze_token or f"t{int(time.time() * 1000)}"
             await self._close_partition(key, p, clean=True)
             self._drained.discard((p.topic, p.index, p.topic_id))

@@ -44,7 +44,6 @@ import secrets
 import shutil
 import time
 from collections.abc import Awaitable, Callable
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -58,6 +57,8 @@ from narad.storage import fileio
 from narad.storage import transfer as TR
 
 from . import peers as P
+from .fanout import partition_dir
+from .partition import rfc3339_ms
 
 log = logging.getLogger("narad.broker.moves")
 T = TypeVar("T")
@@ -90,14 +91,6 @@ class _Aborted(Exception):
 
 class _Lapsed(Exception):
     """The source's freeze lapsed (or it restarted): commits may be behind the copy."""
-
-
-def _rfc3339(ms: int) -> str:
-    return datetime.fromtimestamp(ms / 1000, tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def _part_dir(data_dir: Path, topic: str, topic_id: str, partition: int) -> Path:
-    return data_dir / "topics" / f"{topic}@{topic_id}" / f"p{partition:05d}"
 
 
 def read_cursors(d: Path) -> list[tuple[str, str, int]]:
@@ -175,7 +168,7 @@ class MoveSource:
         t = self._owned_here(m.topic, m.topic_id, m.partition)
         p = await self.b.partition(t, m.partition)
         frontier, ahead = p.snapshot_offsets()  # positions first: never past what the listing copies
-        d = _part_dir(self.b.data_dir, t.name, t.id, m.partition)
+        d = partition_dir(self.b.data_dir, t.name, t.id, m.partition)
         cursors = await self.b.loop.run_in_executor(self.b.io, read_cursors, d)
         hwm, segs = await self.b.loop.run_in_executor(self.b.io, TR.list_open, p.log)
         return P.MoveListResp(hwm, [(s.base, s.size, s.mtime_ms) for s in segs], int(time.time() * 1000),
@@ -191,14 +184,14 @@ class MoveSource:
         node, _w = b.where(t, m.partition)
         if node != b.node_id:
             return P.MoveVouchResp(False)
-        d = _part_dir(b.data_dir, t.name, t.id, m.partition)
+        d = partition_dir(b.data_dir, t.name, t.id, m.partition)
         marker = await b.loop.run_in_executor(b.io, TR.read_marker, d) or {}
         p = await b.partition(t, m.partition)
         return P.MoveVouchResp(True, p.log.hwm, marker)
 
     async def chunk(self, m: P.MoveChunkReq) -> P.MoveChunkResp:
         t = self._owned_here(m.topic, m.topic_id, m.partition)
-        d = _part_dir(self.b.data_dir, t.name, t.id, m.partition)
+        d = partition_dir(self.b.data_dir, t.name, t.id, m.partition)
         length = max(0, min(m.length, TR.CHUNK_MAX))
         try:
             data = await self.b.loop.run_in_executor(self.b.io, TR.read_chunk, d, m.base, m.offset, length)
@@ -235,7 +228,7 @@ class MoveSource:
         # Positions first, then the high watermark and the segments: a listing never
         # carries a position past what it copies.
         frontier, ahead = p.snapshot_offsets()
-        d = _part_dir(self.b.data_dir, t.name, t.id, m.partition)
+        d = partition_dir(self.b.data_dir, t.name, t.id, m.partition)
         loop = self.b.loop
         cursors = await loop.run_in_executor(self.b.io, read_cursors, d)
         hwm, segs = await loop.run_in_executor(self.b.io, TR.list_open, p.log)
@@ -274,7 +267,7 @@ class _Move:
         self.warned = False
 
     def view(self, target: str) -> Q.MoveWorkerView:
-        return Q.MoveWorkerView(self.key[0], self.key[1], self.source, target, _rfc3339(self.started_ms),
+        return Q.MoveWorkerView(self.key[0], self.key[1], self.source, target, rfc3339_ms(self.started_ms),
                                 self.phase, self.attempts, self.last_error, self.copied, self.blocked)
 
 
@@ -441,7 +434,7 @@ class MoveRunner:
 
     async def _run(self, mv: _Move) -> None:
         name, part = mv.key
-        final = _part_dir(self.b.data_dir, name, mv.topic_id, part)
+        final = partition_dir(self.b.data_dir, name, mv.topic_id, part)
         try:
             while True:
                 try:

@@ -218,7 +218,7 @@ class Partition:
                 max_acked_ahead: int, make: Callable[[int, int, int, Record], Any] = Delivery) -> list[Any]:
         """Lease and read up to max_n records; each is returned as make(partition,
         offset, nonce, record) (a Delivery unless the caller builds its own)."""
-        if self.closed or (self.freeze_token is not None and self.frozen(now)):
+        if self.closed or self.frozen(now):
             return []
         self.last_used = now
         self.purge(now)
@@ -354,7 +354,7 @@ class Partition:
         if self.closed:
             raise OSError(9, "partition closed")
         self.last_used = time.monotonic()
-        if self.freeze_token is not None and self.frozen(self.last_used):
+        if self.frozen(self.last_used):
             raise self.moving_error()
         loop = self.loop
         fut: asyncio.Future[int] = loop.create_future()
@@ -368,7 +368,7 @@ class Partition:
         loop = self.loop
         try:
             while self._commit_queue and not self.closed:
-                if self.freeze_token is not None and self.frozen():
+                if self.frozen():
                     # Frozen meanwhile (a move): what is queued is refused, to land at the new owner.
                     err = self.moving_error()
                     for _, f in self._commit_queue:
@@ -449,7 +449,7 @@ class Partition:
         held above the frontier fit one offset slot whole)."""
         if self.closed or self.leases or self.delayed or self._committing or self._commit_queue:
             return False
-        if self.freeze_token is not None and self.frozen():
+        if self.frozen():
             return False
         if self._task is not None and not self._task.done():
             return False
@@ -496,7 +496,7 @@ class Partition:
         ``available``): none while the in-flight cap is full, only the frontier
         record while the acked-ahead cap is."""
         held = len(self.leases) + len(self.delayed)
-        if self.closed or held >= max_in_flight or (self.freeze_token is not None and self.frozen()):
+        if self.closed or held >= max_in_flight or self.frozen():
             return 0
         n = self.available()
         if n <= 0:

@@ -212,6 +212,11 @@ def test_same_script_gives_identical_databases(tmp_path: Path) -> None:
         C.RemoveMember("n3"), C.Heartbeat("n3", "b", 42),  # refused: removed
         C.RegisterMember(MemberRecord("n3", "127.0.0.1:3")),  # refused: removed
         C.RemoveMember("n3", clear_tombstone=True), C.RegisterMember(MemberRecord("n3", "127.0.0.1:3")),
+        # Delivery settings (43): set on x with p as its dead-letter topic, refused without one,
+        # refused for a missing one and for the topic itself, refused for a stale incarnation.
+        C.SetDelivery("x", "00000000000000ee", 3, "p", 60000), C.SetDelivery("x", "00000000000000ee", None, ""),
+        C.SetDelivery("x", "00000000000000ee", None, "nope"), C.SetDelivery("x", "00000000000000ee", None, "x"),
+        C.SetDelivery("x", "00000000000000ff", 0, ""),
     ]
     assert {C.TYPE_OF[type(p)] for p in script} == set(C.PAYLOAD_TYPES), "the script misses an entry type"
     one, two = Applier(tmp_path / "one"), Applier(tmp_path / "two")
@@ -220,7 +225,7 @@ def test_same_script_gives_identical_databases(tmp_path: Path) -> None:
         results.append(one.apply(p, rid=f"r{i}", stamp=1000 + i))
         two.apply(p, rid=f"r{i}", stamp=1000 + i, commit=(i % 4 == 3))  # different batching
     two.fsm.commit()
-    assert sum(not r.ok for r in results) == 15, [r.message for r in results if not r.ok]
+    assert sum(not r.ok for r in results) == 19, [r.message for r in results if not r.ok]
     assert _digest(one.fsm) == _digest(two.fsm)
     one.fsm.close()
     two.fsm.close()

@@ -50,6 +50,7 @@ from narad.meta import versions as V
 from narad.meta.records import TopicRecord
 from narad.meta.schemas import PayloadValidator
 from narad.meta.validate import INT64_MAX, INT64_MIN, strict_int
+from narad.storage import frames as FR
 from narad.storage.frames import F_JSON, F_UTF8
 from narad.storage.wal import Entry, WALFailed
 
@@ -118,26 +119,62 @@ class MessageOut(msgspec.Struct, kw_only=True, omit_defaults=True):
     payload_encoding: str | None = None
     timestamp: int
     receipt_handle: str | None = None
+    # Extensions (issue 14): absent unless the record or the delivery has them.
+    delivery_count: int | None = None  # consume: this lease is the record's n-th delivery
+    headers: dict[str, str] | None = None
+    dead_letter: dict[str, Any] | None = None  # a dead-lettered record: where it came from
+
+
+def _key_out(key: bytes | None) -> tuple[str | None, str | None]:
+    if key is None:
+        return None, None
+    try:
+        return key.decode(), None
+    except UnicodeDecodeError:
+        return base64.b64encode(key).decode(), "base64"
+
+
+def dead_letter_json(d: FR.DeadLetter) -> dict[str, Any]:
+    key, key_enc = _key_out(d.k)
+    out: dict[str, Any] = {"topic": d.t, "partition": d.p, "offset": d.o, "delivery_count": d.c}
+    if key is not None:
+        out["key"] = key
+        if key_enc is not None:
+            out["key_encoding"] = key_enc
+    if d.r is not None:
+        out["reason"] = d.r
+    if d.ts:
+        out["timestamp"] = d.ts // 1000
+    return out
 
 
 def render(topic: str, it: Item, handle: bool) -> MessageOut:
-    key = key_enc = payload_enc = None
-    if it.key is not None:
-        try:
-            key = it.key.decode()
-        except UnicodeDecodeError:
-            key, key_enc = base64.b64encode(it.key).decode(), "base64"
+    key, key_enc = _key_out(it.key)
+    payload_enc = None
     f = it.flags
+    body = it.payload
+    headers = dead = None
+    if f & FR.F_EXT:
+        try:
+            ext, body = FR.split_ext(f, body)
+        except FR.FrameError:
+            ext = None  # a damaged block: the stored bytes are shown as they are (base64 below)
+            f &= ~(F_JSON | F_UTF8)
+        if ext is not None:
+            headers = ext.h or None
+            dead = dead_letter_json(ext.d) if ext.d is not None else None
     payload: Any
     if f & F_JSON:
-        payload = msgspec.Raw(it.payload)
+        payload = msgspec.Raw(body)
     elif f & F_UTF8:
-        payload = it.payload.decode()
+        payload = body.decode()
     else:
-        payload, payload_enc = base64.b64encode(it.payload).decode(), "base64"
+        payload, payload_enc = base64.b64encode(body).decode(), "base64"
     return MessageOut(topic=topic, partition=it.partition, offset=it.offset, key=key, key_encoding=key_enc,
                       payload=payload, payload_encoding=payload_enc, timestamp=it.ts_ms // 1000,
-                      receipt_handle=f"{it.partition}:{it.offset}:{it.nonce}" if handle else None)
+                      receipt_handle=f"{it.partition}:{it.offset}:{it.nonce}" if handle else None,
+                      delivery_count=(it.deliveries or None) if handle else None, headers=headers,
+                      dead_letter=dead)
 
 
 class BatchMsg(msgspec.Struct, forbid_unknown_fields=True):

@@ -56,6 +56,10 @@ class CreateTopicBody(msgspec.Struct, forbid_unknown_fields=True):
     parent: str | None = None
     fanout_delay_ms: VAL.Int64 = 0
     owner: str | None = None  # accepted and ignored: the owner is always the caller
+    # Delivery settings (extensions, issue 14; a Narad node answers 400 to them).
+    max_deliveries: VAL.Int64 = 0
+    dead_letter_topic: str | None = None
+    idempotency_window_ms: VAL.Int64 = 0
 
 
 class AttachChildBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -80,6 +84,9 @@ class AlterTopicBody(msgspec.Struct, forbid_unknown_fields=True):
     schema: msgspec.Raw | msgspec.UnsetType = UNSET
     schema_base_version: VAL.Int64 | None = None
     visibility_timeout_ms: VAL.Int64 | None = None
+    max_deliveries: VAL.Int64 | None = None  # extensions (issue 14)
+    dead_letter_topic: str | None = None  # "": clear it
+    idempotency_window_ms: VAL.Int64 | None = None
 
 
 def topic_json(t: TopicRecord) -> dict[str, Any]:
@@ -100,6 +107,13 @@ def topic_json(t: TopicRecord) -> dict[str, Any]:
     }
     if t.owner is not None:
         out["owner"] = t.owner
+    # Extensions (issue 14): present only when set, so a topic without them answers as before.
+    if t.max_deliveries:
+        out["max_deliveries"] = t.max_deliveries
+    if t.dead_letter_topic is not None:
+        out["dead_letter_topic"] = t.dead_letter_topic
+    if t.idempotency_window_ms:
+        out["idempotency_window_ms"] = t.idempotency_window_ms
     role = t.role
     if role is None:
         return out
@@ -246,6 +260,9 @@ class TopicsAPI:
                     fanout_delay_ms=body.fanout_delay_ms,
                     parent_id=parent_id or None,
                     attach_offsets=offsets,
+                    max_deliveries=body.max_deliveries or None,
+                    dead_letter_topic=body.dead_letter_topic or None,
+                    idempotency_window_ms=body.idempotency_window_ms or None,
                 ),
                 TopicRecord,
             )
@@ -322,6 +339,9 @@ class TopicsAPI:
                 partitions=body.partitions,
                 schema=_schema_raw(body.schema),
                 schema_base_version=body.schema_base_version,
+                max_deliveries=body.max_deliveries,
+                dead_letter_topic=body.dead_letter_topic,
+                idempotency_window_ms=body.idempotency_window_ms,
             ),
             TopicRecord,
         )

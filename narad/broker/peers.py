@@ -52,6 +52,7 @@ class Item(msgspec.Struct, array_like=True):
     ts_ms: int
     flags: int
     payload: bytes
+    deliveries: int = 0  # a lease: how many times the record was leased, this one included (0: not counted)
 
 
 WORKER, NODE = 0, 1  # scope of a request: the receiving worker only, or every worker of its node

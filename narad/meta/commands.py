@@ -11,7 +11,9 @@ applies; 23-32 are the compare-and-set types the seed (metastore "The entry
 types v3.1.0 adds") numbers, proposed only once every member applies them
 (27-28, fan-out attach / detach, arrive with fan-out topics and a newer
 release number); 33-37 are reserved for remote replication; 38 imports a
-metastore export (disaster recovery), gated like 23-32. Pure data, no I/O.
+metastore export (disaster recovery), gated like 23-32; 39-42 are partition
+moves and decommission; 43 sets a topic's delivery settings (issue 14). Pure
+data, no I/O.
 """
 
 from __future__ import annotations
@@ -58,6 +60,8 @@ class EntryType(IntEnum):
     COMPLETE_MOVE = 40  # the flip: owner := target only if the owner is still the source and the target still it
     SET_DRAINING = 41  # mark a member draining (decommission) or clear the mark (cancel)
     REMOVE_MEMBER = 42  # delete a member record that owns and receives nothing, leaving a tombstone
+    # Delivery settings (issue 14).
+    SET_DELIVERY = 43  # max_deliveries / dead_letter_topic / idempotency_window_ms of the incarnation checked
 
 
 # The newest entry type this build applies. A later release raises it, but numbers
@@ -299,6 +303,19 @@ class SetDraining(msgspec.Struct, array_like=True):
     draining: bool
 
 
+class SetDelivery(msgspec.Struct, array_like=True):
+    """Set a topic's delivery settings (each None: unchanged; ``dead_letter_topic``
+    "" clears it). Refused (CHANGED) when the incarnation moved; INVALID when the
+    dead-letter topic is the topic itself or does not exist, or max_deliveries > 0
+    would be left without a dead-letter topic."""
+
+    name: str
+    topic_id: str
+    max_deliveries: int | None = None
+    dead_letter_topic: str | None = None
+    idempotency_window_ms: int | None = None
+
+
 class RemoveMember(msgspec.Struct, array_like=True):
     """Delete a member record and leave a tombstone (removed_members, stamped
     with the entry's stamp) that refuses its id. Refused (CHANGED) while it owns
@@ -362,6 +379,7 @@ PAYLOAD_TYPES: dict[int, type[msgspec.Struct]] = {
     EntryType.COMPLETE_MOVE: CompleteMove,
     EntryType.SET_DRAINING: SetDraining,
     EntryType.REMOVE_MEMBER: RemoveMember,
+    EntryType.SET_DELIVERY: SetDelivery,
 }
 # The base type a compare-and-set type stands in for while some member cannot apply it.
 FALLBACK: dict[int, int | None] = {
@@ -380,6 +398,7 @@ FALLBACK: dict[int, int | None] = {
     EntryType.COMPLETE_MOVE: None,
     EntryType.SET_DRAINING: None,
     EntryType.REMOVE_MEMBER: None,
+    EntryType.SET_DELIVERY: None,  # delivery settings wait until every member applies them
 }
 TYPE_OF: dict[type, int] = {v: k for k, v in PAYLOAD_TYPES.items()}
 

@@ -242,6 +242,7 @@ class FSM:
             C.EntryType.COMPLETE_MOVE: self._complete_move,
             C.EntryType.SET_DRAINING: self._set_draining,
             C.EntryType.REMOVE_MEMBER: self._remove_member,
+            C.EntryType.SET_DELIVERY: self._set_delivery,
         }
 
     # ---- bookkeeping ------------------------------------------------------
@@ -1153,6 +1154,29 @@ class FSM:
         m.draining = p.draining
         txn.put(m.id.encode(), R.ENCODER.encode(m), db=self.dbs["members"])
         return _ok(), {V.MEMBERS}
+
+    # ---- delivery settings (43) ----------------------------------------------------------------
+    def _set_delivery(self, txn: Any, p: C.SetDelivery, stamp: int) -> tuple[C.ApplyResult, set[int]]:
+        t, res = self._checked_topic(txn, p.name, p.topic_id)
+        if t is None:
+            return res, set()
+        dlt = t.dead_letter_topic if p.dead_letter_topic is None else (p.dead_letter_topic or None)
+        maxd = t.max_deliveries if p.max_deliveries is None else p.max_deliveries
+        if dlt is not None and p.dead_letter_topic:
+            if dlt == t.name:
+                return _refuse(C.Result.INVALID, f'topic "{t.name}" cannot be its own dead-letter topic'), set()
+            if self._get_topic(txn, dlt) is None:
+                return _refuse(C.Result.INVALID, f'dead-letter topic "{dlt}" not found'), set()
+        if maxd > 0 and dlt is None:
+            return _refuse(C.Result.INVALID, "max_deliveries needs a dead_letter_topic (a record past its last "
+                                             "delivery goes there, it is never dropped)"), set()
+        t.max_deliveries = maxd
+        t.dead_letter_topic = dlt
+        if p.idempotency_window_ms is not None:
+            t.idempotency_window_ms = p.idempotency_window_ms
+        t.revision += 1
+        self._put_topic(txn, t)
+        return _ok(), {V.TOPICS, V.name_slot(t.name)}
 
     def _remove_member(self, txn: Any, p: C.RemoveMember, stamp: int) -> tuple[C.ApplyResult, set[int]]:
         key = p.node_id.encode()

@@ -26,6 +26,9 @@ class UserRecord(msgspec.Struct):
     updated_at_ms: int = 0
 
 
+DEFAULT_IDEMPOTENCY_WINDOW_MS = 300_000  # a produce's idempotency key is remembered 5 min unless set
+
+
 class TopicRecord(msgspec.Struct):
     name: str
     id: str  # incarnation: 16 hex chars, new for every create
@@ -50,6 +53,18 @@ class TopicRecord(msgspec.Struct):
     attach_offsets: list[int] = []
     # On a parent: its children's names, sorted (deterministic).
     children: list[str] = []
+    # Delivery settings (issue 14; entry type 43). max_deliveries: a record leased
+    # that many times without an ack is committed to dead_letter_topic and settled
+    # here (0: unlimited, Narad's behaviour). idempotency_window_ms: how long a
+    # produce's idempotency key is remembered (0: the default, 5 min).
+    max_deliveries: int = 0
+    dead_letter_topic: str | None = None
+    idempotency_window_ms: int = 0
+
+    @property
+    def idem_window_ms(self) -> int:
+        """The idempotency window in effect (the default when unset)."""
+        return self.idempotency_window_ms or DEFAULT_IDEMPOTENCY_WINDOW_MS
 
     @property
     def role(self) -> str | None:

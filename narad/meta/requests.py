@@ -27,6 +27,10 @@ class CreateTopicReq(msgspec.Struct, tag=True):
     fanout_delay_ms: int = 0
     parent_id: str | None = None
     attach_offsets: list[int] = []
+    # Delivery settings (issue 14): None leaves the default.
+    max_deliveries: int | None = None
+    dead_letter_topic: str | None = None
+    idempotency_window_ms: int | None = None
 
 
 class AlterTopicReq(msgspec.Struct, tag=True):
@@ -38,6 +42,9 @@ class AlterTopicReq(msgspec.Struct, tag=True):
     partitions: int | None = None
     schema: bytes | None = None
     schema_base_version: int | None = None
+    max_deliveries: int | None = None
+    dead_letter_topic: str | None = None  # "": clear it
+    idempotency_window_ms: int | None = None
 
 
 class DeleteTopicReq(msgspec.Struct, tag=True):

@@ -343,21 +343,38 @@ class MetaService:
         if req.schema is not None:
             await _off_loop(S.parse_registrable, req.schema)
             schema = req.schema
+        maxd = VAL.max_deliveries(req.max_deliveries or 0)
+        window = VAL.idempotency_window_ms(req.idempotency_window_ms or 0)
+        dlt = VAL.topic_name(req.dead_letter_topic) if req.dead_letter_topic else None
+        delivery = bool(maxd or window or dlt)
+        if maxd and dlt is None:
+            raise BadRequest("invalid argument: max_deliveries needs a dead_letter_topic (a record past its last "
+                             "delivery goes there, it is never dropped)")
+        if dlt is not None and dlt == name:
+            raise BadRequest(f'invalid argument: topic "{name}" cannot be its own dead-letter topic')
         user = self._require_known(req.who)
         if not req.who.unrestricted and not G.has_grant(user, "create", name):
             raise Forbidden(f'create not allowed for topic name "{name}"')
         if req.parent is not None:
+            if delivery:
+                raise BadRequest("invalid argument: create the child first, then set max_deliveries, "
+                                 "dead_letter_topic or idempotency_window_ms with PATCH")
             return await self._create_child(req, name, parts, retention, vis, inflight, ahead, schema, user)
+        if delivery:
+            self._require_type(C.EntryType.SET_DELIVERY, "a topic with delivery settings")
         async with self._locks[name.casefold()]:
             await self._leader_view()
             if self.request_applied():
                 return self._read_topic(name)  # this very request created it before a leader change
             self._name_free(name)
+            if dlt is not None and self.store.topic(dlt) is None:
+                raise BadRequest(f'invalid argument: dead-letter topic "{dlt}" not found (create it first)')
             rec = TopicRecord(
                 name=name, id=secrets.token_hex(8), partitions=parts, retention_ms=retention,
                 visibility_timeout_ms=vis, max_in_flight_per_partition=inflight,
                 max_acked_ahead_per_partition=ahead, created_at=int(self.clock()),
                 owner=req.who.name if req.who.security and not req.who.operator else None,
+                max_deliveries=maxd, dead_letter_topic=dlt, idempotency_window_ms=window,
             )
             for attempt in (1, 2):
                 await self.wait_forming()
@@ -653,7 +670,7 @@ class MetaService:
     async def alter_topic(self, req: Q.AlterTopicReq) -> TopicRecord:
         name = req.name
         fields = (req.retention_ms, req.max_in_flight_per_partition, req.max_acked_ahead_per_partition,
-                  req.partitions, req.schema)
+                  req.partitions, req.schema, req.max_deliveries, req.dead_letter_topic, req.idempotency_window_ms)
         if all(f is None for f in fields):
             raise BadRequest("invalid argument: nothing to change (send at least one field)")
         if req.retention_ms is not None:
@@ -664,6 +681,14 @@ class MetaService:
                 raise BadRequest(f"invalid argument: {field} must not be negative")
         if req.schema_base_version is not None and req.schema is None:
             raise BadRequest("invalid argument: schema_base_version needs schema")
+        if req.max_deliveries is not None:
+            VAL.max_deliveries(req.max_deliveries)
+        if req.idempotency_window_ms is not None:
+            VAL.idempotency_window_ms(req.idempotency_window_ms)
+        if req.dead_letter_topic:
+            VAL.topic_name(req.dead_letter_topic)
+            if req.dead_letter_topic == name:
+                raise BadRequest(f'invalid argument: topic "{name}" cannot be its own dead-letter topic')
         user = self._require_known(req.who)
         async with self._locks[name.casefold()]:
             await self._leader_view()
@@ -723,6 +748,23 @@ class MetaService:
                 await self.place_partitions(name, before[0].id, range(before[0].partitions, grow_to))
             if req.schema is not None:
                 await self._put_schema(name, req.schema, req.schema_base_version, may_manage)
+            if (req.max_deliveries, req.dead_letter_topic, req.idempotency_window_ms) != (None, None, None):
+                self._require_type(C.EntryType.SET_DELIVERY, "changing delivery settings")
+                if req.dead_letter_topic and self.store.topic(req.dead_letter_topic) is None:
+                    raise BadRequest(f'invalid argument: dead-letter topic "{req.dead_letter_topic}" not found '
+                                     f"(create it first)")
+
+                def set_delivery(t: TopicRecord) -> msgspec.Struct:
+                    may_manage(t)
+                    dlt = t.dead_letter_topic if req.dead_letter_topic is None else (req.dead_letter_topic or None)
+                    maxd = t.max_deliveries if req.max_deliveries is None else req.max_deliveries
+                    if maxd and dlt is None:
+                        raise BadRequest("invalid argument: max_deliveries needs a dead_letter_topic (a record "
+                                         "past its last delivery goes there, it is never dropped)")
+                    return C.SetDelivery(t.name, t.id, req.max_deliveries, req.dead_letter_topic,
+                                         req.idempotency_window_ms)
+
+                await self._topic_write(name, set_delivery)
             audit.info("topic altered", extra={"topic": name, "by": req.who.name, "outcome": "ok"})
             return self._read_topic(name)
 
@@ -744,7 +786,7 @@ class MetaService:
             res = await self.write(payload)
             if res.code != C.Result.CHANGED:
                 if res.code == C.Result.INVALID and isinstance(payload, (C.PutSchema, C.PutSchemaCas,
-                                                                         C.UpdateTopicCas)):
+                                                                         C.UpdateTopicCas, C.SetDelivery)):
                     raise Conflict(res.message)
                 self._check(res, "topic")
                 return

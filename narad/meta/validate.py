@@ -72,6 +72,23 @@ def retention_ms(value: int) -> int:
     return value
 
 
+MAX_DELIVERIES_CAP = 1000
+MIN_IDEM_WINDOW_MS, MAX_IDEM_WINDOW_MS = 1000, 86_400_000
+
+
+def max_deliveries(value: int) -> int:
+    if not 0 <= value <= MAX_DELIVERIES_CAP:
+        raise BadRequest(f"invalid argument: max_deliveries must be 0 (unlimited) to {MAX_DELIVERIES_CAP}, got {value}")
+    return value
+
+
+def idempotency_window_ms(value: int) -> int:
+    if value != 0 and not MIN_IDEM_WINDOW_MS <= value <= MAX_IDEM_WINDOW_MS:
+        raise BadRequest(f"invalid argument: idempotency_window_ms must be 0 (the default, 5 min) or "
+                         f"{MIN_IDEM_WINDOW_MS} to {MAX_IDEM_WINDOW_MS} (24 h), got {value}")
+    return value
+
+
 def positive_or_default(field: str, value: int | None, default: int) -> int:
     if value is None or value == 0:
         return default

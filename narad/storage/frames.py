@@ -14,15 +14,28 @@ Frame (big-endian, 27-byte header, after Narad's storage/format.go):
 Record envelope: ``u8 version (3) | u8 flags | uvarint key length | key |
 u64 committed-at ms | payload``. Flags: bit0 has key, bit1 the payload is one
 valid JSON text, bit2 it is valid UTF-8 (computed once at produce time, so a
-consume renders the payload without parsing it again).
+consume renders the payload without parsing it again), bit3 (``F_EXT``) the
+payload starts with an *extension block* (issue 14).
 
-Pure functions. Imports crc32c (a maintained C implementation).
+Extension block: ``uvarint length | MessagePack map | message body``. The map
+(``Ext``) carries what Narad's record has no place for: ``h`` headers (string
+to string), ``i`` an idempotency key, ``d`` a dead-letter origin. Bits 1-2
+describe the body alone. The block lives inside the payload field, so every
+path that carries (key, flags, payload) untouched (the ingress WAL, commits
+between workers and nodes, fan-out and delay children, partition moves) carries
+it without knowing of it; only produce (``pack_ext``) and consume rendering
+(``split_ext``) look inside. Unknown map keys are ignored (a newer writer's
+fields), so the block can grow. A record without bit3 is byte-for-byte what it
+was.
+
+Pure functions. Imports crc32c (a maintained C implementation), msgspec.
 """
 
 from __future__ import annotations
 
 import struct
 
+import msgspec
 from crc32c import crc32c
 
 MAGIC = b"\xca\xfe"
@@ -30,7 +43,8 @@ HEADER = struct.Struct(">2sBiqII I")
 HEADER_SIZE = 27
 MAX_FRAME_BYTES = 256 << 20
 RECORD_VERSION = 3
-F_KEY, F_JSON, F_UTF8 = 1, 2, 4
+F_KEY, F_JSON, F_UTF8, F_EXT = 1, 2, 4, 8
+MAX_EXT_BYTES = 64 << 10  # an extension block larger than this is refused at produce (and unreadable here)
 
 _U32 = struct.Struct(">I")
 _U64 = struct.Struct(">Q")
@@ -134,3 +148,59 @@ def split_records(payload: bytes | memoryview, count: int) -> list[memoryview]:
     if pos != len(view):
         raise FrameError("trailing bytes in frame")
     return out
+
+
+# ---- extension block (issue 14) ----------------------------------------------------------------
+class DeadLetter(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=False):
+    """Where a dead-lettered record came from (``Ext.d``)."""
+
+    t: str  # source topic
+    p: int  # source partition
+    o: int  # source offset
+    c: int  # deliveries it had
+    k: bytes | None = None  # source key
+    r: str | None = None  # the last nack's reason
+    ts: int = 0  # committed-at ms in the source
+
+
+class Ext(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=False):
+    """The extension block's map. Every field optional; empty fields are not written."""
+
+    h: dict[str, str] | None = None  # headers
+    i: str | None = None  # idempotency key
+    d: DeadLetter | None = None  # dead-letter origin
+
+
+_ext_enc = msgspec.msgpack.Encoder()
+_ext_dec = msgspec.msgpack.Decoder(Ext)
+
+
+def pack_ext(ext: Ext, body: bytes) -> bytes:
+    """The stored payload of a record with an extension block (set ``F_EXT`` in its flags)."""
+    blob = _ext_enc.encode(ext)
+    return _uvarint(len(blob)) + blob + body
+
+
+def split_ext(flags: int, stored: bytes) -> tuple[Ext | None, bytes]:
+    """-> (extension block or None, message body). A record without ``F_EXT`` is
+    returned whole. Raises FrameError when the block is malformed."""
+    if not flags & F_EXT:
+        return None, stored
+    n = len(stored)
+    pos, shift, blen = 0, 0, 0
+    while True:
+        if pos >= n or shift > 63:
+            raise FrameError("bad extension block length")
+        b = stored[pos]
+        pos += 1
+        blen |= (b & 0x7F) << shift
+        if b < 0x80:
+            break
+        shift += 7
+    if blen > MAX_EXT_BYTES or pos + blen > n:
+        raise FrameError("extension block runs past the record")
+    try:
+        ext = _ext_dec.decode(stored[pos : pos + blen])
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise FrameError(f"bad extension block: {e}") from None
+    return ext, bytes(stored[pos + blen :])

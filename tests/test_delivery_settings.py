@@ -1,0 +1,79 @@
+"""Topic delivery settings (issue 14, raft entry type 43): max_deliveries,
+dead_letter_topic and idempotency_window_ms on create and alter, their 400s,
+and that a topic without them describes exactly as before (no new fields).
+A real node with one worker."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from narad.meta import commands as C
+from tests.harness import Node
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
+    n = Node(tmp_path_factory.mktemp("delivery") / "data", workers=1).start()
+    yield n
+    n.close()
+
+
+def err(r: object, status: int = 400) -> str:
+    assert r.status == status, r  # type: ignore[attr-defined]
+    return str(r.json()["error"])  # type: ignore[attr-defined]
+
+
+def test_a_topic_without_settings_answers_as_before(node: Node) -> None:
+    r = node.post("/v1/topics", {"name": "ds-plain", "partitions": 3})
+    assert r.status == 201, r
+    doc = node.get("/v1/topics/ds-plain").json()
+    for f in ("max_deliveries", "dead_letter_topic", "idempotency_window_ms"):
+        assert f not in r.json() and f not in doc
+
+
+def test_create_with_a_dead_letter_topic_and_alter_it(node: Node) -> None:
+    assert node.post("/v1/topics", {"name": "ds-dlq", "partitions": 3}).status == 201
+    r = node.post("/v1/topics", {"name": "ds-src", "partitions": 3, "max_deliveries": 3,
+                                 "dead_letter_topic": "ds-dlq", "idempotency_window_ms": 60000})
+    assert r.status == 201, r
+    doc = node.get("/v1/topics/ds-src").json()
+    assert (doc["max_deliveries"], doc["dead_letter_topic"], doc["idempotency_window_ms"]) == (3, "ds-dlq", 60000)
+    r = node.request("PATCH", "/v1/topics/ds-src", body={"max_deliveries": 5})
+    assert r.status == 200, r
+    assert r.json()["max_deliveries"] == 5 and r.json()["dead_letter_topic"] == "ds-dlq"
+    # Clearing the dead-letter topic while max_deliveries > 0 would drop records: refused.
+    assert "needs a dead_letter_topic" in err(node.request("PATCH", "/v1/topics/ds-src",
+                                                           body={"dead_letter_topic": ""}))
+    r = node.request("PATCH", "/v1/topics/ds-src", body={"max_deliveries": 0, "dead_letter_topic": ""})
+    assert r.status == 200, r
+    assert "max_deliveries" not in r.json() and "dead_letter_topic" not in r.json()
+    assert r.json()["idempotency_window_ms"] == 60000
+
+
+@pytest.mark.parametrize(("body", "why"), [
+    ({"max_deliveries": 3}, "needs a dead_letter_topic"),
+    ({"max_deliveries": -1, "dead_letter_topic": "ds-dlq"}, "max_deliveries must be"),
+    ({"max_deliveries": 1001, "dead_letter_topic": "ds-dlq"}, "max_deliveries must be"),
+    ({"dead_letter_topic": "ds-none"}, 'dead-letter topic "ds-none" not found'),
+    ({"idempotency_window_ms": 10}, "idempotency_window_ms must be"),
+    ({"idempotency_window_ms": 86_400_001}, "idempotency_window_ms must be"),
+    ({"dead_letter_topic": "bad name!"}, "invalid"),
+])
+def test_bad_settings_are_400_with_what_to_fix(node: Node, body: dict[str, object], why: str) -> None:
+    name = f"ds-bad-{abs(hash(str(body))) % 10**8}"
+    assert why in err(node.post("/v1/topics", {"name": name, "partitions": 3, **body}))
+    assert node.get(f"/v1/topics/{name}").status == 404
+
+
+def test_own_dead_letter_topic_is_refused(node: Node) -> None:
+    assert "own dead-letter topic" in err(node.post("/v1/topics", {"name": "ds-self", "dead_letter_topic": "ds-self"}))
+    assert node.post("/v1/topics", {"name": "ds-self2", "partitions": 3}).status == 201
+    assert "own dead-letter topic" in err(node.request("PATCH", "/v1/topics/ds-self2",
+                                                       body={"dead_letter_topic": "ds-self2"}))
+
+
+def test_entry_type_43_is_applied_by_this_build() -> None:
+    assert C.EntryType.SET_DELIVERY == 43 and 43 in C.APPLIED_TYPES
+    assert C.FALLBACK[C.EntryType.SET_DELIVERY] is None

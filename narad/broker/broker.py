@@ -412,7 +412,8 @@ class Broker:
         offs = OffsetFile(d)
         frontier, ahead = offs.load(max_frontier=plog.hwm - 1)  # a frontier past the log is damage
         p = Partition(topic.name, topic.id, index, plog, offs)
-        p.restore(frontier, ahead)
+        p.restore(frontier, ahead, offs.counts)
+        p.max_deliveries = topic.max_deliveries if topic.dead_letter_topic else 0
         return p
 
     async def _close_partition(self, key: tuple[str, int], p: Partition, *, clean: bool) -> None:
@@ -453,10 +454,11 @@ class Broker:
             release()
             raise
         frontier, ahead = p.snapshot_offsets()
+        counts = p.snapshot_counts()
 
         def close_sync() -> None:
             try:
-                p.offsets.close(frontier, ahead)
+                p.offsets.close(frontier, ahead, counts)
             except OSError as e:
                 log.error("could not persist consumer offsets at close", extra={"topic": p.topic, "err": str(e)})
             p.log.close(clean=clean)
@@ -1539,7 +1541,7 @@ class Broker:
                     p.dirty = False
                     frontier, ahead = p.snapshot_offsets()
                     try:
-                        p.offsets.write_window(frontier, ahead)
+                        p.offsets.write_window(frontier, ahead, p.snapshot_counts())
                     except OSError as e:
                         log.error("consumer offset write failed", extra={"topic": p.topic, "err": str(e)})
                         self.m.errors.labels("storage", "offset_write_failed").inc()

@@ -1,0 +1,141 @@
+"""Delivery counts and dead-letter holds of one partition (issue 14), driven
+directly on real files: the count a lease carries, what ack / nack / expiry do
+to it, the counts tail of the offset slot (old slots decode as no counts, the
+4 KiB bound keeps the highest counts), restore after a crash (page cache) and a
+close, and the hold of a record whose deliveries are used up."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from narad.broker.partition import Partition
+from narad.storage import offsets as OFF
+from narad.storage.offsets import SLOT, OffsetFile, _decode, _decode_full, _encode
+from narad.storage.partition_log import PartitionLog
+
+
+def _partition(tmp: Path, n: int) -> Partition:
+    plog = PartitionLog(tmp)
+    plog.open()
+    offs = OffsetFile(tmp)
+    p = Partition("t", "00" * 8, 0, plog, offs)
+    p.restore(*offs.load(), offs.counts)
+    if n:
+        with ThreadPoolExecutor(1) as ex:
+            async def fill() -> None:
+                p.loop = asyncio.get_running_loop()
+                for i in range(n):
+                    await p.commit([(None, 0, f"m{i}".encode())], ex)
+
+            asyncio.run(fill())
+    return p
+
+
+def _reopen(tmp: Path) -> Partition:
+    return _partition(tmp, 0)
+
+
+def test_counts_rise_per_lease_and_go_at_ack(tmp_path: Path) -> None:
+    p = _partition(tmp_path, 3)
+    d = p.reserve(100.0, 3, 30.0, 1024, 1024)
+    assert [x.deliveries for x in d] == [1, 1, 1]
+    assert p.nack(0, d[0].nonce, 101.0, reason="bad")
+    again = p.reserve(101.0, 1, 30.0, 1024, 1024)
+    assert (again[0].offset, again[0].deliveries) == (0, 2)
+    assert p.reasons == {0: "bad"}
+    late = p.reserve(140.0, 5, 30.0, 1024, 1024)  # every lease expired: all out again
+    assert sorted((x.offset, x.deliveries) for x in late) == [(0, 3), (1, 2), (2, 2)]
+    for x in late:
+        assert p.ack(x.offset, x.nonce, 141.0)
+    assert p.deliveries == {} and p.reasons == {}
+    assert p.committed == 2
+
+
+def test_slot_tail_round_trip_and_old_slots(tmp_path: Path) -> None:
+    raw = _encode(5, 10, [12, 15], {11: 3, 13: 1, 20: 7})
+    assert _decode_full(raw) == (5, 10, [12, 15], {11: 3, 13: 1, 20: 7})
+    assert _decode(raw) == (5, 10, [12, 15])  # a reader without the tail ignores it
+    old = _encode(5, 10, [12, 15])  # written before the tail existed
+    assert _decode_full(old) == (5, 10, [12, 15], {})
+    assert len(_encode(1, 0, [], {i: 2 for i in range(1, 5000)})) == SLOT
+
+
+def test_counts_past_the_slot_keep_the_highest(tmp_path: Path) -> None:
+    counts = {i: 1 for i in range(1, 4000)}
+    counts[3500] = 9
+    counts[3999] = 5
+    assert not OFF.fits(0, [], counts)
+    got = _decode_full(_encode(1, 0, [], counts))
+    assert got is not None
+    kept = got[3]
+    assert kept[3500] == 9 and kept[3999] == 5  # the highest counts first
+    assert 0 < len(kept) < len(counts)
+    ones = sorted(o for o, c in kept.items() if c == 1)
+    assert ones == list(range(1, len(ones) + 1))  # then the lowest offsets
+    assert OFF.fits(0, [], {1: 2, 2: 3})
+
+
+def test_counts_survive_a_crash_and_a_close(tmp_path: Path) -> None:
+    p = _partition(tmp_path, 4)
+    d = p.reserve(100.0, 4, 30.0, 1024, 1024)
+    assert p.ack(1, d[1].nonce, 100.5)
+    assert p.dirty
+    f, a = p.snapshot_offsets()
+    p.offsets.write_window(f, a, p.snapshot_counts())  # the committer's tick: page cache only
+    os.close(p.offsets._fd)  # kill -9: the descriptor goes, the page cache stays
+    p.offsets._fd = -1
+    q = _reopen(tmp_path)
+    assert q.committed == -1 and q.deliveries == {0: 1, 2: 1, 3: 1}
+    d = q.reserve(200.0, 4, 30.0, 1024, 1024)
+    assert sorted((x.offset, x.deliveries) for x in d) == [(0, 2), (2, 2), (3, 2)]
+    assert q.ack(0, next(x.nonce for x in d if x.offset == 0), 200.5)
+    f, a = q.snapshot_offsets()
+    q.offsets.close(f, a, q.snapshot_counts())
+    r = _reopen(tmp_path)
+    assert r.committed == 1 and r.deliveries == {2: 2, 3: 2}
+
+
+def test_used_up_deliveries_are_held_then_settled(tmp_path: Path) -> None:
+    p = _partition(tmp_path, 3)
+    held: list[int] = []
+    p.on_dead = lambda part: held.append(len(part.dead))
+    p.max_deliveries = 2
+    d = p.reserve(100.0, 3, 30.0, 1024, 1024)
+    assert p.nack(0, d[0].nonce, 100.1, reason="nope")
+    d2 = p.reserve(100.2, 1, 30.0, 1024, 1024)
+    assert (d2[0].offset, d2[0].deliveries) == (0, 2)
+    assert p.nack(0, d2[0].nonce, 100.3, delay_s=60.0)  # spent: held, not delayed
+    assert p.dead == {0} and 0 not in p.delayed and held == [1]
+    assert p.available() == 0  # 1 and 2 are leased, 0 is held
+    assert p.ready(3, 1024) == 0  # the hold keeps its in-flight slot
+    # offsets 1 and 2 expire twice: held too
+    p.reserve(131.0, 5, 30.0, 1024, 1024)
+    assert p.reserve(162.0, 5, 30.0, 1024, 1024) == []
+    assert p.dead == {0, 1, 2}
+    assert not p.evictable()
+    assert p.reasons.get(0) == "nope"
+    for off in (0, 1, 2):
+        assert p.settle_dead(off)
+    assert p.committed == 2 and not p.dead and not p.deliveries and not p.reasons
+    assert not p.settle_dead(0)
+
+
+def test_a_restored_spent_count_is_held_not_leased(tmp_path: Path) -> None:
+    p = _partition(tmp_path, 2)
+    p.max_deliveries = 2
+    for t in (100.0, 131.0):
+        p.reserve(t, 1, 30.0, 1024, 1024)
+    f, a = p.snapshot_offsets()
+    p.offsets.close(f, a, p.snapshot_counts())  # the crash came after the count reached the disk
+    q = _reopen(tmp_path)
+    assert q.deliveries == {0: 2}
+    q.max_deliveries = 2
+    d = q.reserve(300.0, 5, 30.0, 1024, 1024)
+    assert [x.offset for x in d] == [1] and q.dead == {0}
+    q.release_dead()  # the maximum was lifted: out again
+    q.max_deliveries = 0
+    d = q.reserve(300.0, 5, 30.0, 1024, 1024)
+    assert [(x.offset, x.deliveries) for x in d] == [(0, 3)]

@@ -9,6 +9,9 @@ Extensions (issue 14, optional, absent = Narad's behaviour): ``delay`` on a nack
 (``extend=0``; query or batch body field, 0 to 12 h) holds the record back that
 long; ``visibility`` on a consume (this delivery's lease length) and on an extend
 (``extend=true``: the new lease length), 1 s to 12 h. Go duration syntax.
+``reason`` on a nack (query, or batch body field; at most 256 bytes of UTF-8)
+is kept for the record's dead-letter copy. ``POST /v1/topics/{dlt}/redrive``
+moves a dead-letter topic's records back to their origin topics.
 
 Imports narad.api.{context,router}, narad.broker, narad.meta, narad.errors.
 """
@@ -193,6 +196,7 @@ class AckBody(msgspec.Struct, forbid_unknown_fields=True):
     receipt_handles: list[str] | msgspec.UnsetType = msgspec.UNSET
     delay: str | msgspec.UnsetType = msgspec.UNSET  # a nack's delay (extension, issue 14)
     visibility: str | msgspec.UnsetType = msgspec.UNSET  # an extend's lease length (extension)
+    reason: str | msgspec.UnsetType = msgspec.UNSET  # a nack's reason (extension, issue 14)
 
 
 _batch_dec = msgspec.json.Decoder(BatchBody)
@@ -659,13 +663,15 @@ class MessagesAPI:
             raise BadRequest('invalid argument: extend must be "true"/"1" (extend), "0" (nack) or absent (ack)')
         raw_delay = self._single_query(req, "delay")
         raw_vis = self._single_query(req, "visibility")
+        raw_reason = self._single_query(req, "reason")
         handle = self._single_query(req, "receipt_handle")
         if handle is not None:
             dur_ms = _settle_ms(mode, raw_delay, raw_vis)
+            reason = _nack_reason(mode, raw_reason)
             item = _handle_fields(handle)
             if item is None:
                 raise BadRequest("invalid argument: receipt_handle is not partition:offset:nonce")
-            (status,) = await self.broker.settle(t, [item], mode, dur_ms)
+            (status,) = await self.broker.settle(t, [item], mode, dur_ms, reason)
             if status == 204:
                 return empty(204)
             if status == 410:
@@ -681,6 +687,8 @@ class MessagesAPI:
             for f in ("delay", "visibility"):
                 if str(e).endswith(f"`$.{f}`"):
                     raise BadRequest(f'invalid argument: {f} must be a duration string such as "30s"') from None
+            if str(e).endswith("`$.reason`"):
+                raise BadRequest("invalid argument: reason must be a string") from None
             raise BadRequest(f"invalid json: {e}") from None
         except msgspec.DecodeError as e:
             raise BadRequest(f"invalid json: {e}") from None
@@ -699,7 +707,12 @@ class MessagesAPI:
             if raw_vis is not None:
                 raise BadRequest("invalid argument: visibility given both in the query and the body; give one")
             raw_vis = body.visibility
+        if body.reason is not msgspec.UNSET:
+            if raw_reason is not None:
+                raise BadRequest("invalid argument: reason given both in the query and the body; give one")
+            raw_reason = body.reason
         dur_ms = _settle_ms(mode, raw_delay, raw_vis)
+        reason = _nack_reason(mode, raw_reason)
         results: list[dict[str, Any] | None] = [None] * len(handles)
         parsed: list[tuple[int, int, int]] = []
         where: list[int] = []
@@ -710,7 +723,7 @@ class MessagesAPI:
             else:
                 parsed.append(it)
                 where.append(i)
-        statuses = await self.broker.settle(t, parsed, mode, dur_ms) if parsed else []
+        statuses = await self.broker.settle(t, parsed, mode, dur_ms, reason) if parsed else []
         for i, s in zip(where, statuses, strict=True):
             if s == 204:
                 results[i] = _SETTLED  # one shared (never mutated) dict per status
@@ -736,6 +749,24 @@ def _settle_ms(mode: int, raw_delay: str | None, raw_vis: str | None) -> int:
                              "not an ack or a nack")
         return duration_ms(raw_vis, "visibility", MIN_VISIBILITY_S, MAX_VISIBILITY_S)
     return 0
+
+
+MAX_REASON_BYTES = 256
+
+
+def _nack_reason(mode: int, raw: str | None) -> str:
+    """A nack's reason ("" when none): a nack only, at most 256 bytes of UTF-8."""
+    if raw is None:
+        return ""
+    if mode != NACK:
+        raise BadRequest("invalid argument: reason applies to a nack only (extend=0)")
+    try:
+        n = len(raw.encode())
+    except UnicodeEncodeError:
+        raise BadRequest("invalid argument: reason must be valid UTF-8") from None
+    if n > MAX_REASON_BYTES:
+        raise BadRequest(f"invalid argument: reason must be at most {MAX_REASON_BYTES} bytes of UTF-8, got {n}")
+    return raw
 
 
 def _parse_handle(h: str) -> tuple[int, int, int] | None:

@@ -78,6 +78,7 @@ class AckReq(msgspec.Struct, tag=True, array_like=True):
     items: list[tuple[int, int, int]]  # partition, offset, nonce
     scope: int = WORKER
     dur_ms: int = 0  # nack: its delay; extend: the new lease length (0: none / the topic's); trailing, defaulted
+    reason: str = ""  # nack: why (kept for a dead-letter record; issue 14); trailing, defaulted
 
 
 class AckResp(msgspec.Struct, array_like=True):
@@ -175,6 +176,7 @@ class MoveListResp(msgspec.Struct, array_like=True):
     frontier: int = -1
     ahead: list[int] = []
     cursors: list[tuple[str, str, int]] = []
+    counts: list[tuple[int, int]] = []  # delivery counts (offset, deliveries) of unacked offsets; trailing
 
 
 class MoveVouchReq(msgspec.Struct, tag=True, array_like=True):
@@ -225,6 +227,7 @@ class MoveFreezeResp(msgspec.Struct, array_like=True):
     cursors: list[tuple[str, str, int]] = []  # fan-out cursors: child, attach epoch, next offset
     segments: list[SegTuple] = []
     now_ms: int = 0
+    counts: list[tuple[int, int]] = []  # delivery counts (offset, deliveries) of unacked offsets; trailing
 
 
 class MoveThawReq(msgspec.Struct, tag=True, array_like=True):

@@ -256,6 +256,7 @@ class MessagesAPI:
         r.add("POST", "/v1/topics/{topic}/produce/batch", self.produce_batch, body_limit=MAX_BATCH_BODY)
         r.add("GET", "/v1/topics/{topic}/consume", self.consume)
         r.add("POST", "/v1/topics/{topic}/ack", self.ack, body_limit=ACK_BODY_LIMIT)
+        r.add("POST", "/v1/topics/{topic}/redrive", self.redrive)
 
     # ---- shared checks -----------------------------------------------------------------
     def _topic(self, req: Request) -> TopicRecord:
@@ -732,6 +733,85 @@ class MessagesAPI:
             else:
                 results[i] = {"status": s, "error": "partition owner is unavailable; retry"}
         return Response(200, _enc.encode({"results": results}), "application/json")
+
+    # ---- redrive (issue 14) -------------------------------------------------------------------
+    async def redrive(self, req: Request) -> Response:
+        """Move up to ``max`` records of a dead-letter topic back to their origin topics:
+        each is leased here (the consume path, no wait), produced to its origin (the
+        WAL: durable before the ack) and only then acked in the dead-letter topic (at
+        least once: a crash in between leaves a duplicate, never a loss). Records
+        without an origin, or whose origin is gone, are nacked back and counted as
+        skipped."""
+        t = self._topic(req)
+        who: G.Identity = req.identity
+        if not who.unrestricted and not G.can_manage_topic(self.ctx.store.user(who.name or ""), t):
+            raise Forbidden("redrive needs the admin role or management of this topic")
+        raw_max = self._single_query(req, "max")
+        limit = REDRIVE_DEFAULT
+        if raw_max is not None:
+            limit = parse_int(raw_max, "max", minimum=INT64_MIN)
+            if not 1 <= limit <= REDRIVE_MAX:
+                raise BadRequest(f"invalid argument: max must be an integer from 1 to {REDRIVE_MAX}")
+        redriven = 0
+        skipped: list[Item] = []  # held until the end (a nack now would hand them to the next round)
+        pending: list[Item] = []  # leased, not yet acked: given back if this call fails
+        store = self.ctx.store
+        try:
+            while redriven + len(skipped) < limit:
+                items = await self.broker.consume(t, min(MAX_CONSUME_BATCH, limit - redriven - len(skipped)), 0.0)
+                if not items:
+                    break
+                pending = list(items)
+                by_topic: dict[str, list[Entry]] = {}
+                moved: list[Item] = []
+                for it in items:
+                    e = _redrive_entry(it, store, self._incarnation, self.broker.choose_partition)
+                    if e is None:
+                        skipped.append(it)
+                    else:
+                        by_topic.setdefault(e.topic, []).append(e)
+                        moved.append(it)
+                pending = moved
+                for name, entries in by_topic.items():
+                    origin = store.topic(name)
+                    if origin is None:
+                        raise Unavailable(f'origin topic "{name}" went away during the redrive; retry')
+                    await self._append(req, origin, entries)
+                    self.m.redriven.labels(t.name).inc(len(entries))
+                await self.broker.settle(t, [(i.partition, i.offset, i.nonce) for i in moved], ACK)
+                redriven += len(moved)
+                pending = []
+        finally:
+            back = skipped + pending
+            if back:
+                self._giver(t, back)()
+        return json_response(200, {"redriven": redriven, "skipped": len(skipped)})
+
+
+REDRIVE_DEFAULT, REDRIVE_MAX = 1000, 10_000
+
+
+def _redrive_entry(it: Item, store: Any, inc: Any, choose: Any) -> Entry | None:
+    """The produce that sends a dead-letter record back to its origin (original key
+    and headers, no DeadLetter block); None when it has no origin or the origin
+    topic is gone."""
+    try:
+        ext, body = FR.split_ext(it.flags, it.payload)
+    except FR.FrameError:
+        return None
+    d = ext.d if ext is not None else None
+    if d is None:
+        return None
+    origin = store.topic(d.t)
+    if origin is None or (origin.delay_ms and origin.parent is not None):
+        return None  # gone, or a delay child (fed by its parent only)
+    part = d.p if 0 <= d.p < origin.partitions else choose(origin, d.k)
+    flags = it.flags & ~FR.F_EXT
+    payload = body
+    if ext is not None and ext.h:
+        payload = FR.pack_ext(FR.Ext(h=ext.h), body)
+        flags |= FR.F_EXT
+    return Entry(origin.name, inc(origin), part, int(time.time() * 1000), flags, d.k, payload)
 
 
 def _settle_ms(mode: int, raw_delay: str | None, raw_vis: str | None) -> int:

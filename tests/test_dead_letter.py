@@ -1,0 +1,251 @@
+"""Delivery counts, max_deliveries and the dead-letter topic, redrive (issue 14),
+on a real node with two forked workers (the partitions are worker 1's and the
+calls go to worker 0, so consumes, nacks and the dead-letter commits hop), a
+kill -9 of the node (counts come back within the documented bound) and a 3-node
+cluster (the dead-letter partition owned by another node)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+from urllib.parse import quote
+
+import pytest
+
+from narad.broker.routing import owner_worker
+from tests.harness import Node, Response, wait_for
+
+OCTET = {"Content-Type": "application/octet-stream"}
+BATCH = {"X-Narad-Client": "tests"}
+PARTS = 3
+W1_PART: dict[str, int] = {}
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
+    n = Node(tmp_path_factory.mktemp("dlq") / "data", workers=2).start()
+    yield n
+    n.close()
+
+
+def w1_topic(prefix: str) -> str:
+    for i in range(1000):
+        name = f"{prefix}{i}"
+        for p in range(PARTS):
+            if owner_worker(name, p, 2) == 1:
+                W1_PART[name] = p
+                return name
+    raise AssertionError("no topic name with a partition of worker 1")
+
+
+def mk(node: Node, prefix: str, **fields: Any) -> str:
+    name = w1_topic(prefix)
+    r = node.post("/v1/topics", {"name": name, "partitions": PARTS, **fields})
+    assert r.status == 201, r
+    return name
+
+
+def produce(node: Node, name: str, body: bytes, key: str | None = None) -> None:
+    q = f"partition={W1_PART[name]}" if key is None else f"key={key}"
+    r = node.post(f"/v1/topics/{name}/produce?{q}", body, headers=OCTET)
+    assert r.status == 202, r
+
+
+def consume(node: Node, name: str, query: str = "", conn: Any = None) -> Response:
+    return node.request("GET", f"/v1/topics/{name}/consume{'?' + query if query else ''}", conn=conn, headers=BATCH)
+
+
+def take(node: Node, name: str, query: str = "", conn: Any = None, timeout: float = 10.0) -> dict[str, Any]:
+    r = wait_for(lambda: (lambda x: x if x.status == 200 else None)(consume(node, name, query, conn)), timeout, 0.02,
+                 f"a record of {name}")
+    return r.json()  # type: ignore[no-any-return]
+
+
+def nack(node: Node, name: str, handle: str, extra: str = "", conn: Any = None) -> Response:
+    return node.post(f"/v1/topics/{name}/ack?receipt_handle={handle}&extend=0{extra}", conn=conn)
+
+
+def ack(node: Node, name: str, handle: str) -> None:
+    assert node.post(f"/v1/topics/{name}/ack?receipt_handle={handle}").status == 204
+
+
+def metric(node: Node, name: str, topic: str) -> float:
+    total = 0.0
+    for line in node.get("/metrics").body.decode().splitlines():
+        if line.startswith(name + "{") and f'topic="{topic}"' in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_delivery_count_rises_across_nacks_and_expiries(node: Node) -> None:
+    name = mk(node, "dc-", visibility_timeout_ms=1000)
+    produce(node, name, b"one")
+    w0 = node.worker_connection(0)
+    m1 = take(node, name, conn=w0)
+    assert m1["delivery_count"] == 1
+    assert nack(node, name, m1["receipt_handle"], conn=w0).status == 204
+    m2 = take(node, name, conn=w0)
+    assert (m2["offset"], m2["delivery_count"]) == (m1["offset"], 2)
+    # let the lease expire (1 s): the sweep gives it back
+    m3 = take(node, name, conn=w0, timeout=10)
+    assert (m3["offset"], m3["delivery_count"]) == (m1["offset"], 3)
+    ack(node, name, m3["receipt_handle"])
+    # batch consume carries it too; a replay does not (no lease)
+    produce(node, name, b"two")
+    b = take(node, name, "max=10", conn=w0)
+    assert [m["delivery_count"] for m in b["messages"]] == [1]
+    ack(node, name, b["messages"][0]["receipt_handle"])
+    r = consume(node, name, f"partition={W1_PART[name]}&offset={m1['offset']}")
+    assert r.status == 200 and "delivery_count" not in r.json()
+
+
+def test_max_deliveries_moves_the_record_to_the_dead_letter_topic(node: Node) -> None:
+    dlt = mk(node, "dlt-a-")
+    name = mk(node, "src-a-", max_deliveries=2, dead_letter_topic=dlt)
+    produce(node, name, b'{"n": 1}', key="k1")
+    w0 = node.worker_connection(0)
+    m1 = take(node, name, conn=w0)
+    assert m1["delivery_count"] == 1 and m1["key"] == "k1"
+    assert nack(node, name, m1["receipt_handle"], "&reason=first%20try", conn=w0).status == 204
+    m2 = take(node, name, conn=w0)
+    assert m2["delivery_count"] == 2
+    r = node.post(f"/v1/topics/{name}/ack?extend=0", {"receipt_handles": [m2["receipt_handle"]],
+                                                       "reason": "still broken"}, conn=w0)
+    assert r.status == 200 and r.json()["results"][0]["status"] == 204, r
+    d = take(node, dlt)
+    assert d["payload"] == {"n": 1} and d["key"] == "k1" and d["delivery_count"] == 1
+    assert d["dead_letter"] == {"topic": name, "partition": m1["partition"], "offset": m1["offset"],
+                                "delivery_count": 2, "key": "k1", "reason": "still broken",
+                                "timestamp": m1["timestamp"]}, d
+    ack(node, dlt, d["receipt_handle"])
+    assert consume(node, name).status == 204  # gone from the source
+    st = wait_for(lambda: (lambda j: j if all(p["lag"] == 0 for p in j["partition_stats"]) else None)(
+        node.get(f"/v1/topics/{name}").json()), 10, 0.05, "the source settled")
+    assert st is not None
+    assert metric(node, "narad_dead_lettered_total", name) == 1
+
+
+def test_expiries_count_and_a_missing_dead_letter_topic_holds_the_record(node: Node) -> None:
+    dlt = mk(node, "dlt-b-")
+    name = mk(node, "src-b-", max_deliveries=1, dead_letter_topic=dlt, visibility_timeout_ms=1000)
+    assert node.request("DELETE", f"/v1/topics/{dlt}").status in (200, 204)
+    produce(node, name, b"held")
+    m = take(node, name)
+    assert m["delivery_count"] == 1  # its only delivery: it expires, and is held (no topic to go to)
+    wait_for(lambda: metric(node, "narad_dead_letter_failures_total", name) >= 2, 15, 0.1,
+             "failed dead-letter commits retried")
+    assert metric(node, "narad_dead_letter_held", name) == 1
+    assert consume(node, name).status == 204  # not redelivered meanwhile
+    r = node.post("/v1/topics", {"name": dlt, "partitions": 4})
+    assert r.status == 201, r
+    d = take(node, dlt, timeout=15)
+    assert d["payload"] == "held" and d["dead_letter"]["delivery_count"] == 1
+    assert "reason" not in d["dead_letter"]
+    ack(node, dlt, d["receipt_handle"])
+    wait_for(lambda: metric(node, "narad_dead_letter_held", name) == 0, 10, 0.1, "the held gauge back to 0")
+    assert consume(node, name).status == 204
+
+
+def test_redrive_round_trip(node: Node) -> None:
+    dlt = mk(node, "dlt-c-")
+    name = mk(node, "src-c-", max_deliveries=1, dead_letter_topic=dlt)
+    for i in range(5):
+        produce(node, name, f"r{i}".encode(), key=f"k{i}")
+    got: list[dict[str, Any]] = []
+    wait_for(lambda: got.extend(take(node, name, "max=10")["messages"]) or len(got) >= 5, 10, 0.0, "five")
+    r = node.post(f"/v1/topics/{name}/ack?extend=0", {"receipt_handles": [m["receipt_handle"] for m in got]})
+    assert [x["status"] for x in r.json()["results"]] == [204] * 5
+    wait_for(lambda: metric(node, "narad_dead_lettered_total", name) == 5, 10, 0.05, "five dead-lettered")
+    produce(node, dlt, b"no origin")  # a record of the DLT without a dead_letter origin: skipped
+    wait_for(lambda: sum(
+        p["lag"] for p in node.get(f"/v1/topics/{dlt}").json()["partition_stats"]) == 6, 10, 0.05, "six in the DLT")
+    r = node.post(f"/v1/topics/{dlt}/redrive")
+    assert r.status == 200 and r.json() == {"redriven": 5, "skipped": 1}, r
+    back: list[dict[str, Any]] = []
+    wait_for(lambda: back.extend(take(node, name, "max=10")["messages"]) or len(back) >= 5, 10, 0.0, "five back")
+    assert sorted((m["key"], m["payload"]) for m in back) == [(f"k{i}", f"r{i}") for i in range(5)]
+    assert all("dead_letter" not in m and m["delivery_count"] == 1 for m in back)
+    r = node.post(f"/v1/topics/{name}/ack", {"receipt_handles": [m["receipt_handle"] for m in back]})
+    assert [x["status"] for x in r.json()["results"]] == [204] * 5
+    left = take(node, dlt)  # the skipped one is still there (nacked back)
+    assert left["payload"] == "no origin" and "dead_letter" not in left
+    ack(node, dlt, left["receipt_handle"])
+    assert metric(node, "narad_redriven_total", dlt) == 5
+    r = node.post(f"/v1/topics/{dlt}/redrive?max=10")
+    assert r.status == 200 and r.json() == {"redriven": 0, "skipped": 0}
+
+
+def test_bad_reason_and_redrive_max_are_400s(node: Node) -> None:
+    name = mk(node, "bad-")
+    produce(node, name, b"x")
+    m = take(node, name)
+    h = m["receipt_handle"]
+    long = "x" * 257
+    for q, want in ((f"&reason={long}", "at most 256 bytes"),):
+        r = nack(node, name, h, q)
+        assert r.status == 400 and want in r.json()["error"], r
+    r = node.post(f"/v1/topics/{name}/ack?receipt_handle={h}&reason=why")
+    assert r.status == 400 and "nack only" in r.json()["error"], r
+    r = node.post(f"/v1/topics/{name}/ack?extend=0", {"receipt_handles": [h], "reason": 5})
+    assert r.status == 400 and "reason must be a string" in r.json()["error"], r
+    r = node.post(f"/v1/topics/{name}/ack?extend=0", {"receipt_handles": [h], "reason": "é" * 129})
+    assert r.status == 400 and "at most 256 bytes" in r.json()["error"], r
+    r = nack(node, name, h, "&reason=%FF%FE")
+    assert r.status == 400, r  # not UTF-8
+    r = nack(node, name, h, "&reason=" + quote("é" * 129))
+    assert r.status == 400 and "at most 256 bytes" in r.json()["error"], r
+    assert nack(node, name, h, "&reason=" + quote("é" * 128)).status == 204  # 256 bytes: fine
+    for q in ("max=0", "max=10001", "max=x", "max=1&max=2"):
+        r = node.post(f"/v1/topics/{name}/redrive?{q}")
+        assert r.status == 400, (q, r)
+    assert node.post("/v1/topics/no-such-topic/redrive").status == 404
+
+
+def disk_counts(n: Node, name: str) -> dict[int, int]:
+    """The delivery counts the offset file of `name`'s worker-1 partition says now
+    (what a restart would find: the page cache survives a kill -9)."""
+    from narad.storage.offsets import peek_counts
+
+    dirs = list((n.data_dir / "topics").glob(f"{name}@*/p{W1_PART[name]:05d}"))
+    if len(dirs) != 1 or not (dirs[0] / "consumer.ahead").exists():
+        return {}
+    return peek_counts(dirs[0])[2]
+
+
+def test_counts_survive_a_kill9_within_the_bound(tmp_path: Any) -> None:
+    n = Node(tmp_path / "data", workers=2).start()
+    try:
+        name = mk(n, "k9-", visibility_timeout_ms=60_000)
+        for i in range(3):
+            produce(n, name, f"k{i}".encode())
+        got: list[dict[str, Any]] = []
+        wait_for(lambda: got.extend(take(n, name, "max=10")["messages"]) or len(got) >= 3, 10, 0.0, "three")
+        # two more deliveries of the first record (nack, consume), one more of the second
+        h = {m["offset"]: m["receipt_handle"] for m in got}
+        first, second = sorted(h)[:2]
+        for off in (first, second):
+            assert nack(n, name, h[off]).status == 204
+        again = take(n, name, "max=10")["messages"]
+        assert sorted(m["delivery_count"] for m in again) == [2, 2]
+        h2 = {m["offset"]: m["receipt_handle"] for m in again}
+        assert nack(n, name, h2[first]).status == 204
+        m3 = take(n, name)
+        assert (m3["offset"], m3["delivery_count"]) == (first, 3)
+        t_last = time.monotonic()
+        # the bound: a count reaches the page cache at the committer's next 100 ms tick
+        on_disk = wait_for(lambda: (lambda c: c if c.get(first) == 3 else None)(disk_counts(n, name)), 5, 0.005,
+                           "the third count in the page cache")
+        lag = time.monotonic() - t_last
+        print(f"count on disk {lag * 1000:.0f} ms after the delivery; counts {on_disk}")
+        assert lag < 1.0
+        n.kill9()
+        n.start()
+        seen: dict[int, int] = {}
+        wait_for(lambda: [seen.__setitem__(m["offset"], m["delivery_count"])
+                          for m in take(n, name, "max=10", timeout=15)["messages"]] and len(seen) >= 3,
+                 20, 0.0, "all three after the restart")
+        # every lease was out at the kill: each comes back counted once more than before it
+        assert seen == {first: 4, second: 3, sorted(h)[2]: 2}, seen
+    finally:
+        n.close()

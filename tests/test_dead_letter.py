@@ -217,6 +217,13 @@ def test_counts_survive_a_kill9_within_the_bound(tmp_path: Any) -> None:
     n = Node(tmp_path / "data", workers=2).start()
     try:
         name = mk(n, "k9-", visibility_timeout_ms=60_000)
+        # a record held for a dead-letter topic that does not exist (yet)
+        dlt = mk(n, "k9-dlt-")
+        held = mk(n, "k9-held-", max_deliveries=1, dead_letter_topic=dlt, visibility_timeout_ms=1000)
+        assert n.request("DELETE", f"/v1/topics/{dlt}").status in (200, 204)
+        produce(n, held, b"held across the kill")
+        assert take(n, held)["delivery_count"] == 1
+        wait_for(lambda: metric(n, "narad_dead_letter_held", held) == 1, 15, 0.05, "the record held")
         for i in range(3):
             produce(n, name, f"k{i}".encode())
         got: list[dict[str, Any]] = []
@@ -247,5 +254,15 @@ def test_counts_survive_a_kill9_within_the_bound(tmp_path: Any) -> None:
                  20, 0.0, "all three after the restart")
         # every lease was out at the kill: each comes back counted once more than before it
         assert seen == {first: 4, second: 3, sorted(h)[2]: 2}, seen
+        # the held record: its count (1 = max_deliveries) came back, so it is held again, not delivered
+        assert consume(n, held).status == 204
+        wait_for(lambda: metric(n, "narad_dead_letter_held", held) == 1, 15, 0.05, "held again after the restart")
+        assert n.post("/v1/topics", {"name": dlt, "partitions": PARTS}).status == 201
+        d = take(n, dlt, timeout=15)
+        assert d["payload"] == "held across the kill" and d["dead_letter"]["topic"] == held
+        assert d["dead_letter"]["delivery_count"] == 1
+        ack(n, dlt, d["receipt_handle"])
+        wait_for(lambda: metric(n, "narad_dead_letter_held", held) == 0, 10, 0.05, "settled in the source")
+        assert consume(n, held).status == 204
     finally:
         n.close()

@@ -108,13 +108,13 @@ def test_used_up_deliveries_are_held_then_settled(tmp_path: Path) -> None:
     d2 = p.reserve(100.2, 1, 30.0, 1024, 1024)
     assert (d2[0].offset, d2[0].deliveries) == (0, 2)
     assert p.nack(0, d2[0].nonce, 100.3, delay_s=60.0)  # spent: held, not delayed
-    assert p.dead == {0} and 0 not in p.delayed and held == [1]
+    assert set(p.dead) == {0} and 0 not in p.delayed and held == [1]
     assert p.available() == 0  # 1 and 2 are leased, 0 is held
     assert p.ready(3, 1024) == 0  # the hold keeps its in-flight slot
     # offsets 1 and 2 expire twice: held too
     p.reserve(131.0, 5, 30.0, 1024, 1024)
     assert p.reserve(162.0, 5, 30.0, 1024, 1024) == []
-    assert p.dead == {0, 1, 2}
+    assert set(p.dead) == {0, 1, 2}
     assert not p.evictable()
     assert p.reasons.get(0) == "nope"
     for off in (0, 1, 2):
@@ -134,7 +134,7 @@ def test_a_restored_spent_count_is_held_not_leased(tmp_path: Path) -> None:
     assert q.deliveries == {0: 2}
     q.max_deliveries = 2
     d = q.reserve(300.0, 5, 30.0, 1024, 1024)
-    assert [x.offset for x in d] == [1] and q.dead == {0}
+    assert [x.offset for x in d] == [1] and set(q.dead) == {0}
     q.release_dead()  # the maximum was lifted: out again
     q.max_deliveries = 0
     d = q.reserve(300.0, 5, 30.0, 1024, 1024)

@@ -1549,8 +1549,10 @@ class Broker:
                 if p.dirty:
                     p.dirty = False
                     frontier, ahead = p.snapshot_offsets()
+                    gen = p.count_gen
                     try:
                         p.offsets.write_window(frontier, ahead, p.snapshot_counts())
+                        p.written_gen = gen  # these counts survive a process crash now
                     except OSError as e:
                         log.error("consumer offset write failed", extra={"topic": p.topic, "err": str(e)})
                         self.m.errors.labels("storage", "offset_write_failed").inc()

@@ -14,7 +14,10 @@ leaves the source unsettled with its count on disk: after the restart the record
 is held and dead-lettered again (at least once into the dead-letter topic, never
 lost, never live in both: the source copy is never delivered again once held).
 
-A commit that fails (the dead-letter topic missing, its owner down, a move) keeps
+The driver takes only holds whose count reached the offset file (the
+committer's next 100 ms tick; ``Partition.written_gen``), so a kill -9 right
+after the dead-letter commit never finds a lower count and delivers the record
+in the source again. A commit that fails (the dead-letter topic missing, its owner down, a move) keeps
 the offsets held and is retried every ``RETRY`` s; each failure is counted
 (``narad_dead_letter_failures_total``) and logged at most once a minute per topic.
 A frozen partition (a move's source) is left alone; its counts travel with the
@@ -45,6 +48,7 @@ log = logging.getLogger("narad.broker.deadletter")
 BATCH = 1000  # held offsets of one partition moved per pass
 RETRY = 1.0  # a failed commit (or a missing dead-letter topic) is tried again this often
 LOG_EVERY = 60.0  # failures of one topic are logged at most this often
+UNWRITTEN_RECHECK = 0.12  # a hold whose count is not in the offset file yet: looked at again after this
 
 
 def dead_letter_record(topic: str, partition: int, offset: int, deliveries: int, reason: str | None,
@@ -92,10 +96,14 @@ class DeadLetterDriver:
         self._wake.set()
 
     async def _run(self) -> None:
+        wait = RETRY
         while True:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), RETRY)
+                await asyncio.wait_for(self._wake.wait(), wait)
             self._wake.clear()
+            # holds whose count is not written yet: look again just after the committer's tick
+            wait = UNWRITTEN_RECHECK if any(p.written_gen < max(p.dead.values(), default=0)
+                                            for p in self.pending.values()) else RETRY
             try:
                 await self.pass_once()
             except asyncio.CancelledError:
@@ -145,17 +153,19 @@ class DeadLetterDriver:
         if dlt is None:
             self._failed(t.name, len(p.dead), f'dead-letter topic "{t.dead_letter_topic}" does not exist')
             return
-        offs = heapq.nsmallest(BATCH, p.dead)
+        # only holds whose count is in the offset file already (a kill -9 after the
+        # dead-letter commit must not find a lower count and deliver the record again)
+        offs = heapq.nsmallest(BATCH, (o for o, g in p.dead.items() if g <= p.written_gen))
         groups: dict[int, list[tuple[int, tuple[bytes | None, int, bytes]]]] = {}
         for off in offs:
             try:
                 rec = p.log.read(off)
             except OffsetGone:
-                p.dead.discard(off)  # retention passed it: the next reserve moves the frontier (a counted loss)
+                p.dead.pop(off, None)  # retention passed it: the next reserve moves the frontier (a counted loss)
                 heapq.heappush(p._redeliver, off)
                 continue
             except CorruptRecord:
-                p.dead.discard(off)
+                p.dead.pop(off, None)
                 p._settle_unreadable(off)
                 continue
             except (LogClosed, NotVisible):

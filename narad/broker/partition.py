@@ -39,8 +39,12 @@ Lives in the worker that owns the partition, on its event-loop thread only.
   there, is not delivered again: it joins ``dead`` (not deliverable, holding its
   in-flight slot, keeping the partition open) and ``on_dead`` tells the broker,
   whose driver commits it to the dead-letter topic and only then settles it
-  here (``settle_dead``). A crash in between: the count is on disk, so it is
-  held and dead-lettered again after the restart (at least once, never lost).
+  here (``settle_dead``). The driver waits until the count that used the record
+  up is in the offset file (``written_gen`` >= the hold's ``count_gen``: the
+  committer's next tick), so a kill -9 after the dead-letter commit never brings
+  the record back live in the source. A crash between the commit and the settle:
+  the count is on disk, so it is held and dead-lettered again after the restart
+  (at least once into the dead-letter topic, never lost).
 * Idle partitions are closed whole (the broker's idle eviction): ``last_used``
   is stamped by every reserve, settle and commit (never by stats), and
   ``evictable`` says whether everything the object holds is on disk already
@@ -154,7 +158,9 @@ class Partition:
         # Delivery counts and dead-lettering (issue 14).
         self.deliveries: dict[int, int] = {}  # offset above the frontier, not acked -> times leased
         self.reasons: dict[int, str] = {}  # offset -> its last nack's reason (memory only)
-        self.dead: set[int] = set()  # held for the dead-letter driver: not deliverable
+        self.dead: dict[int, int] = {}  # held for the dead-letter driver (not deliverable) -> count_gen at the hold
+        self.count_gen = 0  # bumped by every count change
+        self.written_gen = 0  # the count_gen the offset file's last window write holds (the committer sets it)
         self.max_deliveries = 0  # the topic's (0: unlimited); the broker keeps it current
         self.on_dead: Callable[[Partition], None] | None = None
 
@@ -234,7 +240,7 @@ class Partition:
         instead of out again; True if it did."""
         if not self._spent(off):
             return False
-        self.dead.add(off)
+        self.dead[off] = self.count_gen
         if self.on_dead is not None:
             self.on_dead(self)
         return True
@@ -243,7 +249,7 @@ class Partition:
         """The dead-letter topic holds the record now: settle it here (as an ack)."""
         if off not in self.dead:
             return False
-        self.dead.discard(off)
+        del self.dead[off]
         if off > self.committed:
             self._settle(off)
         if self.on_released is not None:
@@ -327,6 +333,7 @@ class Partition:
                 break
             heapq.heappush(self._expiry, (expiry, off, nonce))
             count = self.deliveries[off] = self.deliveries.get(off, 0) + 1
+            self.count_gen += 1
             self.dirty = True  # the count is persisted with the acks
             item = make(self.index, off, nonce, rec)
             item.deliveries = count
@@ -347,7 +354,7 @@ class Partition:
             for d in (self.deliveries, self.reasons):
                 for off in [o for o in d if o < oldest]:
                     del d[off]
-            self.dead = {o for o in self.dead if o >= oldest}
+            self.dead = {o: g for o, g in self.dead.items() if o >= oldest}
             gone = [o for o in self.delayed if o < oldest]
             if gone:
                 for off in gone:

@@ -266,3 +266,35 @@ def test_counts_survive_a_kill9_within_the_bound(tmp_path: Any) -> None:
         assert consume(n, held).status == 204
     finally:
         n.close()
+
+
+def test_sdk_delivery_count_nack_reason_dead_letter_and_redrive(node: Node) -> None:
+    from narad.client import Client
+    from narad.client.errors import BadRequest
+    from tests.harness import ADMIN_PASSWORD
+
+    dlt = mk(node, "dlt-sdk-")
+    name = mk(node, "src-sdk-", max_deliveries=2, dead_letter_topic=dlt)
+    produce(node, name, b"job", key="kk")
+    with Client(f"127.0.0.1:{node.port}", auth=("admin", ADMIN_PASSWORD)) as c:
+        m = wait_for(lambda: c.consume(name), 10, 0.02, "a record")
+        assert m.delivery_count == 1 and m.dead_letter is None
+        c.nack(name, m, reason="one")
+        m2 = wait_for(lambda: c.consume(name), 10, 0.02, "it again")
+        assert m2.delivery_count == 2
+        with pytest.raises(BadRequest, match="256"):
+            c.nack(name, m2, reason="x" * 300)
+        with pytest.raises(ValueError):
+            c.ack_batch(name, [m2], reason="no")  # a reason with an ack: refused before it is sent
+        assert [r.status for r in c.ack_batch(name, [m2], mode="nack", reason="two")] == [204]
+        d = wait_for(lambda: c.consume(dlt), 10, 0.02, "the dead-letter copy")
+        assert d.payload == b"job" and d.key == b"kk" and d.dead_letter is not None
+        o = d.dead_letter
+        assert (o.topic, o.partition, o.offset, o.delivery_count, o.key, o.reason) == (
+            name, m.partition, m.offset, 2, b"kk", "two")
+        c.nack(dlt, d)  # back in the dead-letter topic, for the redrive
+        res = wait_for(lambda: (lambda r: r if r.redriven else None)(c.redrive(dlt, max=5)), 10, 0.05, "a redrive")
+        assert (res.redriven, res.skipped) == (1, 0)
+        back = wait_for(lambda: c.consume(name), 10, 0.02, "the redriven record")
+        assert back.payload == b"job" and back.key == b"kk" and back.delivery_count == 1 and back.dead_letter is None
+        c.ack(name, back)

@@ -298,3 +298,112 @@ def test_sdk_delivery_count_nack_reason_dead_letter_and_redrive(node: Node) -> N
         back = wait_for(lambda: c.consume(name), 10, 0.02, "the redriven record")
         assert back.payload == b"job" and back.key == b"kk" and back.delivery_count == 1 and back.dead_letter is None
         c.ack(name, back)
+
+
+def test_cluster_dead_letter_to_another_nodes_partition_and_redrive(tmp_path: Any) -> None:
+    """3 nodes: records of a partition owned by one node, consumed and nacked through
+    another, are dead-lettered into a dead-letter partition owned by a third (a node
+    RPC commit), with their origin; the delivery counts rise per copy (contract
+    checker, strict); a redrive from the third node brings them back to the origin."""
+    from narad.broker.routing import key_partition
+    from tests import contract as C
+    from tests.harness import Cluster
+
+    c = Cluster(tmp_path, 3, initial=3).start()
+    try:
+        c.leader()
+        src, dlt = "dls", "dlx"
+        assert c["n1"].post("/v1/topics", {"name": dlt, "partitions": PARTS}).status == 201
+        assert c["n1"].post("/v1/topics", {"name": src, "partitions": PARTS, "max_deliveries": 2,
+                                           "dead_letter_topic": dlt, "visibility_timeout_ms": 10_000}).status == 201
+        wait_for(lambda: all(c[n].get(f"/v1/topics/{t}").status == 200 for n in c.ids for t in (src, dlt)), 20,
+                 0.05, "the topics everywhere")
+
+        def owners(t: str) -> dict[int, str]:
+            return {s["index"]: s["owner_node"] for s in c["n1"].get(f"/v1/topics/{t}").json()["partition_stats"]}
+
+        so, do = owners(src), owners(dlt)
+        # keys whose source partition and dead-letter partition are owned by different nodes
+        keys = [k for k in (f"key{i}" for i in range(200))
+                if so[key_partition(k.encode(), PARTS)] != do[key_partition(k.encode(), PARTS)]][:4]
+        assert len(keys) == 4, (so, do)
+        sk = key_partition(keys[0].encode(), PARTS)
+        y = next(n for n in c.ids if n != so[sk])  # consume and nack through a node not owning that partition
+        h = C.History(10.0)
+        rec = C.Recorder(h, src)
+        for i, k in enumerate(keys):
+            t0 = C.now()
+            st = c[y].post(f"/v1/topics/{src}/produce?key={k}", f"m{i}:".encode(), headers=OCTET).status
+            h.produced([f"m{i}"], t0, C.now(), st, y)
+            assert st == 202
+        first: list[C.Delivery] = []
+        wait_for(lambda: first.extend(rec.consume(c[y], wait="1s", max_n=10) or []) or len(first) >= 4, 30, 0.0,
+                 "four deliveries")
+        assert {d.count for d in first} == {1}
+        assert rec.settle(c[y], first, "nack") == [204] * 4
+        second: list[C.Delivery] = []
+        wait_for(lambda: second.extend(rec.consume(c[y], wait="1s", max_n=10) or []) or len(second) >= 4, 30, 0.0,
+                 "four redeliveries")
+        assert {d.count for d in second} == {2}
+        r = c[y].post(f"/v1/topics/{src}/ack?extend=0", {"receipt_handles": [d.handle for d in second],
+                                                          "reason": "poison"})
+        assert [x["status"] for x in r.json()["results"]] == [204] * 4, r
+        h.finish()
+        v = C.check(h, "strict")
+        # dead-lettered, so never acked in the source: undrained is the one rule they break
+        assert v.failed_rules() <= {"undrained"} and v.counts["deliveries"] == 8, v.summary()
+        got: dict[str, dict[str, Any]] = {}
+
+        def drain_dlt() -> bool:
+            for n in c.ids:
+                r = c[n].request("GET", f"/v1/topics/{dlt}/consume?max=10", headers=BATCH)
+                if r.status == 200:
+                    for m in r.json()["messages"]:
+                        got[m["payload"]] = m
+                        assert c[n].post(f"/v1/topics/{dlt}/ack?receipt_handle={m['receipt_handle']}&extend=0"
+                                         ).status == 204  # left there, for the redrive
+            return len(got) >= 4
+
+        wait_for(drain_dlt, 30, 0.1, "the four dead-letter copies")
+        for i, k in enumerate(keys):
+            m = got[f"m{i}:"]
+            o = m["dead_letter"]
+            assert (o["topic"], o["partition"], o["key"], o["delivery_count"], o["reason"]) == (
+                src, key_partition(k.encode(), PARTS), k, 2, "poison"), m
+            assert m["partition"] == key_partition(k.encode(), PARTS) and m["key"] == k  # keyed in the DLT too
+        # settled in the source (its frontier passed them), and copied once (no fault in this run)
+        wait_for(lambda: all(x["lag"] == 0 for x in c[y].get(f"/v1/topics/{src}").json()["partition_stats"]), 20,
+                 0.1, "the source settled")
+        assert sum(x["high_watermark"] for x in c[y].get(f"/v1/topics/{dlt}").json()["partition_stats"]) == 4
+        # nothing left live in the source
+        assert all(c[n].request("GET", f"/v1/topics/{src}/consume?max=10", headers=BATCH).status == 204
+                   for n in c.ids)
+        z = next(n for n in c.ids if n != y)
+        total = {"redriven": 0, "skipped": 0}
+
+        def redrive() -> bool:
+            r = c[z].post(f"/v1/topics/{dlt}/redrive")
+            assert r.status == 200, r
+            for f in total:
+                total[f] += r.json()[f]
+            return total["redriven"] >= 4
+
+        wait_for(redrive, 30, 0.2, "the redrive of the four")
+        assert total == {"redriven": 4, "skipped": 0}, total
+        back: dict[str, dict[str, Any]] = {}
+
+        def drain_src() -> bool:
+            for n in c.ids:
+                r = c[n].request("GET", f"/v1/topics/{src}/consume?max=10", headers=BATCH)
+                if r.status == 200:
+                    for m in r.json()["messages"]:
+                        back[m["payload"]] = m
+                        assert c[n].post(f"/v1/topics/{src}/ack?receipt_handle={m['receipt_handle']}").status == 204
+            return len(back) >= 4
+
+        wait_for(drain_src, 30, 0.1, "the four back in the source")
+        assert sorted(back) == [f"m{i}:" for i in range(4)]
+        assert all(m["delivery_count"] == 1 and "dead_letter" not in m for m in back.values())
+        assert all(back[f"m{i}:"]["key"] == k for i, k in enumerate(keys))
+    finally:
+        c.close()

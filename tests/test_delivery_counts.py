@@ -139,3 +139,61 @@ def test_a_restored_spent_count_is_held_not_leased(tmp_path: Path) -> None:
     q.max_deliveries = 0
     d = q.reserve(300.0, 5, 30.0, 1024, 1024)
     assert [(x.offset, x.deliveries) for x in d] == [(0, 3)]
+
+
+def test_the_trailing_wire_fields_decode_both_ways() -> None:
+    """AckReq.reason, Item.deliveries, MoveListResp.counts and MoveFreezeResp.counts are
+    trailing defaulted fields: a frame from a node without them decodes (no reason, no
+    count, no counts moved), and one with them decodes at such a node (dropped)."""
+    import msgspec
+
+    from narad.broker import peers as P
+
+    class OldAckReq(msgspec.Struct, tag="AckReq", array_like=True):
+        topic: str
+        topic_id: str
+        mode: int
+        items: list[tuple[int, int, int]]
+        scope: int = P.WORKER
+        dur_ms: int = 0
+
+    class OldItem(msgspec.Struct, array_like=True):
+        partition: int
+        offset: int
+        nonce: int
+        key: bytes | None
+        ts_ms: int
+        flags: int
+        payload: bytes
+
+    class OldFreezeResp(msgspec.Struct, array_like=True):
+        token: str
+        hwm: int = -1
+        frontier: int = -1
+        ahead: list[int] = []
+        cursors: list[tuple[str, str, int]] = []
+        segments: list[tuple[int, int, int]] = []
+        now_ms: int = 0
+
+    class OldListResp(msgspec.Struct, array_like=True):
+        hwm: int
+        segments: list[tuple[int, int, int]]
+        now_ms: int
+        frozen: bool = False
+        frontier: int = -1
+        ahead: list[int] = []
+        cursors: list[tuple[str, str, int]] = []
+
+    enc, dec = msgspec.msgpack.encode, msgspec.msgpack.decode
+    assert dec(enc(OldAckReq("t", "id", 2, [(0, 1, 2)], P.NODE, 5)), type=P.AckReq).reason == ""
+    assert dec(enc(P.AckReq("t", "id", 2, [(0, 1, 2)], P.NODE, 5, "why")), type=OldAckReq) == \
+        OldAckReq("t", "id", 2, [(0, 1, 2)], P.NODE, 5)
+    assert dec(enc(OldItem(0, 1, 2, None, 3, 0, b"x")), type=P.Item).deliveries == 0
+    assert dec(enc(P.Item(0, 1, 2, None, 3, 0, b"x", 4)), type=OldItem) == OldItem(0, 1, 2, None, 3, 0, b"x")
+    assert dec(enc(OldFreezeResp("tok", 5, 1, [3])), type=P.MoveFreezeResp).counts == []
+    new = P.MoveFreezeResp("tok", 5, 1, [3], [], [], 9, [(2, 4)])
+    assert dec(enc(new), type=P.MoveFreezeResp).counts == [(2, 4)]
+    assert dec(enc(new), type=OldFreezeResp) == OldFreezeResp("tok", 5, 1, [3], [], [], 9)
+    lst = P.MoveListResp(5, [], 9, False, 1, [3], [], [(2, 4)])
+    assert dec(enc(lst), type=OldListResp) == OldListResp(5, [], 9, False, 1, [3], [])
+    assert dec(enc(OldListResp(5, [], 9)), type=P.MoveListResp).counts == []

@@ -407,3 +407,85 @@ def test_cluster_dead_letter_to_another_nodes_partition_and_redrive(tmp_path: An
         assert all(back[f"m{i}:"]["key"] == k for i, k in enumerate(keys))
     finally:
         c.close()
+
+
+@pytest.mark.slow
+def test_counts_move_with_a_partition_to_a_new_node(tmp_path: Any) -> None:
+    """Scale 3 -> 4 nodes: the partitions that move to the new node carry their records'
+    delivery counts (the freeze answer's trailing field, installed with the positions),
+    so the third delivery after the move says 3 and, max_deliveries being 3, a nack then
+    dead-letters it with delivery_count 3 (a lost count would say 1 and redeliver)."""
+    from tests.harness import Cluster
+
+    parts = 8
+    fast = {"NARAD_MOVE_PLAN_MS": "300", "NARAD_METRICS_POLL_MS": "1000"}
+    c = Cluster(tmp_path, 4, initial=3, env=fast)
+    try:
+        c.start()
+        c.leader()
+        src, dlt = "mvs", "mvd"
+        assert c["n1"].post("/v1/topics", {"name": dlt, "partitions": PARTS}).status == 201
+        assert c["n1"].post("/v1/topics", {"name": src, "partitions": parts, "max_deliveries": 3,
+                                           "dead_letter_topic": dlt, "visibility_timeout_ms": 60_000}).status == 201
+        wait_for(lambda: all(c[n].get(f"/v1/topics/{src}").status == 200 for n in c.initial), 20, 0.05, "topic")
+        for i in range(parts):
+            assert c["n1"].post(f"/v1/topics/{src}/produce?partition={i}", f"m{i}".encode(),
+                                headers=OCTET).status == 202
+
+        def lease_all(want: int) -> dict[int, dict[str, Any]]:
+            got: dict[int, dict[str, Any]] = {}
+
+            def more() -> bool:
+                for n in c.ids:
+                    if c[n].proc is None:
+                        continue
+                    r = c[n].request("GET", f"/v1/topics/{src}/consume?max=10", headers=BATCH)
+                    if r.status == 200:
+                        for m in r.json()["messages"]:
+                            got[m["partition"]] = m
+                return len(got) >= parts
+
+            wait_for(more, 60, 0.05, f"every partition's record, delivery {want}")
+            assert {m["delivery_count"] for m in got.values()} == {want}, got
+            return got
+
+        for want in (1, 2):
+            got = lease_all(want)
+            r = c["n1"].post(f"/v1/topics/{src}/ack?extend=0",
+                             {"receipt_handles": [m["receipt_handle"] for m in got.values()]})
+            assert [x["status"] for x in r.json()["results"]] == [204] * parts, r
+        before = {int(s["index"]): s["owner_node"]
+                  for s in c["n1"].get(f"/v1/topics/{src}").json()["partition_stats"]}
+        c.start(["n4"])
+
+        def spread() -> bool:
+            own = {int(s["index"]): s["owner_node"]
+                   for s in c["n1"].get(f"/v1/topics/{src}").json()["partition_stats"]}
+            return list(own.values()).count("n4") >= 2 and not c["n1"].get("/v1/cluster/moves").json()["moves"]
+
+        wait_for(spread, 120, 0.2, "partitions moved to n4")
+        after = {int(s["index"]): s["owner_node"]
+                 for s in c["n1"].get(f"/v1/topics/{src}").json()["partition_stats"]}
+        moved = [k for k in range(parts) if after[k] != before[k]]
+        assert moved and all(after[k] == "n4" for k in moved), (before, after)
+        third = lease_all(3)  # the moved partitions' records too: their counts came with them
+        r = c["n1"].post(f"/v1/topics/{src}/ack?extend=0",
+                         {"receipt_handles": [m["receipt_handle"] for m in third.values()], "reason": "third"})
+        assert [x["status"] for x in r.json()["results"]] == [204] * parts, r
+        dead: dict[int, dict[str, Any]] = {}
+
+        def drain() -> bool:
+            for n in c.ids:
+                r = c[n].request("GET", f"/v1/topics/{dlt}/consume?max=10", headers=BATCH)
+                if r.status == 200:
+                    for m in r.json()["messages"]:
+                        dead[m["dead_letter"]["partition"]] = m
+                        assert c[n].post(f"/v1/topics/{dlt}/ack?receipt_handle={m['receipt_handle']}").status == 204
+            return len(dead) >= parts
+
+        wait_for(drain, 60, 0.1, "every record dead-lettered")
+        assert {k: (m["dead_letter"]["delivery_count"], m["payload"]) for k, m in dead.items()} == {
+            k: (3, f"m{k}") for k in range(parts)}
+        print(f"moved partitions {moved}: their counts arrived with them")
+    finally:
+        c.close()

@@ -197,3 +197,24 @@ def test_the_trailing_wire_fields_decode_both_ways() -> None:
     lst = P.MoveListResp(5, [], 9, False, 1, [3], [], [(2, 4)])
     assert dec(enc(lst), type=OldListResp) == OldListResp(5, [], 9, False, 1, [3], [])
     assert dec(enc(OldListResp(5, [], 9)), type=P.MoveListResp).counts == []
+
+
+def test_fits_says_exactly_whether_every_count_is_written() -> None:
+    """``fits`` (a partition whose counts do not all fit is never closed as idle) agrees
+    with what the slot keeps, over random sets of held acks and counts."""
+    import random
+
+    rnd = random.Random(14)
+    seen = set()
+    for _ in range(300):
+        frontier = rnd.randrange(-1, 1000)
+        ahead = sorted(rnd.sample(range(frontier + 1, frontier + 5000), rnd.randrange(0, 600)))
+        held = set(ahead)
+        pool = [o for o in range(frontier + 1, frontier + 40000, rnd.choice((1, 3, 200))) if o not in held]
+        counts = {o: rnd.choice((1, 2, 3, 200)) for o in rnd.sample(pool, min(len(pool), rnd.randrange(0, 1500)))}
+        got = _decode_full(_encode(1, frontier, ahead, counts))
+        assert got is not None
+        whole = got[2] == ahead and got[3] == counts
+        assert OFF.fits(frontier, ahead, counts) == whole, (frontier, len(ahead), len(counts))
+        seen.add(whole)
+    assert seen == {True, False}  # both cases drawn

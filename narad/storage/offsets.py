@@ -83,13 +83,15 @@ def fits(frontier: int, ahead: list[int], counts: Counts | None = None) -> bool:
         if used > room:
             return False
         prev = off
-    if counts:
+    live = sorted((o, c) for o, c in (counts or {}).items() if o > frontier and c > 0)
+    if live:
         used += _U32.size
-        for off, c in counts.items():  # charged as _encode_counts charges them
-            if off > frontier and c > 0:
-                used += _uvarint_len(off - frontier) + _uvarint_len(c)
-                if used > room:
-                    return False
+        prev = frontier
+        for off, c in live:  # as _encode_counts writes them when all fit
+            used += _uvarint_len(off - prev) + _uvarint_len(c)
+            if used > room:
+                return False
+            prev = off
     return True
 
 
@@ -101,13 +103,28 @@ def _put_uvarint(out: bytearray, d: int) -> None:
 
 
 def _encode_counts(frontier: int, counts: Counts, room: int) -> bytes:
-    """The counts tail within `room` bytes: the highest counts first (ties: lowest
-    offsets). Each entry is charged its delta from the frontier, an upper bound of
-    the delta it is written with, so what is chosen always fits."""
-    live = [(o, c) for o, c in counts.items() if o > frontier and c > 0]
+    """The counts tail within `room` bytes. All of them when they fit (the usual case:
+    a flat bytes() of one-byte deltas and counts when every value is below 128);
+    otherwise the highest counts first (ties: the lowest offsets), each charged its
+    delta from the frontier, an upper bound of the delta it is written with, so what
+    is chosen always fits."""
+    live = sorted((o, c) for o, c in counts.items() if o > frontier and c > 0)
     if not live or room <= _U32.size:
         return b""
     room -= _U32.size
+    flat: list[int] = []
+    prev = frontier
+    for o, c in live:
+        flat.append(o - prev)
+        flat.append(c)
+        prev = o
+    if max(flat) < 0x80 and len(flat) <= room:
+        return _U32.pack(len(live)) + bytes(flat)
+    out = bytearray()
+    for v in flat:
+        _put_uvarint(out, v)
+    if len(out) <= room:
+        return _U32.pack(len(live)) + bytes(out)
     live.sort(key=lambda oc: (-oc[1], oc[0]))
     chosen: list[tuple[int, int]] = []
     budget = 0

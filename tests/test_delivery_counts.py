@@ -54,6 +54,22 @@ def test_counts_rise_per_lease_and_go_at_ack(tmp_path: Path) -> None:
     assert p.committed == 2
 
 
+def test_a_give_back_takes_its_count_back(tmp_path: Path) -> None:
+    """A lease whose consumer never saw it (hung up, answer dropped) is given back
+    uncounted: the next delivery carries the same count, and max_deliveries=1 does not
+    dead-letter a record nobody saw."""
+    p = _partition(tmp_path, 1)
+    p.max_deliveries = 1
+    d = p.reserve(100.0, 1, 30.0, 1024, 1024)
+    assert d[0].deliveries == 1
+    assert p.nack(0, d[0].nonce, 100.1, uncount=True)
+    assert not p.dead and 0 not in p.deliveries
+    d = p.reserve(100.2, 1, 30.0, 1024, 1024)
+    assert d[0].deliveries == 1
+    assert p.nack(0, d[0].nonce, 100.3)  # a real nack: spent
+    assert set(p.dead) == {0}
+
+
 def test_slot_tail_round_trip_and_old_slots(tmp_path: Path) -> None:
     raw = _encode(5, 10, [12, 15], {11: 3, 13: 1, 20: 7})
     assert _decode_full(raw) == (5, 10, [12, 15], {11: 3, 13: 1, 20: 7})

@@ -103,6 +103,10 @@ POLL_EVERY = float(os.environ.get("NARAD_METRICS_POLL_MS", "5000")) / 1000.0
 POLL_MIN_GAP = min(1.0, POLL_EVERY)  # a topic change brings the next pass forward, never closer than this to the last
 COLD_POLL_EVERY = 30.0  # a closed partition's gauges are read from its files at most this often
 ACK, EXTEND, NACK = 0, 1, 2
+# A lease given back because its consumer never saw it (hung up, the answer was dropped, a
+# late probe, a redrive's skipped record): a nack that takes back the delivery it counted.
+# A node without it reads any mode but 0 and 1 as a nack: the safe failure is a count one too high.
+GIVE_BACK = 3
 MAX_REASON_CHARS = 256  # a nack reason is at most 256 bytes of UTF-8 (the API checks; peers are cut here)
 
 
@@ -1098,7 +1102,7 @@ class Broker:
     def _give_back_owned(self, t: TopicRecord, items: list[P.Item]) -> None:
         """Nack leases of this worker's partitions that nobody will see (synchronous)."""
         if items:
-            self.settle_owned(t, [(i.partition, i.offset, i.nonce) for i in items], NACK)
+            self.settle_owned(t, [(i.partition, i.offset, i.nonce) for i in items], GIVE_BACK)
 
     def _give_back(self, t: TopicRecord, items: list[P.Item], why: str) -> None:
         """Nack leases wherever their owners are, now, in the background."""
@@ -1156,7 +1160,7 @@ class Broker:
     async def nack_items(self, t: TopicRecord, items: list[P.Item]) -> None:
         """Give back leases a consumer will never see (it went away)."""
         if items:
-            await self.settle(t, [(i.partition, i.offset, i.nonce) for i in items], NACK)
+            await self.settle(t, [(i.partition, i.offset, i.nonce) for i in items], GIVE_BACK)
 
     # ---- settle (ack / extend / nack) -------------------------------------------------------------
     def settle_owned(self, t: TopicRecord, items: list[tuple[int, int, int]], mode: int,
@@ -1176,12 +1180,14 @@ class Broker:
                 ok = p.ack(off, nonce, now)
             elif mode == EXTEND:
                 ok = p.extend(off, nonce, now, vis)
+            elif mode == GIVE_BACK:
+                ok = p.nack(off, nonce, now, uncount=True)
             else:
                 ok = p.nack(off, nonce, now, delay, reason)
             out.append(204 if ok else 410)
         if mode == EXTEND:
             self.m.ack_extended.labels(t.name).inc(sum(1 for s in out if s == 204))
-        elif mode == NACK:
+        elif mode in (NACK, GIVE_BACK):
             self.m.nacks.labels(t.name).inc(sum(1 for s in out if s == 204))
         return out
 

@@ -32,7 +32,9 @@ Lives in the worker that owns the partition, on its event-loop thread only.
   move carries them. The entries are bounded like the leases: an offset gets one
   only when it is leased, redeliveries go out before new offsets, so they are
   about the leases plus the offsets waiting to be leased again. A nack may leave
-  a ``reason`` (memory only, for the dead-letter record).
+  a ``reason`` (memory only, for the dead-letter record). A give-back (a lease
+  whose consumer never saw it: it hung up, its answer was dropped) takes its
+  count back (``nack(uncount=True)``).
 * Dead-lettering: with ``max_deliveries`` > 0 (set by the broker from the
   topic), a lease that ends unacked (expiry, nack) with its count at the
   maximum, or an offset about to be leased whose (restored) count is already
@@ -414,15 +416,25 @@ class Partition:
         heapq.heappush(self._expiry, (expiry, off, nonce))
         return True
 
-    def nack(self, off: int, nonce: int, now: float, delay_s: float = 0.0, reason: str = "") -> bool:
+    def nack(self, off: int, nonce: int, now: float, delay_s: float = 0.0, reason: str = "",
+             uncount: bool = False) -> bool:
         """Give the lease back: delivered again at once, or (``delay_s`` > 0) not
         before ``now + delay_s`` (the due-time heap; the sweep or a touch moves it).
         A record whose deliveries are used up goes to the dead-letter driver instead
-        (``reason``, if any, is kept for its dead-letter record)."""
+        (``reason``, if any, is kept for its dead-letter record). ``uncount``: a give-back
+        (the consumer never saw this delivery): its count is taken back."""
         self.last_used = now
         if not self._lease_ok(off, nonce, now):
             return False
         del self.leases[off]
+        if uncount:
+            c = self.deliveries.get(off, 0) - 1
+            if c > 0:
+                self.deliveries[off] = c
+            else:
+                self.deliveries.pop(off, None)
+            self.count_gen += 1
+            self.dirty = True
         if reason:
             self.reasons[off] = reason
         if self._hold_if_spent(off):

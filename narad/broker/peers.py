@@ -74,7 +74,7 @@ class ConsumeResp(msgspec.Struct, array_like=True):
 class AckReq(msgspec.Struct, tag=True, array_like=True):
     topic: str
     topic_id: str
-    mode: int  # 0 ack, 1 extend, 2 nack
+    mode: int  # 0 ack, 1 extend, 2 nack, 3 give back (a nack taking its delivery count back; older nodes: a nack)
     items: list[tuple[int, int, int]]  # partition, offset, nonce
     scope: int = WORKER
     dur_ms: int = 0  # nack: its delay; extend: the new lease length (0: none / the topic's); trailing, defaulted

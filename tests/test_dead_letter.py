@@ -491,3 +491,39 @@ def test_counts_move_with_a_partition_to_a_new_node(tmp_path: Any) -> None:
         print(f"moved partitions {moved}: their counts arrived with them")
     finally:
         c.close()
+
+
+def test_a_kill9_between_the_dead_letter_commit_and_the_settle_gives_a_duplicate_never_a_loss(tmp_path: Any) -> None:
+    """The test seam holds the driver after the dead-letter commit, before the source
+    settle; a kill -9 there: after the restart the record's count (on disk) holds it
+    again and it is dead-lettered a second time. Two copies in the dead-letter topic,
+    none live in the source: at least once, never lost, never in both."""
+    n = Node(tmp_path / "data", workers=2, env={"NARAD_FAULT_DLQ_HOLD_SETTLE_MS": "30000"}).start()
+    try:
+        dlt = mk(n, "kw-dlt-")
+        name = mk(n, "kw-", max_deliveries=1, dead_letter_topic=dlt)
+        produce(n, name, b"once")
+        m = take(n, name)
+        assert nack(n, name, m["receipt_handle"], "&reason=r1").status == 204
+
+        def dlt_records() -> int:
+            return sum(x["high_watermark"] for x in n.get(f"/v1/topics/{dlt}").json()["partition_stats"])
+
+        wait_for(lambda: dlt_records() == 1, 15, 0.05, "the dead-letter commit (the settle is held)")
+        assert "holding the source settle (test seam)" in n.log()
+        n.kill9()
+        n.extra_env = {}
+        n.start()
+        assert consume(n, name).status == 204  # held again (its count came back), not delivered
+        wait_for(lambda: dlt_records() == 2, 15, 0.05, "the second dead-letter copy")
+        copies = []
+        wait_for(lambda: copies.extend(take(n, dlt, "max=10")["messages"]) or len(copies) >= 2, 10, 0.0, "both")
+        assert [(c["payload"], c["dead_letter"]["offset"], c["dead_letter"]["delivery_count"]) for c in copies] == [
+            ("once", m["offset"], 1)] * 2
+        # the reason lived in the killed process's memory: the second copy has none
+        assert sorted("reason" in c["dead_letter"] for c in copies) == [False, True]
+        wait_for(lambda: all(x["lag"] == 0 for x in n.get(f"/v1/topics/{name}").json()["partition_stats"]), 10,
+                 0.05, "settled in the source")
+        assert consume(n, name).status == 204
+    finally:
+        n.close()

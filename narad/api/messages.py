@@ -752,6 +752,7 @@ class MessagesAPI:
             limit = parse_int(raw_max, "max", minimum=INT64_MIN)
             if not 1 <= limit <= REDRIVE_MAX:
                 raise BadRequest(f"invalid argument: max must be an integer from 1 to {REDRIVE_MAX}")
+        self._refuse_if_draining(t)  # it produces: a node being decommissioned takes none (503)
         redriven = 0
         skipped: list[Item] = []  # held until the end (a nack now would hand them to the next round)
         pending: list[Item] = []  # leased, not yet acked: given back if this call fails

@@ -24,6 +24,8 @@ A frozen partition (a move's source) is left alone; its counts travel with the
 move and the destination holds the records again. Lowering ``max_deliveries`` to
 0 releases what is held (delivered again).
 
+Test seam: NARAD_FAULT_DLQ_HOLD_SETTLE_MS (a pause between the commit and the settle).
+
 Imports narad.storage.frames, narad.storage.partition_log (errors), narad.metrics,
 narad.broker.{partition,routing}; the broker hands itself in (no import of broker.py).
 """
@@ -34,6 +36,7 @@ import asyncio
 import contextlib
 import heapq
 import logging
+import os
 import time
 from typing import Any
 
@@ -48,6 +51,9 @@ log = logging.getLogger("narad.broker.deadletter")
 BATCH = 1000  # held offsets of one partition moved per pass
 RETRY = 1.0  # a failed commit (or a missing dead-letter topic) is tried again this often
 LOG_EVERY = 60.0  # failures of one topic are logged at most this often
+# Test seam (never set in production): hold this long between a dead-letter commit and the
+# source settle (the kill window of the at-least-once test).
+HOLD_SETTLE = float(os.environ.get("NARAD_FAULT_DLQ_HOLD_SETTLE_MS", "0")) / 1000.0
 UNWRITTEN_RECHECK = 0.12  # a hold whose count is not in the offset file yet: looked at again after this
 
 
@@ -182,6 +188,10 @@ class DeadLetterDriver:
             except Exception as e:
                 self._failed(t.name, len(recs), str(e) or type(e).__name__)
                 return
+            if HOLD_SETTLE:
+                log.info("dead-letter commit done; holding the source settle (test seam)",
+                         extra={"topic": t.name, "partition": p.index, "records": len(recs)})
+                await asyncio.sleep(HOLD_SETTLE)
             if p.closed or b.partitions.get((p.topic, p.index)) is not p:
                 return  # closed meanwhile: its count is on disk, the next owner dead-letters it again
             n = sum(1 for off, _ in recs if p.settle_dead(off))

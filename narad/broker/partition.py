@@ -549,8 +549,9 @@ class Partition:
 
     def evictable(self) -> bool:
         """Everything this object holds is on disk: closing it loses nothing (no
-        lease, no commit queued or in flight, acks written and synced, and the acks
-        held above the frontier fit one offset slot whole)."""
+        lease, delayed nack or dead-letter hold, no commit queued or in flight, acks
+        and counts written and synced, and the acks held above the frontier and the
+        delivery counts fit one offset slot whole)."""
         if self.closed or self.leases or self.delayed or self.dead or self._committing or self._commit_queue:
             return False
         if self.frozen():

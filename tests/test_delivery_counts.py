@@ -234,3 +234,49 @@ def test_fits_says_exactly_whether_every_count_is_written() -> None:
         assert OFF.fits(frontier, ahead, counts) == whole, (frontier, len(ahead), len(counts))
         seen.add(whole)
     assert seen == {True, False}  # both cases drawn
+
+
+def test_the_dead_letter_copy_and_the_redrive_produce() -> None:
+    """The dead-letter copy keeps key, body, body flags and headers, drops an
+    idempotency key and a previous origin, adds this origin; the redrive's produce
+    gives back the original key, partition, headers and body without the origin; a
+    damaged block travels as an opaque body."""
+    from types import SimpleNamespace
+
+    from narad.api.messages import _redrive_entry
+    from narad.broker.deadletter import dead_letter_record
+    from narad.broker.peers import Item
+    from narad.storage import frames as FR
+
+    body = b'{"a": 1}'
+    stored = FR.pack_ext(FR.Ext(h={"trace": "t1"}, i="idem-1", d=FR.DeadLetter("older", 9, 9, 9)), body)
+    key, flags, payload = dead_letter_record("src", 2, 40, 3, "bad", (b"k", 1234, FR.F_JSON | FR.F_EXT, stored))
+    assert key == b"k" and flags == FR.F_JSON | FR.F_EXT
+    ext, b2 = FR.split_ext(flags, payload)
+    assert b2 == body and ext is not None and ext.h == {"trace": "t1"} and ext.i is None
+    assert ext.d == FR.DeadLetter("src", 2, 40, 3, b"k", "bad", 1234)
+    # a plain record: only the origin block is added
+    _, flags, payload = dead_letter_record("src", 0, 1, 2, None, (None, 5, FR.F_UTF8, b"text"))
+    ext, b2 = FR.split_ext(flags, payload)
+    assert flags == FR.F_UTF8 | FR.F_EXT and b2 == b"text" and ext is not None and ext.h is None
+    assert ext.d is not None and ext.d.r is None and ext.d.k is None
+    # a damaged block: the stored bytes become an opaque (base64-rendered) body
+    _, flags, payload = dead_letter_record("src", 0, 1, 2, None, (None, 5, FR.F_JSON | FR.F_EXT, b"\xff\xff"))
+    ext, b2 = FR.split_ext(flags, payload)
+    assert b2 == b"\xff\xff" and not flags & (FR.F_JSON | FR.F_UTF8)
+
+    topics = {"src": SimpleNamespace(name="src", id="00" * 8, partitions=3, delay_ms=0, parent=None)}
+    store = SimpleNamespace(topic=topics.get)
+    inc = lambda t: bytes.fromhex(t.id)  # noqa: E731
+    choose = lambda t, k: 0  # noqa: E731
+    key, flags, payload = dead_letter_record("src", 2, 40, 3, "bad", (b"k", 1234, FR.F_JSON | FR.F_EXT, stored))
+    e = _redrive_entry(Item(1, 7, 1, key, 99, flags, payload), store, inc, choose)
+    assert e is not None and (e.topic, e.partition, e.key) == ("src", 2, b"k")
+    ext, b2 = FR.split_ext(e.flags, e.payload)
+    assert b2 == body and ext == FR.Ext(h={"trace": "t1"}) and e.flags == FR.F_JSON | FR.F_EXT
+    _, flags, payload = dead_letter_record("src", 5, 1, 2, None, (None, 5, FR.F_UTF8, b"text"))
+    e = _redrive_entry(Item(1, 8, 1, None, 99, flags, payload), store, inc, choose)
+    assert e is not None and e.partition == 0 and e.flags == FR.F_UTF8 and e.payload == b"text"  # 5 >= 3: chosen
+    assert _redrive_entry(Item(1, 9, 1, None, 99, FR.F_UTF8, b"x"), store, inc, choose) is None  # no origin
+    _, flags, payload = dead_letter_record("gone", 0, 1, 2, None, (None, 5, 0, b"x"))
+    assert _redrive_entry(Item(1, 9, 1, None, 99, flags, payload), store, inc, choose) is None  # origin gone

@@ -3,7 +3,9 @@ without an ack, moved to the topic's ``dead_letter_topic``.
 
 A partition holds such an offset (``Partition.dead``: not deliverable, holding its
 in-flight slot) and tells this driver (``on_dead``). The driver, one task per
-worker, takes the held offsets of a partition (up to ``BATCH``), reads each
+worker, takes the held offsets of each holding partition (up to ``BATCH`` a pass;
+the partitions side by side, so one whose dead-letter owner does not answer holds
+up no other), reads each
 record, builds its dead-letter copy (key kept; flags | ``F_EXT``; the extension
 block keeps the original headers, drops an idempotency key and adds the origin
 ``DeadLetter``: topic, partition, offset, key, delivery count, last nack reason,
@@ -107,25 +109,33 @@ class DeadLetterDriver:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), wait)
             self._wake.clear()
-            # holds whose count is not written yet: look again just after the committer's tick
-            wait = UNWRITTEN_RECHECK if any(p.written_gen < max(p.dead.values(), default=0)
-                                            for p in self.pending.values()) else RETRY
             try:
                 await self.pass_once()
             except asyncio.CancelledError:
                 raise
             except Exception:
                 log.exception("dead-letter pass failed")
+            # holds whose count is not written yet: look again just after the committer's tick
+            wait = UNWRITTEN_RECHECK if any(p.written_gen < max(p.dead.values(), default=0)
+                                            for p in self.pending.values()) else RETRY
 
     async def pass_once(self) -> None:
-        held: dict[str, int] = {}
+        """Every partition holding records, side by side (one whose dead-letter owner
+        does not answer does not hold up the others), then the held gauges."""
+        live: list[Partition] = []
         for key, p in list(self.pending.items()):
             if not p.dead or p.closed or self.b.partitions.get(key) is not p:
                 if self.pending.get(key) is p:
                     del self.pending[key]
                 continue
-            if not p.frozen():
-                await self._drain(p)
+            live.append(p)
+        res = await asyncio.gather(*(self._drain(p) for p in live if not p.frozen()), return_exceptions=True)
+        for r in res:
+            if isinstance(r, Exception):
+                log.error("dead-letter drain failed", extra={"err": repr(r)})
+        held: dict[str, int] = {}
+        for p in live:
+            key = (p.topic, p.index)
             if p.dead:
                 held[p.topic] = held.get(p.topic, 0) + len(p.dead)
             elif self.pending.get(key) is p:

@@ -527,3 +527,50 @@ def test_a_kill9_between_the_dead_letter_commit_and_the_settle_gives_a_duplicate
         assert consume(n, name).status == 204
     finally:
         n.close()
+
+
+def test_cluster_dead_letter_owner_down_holds_then_delivers(tmp_path: Any) -> None:
+    """3 nodes: the node owning the dead-letter partition is killed (-9); a record past
+    max_deliveries is held at its source's owner (not delivered, failures counted),
+    and lands in the dead-letter topic once that node is back; nothing lost."""
+    from narad.broker.routing import key_partition
+    from tests.harness import Cluster
+
+    c = Cluster(tmp_path, 3, initial=3).start()
+    try:
+        c.leader()
+        src, dlt = "dos", "dod"
+        dparts = 5
+        assert c["n1"].post("/v1/topics", {"name": dlt, "partitions": dparts}).status == 201
+        assert c["n1"].post("/v1/topics", {"name": src, "partitions": PARTS, "max_deliveries": 1,
+                                           "dead_letter_topic": dlt, "visibility_timeout_ms": 10_000}).status == 201
+        wait_for(lambda: all(c[n].get(f"/v1/topics/{t}").status == 200 for n in c.ids for t in (src, dlt)), 20,
+                 0.05, "the topics everywhere")
+
+        def owners(t: str, via: str = "n1") -> dict[int, str]:
+            return {s["index"]: s["owner_node"] for s in c[via].get(f"/v1/topics/{t}").json()["partition_stats"]}
+
+        so, do = owners(src), owners(dlt)
+        key = next(k for k in (f"key{i}" for i in range(500))
+                   if so[key_partition(k.encode(), PARTS)] != do[key_partition(k.encode(), dparts)])
+        s_owner, d_owner = so[key_partition(key.encode(), PARTS)], do[key_partition(key.encode(), dparts)]
+        via = next(n for n in c.ids if n != d_owner)
+        assert c[via].post(f"/v1/topics/{src}/produce?key={key}", b"held while down", headers=OCTET).status == 202
+        m = take(c[via], src)
+        c[d_owner].kill9()
+        assert nack(c[via], src, m["receipt_handle"], "&reason=down").status == 204
+        wait_for(lambda: metric(c[s_owner], "narad_dead_letter_failures_total", src) >= 2, 60, 0.2,
+                 "failed dead-letter commits at the source's owner")
+        assert metric(c[s_owner], "narad_dead_letter_held", src) == 1
+        assert c[via].request("GET", f"/v1/topics/{src}/consume?max=10", headers=BATCH).status == 204
+        c[d_owner].start()
+        d = wait_for(lambda: (lambda r: r.json() if r.status == 200 else None)(
+            c[d_owner].get(f"/v1/topics/{dlt}/consume?partition={key_partition(key.encode(), dparts)}")), 60, 0.1,
+            "the record in the dead-letter topic once its owner is back")
+        assert d["payload"] == "held while down" and d["dead_letter"]["reason"] == "down"
+        assert d["dead_letter"]["key"] == key and d["dead_letter"]["delivery_count"] == 1
+        assert c[d_owner].post(f"/v1/topics/{dlt}/ack?receipt_handle={d['receipt_handle']}").status == 204
+        wait_for(lambda: metric(c[s_owner], "narad_dead_letter_held", src) == 0, 20, 0.1, "no longer held")
+        assert metric(c[s_owner], "narad_dead_lettered_total", src) == 1
+    finally:
+        c.close()

@@ -32,6 +32,13 @@ One per worker process, on its event loop. It owns:
   through ``commit_to`` (here, one hop, or node RPC; no WAL: the records are
   durable in the parent's log), and ``fanout_lag`` gathers every owner's
   cursor positions for the children listing (``FanoutLagReq``);
+* delivery counts and dead-lettering (issue 14): the partitions' counts are
+  written with their acks by the offset committer (which records in
+  ``Partition.written_gen`` what reached the file); the dead-letter driver
+  (``narad.broker.deadletter``) moves records past their topic's
+  ``max_deliveries`` to its dead-letter topic through ``commit_to``, then settles
+  them; a topic change hands the partitions their ``max_deliveries``; leases a
+  consumer never saw are given back uncounted (``GIVE_BACK``);
 * the metrics of its partitions: per commit the owner adds to the partition's
   counters (messages, payload bytes, fsync time), per delivered record the
   answering worker adds to (topic, partition)'s consumed counters (a dict

@@ -5,6 +5,12 @@ Handlers check the request (Narad's rules and status codes), then call the
 worker's broker: a produce returns 202 only after the WAL sync that covers it;
 a consume reserves before it reads; acks go to each partition's owner.
 
+Headers (issue 14, an extension): ``headers`` (string to string) on a batch
+message, or ``?header=name:value`` (repeatable) on a single produce; bounded
+(``MAX_HEADERS`` entries, names ``MAX_HEADER_NAME`` bytes of ``[A-Za-z0-9._-]``,
+``MAX_HEADERS_BYTES`` in all), stored in the record's extension block and
+returned as ``headers`` on consume (children get them with the record).
+
 Extensions (issue 14, optional, absent = Narad's behaviour): ``delay`` on a nack
 (``extend=0``; query or batch body field, 0 to 12 h) holds the record back that
 long; ``visibility`` on a consume (this delivery's lease length) and on an extend
@@ -183,6 +189,52 @@ class BatchMsg(msgspec.Struct, forbid_unknown_fields=True):
     key: str | None = None
     key_encoding: str | None = None
     partition: Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)] | None = None
+    headers: dict[str, str] | None = None  # extension (issue 14)
+
+
+MAX_HEADERS = 32
+MAX_HEADER_NAME = 128
+MAX_HEADERS_BYTES = 8192  # names and values together, UTF-8
+_HEADER_NAME = re.compile(r"[A-Za-z0-9._-]+")
+
+
+def check_headers(h: dict[str, str], where: str = "") -> dict[str, str]:
+    """The message's headers within their bounds (400 naming what to fix)."""
+    if len(h) > MAX_HEADERS:
+        raise BadRequest(f"{where}invalid argument: at most {MAX_HEADERS} headers per message, got {len(h)}")
+    total = 0
+    for name, value in h.items():
+        if not name or len(name) > MAX_HEADER_NAME or not _HEADER_NAME.fullmatch(name):
+            raise BadRequest(f"{where}invalid argument: header name {name[:40]!r} must be 1 to {MAX_HEADER_NAME} "
+                             f"characters of A-Z a-z 0-9 . _ -")
+        try:
+            total += len(name) + len(value.encode())
+        except UnicodeEncodeError:
+            raise BadRequest(f"{where}invalid argument: header {name!r} is not valid UTF-8") from None
+        if total > MAX_HEADERS_BYTES:
+            raise BadRequest(f"{where}invalid argument: headers larger than {MAX_HEADERS_BYTES} bytes in all")
+    return h
+
+
+def query_headers(vals: list[str]) -> dict[str, str]:
+    """``?header=name:value`` (repeatable; the first ``:`` splits) as a dict; a name
+    given twice is a 400 (which one was meant is unknowable)."""
+    out: dict[str, str] = {}
+    for v in vals:
+        name, sep, value = v.partition(":")
+        if not sep:
+            raise BadRequest(f'invalid argument: header must be "name:value", got {v[:40]!r}')
+        if name in out:
+            raise BadRequest(f"invalid argument: header {name[:40]!r} given twice")
+        out[name] = value
+    return check_headers(out)
+
+
+def with_headers(flags: int, body: bytes, headers: dict[str, str] | None) -> tuple[int, bytes]:
+    """The stored (flags, payload) of a message: with an extension block when it has headers."""
+    if not headers:
+        return flags, body
+    return flags | FR.F_EXT, FR.pack_ext(FR.Ext(h=headers), body)
 
 
 class BatchBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -385,7 +437,8 @@ class MessagesAPI:
 
     # ---- produce -------------------------------------------------------------------------------
     def _produce_args(self, req: Request, t: TopicRecord) -> tuple[bytes, bytes | None, int | None]:
-        """The checks of a single produce before its schema: (body, key, partition)."""
+        """The checks of a single produce before its schema: (body, key, partition).
+        Its headers (``?header=``) are read after them, into the extension block."""
         self._require(req, t, "produce")
         if t.delay_ms and t.parent is not None:  # a delay child (one attribute check when not)
             raise self._delay_child(t)
@@ -409,8 +462,10 @@ class MessagesAPI:
         body, key, partition = self._produce_args(req, t)
         if partition is None:
             partition = self.broker.choose_partition(t, key)
-        entry = Entry(t.name, self._incarnation(t), partition, int(time.time() * 1000), payload_flags(body), key,
-                      body)
+        flags, stored = payload_flags(body), body
+        if req.query and "header" in req.query:
+            flags, stored = with_headers(flags, body, query_headers(req.query["header"]))
+        entry = Entry(t.name, self._incarnation(t), partition, int(time.time() * 1000), flags, key, stored)
         self._append_cb(req, t, [entry], reply)
         return True
 
@@ -425,8 +480,10 @@ class MessagesAPI:
                 raise BadRequest(f"invalid argument: {why}")
         if partition is None:
             partition = self.broker.choose_partition(t, key)
-        entry = Entry(t.name, self._incarnation(t), partition, int(time.time() * 1000), payload_flags(body), key,
-                      body)
+        flags, stored = payload_flags(body), body
+        if req.query and "header" in req.query:
+            flags, stored = with_headers(flags, body, query_headers(req.query["header"]))
+        entry = Entry(t.name, self._incarnation(t), partition, int(time.time() * 1000), flags, key, stored)
         await self._append(req, t, [entry])
         return Response(202, b"", None)
 
@@ -488,7 +545,7 @@ class MessagesAPI:
             raise BadRequest(f"too many messages: more than {MAX_BATCH_MESSAGES}")
         now = int(time.time() * 1000)
         inc = bytes.fromhex(t.id)
-        prepared: list[tuple[bytes, bytes | None, int | None, int]] = []
+        prepared: list[tuple[bytes, bytes | None, int | None, int, dict[str, str] | None]] = []
         # Pass 1: the format of every message.
         for i, m in enumerate(msgs):
             if m.payload is msgspec.UNSET:
@@ -524,22 +581,25 @@ class MessagesAPI:
                 key = key or None
             if m.partition is not None and m.partition < 0:
                 raise BadRequest(f"message {i}: invalid argument: partition out of range")
-            prepared.append((payload, key, m.partition, flags))
+            if m.headers:
+                check_headers(m.headers, f"message {i}: ")
+            prepared.append((payload, key, m.partition, flags, m.headers))
         # Pass 2: partition range and schema.
-        for i, (_payload, _key, part, _flags) in enumerate(prepared):
+        for i, (_payload, _key, part, _flags, _h) in enumerate(prepared):
             if part is not None and part >= t.partitions:
                 raise BadRequest(f"message {i}: invalid argument: partition out of range")
         v = await self._validator(t)
         if v is not None:
-            bad = await self._validation.check_many(v, [p for p, _k, _part, _f in prepared])
+            bad = await self._validation.check_many(v, [p for p, _k, _part, _f, _h in prepared])
             if bad is not None:
                 self.m.produce_rejections.labels(t.name, "schema").inc()
                 raise BadRequest(f"message {bad[0]}: invalid argument: {bad[1]}")
         entries = []
-        for payload, key, part, flags in prepared:
+        for payload, key, part, flags, hdrs in prepared:
             if part is None:
                 part = self.broker.choose_partition(t, key)
-            entries.append(Entry(t.name, inc, part, now, flags, key, payload))
+            flags, stored = with_headers(flags, payload, hdrs)
+            entries.append(Entry(t.name, inc, part, now, flags, key, stored))
         await self._append(req, t, entries)
         return json_response(202, {"accepted": len(entries)})
 

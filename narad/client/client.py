@@ -54,6 +54,7 @@ from narad.client.models import (
     TopicDetails,
     TopicPage,
     User,
+    inject_trace_context,
 )
 from narad.client.transport import H1Transport, H3Transport, NodeAddr, Transport, parse_node
 
@@ -309,9 +310,17 @@ class AsyncClient:
         envelope: bool | None = None,
         id: str | None = None,
         headers: dict[str, str] | None = None,
+        record_headers: dict[str, str] | None = None,
+        trace_context: bool = True,
         deadline: float | None = None,
     ) -> None:
         """Store one message (returns after the node's fsync: its 202).
+
+        ``record_headers``: headers stored with the record and returned on consume
+        (``Message.headers``; an extension a Narad node refuses with 400). With
+        ``trace_context`` (the default) and opentelemetry installed, the current
+        span's context is added to them (``traceparent``), so a consumer can
+        continue the trace (``Message.trace_context()``).
 
         ``payload``: bytes as they are, str as UTF-8, anything else as JSON.
         ``key`` chooses the partition by hash; ``partition`` pins it (wins over key).
@@ -319,15 +328,19 @@ class AsyncClient:
         Raises ``ServerError``/``RequestTimeout`` with ``uncertain=True`` when it may
         have been stored anyway (never retried then)."""
         body, ct = self._payload(payload, envelope, id=id, headers=headers)
-        await self._produce_raw(topic, body, ct, key=key, partition=partition, deadline=deadline)
+        rh = inject_trace_context(record_headers) if trace_context else record_headers
+        await self._produce_raw(topic, body, ct, key=key, partition=partition, deadline=deadline, record_headers=rh)
 
     async def _produce_raw(self, topic: str, body: bytes, ct: str, *, key: str | bytes | None,
-                           partition: int | None, deadline: float | None = None) -> None:
+                           partition: int | None, deadline: float | None = None,
+                           record_headers: dict[str, str] | None = None) -> None:
         query: list[tuple[str, str | bytes]] = []
         if key:
             query.append(("key", key))
         if partition is not None:
             query.append(("partition", str(partition)))
+        for name, value in (record_headers or {}).items():
+            query.append(("header", f"{name}:{value}"))
         await self._call("produce", "POST", f"/v1/topics/{_seg(topic)}/produce", query=query, body=body,
                          content_type=ct, deadline=deadline)
 
@@ -337,12 +350,15 @@ class AsyncClient:
         messages: Iterable[BatchMessage | Any],
         *,
         envelope: bool | None = None,
+        trace_context: bool = True,
         deadline: float | None = None,
     ) -> int:
         """Store up to 1000 messages all or nothing (one WAL commit); returns the count
         accepted. Items are ``BatchMessage`` or bare payloads. A refused message
-        names its index (``message 3: ...``) and nothing is stored."""
+        names its index (``message 3: ...``) and nothing is stored. ``trace_context``:
+        as for ``produce`` (added to every message's ``record_headers``)."""
         out: list[dict[str, Any]] = []
+        trace = inject_trace_context(None) if trace_context else None
         for m in messages:
             bm = m if isinstance(m, BatchMessage) else BatchMessage(m)
             body, ct = self._payload(bm.payload, envelope, id=None, headers=None)
@@ -359,6 +375,9 @@ class AsyncClient:
                     row["key"] = bm.key
             if bm.partition is not None:
                 row["partition"] = bm.partition
+            rh = {**trace, **(bm.record_headers or {})} if trace else bm.record_headers
+            if rh:
+                row["headers"] = rh
             out.append(row)
         if not out:
             raise ValueError("a batch needs at least one message")
@@ -376,7 +395,8 @@ class AsyncClient:
             raise ValueError("retry_later needs an enveloped message (produce with envelope=True)")
         reason = "" if error is None else str(error)
         body = wrap(env.body, id=env.id, attempts=env.attempts + 1, last_error=reason, headers=env.headers)
-        await self._produce_raw(topic or msg.topic, body, "application/json", key=msg.key, partition=None)
+        await self._produce_raw(topic or msg.topic, body, "application/json", key=msg.key, partition=None,
+                                record_headers=msg.headers or None)
         if msg.receipt_handle:
             await self.ack(msg.topic, msg.receipt_handle)
 

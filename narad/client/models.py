@@ -48,6 +48,7 @@ class _WireMessage(msgspec.Struct):
     key_encoding: str | None = None
     timestamp: int = 0
     receipt_handle: str | None = None
+    headers: dict[str, str] | None = None  # extension (issue 14)
 
 
 class _WireBatch(msgspec.Struct):
@@ -78,6 +79,7 @@ class Message:
     key: bytes | None
     timestamp: int  # commit time, Unix seconds
     receipt_handle: str | None
+    headers: dict[str, str] = field(default_factory=dict)  # the record's headers (an extension; {} when none)
 
     @classmethod
     def _from_wire(cls, w: _WireMessage) -> Message:
@@ -94,7 +96,8 @@ class Message:
             key = base64.b64decode(w.key) if w.key_encoding == "base64" else w.key.encode()
         return cls(topic=w.topic, partition=w.partition, offset=w.offset, payload=payload,
                    payload_kind=kind,  # type: ignore[arg-type]
-                   payload_json=pj, key=key, timestamp=w.timestamp, receipt_handle=w.receipt_handle)
+                   payload_json=pj, key=key, timestamp=w.timestamp, receipt_handle=w.receipt_handle,
+                   headers=w.headers or {})
 
     @classmethod
     def parse_one(cls, body: bytes) -> Message:
@@ -126,6 +129,16 @@ class Message:
     def key_text(self) -> str | None:
         return None if self.key is None else self.key.decode("utf-8", "replace")
 
+    def trace_context(self) -> Any:
+        """The OpenTelemetry context its producer's SDK put in the headers
+        (``traceparent``/``tracestate``), for ``tracer.start_as_current_span(...,
+        context=msg.trace_context())``; None when opentelemetry is not installed."""
+        try:
+            from opentelemetry import propagate
+        except ImportError:
+            return None
+        return propagate.extract(dict(self.headers))
+
 
 @dataclass(frozen=True, slots=True)
 class BatchMessage:
@@ -134,6 +147,22 @@ class BatchMessage:
     payload: Any
     key: str | bytes | None = None
     partition: int | None = None
+    record_headers: dict[str, str] | None = None  # stored with the record (an extension; see produce)
+
+
+def inject_trace_context(headers: dict[str, str] | None) -> dict[str, str] | None:
+    """``headers`` with the current OpenTelemetry trace context added
+    (``traceparent``/``tracestate``; headers the caller set win). Unchanged when
+    opentelemetry is not installed or no span is recording."""
+    try:
+        from opentelemetry import propagate
+    except ImportError:
+        return headers
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    if not carrier:
+        return headers
+    return {**carrier, **(headers or {})}
 
 
 def _opt_int(d: dict[str, Any], k: str) -> int | None:

@@ -349,3 +349,18 @@ def test_every_option_has_help() -> None:
 
     walk(cli, "narad")
     assert not missing, missing
+
+
+def test_pub_headers_and_topic_delivery_settings(node: Node, cfg: Path) -> None:
+    narad(node, cfg, "topic", "add", "cli-dlq", "--partitions", "3")
+    t = lines(narad(node, cfg, "topic", "add", "cli-src", "--partitions", "3", "--max-deliveries", "4",
+                    "--dead-letter-topic", "cli-dlq", "--idempotency-window", "2m", "--json"))[0]
+    assert (t["max_deliveries"], t["dead_letter_topic"], t["idempotency_window_ms"]) == (4, "cli-dlq", 120_000)
+    t = lines(narad(node, cfg, "topic", "edit", "cli-src", "--max-deliveries", "0", "--dead-letter-topic", "",
+                    "--json"))[0]
+    assert "max_deliveries" not in t and "dead_letter_topic" not in t
+    narad(node, cfg, "pub", "cli-src", '{"h":1}', "--partition", "0", "-H", "trace:abc", "--header", "url:http://x:1")
+    m = lines(narad(node, cfg, "sub", "cli-src", "--partition", "0", "--max", "1", "--json"))[0]
+    assert m["payload"] == {"h": 1} and m["headers"] == {"trace": "abc", "url": "http://x:1"}
+    r = narad(node, cfg, "pub", "cli-src", "x", "-H", "novalue", code=2)
+    assert "NAME:VALUE" in r.stderr

@@ -73,8 +73,10 @@ def _transient(e: NaradError) -> bool:
               help="Send the message this many times.")
 @click.option("--rate", type=click.FloatRange(min=0), default=0, show_default=True,
               help="Messages per second when --count is above 1; 0 sends as fast as possible.")
+@click.option("-H", "--header", "header", multiple=True, metavar="NAME:VALUE",
+              help="A header stored with the message (repeat for more; an extension a Narad node refuses).")
 def pub(topic: str, message: str | None, key: str | None, partition: int | None, file_: str | None, count: int,
-        rate: float) -> None:
+        rate: float, header: tuple[str, ...]) -> None:
     """Produce a message to TOPIC. The body is MESSAGE, the --file, or standard input
     (also for MESSAGE '-'), stored byte for byte. Prints 'accepted (<n> bytes)' on
     stderr, or for several messages the count, the time and the rate."""
@@ -93,6 +95,12 @@ def pub(topic: str, message: str | None, key: str | None, partition: int | None,
         body = binary("stdin").read()
     if not body:
         raise click.UsageError("the message is empty (a message is 1 byte to 1 MiB)")
+    headers: dict[str, str] = {}
+    for h in header:
+        name, sep, value = h.partition(":")
+        if not sep or not name:
+            raise click.BadParameter(f"{h!r} is not NAME:VALUE", param_hint="--header")
+        headers[name] = value
 
     async def go(cl: AsyncClient) -> float:
         start = time.perf_counter()
@@ -102,7 +110,7 @@ def pub(topic: str, message: str | None, key: str | None, partition: int | None,
                 if pause > 0:
                     await asyncio.sleep(pause)
             try:
-                await cl.produce(topic, body, key=key, partition=partition)
+                await cl.produce(topic, body, key=key, partition=partition, record_headers=headers or None)
             except NaradError as e:
                 where = f"message {i + 1} of {count}: " if count > 1 else ""
                 done = f" ({i} accepted before it)" if i else ""

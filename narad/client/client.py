@@ -540,16 +540,22 @@ class AsyncClient:
         schema: Any = None,
         parent: str | None = None,
         fanout_delay_ms: int | None = None,
+        max_deliveries: int | None = None,
+        dead_letter_topic: str | None = None,
+        idempotency_window_ms: int | None = None,
     ) -> Topic:
         """Create a topic; with ``parent`` it is created and attached as a child in one
         step (``fanout_delay_ms`` makes it a delay child). ``retention_ms=0`` keeps
-        forever; leave it out for the server's default."""
+        forever; leave it out for the server's default. ``max_deliveries`` /
+        ``dead_letter_topic`` / ``idempotency_window_ms`` are extensions (a Narad
+        node refuses them with 400)."""
         body: dict[str, Any] = {"name": name}
         for k, v in (("partitions", partitions), ("retention_ms", retention_ms),
                      ("visibility_timeout_ms", visibility_timeout_ms),
                      ("max_in_flight_per_partition", max_in_flight_per_partition),
                      ("max_acked_ahead_per_partition", max_acked_ahead_per_partition), ("schema", schema),
-                     ("parent", parent), ("fanout_delay_ms", fanout_delay_ms)):
+                     ("parent", parent), ("fanout_delay_ms", fanout_delay_ms), ("max_deliveries", max_deliveries),
+                     ("dead_letter_topic", dead_letter_topic), ("idempotency_window_ms", idempotency_window_ms)):
             if v is not None:
                 body[k] = v
         return Topic.from_json(await self._json("write", "POST", "/v1/topics", body))
@@ -590,13 +596,19 @@ class AsyncClient:
         partitions: int | None = None,
         schema: Any = None,
         schema_base_version: int | None = None,
+        max_deliveries: int | None = None,
+        dead_letter_topic: str | None = None,
+        idempotency_window_ms: int | None = None,
     ) -> Topic:
         """Change the named fields (applied in the order retention, caps, partitions,
-        schema; not atomically). The visibility timeout is fixed at creation."""
+        schema, delivery settings; not atomically). The visibility timeout is fixed
+        at creation. ``dead_letter_topic=""`` clears it (``max_deliveries`` must be 0 then)."""
         body: dict[str, Any] = {}
         for k, v in (("retention_ms", retention_ms), ("max_in_flight_per_partition", max_in_flight_per_partition),
                      ("max_acked_ahead_per_partition", max_acked_ahead_per_partition),
-                     ("partitions", partitions), ("schema", schema), ("schema_base_version", schema_base_version)):
+                     ("partitions", partitions), ("schema", schema), ("schema_base_version", schema_base_version),
+                     ("max_deliveries", max_deliveries), ("dead_letter_topic", dead_letter_topic),
+                     ("idempotency_window_ms", idempotency_window_ms)):
             if v is not None:
                 body[k] = v
         if not body:

@@ -189,6 +189,10 @@ class Topic:
     delay_ms: int = 0
     attach_epoch: int | None = None
     attach_offsets: list[int] = field(default_factory=list)
+    # Delivery settings (extensions, issue 14): 0 / None when not set.
+    max_deliveries: int = 0
+    dead_letter_topic: str | None = None
+    idempotency_window_ms: int = 0
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @staticmethod
@@ -209,6 +213,9 @@ class Topic:
             "delay_ms": int(d.get("delay_ms") or d.get("fanout_delay_ms") or 0),
             "attach_epoch": _opt_int(d, "attach_epoch"),
             "attach_offsets": list(d.get("attach_offsets") or []),
+            "max_deliveries": int(d.get("max_deliveries") or 0),
+            "dead_letter_topic": d.get("dead_letter_topic"),
+            "idempotency_window_ms": int(d.get("idempotency_window_ms") or 0),
             "raw": d,
         }
 

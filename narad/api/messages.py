@@ -196,6 +196,7 @@ MAX_HEADERS = 32
 MAX_HEADER_NAME = 128
 MAX_HEADERS_BYTES = 8192  # names and values together, UTF-8
 _HEADER_NAME = re.compile(r"[A-Za-z0-9._-]+")
+_GOOD_NAMES: set[str] = set()  # header names already checked (clients repeat a few): one set lookup each
 
 
 def check_headers(h: dict[str, str], where: str = "") -> dict[str, str]:
@@ -204,13 +205,20 @@ def check_headers(h: dict[str, str], where: str = "") -> dict[str, str]:
         raise BadRequest(f"{where}invalid argument: at most {MAX_HEADERS} headers per message, got {len(h)}")
     total = 0
     for name, value in h.items():
-        if not name or len(name) > MAX_HEADER_NAME or not _HEADER_NAME.fullmatch(name):
-            raise BadRequest(f"{where}invalid argument: header name {name[:40]!r} must be 1 to {MAX_HEADER_NAME} "
-                             f"characters of A-Z a-z 0-9 . _ -")
-        try:
-            total += len(name) + len(value.encode())
-        except UnicodeEncodeError:
-            raise BadRequest(f"{where}invalid argument: header {name!r} is not valid UTF-8") from None
+        if name not in _GOOD_NAMES:
+            if not name or len(name) > MAX_HEADER_NAME or not _HEADER_NAME.fullmatch(name):
+                raise BadRequest(f"{where}invalid argument: header name {name[:40]!r} must be 1 to "
+                                 f"{MAX_HEADER_NAME} characters of A-Z a-z 0-9 . _ -")
+            if len(_GOOD_NAMES) >= 4096:
+                _GOOD_NAMES.clear()
+            _GOOD_NAMES.add(name)
+        if value.isascii():
+            total += len(name) + len(value)
+        else:
+            try:
+                total += len(name) + len(value.encode())
+            except UnicodeEncodeError:
+                raise BadRequest(f"{where}invalid argument: header {name!r} is not valid UTF-8") from None
         if total > MAX_HEADERS_BYTES:
             raise BadRequest(f"{where}invalid argument: headers larger than {MAX_HEADERS_BYTES} bytes in all")
     return h

@@ -167,3 +167,44 @@ def test_sdk_record_headers_and_trace_context(node: Node) -> None:
         assert m.headers["traceparent"].split("-")[1] == trace_id  # injected by the SDK
         ctx = m.trace_context()
         assert format(trace.get_current_span(ctx).get_span_context().trace_id, "032x") == trace_id
+
+
+def test_headers_cross_nodes_and_survive_an_owner_kill9(tmp_path: Any) -> None:
+    """3 nodes: records with headers produced at one node for partitions other nodes own
+    (CommitReq over node RPC), consumed through a third node (consume probes), then the
+    owner of one partition is killed with SIGKILL and restarted: its records come back
+    from disk with their headers."""
+    from tests.harness import Cluster
+
+    c = Cluster(tmp_path, 3, initial=3).start()
+    try:
+        c.leader()
+        assert c["n1"].post("/v1/topics", {"name": "hdc", "partitions": 3}).status == 201
+        wait_for(lambda: all(c[n].get("/v1/topics/hdc").status == 200 for n in c.ids), 20, 0.05, "the topic")
+        owner = {s["index"]: s["owner_node"] for s in c["n1"].get("/v1/topics/hdc").json()["partition_stats"]}
+        rows = [{"payload": {"i": i}, "partition": i % 3, "headers": {"i": str(i), "from": "n1"}} for i in range(6)]
+        assert c["n1"].post("/v1/topics/hdc/produce/batch", {"messages": rows}).status == 202
+        # Wait until every record is committed at its owner (describe sums the high watermarks).
+        wait_for(lambda: sum(s["high_watermark"] for s in c["n1"].get("/v1/topics/hdc").json()["partition_stats"])
+                 == 6, 30, 0.05, "six records committed")
+        victim = next(o for o in owner.values() if o != "n1")
+        c[victim].kill9()
+        c[victim].start()
+        reader = next(n for n in c.ids if n not in ("n1", victim))
+        got: dict[int, dict[str, Any]] = {}
+
+        def drain() -> bool:
+            for nid in (reader, victim, "n1"):
+                r = c[nid].request("GET", "/v1/topics/hdc/consume?max=10", headers=CLIENT)
+                if r.status == 200:
+                    for m in r.json()["messages"]:
+                        got[m["payload"]["i"]] = m
+            return len(got) == 6
+
+        wait_for(drain, 60, 0.1, "all six records")
+        for i, m in got.items():
+            assert m["headers"] == {"i": str(i), "from": "n1"}, m
+            assert m["partition"] == i % 3
+        assert {owner[m["partition"]] for m in got.values()} - {"n1"}, owner  # some crossed a node hop
+    finally:
+        c.close()

@@ -60,11 +60,12 @@ from pathlib import Path
 from typing import Any
 
 from narad import metrics
+from narad.broker import idem as IDEM
 from narad.broker import peers as P
-from narad.broker.dispatcher import Dispatcher
+from narad.broker.dispatcher import Dispatcher, Watch
 from narad.broker.fanout import FanoutEngine, FanoutSettings
 from narad.broker.moves import MoveRunner, MoveSource
-from narad.broker.partition import Partition, finish_stats, rfc3339_ms, stats_from_disk
+from narad.broker.partition import Committed, Partition, finish_stats, rfc3339_ms, stats_from_disk
 from narad.broker.routing import RoundRobin, key_partition, owner_worker
 from narad.errors import BadGateway, Conflict, NaradError, NotFound, Unavailable
 from narad.meta import versions as V
@@ -325,15 +326,19 @@ class Broker:
             return [w], []
         return [], ([node] if node is not None else [])
 
-    def choose_partition(self, topic: TopicRecord, key: bytes | None) -> int:
+    def choose_partition(self, topic: TopicRecord, key: bytes | None, idem: str | None = None) -> int:
         """A key hashes to its partition (order per key). A keyless message may go
         to any partition: it rotates over the partitions this worker owns, so it
         is committed here without a hop; over all of them when this worker owns none.
         The rotation moves on once per WAL group commit (sticky): the keyless records
         of one group go to one partition, one commit there, instead of a commit at
-        every partition each carrying a record or two."""
+        every partition each carrying a record or two. A keyless record with an
+        idempotency key hashes by that key (a retry lands on the same partition from
+        any node, where the key is checked)."""
         if key:
             return key_partition(key, topic.partitions)
+        if idem is not None:
+            return key_partition(idem.encode(), topic.partitions)
         pl = self._placement(topic)
         st = self._sticky.get(topic.name)
         if st is not None and st[0] == self._group_epoch and st[1] < topic.partitions and (
@@ -351,11 +356,34 @@ class Broker:
         self.dispatcher.feed(entries)
 
     # ---- produce ------------------------------------------------------------------------------
-    async def produce(self, entries: list[Entry]) -> None:
+    async def produce(self, entries: list[Entry], watch: list[Entry] | None = None) -> Watch | None:
         """Durable in this worker's WAL (group commit) when this returns. If the
         caller is cancelled the staged records still become durable and are
-        dispatched (cancelling the future only drops the answer)."""
-        await self.wal.append(entries)
+        dispatched (cancelling the future only drops the answer). ``watch``
+        (entries of ``entries``, those with an idempotency key): returns the
+        dispatcher's Watch on their commit (``verdicts``; the caller unwatches)."""
+        fut = self.wal.append(entries)
+        w = self.dispatcher.watch(watch) if watch else None
+        try:
+            await fut
+        except BaseException:
+            if w is not None:
+                self.dispatcher.unwatch(w)
+            raise
+        return w
+
+    async def verdicts(self, w: Watch, timeout: float) -> list[bool | None]:
+        """The owners' duplicate verdicts for a watch, waited for at most `timeout`
+        (None: not known by then; the record is durable and is still checked at its
+        commit). Unwatches."""
+        try:
+            if not w.done.done():
+                await asyncio.wait_for(asyncio.shield(w.done), timeout)
+        except TimeoutError:
+            pass
+        finally:
+            self.dispatcher.unwatch(w)
+        return w.dup
 
     # ---- owned partitions ---------------------------------------------------------------------
     async def partition(self, topic: TopicRecord, index: int) -> Partition:
@@ -400,6 +428,7 @@ class Broker:
         lbl = (topic.name, str(index))
         m = self.m
         p.meter(m.messages_produced.labels(*lbl), m.bytes_produced.labels(*lbl), m.fsync_seconds.labels(*lbl))
+        p.meter_idem(m.idem_duplicates.labels(*lbl), m.idem_evicted.labels(*lbl))
         p.on_visible = self._on_visible
         p.on_released = self._on_released
         p.loop = self.loop
@@ -413,6 +442,14 @@ class Broker:
         frontier, ahead = offs.load(max_frontier=plog.hwm - 1)  # a frontier past the log is damage
         p = Partition(topic.name, topic.id, index, plog, offs)
         p.restore(frontier, ahead)
+        # Idempotent produce: the keys committed within the window, from the log itself.
+        p.idem_window_ms = topic.idem_window_ms
+        t0 = time.monotonic()
+        p.idem, n = IDEM.rebuild(plog, p.idem_window_ms, int(time.time() * 1000))
+        if p.idem.keys:
+            log.info("idempotency keys rebuilt from the log", extra={
+                "topic": topic.name, "partition": index, "keys": len(p.idem), "records_read": n,
+                "ms": round((time.monotonic() - t0) * 1000, 1)})
         return p
 
     async def _close_partition(self, key: tuple[str, int], p: Partition, *, clean: bool) -> None:
@@ -541,7 +578,7 @@ class Broker:
 
     # ---- commit (owner side) -------------------------------------------------------------------
     async def commit_local(self, topic: str, topic_id: str, partition: int,
-                           records: list[tuple[bytes | None, int, bytes]]) -> int:
+                           records: list[tuple[bytes | None, int, bytes]]) -> Committed:
         t = self.store.topic(topic)
         if t is None or t.id != topic_id:
             raise Conflict(f'topic incarnation mismatch for "{topic}": records are for {topic_id}, '
@@ -555,10 +592,12 @@ class Broker:
             raise Unavailable(f"partition {partition} of {topic} is owned by {node}/{worker}, not {self.node_id}/"
                               f"{self.index}; retry", code="partition_moving")
         p = await self.partition(t, partition)
+        p.idem_window_ms = t.idem_window_ms  # a PATCH may have changed it
         return await p.commit(records, self.io)
 
-    async def deliver(self, topic: str, topic_id: str, partition: int, entries: list[Entry]) -> str:
-        """Dispatcher target: commit at the owner, here or one hop away."""
+    async def deliver(self, topic: str, topic_id: str, partition: int, entries: list[Entry]) -> str | Committed:
+        """Dispatcher target: commit at the owner, here or one hop away. Returns the
+        owner's (first offset, duplicate indexes), or "gone"."""
         t = self.store.topic(topic)
         if t is None or t.id != topic_id:
             # Never discard on local absence alone: the replica may be behind.
@@ -570,12 +609,13 @@ class Broker:
         if node is None:
             raise Unavailable(f"partition {partition} of {topic} has no owner yet")
         if node != self.node_id:
-            await self.remote.call(node, P.CommitReq(topic, topic_id, partition, records), P.CommitResp, timeout=30)
-        elif worker == self.index:
-            await self.commit_local(topic, topic_id, partition, records)
-        else:
-            await self.links.call(worker, P.CommitReq(topic, topic_id, partition, records), P.CommitResp, timeout=30)
-        return "ok"
+            r = await self.remote.call(node, P.CommitReq(topic, topic_id, partition, records), P.CommitResp,
+                                       timeout=30)
+            return r.base, r.dups
+        if worker == self.index:
+            return await self.commit_local(topic, topic_id, partition, records)
+        r = await self.links.call(worker, P.CommitReq(topic, topic_id, partition, records), P.CommitResp, timeout=30)
+        return r.base, r.dups
 
     async def commit_to(self, t: TopicRecord, partition: int, records: list[tuple[bytes | None, int, bytes]]
                         ) -> int:
@@ -591,7 +631,7 @@ class Broker:
         if node != self.node_id:
             base = (await self.remote.call(node, req, P.CommitResp, timeout=30)).base
         elif worker == self.index:
-            base = await self.commit_local(t.name, t.id, partition, records)
+            base = (await self.commit_local(t.name, t.id, partition, records))[0]
         else:
             base = (await self.links.call(worker, req, P.CommitResp, timeout=30)).base
         return base
@@ -1366,7 +1406,8 @@ class Broker:
             w = self.route(m.topic, m.partition)
             if w != self.index:
                 return await self.links.call(w, m, P.CommitResp, timeout=30)
-            return P.CommitResp(await self.commit_local(m.topic, m.topic_id, m.partition, m.records))
+            base, dups = await self.commit_local(m.topic, m.topic_id, m.partition, m.records)
+            return P.CommitResp(base, dups)
 
         async def consume(m: P.ConsumeReq, _c: Any) -> P.ConsumeResp:
             t = self._topic_for(m.topic, m.topic_id)
@@ -1859,6 +1900,14 @@ class Broker:
             for o in WAIT_OUTCOMES:
                 m.consume_wait.labels(name, o)
         m.partitions_total.set(len(rows))
+        held: set[tuple[str, str]] = set()  # idempotency keys live in open partitions only
+        for (name, i), p in self.partitions.items():
+            if not p.closed:  # keys whose window passed are dropped here too, not only at commits
+                p.idem.expire(int(now_ms) - p.idem_window_ms)
+                lbl = (name, str(i))
+                held.add(lbl)
+                m.idem_keys.labels(*lbl).set(len(p.idem))
+        metrics.drop_children(m.idem_keys, lambda k: k not in held)
         for g in (m.consumer_lag, m.oldest_unconsumed, m.inflight_size, m.acked_ahead_size, m.partition_bytes,
                   m.segments):
             metrics.drop_children(g, lambda k: k not in alive)

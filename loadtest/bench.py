@@ -20,6 +20,11 @@
     the rest of the machine's CPU (other jobs make a run noisy) and the server
     CPU per message in µs. CPU figures are in % of one core.
 
+``--idempotency``: every produced message carries its own idempotency key
+(issue 14; all keys new, so the owners' tables grow as in use and each produce
+answers after the owner's commit); the scenario names get " idem". Memory per
+key and the rebuild at open: loadtest/bench_idempotency.py.
+
 Each scenario starts a fresh node (tests.harness.Node) in a temp dir, creates
 a 6-partition topic, runs, verifies and stops the node. A failing request
 stops the scenario and is reported as request line, status and body, with the
@@ -30,7 +35,7 @@ connections. ``--procs 2`` spreads the connections over two client processes.
 
 Usage:
     .venv/bin/python loadtest/bench.py [--seconds S] [--workers N] [--quick]
-        [--procs P] [--conns C] [--batch-conns C] [--only REGEX]
+        [--procs P] [--conns C] [--batch-conns C] [--only REGEX] [--idempotency]
         [--profile DIR [--profile-runs REGEX] [--profile-rate HZ]]
     .venv/bin/python loadtest/bench.py --summarise DIR/*.txt
 
@@ -51,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import multiprocessing as mp
@@ -190,11 +196,15 @@ def expect(status: int, want: int, req: bytes, body: bytes) -> None:
 class Requests:
     """Pre-rendered request bytes for one topic on one node."""
 
-    def __init__(self, port: int, auth: str, topic: str = TOPIC) -> None:
+    def __init__(self, port: int, auth: str, topic: str = TOPIC, idem: bool = False) -> None:
         common = f"Host: 127.0.0.1:{port}\r\nAuthorization: {auth}\r\nX-Narad-Client: narad-bench\r\n"
         base = f"/v1/topics/{topic}"
+        self.idem = idem
         self.produce_head = (f"POST {base}/produce HTTP/1.1\r\n{common}Content-Type: application/json\r\n"
                              f"Content-Length: {MSG_SIZE}\r\n\r\n").encode()
+        self.idem_head = f"POST {base}/produce?idempotency_key=".encode()
+        self.idem_tail = (f" HTTP/1.1\r\n{common}Content-Type: application/json\r\n"
+                          f"Content-Length: {MSG_SIZE}\r\n\r\n").encode()
         self.batch_head = (f"POST {base}/produce/batch HTTP/1.1\r\n{common}Content-Type: application/json\r\n"
                            f"Content-Length: ").encode()
         self.consume_one = f"GET {base}/consume?wait={CONSUME_WAIT} HTTP/1.1\r\n{common}\r\n".encode()
@@ -208,10 +218,16 @@ class Requests:
         self.describe = f"GET {base} HTTP/1.1\r\n{common}\r\n".encode()
 
     def produce(self, mid: int) -> bytes:
+        if self.idem:  # a key per message (each one new: the table grows as it would in use)
+            return self.idem_head + b"m%x" % mid + self.idem_tail + payload(mid)
         return self.produce_head + payload(mid)
 
     def produce_batch(self, first: int, n: int) -> bytes:
-        body = b'{"messages":[' + b",".join([b'{"payload":' + payload(first + i) + b"}" for i in range(n)]) + b"]}"
+        if self.idem:
+            msgs = [b'{"payload":' + payload(first + i) + b',"idempotency_key":"m%x"}' % (first + i) for i in range(n)]
+        else:
+            msgs = [b'{"payload":' + payload(first + i) + b"}" for i in range(n)]
+        body = b'{"messages":[' + b",".join(msgs) + b"]}"
         return self.batch_head + b"%d\r\n\r\n" % len(body) + body
 
     def ack_one(self, handle: str) -> bytes:
@@ -263,6 +279,7 @@ class Scenario:
     seconds: float
     count: int = 0  # latency mode: sequential requests
     batch: int = 100
+    idem: bool = False  # every message with its own idempotency key (--idempotency)
 
 
 @dataclass
@@ -425,7 +442,7 @@ async def consume_and_ack(c: HttpConn, r: Requests, st: Stats, req: bytes) -> in
 
 async def _client(sc: Scenario, port: int, auth: str, index: int, barrier: Any) -> Stats:
     st = Stats()
-    reqs = Requests(port, auth)
+    reqs = Requests(port, auth, idem=sc.idem)
     conns: list[HttpConn] = []
     try:
         for _ in range(sc.conns):
@@ -853,6 +870,8 @@ def scenarios(args: argparse.Namespace) -> list[Scenario]:
                             batch=args.batch))
     if args.only:
         out = [x for x in out if re.search(args.only, f"{x.name} w{x.workers}")]
+    if args.idempotency:
+        out = [dataclasses.replace(x, idem=True, name=f"{x.name} idem") for x in out]
     in_flight = args.procs * args.batch_conns * CONSUME_MAX
     if any(x.mode == "flow_batch" for x in out) and in_flight > CONSUME_CAP:
         raise SystemExit(f"--procs x --batch-conns x max={CONSUME_MAX} = {in_flight} concurrent batch-consume slots: "
@@ -904,6 +923,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=100, help="messages per batch produce")
     ap.add_argument("--latency-count", type=int, default=2000)
     ap.add_argument("--only", help="regex on '<scenario> w<workers>', e.g. 'flow' or 'batch.*w2'")
+    ap.add_argument("--idempotency", action="store_true",
+                    help="every produced message carries its own idempotency key (all new: the owner's table "
+                         "grows as in use; the produce answers after the owner's commit)")
     ap.add_argument("--profile", type=Path, metavar="DIR",
                     help="py-spy (raw format) every node worker during the runs --profile-runs picks, write "
                          "DIR/*.txt, summarise")

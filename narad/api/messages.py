@@ -367,7 +367,7 @@ class MessagesAPI:
                 raise TooManyRequests(f"too many in-flight produce requests for this identity "
                                       f"(limit {self.produce_cap} per node)")
         try:
-            w = await self.broker.produce(entries, watch)
+            w = await self.broker.produce(entries, watch, IDEM_WAIT_S)
         except WALFailed as e:
             self.m.wal_failed.set(1)
             raise InternalError("produce failed") from e
@@ -377,7 +377,7 @@ class MessagesAPI:
         self.m.messages_accepted.labels(t.name).inc(len(entries))
         if w is None:
             return []
-        return await self.broker.verdicts(w, IDEM_WAIT_S)
+        return await self.broker.verdicts(w)
 
     def _append_cb(self, req: Request, t: TopicRecord, entries: list[Entry], reply: Reply) -> None:
         """``_append`` for the synchronous entry: the WAL calls back when the group's sync

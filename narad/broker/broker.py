@@ -356,14 +356,16 @@ class Broker:
         self.dispatcher.feed(entries)
 
     # ---- produce ------------------------------------------------------------------------------
-    async def produce(self, entries: list[Entry], watch: list[Entry] | None = None) -> Watch | None:
+    async def produce(self, entries: list[Entry], watch: list[Entry] | None = None,
+                      timeout: float = 5.0) -> Watch | None:
         """Durable in this worker's WAL (group commit) when this returns. If the
         caller is cancelled the staged records still become durable and are
         dispatched (cancelling the future only drops the answer). ``watch``
         (entries of ``entries``, those with an idempotency key): returns the
-        dispatcher's Watch on their commit (``verdicts``; the caller unwatches)."""
+        dispatcher's Watch on their commit, given up `timeout` after staging
+        (``verdicts`` waits for it and unwatches)."""
         fut = self.wal.append(entries)
-        w = self.dispatcher.watch(watch) if watch else None
+        w = self.dispatcher.watch(watch, timeout) if watch else None
         try:
             await fut
         except BaseException:
@@ -372,15 +374,13 @@ class Broker:
             raise
         return w
 
-    async def verdicts(self, w: Watch, timeout: float) -> list[bool | None]:
-        """The owners' duplicate verdicts for a watch, waited for at most `timeout`
+    async def verdicts(self, w: Watch) -> list[bool | None]:
+        """The owners' duplicate verdicts for a watch, waited for until its deadline
         (None: not known by then; the record is durable and is still checked at its
         commit). Unwatches."""
         try:
             if not w.done.done():
-                await asyncio.wait_for(asyncio.shield(w.done), timeout)
-        except TimeoutError:
-            pass
+                await w.done
         finally:
             self.dispatcher.unwatch(w)
         return w.dup

@@ -48,6 +48,7 @@ BATCH_RECORDS = 4096
 BATCH_BYTES = 8 << 20
 RETRY_AFTER = 1.0
 MOVING_RETRY_AFTER = 0.05  # a partition frozen for a move (its flip is a Raft round trip away)
+WATCH_SLACK = 0.05  # watch deadlines expire in 50 ms steps (one timer wake per step at most)
 
 
 Committed = tuple[int, list[int]]  # the owner's first offset, indexes of the batch's duplicates
@@ -82,13 +83,14 @@ class Watch:
     False (committed) or None (not known yet; also for a discarded incarnation).
     ``done`` resolves once every entry has its verdict."""
 
-    __slots__ = ("done", "dup", "left", "seqs")
+    __slots__ = ("deadline", "done", "dup", "left", "seqs")
 
-    def __init__(self, seqs: list[int], done: asyncio.Future[None]) -> None:
+    def __init__(self, seqs: list[int], done: asyncio.Future[None], deadline: float) -> None:
         self.seqs = seqs
         self.dup: list[bool | None] = [None] * len(seqs)
         self.left = len(seqs)
         self.done = done
+        self.deadline = deadline
 
 
 def _pinned(e: Entry) -> bool:
@@ -129,16 +131,38 @@ class Dispatcher:
         self.closed = False
         self.loop: asyncio.AbstractEventLoop | None = None
         self._watched: dict[int, tuple[Watch, int]] = {}  # seq -> (watch, index in it)
+        # Watch deadlines, in order (one timeout for all): one timer for them all, not one each.
+        self._deadlines: deque[Watch] = deque()
+        self._watch_timer: asyncio.TimerHandle | None = None
 
-    def watch(self, entries: list[Entry]) -> Watch:
+    def watch(self, entries: list[Entry], timeout: float) -> Watch:
         """Follow these staged entries (their seqs are assigned) to their commit;
-        ``unwatch`` it when giving up."""
-        w = Watch([e.seq for e in entries], self._loop().create_future())
+        ``done`` resolves when every verdict is in or `timeout` passed (the verdicts
+        missing then stay None). The caller ``unwatch``es it."""
+        loop = self._loop()
+        w = Watch([e.seq for e in entries], loop.create_future(), time.monotonic() + timeout)
         for i, seq in enumerate(w.seqs):
             self._watched[seq] = (w, i)
         if not w.seqs:
             w.done.set_result(None)
+            return w
+        self._deadlines.append(w)
+        if self._watch_timer is None:
+            self._watch_timer = loop.call_at(loop.time() + timeout + WATCH_SLACK, self._expire_watches)
         return w
+
+    def _expire_watches(self) -> None:
+        self._watch_timer = None
+        now = time.monotonic()
+        dl = self._deadlines
+        while dl and (dl[0].done.done() or dl[0].deadline <= now + WATCH_SLACK):
+            w = dl.popleft()
+            if not w.done.done():
+                w.done.set_result(None)  # what is not in by now stays None (pending)
+        if dl:
+            loop = self._loop()
+            self._watch_timer = loop.call_at(loop.time() + max(0.0, dl[0].deadline - now) + WATCH_SLACK,
+                                             self._expire_watches)
 
     def unwatch(self, w: Watch) -> None:
         for seq in w.seqs:
@@ -355,6 +379,13 @@ class Dispatcher:
         self.closed = True
         if self._timer is not None:
             self._timer.cancel()
+        if self._watch_timer is not None:
+            self._watch_timer.cancel()
+            self._watch_timer = None
+        for w in self._deadlines:
+            if not w.done.done():
+                w.done.set_result(None)
+        self._deadlines.clear()
         for t in list(self._tasks):
             with contextlib.suppress(BaseException):
                 await asyncio.wait_for(asyncio.shield(t), 5.0)

@@ -276,7 +276,8 @@ def _rec(key: str | None, body: bytes) -> tuple[bytes | None, int, bytes]:
 def test_partition_commit_drops_repeats_and_answers_their_indexes(tmp_path: Path) -> None:
     from tests.test_partition import _partition
 
-    p = _partition(tmp_path, 0)
+    p = _partition(tmp_path, 2)  # two keyless records: no marker, an open would not scan
+    assert not IDEM.needs_rebuild(tmp_path)
 
     async def go() -> list[Any]:
         p.loop = asyncio.get_running_loop()
@@ -288,13 +289,14 @@ def test_partition_commit_drops_repeats_and_answers_their_indexes(tmp_path: Path
             return [a, b, c, d]
 
     a, b, c, d = asyncio.run(go())
-    assert a == (0, [1]) and b == (3, []) and c == (4, [0]) and d == (4, [0, 1])
-    assert p.log.hwm == 4
-    assert [p.log.read(i)[3] for i in range(4)] == [FR.pack_ext(FR.Ext(i="a"), b"1"), b"3",
-                                                    FR.pack_ext(FR.Ext(i="b"), b"4"),
-                                                    FR.pack_ext(FR.Ext(i="c"), b"5")]
+    assert a == (2, [1]) and b == (5, []) and c == (6, [0]) and d == (6, [0, 1])
+    assert p.log.hwm == 6
+    assert [p.log.read(i)[3] for i in range(2, 6)] == [FR.pack_ext(FR.Ext(i="a"), b"1"), b"3",
+                                                       FR.pack_ext(FR.Ext(i="b"), b"4"),
+                                                       FR.pack_ext(FR.Ext(i="c"), b"5")]
+    assert IDEM.needs_rebuild(tmp_path)  # made durable before the first keyed commit
     table, read = IDEM.rebuild(p.log, 300_000, int(time.time() * 1000))
-    assert set(table.keys) == {"a", "b", "c"} and read == 4
+    assert set(table.keys) == {"a", "b", "c"} and read == 6
     empty, _ = IDEM.rebuild(p.log, 1, int(time.time() * 1000) + 10_000)  # all older than the window
     assert not empty.keys
 

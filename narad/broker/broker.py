@@ -444,6 +444,9 @@ class Broker:
         p.restore(frontier, ahead)
         # Idempotent produce: the keys committed within the window, from the log itself.
         p.idem_window_ms = topic.idem_window_ms
+        p.idem_marked = (d / IDEM.MARKER).exists()
+        if not IDEM.needs_rebuild(d):
+            return p  # never a keyed record here: nothing to read
         t0 = time.monotonic()
         p.idem, n = IDEM.rebuild(plog, p.idem_window_ms, int(time.time() * 1000))
         if p.idem.keys:

@@ -16,27 +16,47 @@ dropped (counted: ``evicted``) before a new one goes in. Memory per key: see
 ``bytes_per_key`` (measured by tests/test_idempotency.py: 155 bytes for a
 36-byte key on CPython 3.11, about 15 MiB for a full table of 100k keys).
 
-Nothing is written beside the log: at open the table is rebuilt from the records
-the log holds that were committed within the window (``rebuild``, on the I/O
-thread), newest segment whose first record is older than the window onwards,
-so a restart (clean or kill -9) and a partition move (the copy is the log) keep
-it. Its cost is one read of the data committed within the window (measured by
-loadtest/bench_idempotency.py).
+At open the table is rebuilt from the records the log holds that were committed
+within the window (``rebuild``, on the I/O thread), newest segment whose first
+record is older than the window onwards, so a restart (clean or kill -9) and a
+partition move (the copy is the log) keep it. Its cost is one read of the data
+committed within the window (measured by loadtest/bench_idempotency.py), paid
+only by partitions that may hold a keyed record (``needs_rebuild``): the first
+commit of a keyed record in a partition makes ``idem.marker`` durable first
+(``mark``), and a moved-in copy (``move.marker``: its history is not known
+here) is scanned too. A partition that never had a keyed record opens as before.
 
 Imports narad.storage.
 """
 
 from __future__ import annotations
 
+import os
 import sys
+from pathlib import Path
 
+from narad.storage import fileio
 from narad.storage import frames as FR
+from narad.storage import transfer as TR
 from narad.storage.partition_log import LogClosed, OffsetGone, PartitionLog, first_record_ms
 
 DEFAULT_CAP = 100_000  # keys per partition
 MAX_KEY_BYTES = 128
 REBUILD_RECORDS = 4096
 REBUILD_BYTES = 8 << 20
+MARKER = "idem.marker"  # in a partition directory: a keyed record may have been committed here
+
+
+def needs_rebuild(d: Path) -> bool:
+    """Whether the partition in `d` may hold records with an idempotency key."""
+    return (d / MARKER).exists() or (d / TR.MARKER_FILE).exists()
+
+
+def mark(d: Path) -> None:
+    """Make ``idem.marker`` durable in `d` (I/O thread; before the first keyed commit)."""
+    if not (d / MARKER).exists():
+        fileio.replace_durable(d / MARKER, b"")
+        fileio.fsync_dir(os.fspath(d))
 
 
 def key_of(flags: int, payload: bytes) -> str | None:

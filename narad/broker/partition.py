@@ -40,7 +40,9 @@ Lives in the worker that owns the partition, on its event-loop thread only.
   committed here within the topic's window (``narad.broker.idem``); a commit
   drops a record whose key is in it (or earlier in the same combined batch) and
   answers which records of each batch were duplicates. Built from the log at
-  open (the broker's ``_open_sync``, I/O thread).
+  open (the broker's ``_open_sync``, I/O thread) when ``idem.marker`` (made
+  durable before the first keyed commit here) or a move's marker says it may
+  hold keyed records.
 * Metrics: the owner's counters for this partition (messages and payload bytes
   appended, the commit's fdatasync time) are children the broker hands over
   at open (``meter``): one add per commit, none per record.
@@ -64,6 +66,7 @@ from typing import Any
 
 from narad import metrics
 from narad.broker.idem import DEFAULT_CAP, IdemTable, key_of
+from narad.broker.idem import mark as idem_mark
 from narad.errors import Unavailable
 from narad.storage import frames as FR
 from narad.storage import offsets as OFF
@@ -131,6 +134,7 @@ class Partition:
         self.m_evicted: Any = None
         self.idem = IdemTable(DEFAULT_CAP)
         self.idem_window_ms = 300_000  # the topic's effective window (the broker sets it)
+        self.idem_marked = False  # idem.marker is durable here (the broker sets it at open)
         self.age_at: tuple[int, int] = (-1, 0)  # (offset, committed-at ms) of the last oldest-unacked read
         self.closed = False
         self.last_used = time.monotonic()  # the last reserve, settle or commit (stats never stamp it)
@@ -431,6 +435,9 @@ class Partition:
                         self.m_dups.value += ndup
                     continue
                 try:
+                    if fresh and not self.idem_marked:  # the first keyed record here: the marker first
+                        await loop.run_in_executor(executor, idem_mark, self.log.dir)
+                        self.idem_marked = True
                     res = await loop.run_in_executor(executor, self.log.write_commit, envs)
                 except OSError as e:
                     log.error("partition commit failed", extra={"topic": self.topic, "partition": self.index,

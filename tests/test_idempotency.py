@@ -131,6 +131,9 @@ def test_batches_count_duplicates_inside_and_across_calls(node: Node) -> None:
     assert single(node, name, b"x", "b").json() == {"duplicate": True}  # a batch's key holds for a single produce
     assert stored(node, name) == 4
     assert sorted(m["payload"]["n"] for m in drain(node, name)) == [1, 3, 4, 4]
+    # The owners' tables are measured: the keys they hold (a gauge set by the 5 s poller).
+    wait_for(lambda: node.metric("narad_idempotency_keys") >= 2, 20, 0.2, "the idempotency keys gauge")
+    assert node.metric("narad_idempotency_keys_evicted_total") == 0  # far below the 100k cap
 
 
 def test_produces_without_keys_answer_byte_for_byte_as_before(node: Node) -> None:
@@ -165,9 +168,10 @@ def test_bad_idempotency_keys_are_400s(node: Node) -> None:
     assert stored(node, name) == 1  # nothing of the refused ones was stored
     # A delay child takes no produce at all (409), with or without a key.
     mk(node, "idem-bad-parent")
-    r = node.post("/v1/topics/idem-bad-parent/children", {"name": "idem-bad-later", "delay_ms": 60_000})
-    if r.status == 201:
-        assert single(node, "idem-bad-later", b"x", "k").status == 409
+    mk(node, "idem-bad-later", parent="idem-bad-parent", fanout_delay_ms=60_000)
+    assert "delay child" in error(single(node, "idem-bad-later", b"x", "k"), 409)
+    r = node.post("/v1/topics/idem-bad-later/produce/batch", {"messages": [{"payload": 1, "idempotency_key": "k"}]})
+    assert "delay child" in error(r, 409)
 
 
 def test_the_window_passes_and_the_key_is_accepted_again(node: Node) -> None:

@@ -423,7 +423,7 @@ class MessagesAPI:
     # ---- produce -------------------------------------------------------------------------------
     def _produce_args(self, req: Request, t: TopicRecord) -> tuple[bytes, bytes | None, int | None]:
         """The checks of a single produce before its schema: (body, key, partition)
-        (the idempotency key: ``_idem_arg``, after these)."""
+        (its idempotency key is read after these, in ``produce``)."""
         self._require(req, t, "produce")
         if t.delay_ms and t.parent is not None:  # a delay child (one attribute check when not)
             raise self._delay_child(t)

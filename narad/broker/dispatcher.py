@@ -24,7 +24,7 @@ Idempotent produce: a produce with idempotency keys ``watch``es its entries
 verdicts resolve the watch's future. Only watched entries cost anything: an
 unwatched commit checks one empty dict.
 
-Imports narad.storage.wal; talks to the broker through a small interface.
+Imports narad.storage.{wal,frames}; talks to the broker through a small interface.
 """
 
 from __future__ import annotations

@@ -314,6 +314,15 @@ def test_the_table_is_bounded_oldest_first_and_expires_by_the_window() -> None:
     assert list(t.keys) == ["c", "d"]
     t.add("c", 2000)  # committed again after its window: moves to the back
     assert list(t.keys) == ["d", "c"]
+    # A worker's budget over its partitions: each keeps its share, oldest dropped first.
+    big, small = IDEM.IdemTable(), IDEM.IdemTable()
+    for i in range(300):
+        big.add(f"b{i}", i)
+    for i in range(100):
+        small.add(f"s{i}", i)
+    assert IDEM.trim_to_budget([big, small], 1000) == 0
+    assert IDEM.trim_to_budget([big, small], 200) == 200
+    assert (len(big), len(small), next(iter(big.keys)), big.evicted) == (150, 50, "b150", 150)
 
 
 def test_memory_per_key_is_measured() -> None:
@@ -337,3 +346,25 @@ def test_commit_resp_dups_is_a_trailing_field_both_ways() -> None:
     enc = msgspec.msgpack.encode
     assert msgspec.msgpack.decode(enc(OldCommitResp(7)), type=P.CommitResp) == P.CommitResp(7, [])
     assert msgspec.msgpack.decode(enc(P.CommitResp(7, [0, 2])), type=OldCommitResp) == OldCommitResp(7)
+
+
+def test_a_moved_in_copy_is_scanned_at_open_without_its_own_marker(tmp_path: Path) -> None:
+    """A move copies segments only: the copy's ``move.marker`` makes the open scan it (its
+    history is not known here), and the keys committed at the source are found."""
+    from narad.storage import transfer as TR
+    from tests.test_partition import _partition
+
+    p = _partition(tmp_path, 0)
+
+    async def go() -> None:
+        p.loop = asyncio.get_running_loop()
+        with ThreadPoolExecutor(1) as ex:
+            await p.commit([_rec("moved-1", b"1"), _rec(None, b"2")], ex)
+
+    asyncio.run(go())
+    (tmp_path / IDEM.MARKER).unlink()  # as a staged copy has it: segments, no idem.marker
+    assert not IDEM.needs_rebuild(tmp_path)
+    (tmp_path / TR.MARKER_FILE).write_text("{}")
+    assert IDEM.needs_rebuild(tmp_path)
+    table, _ = IDEM.rebuild(p.log, 300_000, int(time.time() * 1000))
+    assert list(table.keys) == ["moved-1"]

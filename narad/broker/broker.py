@@ -1904,12 +1904,20 @@ class Broker:
                 m.consume_wait.labels(name, o)
         m.partitions_total.set(len(rows))
         held: set[tuple[str, str]] = set()  # idempotency keys live in open partitions only
-        for (name, i), p in self.partitions.items():
-            if not p.closed:  # keys whose window passed are dropped here too, not only at commits
-                p.idem.expire(int(now_ms) - p.idem_window_ms)
-                lbl = (name, str(i))
-                held.add(lbl)
-                m.idem_keys.labels(*lbl).set(len(p.idem))
+        live = [p for p in self.partitions.values() if not p.closed]
+        for p in live:  # keys whose window passed are dropped here too, not only at commits
+            p.idem.expire(int(now_ms) - p.idem_window_ms)
+        keyed = [p for p in live if p.idem.keys]
+        if keyed:
+            before = [p.idem.evicted for p in keyed]
+            if IDEM.trim_to_budget([p.idem for p in keyed]):  # the worker's bound over its partitions
+                for p, b in zip(keyed, before, strict=True):
+                    if p.m_evicted is not None and p.idem.evicted != b:
+                        p.m_evicted.value += p.idem.evicted - b
+        for p in live:
+            lbl = (p.topic, str(p.index))
+            held.add(lbl)
+            m.idem_keys.labels(*lbl).set(len(p.idem))
         metrics.drop_children(m.idem_keys, lambda k: k not in held)
         for g in (m.consumer_lag, m.oldest_unconsumed, m.inflight_size, m.acked_ahead_size, m.partition_bytes,
                   m.segments):

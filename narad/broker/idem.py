@@ -12,7 +12,10 @@ replay after a crash (a keyed record committed once already is dropped then).
 The table is ``key -> committed-at ms`` in commit order (a dict keeps insertion
 order; committed-at never decreases along a partition), so keys whose window
 passed are dropped from its front, and when it holds ``cap`` keys the oldest is
-dropped (counted: ``evicted``) before a new one goes in. Memory per key: see
+dropped (counted: ``evicted``) before a new one goes in; a worker's open
+partitions hold at most ``WORKER_KEYS`` in all (checked by the broker's 5 s
+poller: over it, each table is cut to its share, oldest first, so the bound can
+be passed by 5 s of keyed commits). Memory per key: see
 ``bytes_per_key`` (measured by tests/test_idempotency.py: 155 bytes for a
 36-byte key on CPython 3.11, about 15 MiB for a full table of 100k keys).
 
@@ -41,6 +44,7 @@ from narad.storage import transfer as TR
 from narad.storage.partition_log import LogClosed, OffsetGone, PartitionLog, first_record_ms
 
 DEFAULT_CAP = 100_000  # keys per partition
+WORKER_KEYS = 1_000_000  # keys per worker, over its open partitions (``trim_to_budget``, every 5 s)
 MAX_KEY_BYTES = 128
 REBUILD_RECORDS = 4096
 REBUILD_BYTES = 8 << 20
@@ -103,6 +107,15 @@ class IdemTable:
             self.evicted += 1
         keys[key] = ts_ms
 
+    def trim(self, n: int) -> int:
+        """Drop the oldest keys until at most `n` remain (counted as evicted); how many."""
+        keys = self.keys
+        k = max(0, len(keys) - max(0, n))
+        for _ in range(k):
+            del keys[next(iter(keys))]
+        self.evicted += k
+        return k
+
     def bytes_per_key(self) -> float:
         """Measured: the dict's size plus each key's string object, per key (the
         ints are shared or small beside them; 0 when empty)."""
@@ -111,6 +124,15 @@ class IdemTable:
             return 0.0
         total = sys.getsizeof(self.keys) + sum(sys.getsizeof(k) + sys.getsizeof(v) for k, v in self.keys.items())
         return total / n
+
+
+def trim_to_budget(tables: list[IdemTable], budget: int = WORKER_KEYS) -> int:
+    """Over `budget` keys in all: each table keeps its share (its size times
+    budget / total), oldest dropped first. Returns the keys dropped."""
+    total = sum(len(t) for t in tables)
+    if total <= budget:
+        return 0
+    return sum(t.trim(len(t) * budget // total) for t in tables)
 
 
 def rebuild(plog: PartitionLog, window_ms: int, now_ms: int, cap: int = DEFAULT_CAP) -> tuple[IdemTable, int]:

@@ -409,10 +409,11 @@ class Partition:
                 dups: list[list[int]] = []
                 fresh: dict[str, int] | None = None  # idempotency keys this frame commits
                 table = self.idem
+                ext = FR.F_EXT
                 for batch, _ in queue:
                     dl: list[int] = []
                     for j, (key, flags, payload) in enumerate(batch):
-                        if flags & FR.F_EXT:
+                        if flags & ext:
                             k = key_of(flags, payload)
                             if k is not None:
                                 if fresh is None:

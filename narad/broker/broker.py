@@ -39,7 +39,13 @@ One per worker process, on its event loop. It owns:
   in-flight, acked-ahead, size, segments) are set by a poller every 5 s
   (sooner after a topic change) from memory for open partitions and from
   their files, at most every 30 s, for closed ones; it also creates every
-  series of an owned partition at zero and drops those of deleted topics.
+  series of an owned partition at zero and drops those of deleted topics;
+* idempotent produce (issue 14): a produce with idempotency keys watches its
+  keyed entries (``produce(watch=)``, ``verdicts``) until their owners' commits
+  answer which were repeats (``Partition.commit`` -> (first offset, duplicate
+  indexes), over the hop as ``CommitResp.dups``); the owner's key table is
+  rebuilt from the log at open (``narad.broker.idem``) and the 5 s poller
+  expires keys and keeps the worker's bound over its tables.
 
 Imports narad.storage, narad.meta (read side), narad.broker.*, narad.errors.
 """

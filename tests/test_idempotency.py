@@ -368,3 +368,41 @@ def test_a_moved_in_copy_is_scanned_at_open_without_its_own_marker(tmp_path: Pat
     assert IDEM.needs_rebuild(tmp_path)
     table, _ = IDEM.rebuild(p.log, 300_000, int(time.time() * 1000))
     assert list(table.keys) == ["moved-1"]
+
+
+def test_cluster_wal_replay_after_a_kill9_drops_the_keyed_records_committed_already(tmp_path: Path) -> None:
+    """The ingress WAL replays from its checkpoint after a crash, and records committed
+    since are committed again (at least once). Here the checkpoint is held back by a keyed
+    record whose owner is down (keyed records are never rerouted), so the producing node's
+    kill -9 replays five keyed records its owner committed already: the owner drops them
+    (its duplicates counter says the replay happened) and stores each once."""
+    c = Cluster(tmp_path, 3, initial=3).start()
+    try:
+        c.leader()
+        name = "idemr"
+        assert c["n1"].post("/v1/topics", {"name": name, "partitions": PARTS}).status == 201
+        wait_for(lambda: all(c[x].get(f"/v1/topics/{name}").status == 200 for x in c.ids), 20, 0.05, "the topic")
+        stats = c["n1"].get(f"/v1/topics/{name}").json()["partition_stats"]
+        owner = {s["index"]: s["owner_node"] for s in stats}
+        pairs = [(px, pz) for px in owner for pz in owner if owner[px] != owner[pz]]
+        assert pairs, owner  # two partitions on two different nodes
+        px, pz = pairs[0]
+        x, z = owner[px], owner[pz]
+        y = next(i for i in c.ids if i not in (x, z))
+        c[z].kill9()
+        r = single(c[y], name, b"blocker", "blocker", f"partition={pz}")  # held in y's WAL: z is down
+        assert r.json() == {"duplicate": None, "pending": True}, r
+        for i in range(5):
+            assert single(c[y], name, f"k{i}".encode(), f"k{i}", f"partition={px}").json() == {"duplicate": False}
+        before = c[x].metric("narad_idempotent_duplicates_total")
+        assert before == 0, before  # the series exists (px is open at x) and nothing was a repeat yet
+        c[y].kill9()
+        c[y].start()
+        wait_for(lambda: c[x].metric("narad_idempotent_duplicates_total") >= 5, 30, 0.2,
+                 "the replayed keyed records dropped at their owner")
+        c[z].start()
+        wait_for(lambda: stored(c[y], name) == 6, 60, 0.2, "the blocker committed once z is back")
+        hw = {s["index"]: s["high_watermark"] for s in c[y].get(f"/v1/topics/{name}").json()["partition_stats"]}
+        assert hw[px] == 5 and hw[pz] == 1, hw
+    finally:
+        c.close()

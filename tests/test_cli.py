@@ -81,6 +81,15 @@ def test_pub_then_sub_round_trip(node: Node, cfg: Path, tmp_path: Path) -> None:
     narad(node, cfg, "pub", "rt", "-f", str(f), "--partition", "0")
     r = narad(node, cfg, "pub", "rt", "x", "--count", "3", "--partition", "1")
     assert re.match(r"accepted 3 messages in [\d.]+s \(\d+ msg/s\)", r.stderr.strip()), r.stderr
+    # --idempotency-key (extension): repeats are accepted and not stored
+    r = narad(node, cfg, "pub", "rt", "once", "--partition", "2", "--idempotency-key", "cli-1", "--count", "3")
+    assert re.match(r"accepted 3 messages in [\d.]+s \(\d+ msg/s, 2 duplicate\(s\) not stored\)",
+                    r.stderr.strip()), r.stderr
+    r = narad(node, cfg, "pub", "rt", "once", "--partition", "2", "--idempotency-key", "cli-1", "--json")
+    assert lines(r)[0]["duplicates"] == 1
+    r = narad(node, cfg, "sub", "rt", "--partition", "2", "--max", "1", "--raw")
+    assert r.stdout == "once\n"
+    assert node.get("/v1/topics/rt/consume?partition=2").status == 204
 
     # --peek from offset 0 takes nothing: the queue still holds every message afterwards
     r = narad(node, cfg, "sub", "rt", "--peek", "--partition", "0", "--from", "0", "--max", "3", "--json")

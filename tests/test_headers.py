@@ -208,3 +208,20 @@ def test_headers_cross_nodes_and_survive_an_owner_kill9(tmp_path: Any) -> None:
         assert {owner[m["partition"]] for m in got.values()} - {"n1"}, owner  # some crossed a node hop
     finally:
         c.close()
+
+
+def test_headers_and_an_idempotency_key_share_one_extension_block(node: Node) -> None:
+    mk(node, "hd-idem")
+    q = "?header=h:1&idempotency_key=k-1"
+    r = node.post(f"/v1/topics/hd-idem/produce{q}", b"first", headers=OCTET)
+    assert r.status == 202 and r.json() == {"duplicate": False}, r
+    r = node.post(f"/v1/topics/hd-idem/produce{q}", b"again", headers=OCTET)
+    assert r.status == 202 and r.json() == {"duplicate": True}, r
+    r = node.post("/v1/topics/hd-idem/produce/batch", {"messages": [
+        {"payload": 1, "headers": {"b": "2"}, "idempotency_key": "k-2"},
+        {"payload": 2, "headers": {"b": "3"}, "idempotency_key": "k-1"}]})
+    assert r.status == 202 and r.json() == {"accepted": 2, "duplicates": 1}, r
+    got = take_all(node, "hd-idem", 2)
+    assert sorted((json.dumps(m["payload"]), m["headers"]["h" if "h" in m["headers"] else "b"]) for m in got) == \
+        [('"first"', "1"), ("1", "2")]
+    assert node.request("GET", "/v1/topics/hd-idem/consume?max=10", headers=CLIENT).status == 204

@@ -15,6 +15,15 @@ Extensions (issue 14, optional, absent = Narad's behaviour): ``delay`` on a nack
 (``extend=0``; query or batch body field, 0 to 12 h) holds the record back that
 long; ``visibility`` on a consume (this delivery's lease length) and on an extend
 (``extend=true``: the new lease length), 1 s to 12 h. Go duration syntax.
+``idempotency_key`` on a produce (single: query parameter; batch: message field;
+1 to 128 bytes of UTF-8): the key rides in the record's extension block, a keyless
+message hashes to its partition by it, and the answer waits (after the WAL sync)
+up to ``IDEM_WAIT_S`` for the owner's commit verdict: single 202
+``{"duplicate": bool}``, batch 202 ``{"accepted": N, "duplicates": D}`` (N counts
+duplicates too); verdicts not in by then are ``"pending"`` (single
+``{"duplicate": null, "pending": true}``, batch ``"pending": K`` beside
+``duplicates``, which counts the verdicts known). Produces without a key take
+the same path and give the same answers as before (the fast path included).
 
 Imports narad.api.{context,router}, narad.broker, narad.meta, narad.errors.
 """
@@ -75,6 +84,20 @@ _enc = msgspec.json.Encoder()
 _DUR = re.compile(r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(ns|us|µs|ms|s|m|h)")  # ASCII digits, as Go
 _UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 _MSG_IDX = re.compile(r"\$\.messages\[(\d+)\]")
+IDEM_PARAM = "idempotency_key"
+MAX_IDEM_KEY = 128  # bytes of UTF-8
+IDEM_WAIT_S = 5.0  # how long a produce with idempotency keys waits for the owners' verdicts
+
+
+def idem_key(raw: str, where: str = "") -> str:
+    """An idempotency key as given (1 to 128 bytes of UTF-8), else 400."""
+    try:
+        n = len(raw.encode())
+    except UnicodeEncodeError:  # non-UTF-8 bytes in the query (kept as surrogates) or a lone surrogate
+        raise BadRequest(f"{where}invalid argument: idempotency_key must be UTF-8") from None
+    if not 1 <= n <= MAX_IDEM_KEY:
+        raise BadRequest(f"{where}invalid argument: idempotency_key must be 1 to {MAX_IDEM_KEY} bytes, got {n}")
+    return raw
 
 
 def parse_go_duration(text: str) -> float:
@@ -190,6 +213,7 @@ class BatchMsg(msgspec.Struct, forbid_unknown_fields=True):
     key_encoding: str | None = None
     partition: Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)] | None = None
     headers: dict[str, str] | None = None  # extension (issue 14)
+    idempotency_key: str | None = None  # extension (issue 14)
 
 
 MAX_HEADERS = 32
@@ -238,11 +262,12 @@ def query_headers(vals: list[str]) -> dict[str, str]:
     return check_headers(out)
 
 
-def with_headers(flags: int, body: bytes, headers: dict[str, str] | None) -> tuple[int, bytes]:
-    """The stored (flags, payload) of a message: with an extension block when it has headers."""
-    if not headers:
+def with_ext(flags: int, body: bytes, headers: dict[str, str] | None, idem: str | None = None) -> tuple[int, bytes]:
+    """The stored (flags, payload) of a message: with an extension block when it has
+    headers or an idempotency key (F_JSON / F_UTF8 still describe the body)."""
+    if not headers and idem is None:
         return flags, body
-    return flags | FR.F_EXT, FR.pack_ext(FR.Ext(h=headers), body)
+    return flags | FR.F_EXT, FR.pack_ext(FR.Ext(h=headers or None, i=idem), body)
 
 
 class BatchBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -385,7 +410,11 @@ class MessagesAPI:
             raise BadRequest("invalid argument: partition out of range")
         return p
 
-    async def _append(self, req: Request, t: TopicRecord, entries: list[Entry]) -> None:
+    async def _append(self, req: Request, t: TopicRecord, entries: list[Entry],
+                      watch: list[Entry] | None = None) -> list[bool | None]:
+        """Durable in the WAL (202 follows), else the error. ``watch``: entries with an
+        idempotency key, whose owners' duplicate verdicts are returned (in order;
+        None: not known within ``IDEM_WAIT_S``)."""
         ident = None
         if self.produce_cap > 0 and self.caps is not None:
             ident = self._identity_key(req)
@@ -393,7 +422,7 @@ class MessagesAPI:
                 raise TooManyRequests(f"too many in-flight produce requests for this identity "
                                       f"(limit {self.produce_cap} per node)")
         try:
-            await self.broker.produce(entries)
+            w = await self.broker.produce(entries, watch, IDEM_WAIT_S)
         except WALFailed as e:
             self.m.wal_failed.set(1)
             raise InternalError("produce failed") from e
@@ -401,6 +430,9 @@ class MessagesAPI:
             if ident is not None and self.caps is not None:
                 self.caps.give_back(self.ctx.worker_index, CAPS.PRODUCE, ident, len(entries))
         self.m.messages_accepted.labels(t.name).inc(len(entries))
+        if w is None:
+            return []
+        return await self.broker.verdicts(w)
 
     def _append_cb(self, req: Request, t: TopicRecord, entries: list[Entry], reply: Reply) -> None:
         """``_append`` for the synchronous entry: the WAL calls back when the group's sync
@@ -446,7 +478,7 @@ class MessagesAPI:
     # ---- produce -------------------------------------------------------------------------------
     def _produce_args(self, req: Request, t: TopicRecord) -> tuple[bytes, bytes | None, int | None]:
         """The checks of a single produce before its schema: (body, key, partition).
-        Its headers (``?header=``) are read after them, into the extension block."""
+        Its headers (``?header=``) and idempotency key are read after these."""
         self._require(req, t, "produce")
         if t.delay_ms and t.parent is not None:  # a delay child (one attribute check when not)
             raise self._delay_child(t)
@@ -467,12 +499,14 @@ class MessagesAPI:
         t = self._topic(req)
         if t.schema_version:
             return False  # its check may run on the validation thread: the async path
+        if req.query and IDEM_PARAM in req.query:
+            return False  # it waits for the owner's verdict: the async path
         body, key, partition = self._produce_args(req, t)
         if partition is None:
             partition = self.broker.choose_partition(t, key)
         flags, stored = payload_flags(body), body
         if req.query and "header" in req.query:
-            flags, stored = with_headers(flags, body, query_headers(req.query["header"]))
+            flags, stored = with_ext(flags, body, query_headers(req.query["header"]))
         entry = Entry(t.name, self._incarnation(t), partition, int(time.time() * 1000), flags, key, stored)
         self._append_cb(req, t, [entry], reply)
         return True
@@ -480,6 +514,8 @@ class MessagesAPI:
     async def produce(self, req: Request) -> Response:
         t = self._topic(req)
         body, key, partition = self._produce_args(req, t)
+        raw_idem = self._single_query(req, IDEM_PARAM) if req.query else None
+        idem = idem_key(raw_idem) if raw_idem is not None else None
         v = await self._validator(t)
         if v is not None:
             why = await self._validation.check(v, body)
@@ -487,13 +523,18 @@ class MessagesAPI:
                 self.m.produce_rejections.labels(t.name, "schema").inc()
                 raise BadRequest(f"invalid argument: {why}")
         if partition is None:
-            partition = self.broker.choose_partition(t, key)
-        flags, stored = payload_flags(body), body
-        if req.query and "header" in req.query:
-            flags, stored = with_headers(flags, body, query_headers(req.query["header"]))
+            partition = self.broker.choose_partition(t, key, idem)
+        flags = payload_flags(body)
+        hdrs = query_headers(req.query["header"]) if req.query and "header" in req.query else None
+        flags, stored = with_ext(flags, body, hdrs, idem)
         entry = Entry(t.name, self._incarnation(t), partition, int(time.time() * 1000), flags, key, stored)
-        await self._append(req, t, [entry])
-        return Response(202, b"", None)
+        if idem is None:
+            await self._append(req, t, [entry])
+            return Response(202, b"", None)
+        dup = (await self._append(req, t, [entry], [entry]))[0]
+        if dup is None:
+            return json_response(202, {"duplicate": None, "pending": True})
+        return json_response(202, {"duplicate": dup})
 
     def _batch_error(self, e: Exception) -> BadRequest:
         msg = str(e)
@@ -553,7 +594,7 @@ class MessagesAPI:
             raise BadRequest(f"too many messages: more than {MAX_BATCH_MESSAGES}")
         now = int(time.time() * 1000)
         inc = bytes.fromhex(t.id)
-        prepared: list[tuple[bytes, bytes | None, int | None, int, dict[str, str] | None]] = []
+        prepared: list[tuple[bytes, bytes | None, int | None, int, dict[str, str] | None, str | None]] = []
         # Pass 1: the format of every message.
         for i, m in enumerate(msgs):
             if m.payload is msgspec.UNSET:
@@ -591,25 +632,37 @@ class MessagesAPI:
                 raise BadRequest(f"message {i}: invalid argument: partition out of range")
             if m.headers:
                 check_headers(m.headers, f"message {i}: ")
-            prepared.append((payload, key, m.partition, flags, m.headers))
+            idem = idem_key(m.idempotency_key, f"message {i}: ") if m.idempotency_key is not None else None
+            prepared.append((payload, key, m.partition, flags, m.headers, idem))
         # Pass 2: partition range and schema.
-        for i, (_payload, _key, part, _flags, _h) in enumerate(prepared):
+        for i, (_payload, _key, part, _flags, _h, _idem) in enumerate(prepared):
             if part is not None and part >= t.partitions:
                 raise BadRequest(f"message {i}: invalid argument: partition out of range")
         v = await self._validator(t)
         if v is not None:
-            bad = await self._validation.check_many(v, [p for p, _k, _part, _f, _h in prepared])
+            bad = await self._validation.check_many(v, [p for p, _k, _part, _f, _h, _i in prepared])
             if bad is not None:
                 self.m.produce_rejections.labels(t.name, "schema").inc()
                 raise BadRequest(f"message {bad[0]}: invalid argument: {bad[1]}")
         entries = []
-        for payload, key, part, flags, hdrs in prepared:
+        watch: list[Entry] = []
+        for payload, key, part, flags, hdrs, idem in prepared:
             if part is None:
-                part = self.broker.choose_partition(t, key)
-            flags, stored = with_headers(flags, payload, hdrs)
-            entries.append(Entry(t.name, inc, part, now, flags, key, stored))
-        await self._append(req, t, entries)
-        return json_response(202, {"accepted": len(entries)})
+                part = self.broker.choose_partition(t, key, idem)
+            fl, stored = with_ext(flags, payload, hdrs, idem)
+            e = Entry(t.name, inc, part, now, fl, key, stored)
+            entries.append(e)
+            if idem is not None:
+                watch.append(e)
+        if not watch:
+            await self._append(req, t, entries)
+            return json_response(202, {"accepted": len(entries)})
+        got = await self._append(req, t, entries, watch)
+        out: dict[str, int] = {"accepted": len(entries), "duplicates": sum(1 for d in got if d)}
+        pending = sum(1 for d in got if d is None)
+        if pending:
+            out["pending"] = pending
+        return json_response(202, out)
 
     # ---- consume --------------------------------------------------------------------------------
     async def consume(self, req: Request) -> Response:

@@ -9,7 +9,9 @@ call kind      retried (on another node when there is one) when
 produce        nothing was sent (connect failed), or 503 with ``Retry-After``
                (Narad stored nothing). A timeout or any other 5xx is *uncertain*:
                raised with ``uncertain=True``, never retried (a retry after a 202
-               stores the message twice).
+               stores the message twice). With an ``idempotency_key`` (every
+               message of a batch keyed) a produce is retried as a consume is:
+               the owner drops a repeat within the topic's window.
 metadata write connect failed, or 503 with ``Retry-After`` unless the node says the
                write may have landed (then raised, ``uncertain=True``: read back).
 ack / extend   connect failed, 502, 503, 421. Batch ack: only the handles whose
@@ -46,9 +48,11 @@ from narad.client.envelope import wrap
 from narad.client.models import (
     AckResult,
     BatchMessage,
+    BatchResult,
     ChildList,
     Grant,
     Message,
+    ProduceResult,
     RawJSON,
     Topic,
     TopicDetails,
@@ -62,7 +66,7 @@ __all__ = ["AckMode", "AsyncClient", "RetryPolicy"]
 
 VERSION = "0.1.0"
 AckMode = Literal["ack", "extend", "nack"]
-Kind = Literal["produce", "write", "ack", "consume", "read"]
+Kind = Literal["produce", "write", "ack", "consume", "read", "produce_idem"]
 _EXTEND = {"ack": None, "extend": "true", "nack": "0"}
 _enc = msgspec.json.Encoder()
 MAX_BATCH_ACK = 100
@@ -187,6 +191,9 @@ class AsyncClient:
             return True
         if kind in ("produce", "write"):
             return isinstance(err, E.Unavailable) and err.retryable
+        if kind == "produce_idem":  # a repeat is dropped at its owner: asking again stores nothing twice
+            return isinstance(err, E.TransportError) or (isinstance(err, E.ApiError) and err.status in
+                                                         (421, 500, 502, 503, 504))
         status = err.status if isinstance(err, E.ApiError) else None
         if kind == "ack":
             return status in (421, 502, 503)
@@ -313,7 +320,8 @@ class AsyncClient:
         record_headers: dict[str, str] | None = None,
         trace_context: bool = True,
         deadline: float | None = None,
-    ) -> None:
+        idempotency_key: str | None = None,
+    ) -> ProduceResult:
         """Store one message (returns after the node's fsync: its 202).
 
         ``record_headers``: headers stored with the record and returned on consume
@@ -326,14 +334,20 @@ class AsyncClient:
         ``key`` chooses the partition by hash; ``partition`` pins it (wins over key).
         ``envelope``/``id``/``headers`` wrap it in the Go SDK envelope.
         Raises ``ServerError``/``RequestTimeout`` with ``uncertain=True`` when it may
-        have been stored anyway (never retried then)."""
+        have been stored anyway (never retried then).
+        ``idempotency_key`` (extension, 1 to 128 bytes of UTF-8): a repeat within the
+        topic's window is not stored, on any node; the result's ``duplicate`` says
+        which it was (None without a key, or ``pending``: the owner did not answer in
+        time). With a key, the produce is retried like a consume."""
         body, ct = self._payload(payload, envelope, id=id, headers=headers)
         rh = inject_trace_context(record_headers) if trace_context else record_headers
-        await self._produce_raw(topic, body, ct, key=key, partition=partition, deadline=deadline, record_headers=rh)
+        return await self._produce_raw(topic, body, ct, key=key, partition=partition, deadline=deadline,
+                                       idempotency_key=idempotency_key, record_headers=rh)
 
     async def _produce_raw(self, topic: str, body: bytes, ct: str, *, key: str | bytes | None,
                            partition: int | None, deadline: float | None = None,
-                           record_headers: dict[str, str] | None = None) -> None:
+                           idempotency_key: str | None = None,
+                           record_headers: dict[str, str] | None = None) -> ProduceResult:
         query: list[tuple[str, str | bytes]] = []
         if key:
             query.append(("key", key))
@@ -341,8 +355,12 @@ class AsyncClient:
             query.append(("partition", str(partition)))
         for name, value in (record_headers or {}).items():
             query.append(("header", f"{name}:{value}"))
-        await self._call("produce", "POST", f"/v1/topics/{_seg(topic)}/produce", query=query, body=body,
-                         content_type=ct, deadline=deadline)
+        if idempotency_key is not None:
+            query.append(("idempotency_key", idempotency_key))
+        _s, _h, data = await self._call("produce_idem" if idempotency_key is not None else "produce", "POST",
+                                        f"/v1/topics/{_seg(topic)}/produce", query=query, body=body,
+                                        content_type=ct, deadline=deadline, op="produce")
+        return ProduceResult.from_json(msgspec.json.decode(data)) if data else ProduceResult()
 
     async def produce_batch(
         self,
@@ -352,11 +370,14 @@ class AsyncClient:
         envelope: bool | None = None,
         trace_context: bool = True,
         deadline: float | None = None,
-    ) -> int:
+    ) -> BatchResult:
         """Store up to 1000 messages all or nothing (one WAL commit); returns the count
-        accepted. Items are ``BatchMessage`` or bare payloads. A refused message
-        names its index (``message 3: ...``) and nothing is stored. ``trace_context``:
-        as for ``produce`` (added to every message's ``record_headers``)."""
+        accepted (a ``BatchResult``: an int with ``duplicates`` and ``pending`` for
+        messages with an ``idempotency_key``; when every message has one, the batch is
+        retried like a consume). Items are ``BatchMessage`` or bare payloads. A refused
+        message names its index (``message 3: ...``) and nothing is stored.
+        ``trace_context``: as for ``produce`` (added to every message's ``record_headers``)."""
+        keyed = 0
         out: list[dict[str, Any]] = []
         trace = inject_trace_context(None) if trace_context else None
         for m in messages:
@@ -378,12 +399,19 @@ class AsyncClient:
             rh = {**trace, **(bm.record_headers or {})} if trace else bm.record_headers
             if rh:
                 row["headers"] = rh
+            if bm.idempotency_key is not None:
+                row["idempotency_key"] = bm.idempotency_key
+                keyed += 1
             out.append(row)
         if not out:
             raise ValueError("a batch needs at least one message")
-        ans = await self._json("produce", "POST", f"/v1/topics/{_seg(topic)}/produce/batch", {"messages": out},
-                               deadline=deadline)
-        return int((ans or {}).get("accepted", len(out)))
+        ans = await self._json("produce_idem" if keyed == len(out) else "produce", "POST",
+                               f"/v1/topics/{_seg(topic)}/produce/batch", {"messages": out}, deadline=deadline,
+                               op="produce")
+        ans = ans if isinstance(ans, dict) else {}
+        dups = ans.get("duplicates")
+        return BatchResult(int(ans.get("accepted", len(out))), dups if isinstance(dups, int) else 0,
+                           int(ans.get("pending", 0) or 0))
 
     async def retry_later(self, msg: Message, error: BaseException | str | None, topic: str | None = None) -> None:
         """The Go SDK's ``Retry``: publish a fresh copy of an enveloped message with

@@ -18,11 +18,13 @@ from narad.client.envelope import Envelope, unwrap
 __all__ = [
     "AckResult",
     "BatchMessage",
+    "BatchResult",
     "Child",
     "ChildList",
     "Grant",
     "Message",
     "PartitionStats",
+    "ProduceResult",
     "RawJSON",
     "Topic",
     "TopicDetails",
@@ -148,6 +150,7 @@ class BatchMessage:
     key: str | bytes | None = None
     partition: int | None = None
     record_headers: dict[str, str] | None = None  # stored with the record (an extension; see produce)
+    idempotency_key: str | None = None  # extension (issue 14): a repeat within the topic's window is not stored
 
 
 def inject_trace_context(headers: dict[str, str] | None) -> dict[str, str] | None:
@@ -163,6 +166,43 @@ def inject_trace_context(headers: dict[str, str] | None) -> dict[str, str] | Non
     if not carrier:
         return headers
     return {**carrier, **(headers or {})}
+
+
+@dataclass(frozen=True, slots=True)
+class ProduceResult:
+    """What a single produce's 202 said. ``duplicate``: True when the message was an
+    idempotency key's repeat (nothing stored), False when it was stored, None when the
+    produce had no key or the owner's verdict did not come in time (``pending``: it
+    is durable and still checked at its commit)."""
+
+    duplicate: bool | None = None
+    pending: bool = False
+
+    @classmethod
+    def from_json(cls, d: Any) -> ProduceResult:
+        if not isinstance(d, dict):
+            return cls()
+        dup = d.get("duplicate")
+        return cls(dup if isinstance(dup, bool) else None, d.get("pending") is True)
+
+
+class BatchResult(int):
+    """``produce_batch``'s answer: the count accepted (an int, as before) with
+    ``accepted``, ``duplicates`` (repeats of an idempotency key among them, not
+    stored; 0 without keys) and ``pending`` (keyed messages whose verdict did not
+    come in time)."""
+
+    accepted: int
+    duplicates: int
+    pending: int
+
+    def __new__(cls, accepted: int, duplicates: int = 0, pending: int = 0) -> BatchResult:
+        obj = super().__new__(cls, accepted)
+        obj.accepted, obj.duplicates, obj.pending = accepted, duplicates, pending
+        return obj
+
+    def __repr__(self) -> str:
+        return f"BatchResult(accepted={self.accepted}, duplicates={self.duplicates}, pending={self.pending})"
 
 
 def _opt_int(d: dict[str, Any], k: str) -> int | None:

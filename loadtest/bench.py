@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import multiprocessing as mp
@@ -187,13 +188,41 @@ def expect(status: int, want: int, req: bytes, body: bytes) -> None:
         raise BenchFailure(f"{_line(req)} -> {status} (want {want}), body {body[:800]!r}")
 
 
-class Requests:
-    """Pre-rendered request bytes for one topic on one node."""
+# --features (issue 14): what each variant adds to every message (or to the topic).
+TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+FEATURE_HEADERS = {"traceparent": TRACEPARENT, "tenant": "acme"}
+FEATURES = ("headers", "dlq", "idem")
+DLQ_TOPIC = "bench-dlq"
 
-    def __init__(self, port: int, auth: str, topic: str = TOPIC) -> None:
+
+def topic_body(feature: str) -> dict[str, Any]:
+    """The bench topic's create body for a feature variant."""
+    body: dict[str, Any] = {"name": TOPIC, "partitions": PARTITIONS}
+    if feature == "dlq":
+        body.update(max_deliveries=5, dead_letter_topic=DLQ_TOPIC)
+    return body
+
+
+class Requests:
+    """Pre-rendered request bytes for one topic on one node. ``feature``: "" (plain),
+    "headers" (two headers per message, 80 bytes: a traceparent and a tenant),
+    "idem" (an idempotency key per message: its id), "dlq" (no change to requests:
+    the topic has max_deliveries and a dead-letter topic)."""
+
+    def __init__(self, port: int, auth: str, topic: str = TOPIC, feature: str = "") -> None:
         common = f"Host: 127.0.0.1:{port}\r\nAuthorization: {auth}\r\nX-Narad-Client: narad-bench\r\n"
         base = f"/v1/topics/{topic}"
-        self.produce_head = (f"POST {base}/produce HTTP/1.1\r\n{common}Content-Type: application/json\r\n"
+        self.feature = feature
+        query = ""
+        if feature == "headers":
+            query = "?" + "&".join(f"header={k}:{v}" for k, v in FEATURE_HEADERS.items())
+        self._extra = b""
+        if feature == "headers":
+            self._extra = b',"headers":' + msgspec.json.encode(FEATURE_HEADERS)
+        self._idem_head = (f"POST {base}/produce?idempotency_key=").encode()
+        self._idem_tail = (f" HTTP/1.1\r\n{common}Content-Type: application/json\r\n"
+                           f"Content-Length: {MSG_SIZE}\r\n\r\n").encode()
+        self.produce_head = (f"POST {base}/produce{query} HTTP/1.1\r\n{common}Content-Type: application/json\r\n"
                              f"Content-Length: {MSG_SIZE}\r\n\r\n").encode()
         self.batch_head = (f"POST {base}/produce/batch HTTP/1.1\r\n{common}Content-Type: application/json\r\n"
                            f"Content-Length: ").encode()
@@ -208,10 +237,18 @@ class Requests:
         self.describe = f"GET {base} HTTP/1.1\r\n{common}\r\n".encode()
 
     def produce(self, mid: int) -> bytes:
+        if self.feature == "idem":
+            return self._idem_head + b"%016x" % mid + self._idem_tail + payload(mid)
         return self.produce_head + payload(mid)
 
     def produce_batch(self, first: int, n: int) -> bytes:
-        body = b'{"messages":[' + b",".join([b'{"payload":' + payload(first + i) + b"}" for i in range(n)]) + b"]}"
+        if self.feature == "idem":
+            rows = [b'{"payload":' + payload(first + i) + b',"idempotency_key":"%016x"}' % (first + i)
+                    for i in range(n)]
+        else:
+            extra = self._extra
+            rows = [b'{"payload":' + payload(first + i) + extra + b"}" for i in range(n)]
+        body = b'{"messages":[' + b",".join(rows) + b"]}"
         return self.batch_head + b"%d\r\n\r\n" % len(body) + body
 
     def ack_one(self, handle: str) -> bytes:
@@ -263,6 +300,7 @@ class Scenario:
     seconds: float
     count: int = 0  # latency mode: sequential requests
     batch: int = 100
+    feature: str = ""  # --features: "" plain, or one of FEATURES
 
 
 @dataclass
@@ -425,7 +463,7 @@ async def consume_and_ack(c: HttpConn, r: Requests, st: Stats, req: bytes) -> in
 
 async def _client(sc: Scenario, port: int, auth: str, index: int, barrier: Any) -> Stats:
     st = Stats()
-    reqs = Requests(port, auth)
+    reqs = Requests(port, auth, feature=sc.feature)
     conns: list[HttpConn] = []
     try:
         for _ in range(sc.conns):
@@ -602,7 +640,11 @@ def run(sc: Scenario, profile_dir: Path | None, profile_which: str = "flow", pro
     spies: list[subprocess.Popen[bytes]] = []
     try:
         node.start()
-        r = node.post("/v1/topics", {"name": TOPIC, "partitions": PARTITIONS})
+        if sc.feature == "dlq":
+            r = node.post("/v1/topics", {"name": DLQ_TOPIC, "partitions": PARTITIONS})
+            if r.status != 201:
+                raise BenchFailure(f"POST /v1/topics ({DLQ_TOPIC}) -> {r.status} {r.body[:300]!r}")
+        r = node.post("/v1/topics", topic_body(sc.feature))
         if r.status != 201:
             raise BenchFailure(f"POST /v1/topics -> {r.status} {r.body[:300]!r}")
         procs = _node_procs(node)
@@ -853,6 +895,14 @@ def scenarios(args: argparse.Namespace) -> list[Scenario]:
                             batch=args.batch))
     if args.only:
         out = [x for x in out if re.search(args.only, f"{x.name} w{x.workers}")]
+    if args.features:
+        # Each selected run, then the same run with each feature on: back to back, same sitting.
+        feats = [f for f in args.features.split(",") if f]
+        bad = [f for f in feats if f not in FEATURES]
+        if bad:
+            raise SystemExit(f"--features: unknown {bad}; choose from {', '.join(FEATURES)}")
+        out = [v for x in out if x.mode != "latency"
+               for v in [x, *(dataclasses.replace(x, name=f"{x.name} +{f}", feature=f) for f in feats)]]
     in_flight = args.procs * args.batch_conns * CONSUME_MAX
     if any(x.mode == "flow_batch" for x in out) and in_flight > CONSUME_CAP:
         raise SystemExit(f"--procs x --batch-conns x max={CONSUME_MAX} = {in_flight} concurrent batch-consume slots: "
@@ -904,6 +954,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=100, help="messages per batch produce")
     ap.add_argument("--latency-count", type=int, default=2000)
     ap.add_argument("--only", help="regex on '<scenario> w<workers>', e.g. 'flow' or 'batch.*w2'")
+    ap.add_argument("--features", metavar="LIST",
+                    help=f"comma list of {', '.join(FEATURES)}: every selected run again with the feature on, back "
+                         f"to back, and the server CPU per message each adds (issue 14)")
     ap.add_argument("--profile", type=Path, metavar="DIR",
                     help="py-spy (raw format) every node worker during the runs --profile-runs picks, write "
                          "DIR/*.txt, summarise")
@@ -943,6 +996,21 @@ def main() -> None:
             if r.thread_split and r.msgs:
                 per = ", ".join(f"{k} {v / r.msgs * 1e6:.0f}" for k, v in sorted(r.thread_split.items()))
                 print(f"#   {'':<18}     µs/msg by thread: {per}")
+    if args.features:
+        print("\n# feature cost: server µs/msg with the feature on minus the plain run just before it "
+              "(and in % of it); msgs/s the same")
+        plain: Result | None = None
+        for r in results:
+            if not r.sc.feature:
+                plain = r
+                continue
+            if plain is None or not r.msgs or not plain.msgs or r.failure or plain.failure:
+                print(f"#   {r.sc.name:<28} w{r.sc.workers}: no figure (a run failed)")
+                continue
+            us, us0 = r.server_cpu / r.msgs * 1e6, plain.server_cpu / plain.msgs * 1e6
+            rate, rate0 = r.msgs / r.wall, plain.msgs / plain.wall
+            print(f"#   {r.sc.name:<28} w{r.sc.workers}: {us - us0:+.1f} µs/msg ({(us - us0) / us0 * 100:+.0f}%), "
+                  f"{rate:,.0f} vs {rate0:,.0f} msgs/s ({(rate - rate0) / rate0 * 100:+.0f}%)")
     problems = [r for r in results if r.failure or r.check.failed]
     for r in problems:
         print(f"\n## {r.sc.name}, {r.sc.workers} worker(s): {'FAILED' if r.failure else 'check failed'}")

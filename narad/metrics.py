@@ -208,6 +208,14 @@ class _Metrics:
         self.consume_wait = a(Histogram("narad_consume_wait_seconds",
                                         "how long a consume waited (outcome hit, timeout, cancelled, no_wait)",
                                         ["topic", "outcome"], buckets=WAIT_BUCKETS))
+        # Idempotent produce (issue 14), at the partition's owner.
+        self.idem_duplicates = a(Counter("narad_idempotent_duplicates_total",
+                                         "records dropped at commit as repeats of an idempotency key within the "
+                                         "topic's window", PART))
+        self.idem_evicted = a(Counter("narad_idempotency_keys_evicted_total",
+                                      "idempotency keys dropped by the per-partition cap before their window passed",
+                                      PART))
+        self.idem_keys = a(Gauge("narad_idempotency_keys", "idempotency keys remembered by the partition", PART))
         self.produce_rejections = a(Counter("narad_produce_rejections_total", "produces refused before storage",
                                             ["topic", "reason"]))
         self.ack_extended = a(Counter("narad_ack_extended_total", "lease extensions", ["topic"]))

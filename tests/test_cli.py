@@ -81,6 +81,15 @@ def test_pub_then_sub_round_trip(node: Node, cfg: Path, tmp_path: Path) -> None:
     narad(node, cfg, "pub", "rt", "-f", str(f), "--partition", "0")
     r = narad(node, cfg, "pub", "rt", "x", "--count", "3", "--partition", "1")
     assert re.match(r"accepted 3 messages in [\d.]+s \(\d+ msg/s\)", r.stderr.strip()), r.stderr
+    # --idempotency-key (extension): repeats are accepted and not stored
+    r = narad(node, cfg, "pub", "rt", "once", "--partition", "2", "--idempotency-key", "cli-1", "--count", "3")
+    assert re.match(r"accepted 3 messages in [\d.]+s \(\d+ msg/s, 2 duplicate\(s\) not stored\)",
+                    r.stderr.strip()), r.stderr
+    r = narad(node, cfg, "pub", "rt", "once", "--partition", "2", "--idempotency-key", "cli-1", "--json")
+    assert lines(r)[0]["duplicates"] == 1
+    r = narad(node, cfg, "sub", "rt", "--partition", "2", "--max", "1", "--raw")
+    assert r.stdout == "once\n"
+    assert node.get("/v1/topics/rt/consume?partition=2").status == 204
 
     # --peek from offset 0 takes nothing: the queue still holds every message afterwards
     r = narad(node, cfg, "sub", "rt", "--peek", "--partition", "0", "--from", "0", "--max", "3", "--json")
@@ -349,6 +358,21 @@ def test_every_option_has_help() -> None:
 
     walk(cli, "narad")
     assert not missing, missing
+
+
+def test_pub_headers_and_topic_delivery_settings(node: Node, cfg: Path) -> None:
+    narad(node, cfg, "topic", "add", "cli-dlq", "--partitions", "3")
+    t = lines(narad(node, cfg, "topic", "add", "cli-src", "--partitions", "3", "--max-deliveries", "4",
+                    "--dead-letter-topic", "cli-dlq", "--idempotency-window", "2m", "--json"))[0]
+    assert (t["max_deliveries"], t["dead_letter_topic"], t["idempotency_window_ms"]) == (4, "cli-dlq", 120_000)
+    t = lines(narad(node, cfg, "topic", "edit", "cli-src", "--max-deliveries", "0", "--dead-letter-topic", "",
+                    "--json"))[0]
+    assert "max_deliveries" not in t and "dead_letter_topic" not in t
+    narad(node, cfg, "pub", "cli-src", '{"h":1}', "--partition", "0", "-H", "trace:abc", "--header", "url:http://x:1")
+    m = lines(narad(node, cfg, "sub", "cli-src", "--partition", "0", "--max", "1", "--json"))[0]
+    assert m["payload"] == {"h": 1} and m["headers"] == {"trace": "abc", "url": "http://x:1"}
+    r = narad(node, cfg, "pub", "cli-src", "x", "-H", "novalue", code=2)
+    assert "NAME:VALUE" in r.stderr
 
 
 def test_topic_redrive(node: Node, cfg: Path) -> None:

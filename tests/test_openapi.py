@@ -354,6 +354,8 @@ def _validate(op_id: str, status: int, r: Response) -> None:
     if not content:
         assert r.body == b"", f"{op_id} {status}: documented without a body, got {r.body[:200]!r}"
         return
+    if r.body == b"" and "(empty body)" in spec.get("description", ""):
+        return  # a body only with an extension (the produce 202 with idempotency_key)
     ctype = r.headers.get("content-type", "").split(";")[0].strip()
     assert ctype in content, f"{op_id} {status}: content type {ctype!r} not in {list(content)}"
     schema = content[ctype].get("schema")
@@ -480,6 +482,29 @@ def test_the_retry_delay_extensions_are_described_and_answer_as_documented(env: 
         assert r.status == 400, r
         _validate("ack" if "/ack" in path else "consume", 400, r)
     assert env.req("POST", f"/v1/topics/oa-rd/ack?receipt_handle={h[0]}").status == 204
+
+
+def test_the_idempotency_extension_is_described_and_answers_as_documented(env: Env) -> None:
+    """Issue 14's ``idempotency_key`` (single produce query, batch message field): named
+    in the document; the verdict answers valid against the 202 schemas; the 400s too."""
+    p = _param("produce", "idempotency_key")
+    assert p["in"] == "query" and not p["required"] and p["schema"] == {"type": "string"}, p
+    assert "idempotency_key" in DOC["components"]["schemas"]["BatchMessage"]["properties"]
+    assert env.req("POST", "/v1/topics", {"name": "oa-idem", "partitions": 3}).status == 201
+    octet = {"Content-Type": "application/octet-stream"}
+    for dup in (False, True):
+        r = env.req("POST", "/v1/topics/oa-idem/produce?idempotency_key=k1", b"x", headers=octet)
+        assert r.status == 202 and r.json() == {"duplicate": dup}, r
+        _validate("produce", 202, r)
+    body = {"messages": [{"payload": 1, "idempotency_key": "k1"}, {"payload": 2, "idempotency_key": "k2"}]}
+    req_schema = {**DOC["components"]["schemas"]["ProduceBatchRequest"], "components": DOC["components"]}
+    jsonschema.Draft202012Validator(req_schema).validate(body)
+    r = env.req("POST", "/v1/topics/oa-idem/produce/batch", body)
+    assert r.status == 202 and r.json() == {"accepted": 2, "duplicates": 1}, r
+    _validate("produceBatch", 202, r)
+    r = env.req("POST", "/v1/topics/oa-idem/produce?idempotency_key=", b"x", headers=octet)
+    assert r.status == 400, r
+    _validate("produce", 400, r)
 
 
 def test_the_dead_letter_extensions_are_described_and_answer_as_documented(env: Env) -> None:

@@ -5,10 +5,25 @@ Handlers check the request (Narad's rules and status codes), then call the
 worker's broker: a produce returns 202 only after the WAL sync that covers it;
 a consume reserves before it reads; acks go to each partition's owner.
 
+Headers (issue 14, an extension): ``headers`` (string to string) on a batch
+message, or ``?header=name:value`` (repeatable) on a single produce; bounded
+(``MAX_HEADERS`` entries, names ``MAX_HEADER_NAME`` bytes of ``[A-Za-z0-9._-]``,
+``MAX_HEADERS_BYTES`` in all), stored in the record's extension block and
+returned as ``headers`` on consume (children get them with the record).
+
 Extensions (issue 14, optional, absent = Narad's behaviour): ``delay`` on a nack
 (``extend=0``; query or batch body field, 0 to 12 h) holds the record back that
 long; ``visibility`` on a consume (this delivery's lease length) and on an extend
 (``extend=true``: the new lease length), 1 s to 12 h. Go duration syntax.
+``idempotency_key`` on a produce (single: query parameter; batch: message field;
+1 to 128 bytes of UTF-8): the key rides in the record's extension block, a keyless
+message hashes to its partition by it, and the answer waits (after the WAL sync)
+up to ``IDEM_WAIT_S`` for the owner's commit verdict: single 202
+``{"duplicate": bool}``, batch 202 ``{"accepted": N, "duplicates": D}`` (N counts
+duplicates too); verdicts not in by then are ``"pending"`` (single
+``{"duplicate": null, "pending": true}``, batch ``"pending": K`` beside
+``duplicates``, which counts the verdicts known). Produces without a key take
+the same path and give the same answers as before (the fast path included).
 ``reason`` on a nack (query, or batch body field; at most 256 bytes of UTF-8)
 is kept for the record's dead-letter copy. ``POST /v1/topics/{dlt}/redrive``
 moves a dead-letter topic's records back to their origin topics.
@@ -72,6 +87,20 @@ _enc = msgspec.json.Encoder()
 _DUR = re.compile(r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(ns|us|µs|ms|s|m|h)")  # ASCII digits, as Go
 _UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 _MSG_IDX = re.compile(r"\$\.messages\[(\d+)\]")
+IDEM_PARAM = "idempotency_key"
+MAX_IDEM_KEY = 128  # bytes of UTF-8
+IDEM_WAIT_S = 5.0  # how long a produce with idempotency keys waits for the owners' verdicts
+
+
+def idem_key(raw: str, where: str = "") -> str:
+    """An idempotency key as given (1 to 128 bytes of UTF-8), else 400."""
+    try:
+        n = len(raw.encode())
+    except UnicodeEncodeError:  # non-UTF-8 bytes in the query (kept as surrogates) or a lone surrogate
+        raise BadRequest(f"{where}invalid argument: idempotency_key must be UTF-8") from None
+    if not 1 <= n <= MAX_IDEM_KEY:
+        raise BadRequest(f"{where}invalid argument: idempotency_key must be 1 to {MAX_IDEM_KEY} bytes, got {n}")
+    return raw
 
 
 def parse_go_duration(text: str) -> float:
@@ -186,6 +215,62 @@ class BatchMsg(msgspec.Struct, forbid_unknown_fields=True):
     key: str | None = None
     key_encoding: str | None = None
     partition: Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)] | None = None
+    headers: dict[str, str] | None = None  # extension (issue 14)
+    idempotency_key: str | None = None  # extension (issue 14)
+
+
+MAX_HEADERS = 32
+MAX_HEADER_NAME = 128
+MAX_HEADERS_BYTES = 8192  # names and values together, UTF-8
+_HEADER_NAME = re.compile(r"[A-Za-z0-9._-]+")
+_GOOD_NAMES: set[str] = set()  # header names already checked (clients repeat a few): one set lookup each
+
+
+def check_headers(h: dict[str, str], where: str = "") -> dict[str, str]:
+    """The message's headers within their bounds (400 naming what to fix)."""
+    if len(h) > MAX_HEADERS:
+        raise BadRequest(f"{where}invalid argument: at most {MAX_HEADERS} headers per message, got {len(h)}")
+    total = 0
+    for name, value in h.items():
+        if name not in _GOOD_NAMES:
+            if not name or len(name) > MAX_HEADER_NAME or not _HEADER_NAME.fullmatch(name):
+                raise BadRequest(f"{where}invalid argument: header name {name[:40]!r} must be 1 to "
+                                 f"{MAX_HEADER_NAME} characters of A-Z a-z 0-9 . _ -")
+            if len(_GOOD_NAMES) >= 4096:
+                _GOOD_NAMES.clear()
+            _GOOD_NAMES.add(name)
+        if value.isascii():
+            total += len(name) + len(value)
+        else:
+            try:
+                total += len(name) + len(value.encode())
+            except UnicodeEncodeError:
+                raise BadRequest(f"{where}invalid argument: header {name!r} is not valid UTF-8") from None
+        if total > MAX_HEADERS_BYTES:
+            raise BadRequest(f"{where}invalid argument: headers larger than {MAX_HEADERS_BYTES} bytes in all")
+    return h
+
+
+def query_headers(vals: list[str]) -> dict[str, str]:
+    """``?header=name:value`` (repeatable; the first ``:`` splits) as a dict; a name
+    given twice is a 400 (which one was meant is unknowable)."""
+    out: dict[str, str] = {}
+    for v in vals:
+        name, sep, value = v.partition(":")
+        if not sep:
+            raise BadRequest(f'invalid argument: header must be "name:value", got {v[:40]!r}')
+        if name in out:
+            raise BadRequest(f"invalid argument: header {name[:40]!r} given twice")
+        out[name] = value
+    return check_headers(out)
+
+
+def with_ext(flags: int, body: bytes, headers: dict[str, str] | None, idem: str | None = None) -> tuple[int, bytes]:
+    """The stored (flags, payload) of a message: with an extension block when it has
+    headers or an idempotency key (F_JSON / F_UTF8 still describe the body)."""
+    if not headers and idem is None:
+        return flags, body
+    return flags | FR.F_EXT, FR.pack_ext(FR.Ext(h=headers or None, i=idem), body)
 
 
 class BatchBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -330,7 +415,11 @@ class MessagesAPI:
             raise BadRequest("invalid argument: partition out of range")
         return p
 
-    async def _append(self, req: Request, t: TopicRecord, entries: list[Entry]) -> None:
+    async def _append(self, req: Request, t: TopicRecord, entries: list[Entry],
+                      watch: list[Entry] | None = None) -> list[bool | None]:
+        """Durable in the WAL (202 follows), else the error. ``watch``: entries with an
+        idempotency key, whose owners' duplicate verdicts are returned (in order;
+        None: not known within ``IDEM_WAIT_S``)."""
         ident = None
         if self.produce_cap > 0 and self.caps is not None:
             ident = self._identity_key(req)
@@ -338,7 +427,7 @@ class MessagesAPI:
                 raise TooManyRequests(f"too many in-flight produce requests for this identity "
                                       f"(limit {self.produce_cap} per node)")
         try:
-            await self.broker.produce(entries)
+            w = await self.broker.produce(entries, watch, IDEM_WAIT_S)
         except WALFailed as e:
             self.m.wal_failed.set(1)
             raise InternalError("produce failed") from e
@@ -346,6 +435,9 @@ class MessagesAPI:
             if ident is not None and self.caps is not None:
                 self.caps.give_back(self.ctx.worker_index, CAPS.PRODUCE, ident, len(entries))
         self.m.messages_accepted.labels(t.name).inc(len(entries))
+        if w is None:
+            return []
+        return await self.broker.verdicts(w)
 
     def _append_cb(self, req: Request, t: TopicRecord, entries: list[Entry], reply: Reply) -> None:
         """``_append`` for the synchronous entry: the WAL calls back when the group's sync
@@ -390,7 +482,8 @@ class MessagesAPI:
 
     # ---- produce -------------------------------------------------------------------------------
     def _produce_args(self, req: Request, t: TopicRecord) -> tuple[bytes, bytes | None, int | None]:
-        """The checks of a single produce before its schema: (body, key, partition)."""
+        """The checks of a single produce before its schema: (body, key, partition).
+        Its headers (``?header=``) and idempotency key are read after these."""
         self._require(req, t, "produce")
         if t.delay_ms and t.parent is not None:  # a delay child (one attribute check when not)
             raise self._delay_child(t)
@@ -411,17 +504,23 @@ class MessagesAPI:
         t = self._topic(req)
         if t.schema_version:
             return False  # its check may run on the validation thread: the async path
+        if req.query and IDEM_PARAM in req.query:
+            return False  # it waits for the owner's verdict: the async path
         body, key, partition = self._produce_args(req, t)
         if partition is None:
             partition = self.broker.choose_partition(t, key)
-        entry = Entry(t.name, self._incarnation(t), partition, int(time.time() * 1000), payload_flags(body), key,
-                      body)
+        flags, stored = payload_flags(body), body
+        if req.query and "header" in req.query:
+            flags, stored = with_ext(flags, body, query_headers(req.query["header"]))
+        entry = Entry(t.name, self._incarnation(t), partition, int(time.time() * 1000), flags, key, stored)
         self._append_cb(req, t, [entry], reply)
         return True
 
     async def produce(self, req: Request) -> Response:
         t = self._topic(req)
         body, key, partition = self._produce_args(req, t)
+        raw_idem = self._single_query(req, IDEM_PARAM) if req.query else None
+        idem = idem_key(raw_idem) if raw_idem is not None else None
         v = await self._validator(t)
         if v is not None:
             why = await self._validation.check(v, body)
@@ -429,11 +528,18 @@ class MessagesAPI:
                 self.m.produce_rejections.labels(t.name, "schema").inc()
                 raise BadRequest(f"invalid argument: {why}")
         if partition is None:
-            partition = self.broker.choose_partition(t, key)
-        entry = Entry(t.name, self._incarnation(t), partition, int(time.time() * 1000), payload_flags(body), key,
-                      body)
-        await self._append(req, t, [entry])
-        return Response(202, b"", None)
+            partition = self.broker.choose_partition(t, key, idem)
+        flags = payload_flags(body)
+        hdrs = query_headers(req.query["header"]) if req.query and "header" in req.query else None
+        flags, stored = with_ext(flags, body, hdrs, idem)
+        entry = Entry(t.name, self._incarnation(t), partition, int(time.time() * 1000), flags, key, stored)
+        if idem is None:
+            await self._append(req, t, [entry])
+            return Response(202, b"", None)
+        dup = (await self._append(req, t, [entry], [entry]))[0]
+        if dup is None:
+            return json_response(202, {"duplicate": None, "pending": True})
+        return json_response(202, {"duplicate": dup})
 
     def _batch_error(self, e: Exception) -> BadRequest:
         msg = str(e)
@@ -493,7 +599,7 @@ class MessagesAPI:
             raise BadRequest(f"too many messages: more than {MAX_BATCH_MESSAGES}")
         now = int(time.time() * 1000)
         inc = bytes.fromhex(t.id)
-        prepared: list[tuple[bytes, bytes | None, int | None, int]] = []
+        prepared: list[tuple[bytes, bytes | None, int | None, int, dict[str, str] | None, str | None]] = []
         # Pass 1: the format of every message.
         for i, m in enumerate(msgs):
             if m.payload is msgspec.UNSET:
@@ -529,24 +635,39 @@ class MessagesAPI:
                 key = key or None
             if m.partition is not None and m.partition < 0:
                 raise BadRequest(f"message {i}: invalid argument: partition out of range")
-            prepared.append((payload, key, m.partition, flags))
+            if m.headers:
+                check_headers(m.headers, f"message {i}: ")
+            idem = idem_key(m.idempotency_key, f"message {i}: ") if m.idempotency_key is not None else None
+            prepared.append((payload, key, m.partition, flags, m.headers, idem))
         # Pass 2: partition range and schema.
-        for i, (_payload, _key, part, _flags) in enumerate(prepared):
+        for i, (_payload, _key, part, _flags, _h, _idem) in enumerate(prepared):
             if part is not None and part >= t.partitions:
                 raise BadRequest(f"message {i}: invalid argument: partition out of range")
         v = await self._validator(t)
         if v is not None:
-            bad = await self._validation.check_many(v, [p for p, _k, _part, _f in prepared])
+            bad = await self._validation.check_many(v, [p for p, _k, _part, _f, _h, _i in prepared])
             if bad is not None:
                 self.m.produce_rejections.labels(t.name, "schema").inc()
                 raise BadRequest(f"message {bad[0]}: invalid argument: {bad[1]}")
         entries = []
-        for payload, key, part, flags in prepared:
+        watch: list[Entry] = []
+        for payload, key, part, flags, hdrs, idem in prepared:
             if part is None:
-                part = self.broker.choose_partition(t, key)
-            entries.append(Entry(t.name, inc, part, now, flags, key, payload))
-        await self._append(req, t, entries)
-        return json_response(202, {"accepted": len(entries)})
+                part = self.broker.choose_partition(t, key, idem)
+            fl, stored = with_ext(flags, payload, hdrs, idem)
+            e = Entry(t.name, inc, part, now, fl, key, stored)
+            entries.append(e)
+            if idem is not None:
+                watch.append(e)
+        if not watch:
+            await self._append(req, t, entries)
+            return json_response(202, {"accepted": len(entries)})
+        got = await self._append(req, t, entries, watch)
+        out: dict[str, int] = {"accepted": len(entries), "duplicates": sum(1 for d in got if d)}
+        pending = sum(1 for d in got if d is None)
+        if pending:
+            out["pending"] = pending
+        return json_response(202, out)
 
     # ---- consume --------------------------------------------------------------------------------
     async def consume(self, req: Request) -> Response:

@@ -46,7 +46,13 @@ One per worker process, on its event loop. It owns:
   in-flight, acked-ahead, size, segments) are set by a poller every 5 s
   (sooner after a topic change) from memory for open partitions and from
   their files, at most every 30 s, for closed ones; it also creates every
-  series of an owned partition at zero and drops those of deleted topics.
+  series of an owned partition at zero and drops those of deleted topics;
+* idempotent produce (issue 14): a produce with idempotency keys watches its
+  keyed entries (``produce(watch=)``, ``verdicts``) until their owners' commits
+  answer which were repeats (``Partition.commit`` -> (first offset, duplicate
+  indexes), over the hop as ``CommitResp.dups``); the owner's key table is
+  rebuilt from the log at open (``narad.broker.idem``) and the 5 s poller
+  expires keys and keeps the worker's bound over its tables.
 
 Imports narad.storage, narad.meta (read side), narad.broker.*, narad.errors.
 """
@@ -67,12 +73,13 @@ from pathlib import Path
 from typing import Any
 
 from narad import metrics
+from narad.broker import idem as IDEM
 from narad.broker import peers as P
 from narad.broker.deadletter import DeadLetterDriver
-from narad.broker.dispatcher import Dispatcher
+from narad.broker.dispatcher import Dispatcher, Watch
 from narad.broker.fanout import FanoutEngine, FanoutSettings
 from narad.broker.moves import MoveRunner, MoveSource
-from narad.broker.partition import Partition, finish_stats, rfc3339_ms, stats_from_disk
+from narad.broker.partition import Committed, Partition, finish_stats, rfc3339_ms, stats_from_disk
 from narad.broker.routing import RoundRobin, key_partition, owner_worker
 from narad.errors import BadGateway, Conflict, NaradError, NotFound, Unavailable
 from narad.meta import versions as V
@@ -342,15 +349,19 @@ class Broker:
             return [w], []
         return [], ([node] if node is not None else [])
 
-    def choose_partition(self, topic: TopicRecord, key: bytes | None) -> int:
+    def choose_partition(self, topic: TopicRecord, key: bytes | None, idem: str | None = None) -> int:
         """A key hashes to its partition (order per key). A keyless message may go
         to any partition: it rotates over the partitions this worker owns, so it
         is committed here without a hop; over all of them when this worker owns none.
         The rotation moves on once per WAL group commit (sticky): the keyless records
         of one group go to one partition, one commit there, instead of a commit at
-        every partition each carrying a record or two."""
+        every partition each carrying a record or two. A keyless record with an
+        idempotency key hashes by that key (a retry lands on the same partition from
+        any node, where the key is checked)."""
         if key:
             return key_partition(key, topic.partitions)
+        if idem is not None:
+            return key_partition(idem.encode(), topic.partitions)
         pl = self._placement(topic)
         st = self._sticky.get(topic.name)
         if st is not None and st[0] == self._group_epoch and st[1] < topic.partitions and (
@@ -368,11 +379,34 @@ class Broker:
         self.dispatcher.feed(entries)
 
     # ---- produce ------------------------------------------------------------------------------
-    async def produce(self, entries: list[Entry]) -> None:
+    async def produce(self, entries: list[Entry], watch: list[Entry] | None = None,
+                      timeout: float = 5.0) -> Watch | None:
         """Durable in this worker's WAL (group commit) when this returns. If the
         caller is cancelled the staged records still become durable and are
-        dispatched (cancelling the future only drops the answer)."""
-        await self.wal.append(entries)
+        dispatched (cancelling the future only drops the answer). ``watch``
+        (entries of ``entries``, those with an idempotency key): returns the
+        dispatcher's Watch on their commit, given up `timeout` after staging
+        (``verdicts`` waits for it and unwatches)."""
+        fut = self.wal.append(entries)
+        w = self.dispatcher.watch(watch, timeout) if watch else None
+        try:
+            await fut
+        except BaseException:
+            if w is not None:
+                self.dispatcher.unwatch(w)
+            raise
+        return w
+
+    async def verdicts(self, w: Watch) -> list[bool | None]:
+        """The owners' duplicate verdicts for a watch, waited for until its deadline
+        (None: not known by then; the record is durable and is still checked at its
+        commit). Unwatches."""
+        try:
+            if not w.done.done():
+                await w.done
+        finally:
+            self.dispatcher.unwatch(w)
+        return w.dup
 
     # ---- owned partitions ---------------------------------------------------------------------
     async def partition(self, topic: TopicRecord, index: int) -> Partition:
@@ -417,6 +451,7 @@ class Broker:
         lbl = (topic.name, str(index))
         m = self.m
         p.meter(m.messages_produced.labels(*lbl), m.bytes_produced.labels(*lbl), m.fsync_seconds.labels(*lbl))
+        p.meter_idem(m.idem_duplicates.labels(*lbl), m.idem_evicted.labels(*lbl))
         p.on_visible = self._on_visible
         p.on_released = self._on_released
         p.on_dead = self.deadletters.on_dead
@@ -432,6 +467,17 @@ class Broker:
         p = Partition(topic.name, topic.id, index, plog, offs)
         p.restore(frontier, ahead, offs.counts)
         p.max_deliveries = topic.max_deliveries if topic.dead_letter_topic else 0
+        # Idempotent produce: the keys committed within the window, from the log itself.
+        p.idem_window_ms = topic.idem_window_ms
+        p.idem_marked = (d / IDEM.MARKER).exists()
+        if not IDEM.needs_rebuild(d):
+            return p  # never a keyed record here: nothing to read
+        t0 = time.monotonic()
+        p.idem, n = IDEM.rebuild(plog, p.idem_window_ms, int(time.time() * 1000))
+        if p.idem.keys:
+            log.info("idempotency keys rebuilt from the log", extra={
+                "topic": topic.name, "partition": index, "keys": len(p.idem), "records_read": n,
+                "ms": round((time.monotonic() - t0) * 1000, 1)})
         return p
 
     async def _close_partition(self, key: tuple[str, int], p: Partition, *, clean: bool) -> None:
@@ -561,7 +607,7 @@ class Broker:
 
     # ---- commit (owner side) -------------------------------------------------------------------
     async def commit_local(self, topic: str, topic_id: str, partition: int,
-                           records: list[tuple[bytes | None, int, bytes]]) -> int:
+                           records: list[tuple[bytes | None, int, bytes]]) -> Committed:
         t = self.store.topic(topic)
         if t is None or t.id != topic_id:
             raise Conflict(f'topic incarnation mismatch for "{topic}": records are for {topic_id}, '
@@ -575,10 +621,12 @@ class Broker:
             raise Unavailable(f"partition {partition} of {topic} is owned by {node}/{worker}, not {self.node_id}/"
                               f"{self.index}; retry", code="partition_moving")
         p = await self.partition(t, partition)
+        p.idem_window_ms = t.idem_window_ms  # a PATCH may have changed it
         return await p.commit(records, self.io)
 
-    async def deliver(self, topic: str, topic_id: str, partition: int, entries: list[Entry]) -> str:
-        """Dispatcher target: commit at the owner, here or one hop away."""
+    async def deliver(self, topic: str, topic_id: str, partition: int, entries: list[Entry]) -> str | Committed:
+        """Dispatcher target: commit at the owner, here or one hop away. Returns the
+        owner's (first offset, duplicate indexes), or "gone"."""
         t = self.store.topic(topic)
         if t is None or t.id != topic_id:
             # Never discard on local absence alone: the replica may be behind.
@@ -590,12 +638,13 @@ class Broker:
         if node is None:
             raise Unavailable(f"partition {partition} of {topic} has no owner yet")
         if node != self.node_id:
-            await self.remote.call(node, P.CommitReq(topic, topic_id, partition, records), P.CommitResp, timeout=30)
-        elif worker == self.index:
-            await self.commit_local(topic, topic_id, partition, records)
-        else:
-            await self.links.call(worker, P.CommitReq(topic, topic_id, partition, records), P.CommitResp, timeout=30)
-        return "ok"
+            r = await self.remote.call(node, P.CommitReq(topic, topic_id, partition, records), P.CommitResp,
+                                       timeout=30)
+            return r.base, r.dups
+        if worker == self.index:
+            return await self.commit_local(topic, topic_id, partition, records)
+        r = await self.links.call(worker, P.CommitReq(topic, topic_id, partition, records), P.CommitResp, timeout=30)
+        return r.base, r.dups
 
     async def commit_to(self, t: TopicRecord, partition: int, records: list[tuple[bytes | None, int, bytes]]
                         ) -> int:
@@ -611,7 +660,7 @@ class Broker:
         if node != self.node_id:
             base = (await self.remote.call(node, req, P.CommitResp, timeout=30)).base
         elif worker == self.index:
-            base = await self.commit_local(t.name, t.id, partition, records)
+            base = (await self.commit_local(t.name, t.id, partition, records))[0]
         else:
             base = (await self.links.call(worker, req, P.CommitResp, timeout=30)).base
         return base
@@ -1389,7 +1438,8 @@ class Broker:
             w = self.route(m.topic, m.partition)
             if w != self.index:
                 return await self.links.call(w, m, P.CommitResp, timeout=30)
-            return P.CommitResp(await self.commit_local(m.topic, m.topic_id, m.partition, m.records))
+            base, dups = await self.commit_local(m.topic, m.topic_id, m.partition, m.records)
+            return P.CommitResp(base, dups)
 
         async def consume(m: P.ConsumeReq, _c: Any) -> P.ConsumeResp:
             t = self._topic_for(m.topic, m.topic_id)
@@ -1899,6 +1949,22 @@ class Broker:
             for o in WAIT_OUTCOMES:
                 m.consume_wait.labels(name, o)
         m.partitions_total.set(len(rows))
+        held: set[tuple[str, str]] = set()  # idempotency keys live in open partitions only
+        live = [p for p in self.partitions.values() if not p.closed]
+        for p in live:  # keys whose window passed are dropped here too, not only at commits
+            p.idem.expire(int(now_ms) - p.idem_window_ms)
+        keyed = [p for p in live if p.idem.keys]
+        if keyed:
+            before = [p.idem.evicted for p in keyed]
+            if IDEM.trim_to_budget([p.idem for p in keyed]):  # the worker's bound over its partitions
+                for p, b in zip(keyed, before, strict=True):
+                    if p.m_evicted is not None and p.idem.evicted != b:
+                        p.m_evicted.value += p.idem.evicted - b
+        for p in live:
+            lbl = (p.topic, str(p.index))
+            held.add(lbl)
+            m.idem_keys.labels(*lbl).set(len(p.idem))
+        metrics.drop_children(m.idem_keys, lambda k: k not in held)
         for g in (m.consumer_lag, m.oldest_unconsumed, m.inflight_size, m.acked_ahead_size, m.partition_bytes,
                   m.segments):
             metrics.drop_children(g, lambda k: k not in alive)

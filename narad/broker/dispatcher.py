@@ -15,9 +15,16 @@ must be confirmed by the supervisor (barrier + re-read on the leader). After
 3 s of continuous failure, or at once when the owner is marked dead, queued
 records reroute to the next partition upward (wrapping) whose owner is alive
 and which is not failing itself; a failing owner keeps one record as its probe,
-a dead one keeps none. A commit in flight is never rerouted.
+a dead one keeps none. A commit in flight is never rerouted. A record with an
+idempotency key is never rerouted either: its key is checked at the partition it
+was routed to (a retry lands there), so it waits for that owner.
 
-Imports narad.storage.wal; talks to the broker through a small interface.
+Idempotent produce: a produce with idempotency keys ``watch``es its entries
+(seqs) after staging them; when their commit returns, the owner's duplicate
+verdicts resolve the watch's future. Only watched entries cost anything: an
+unwatched commit checks one empty dict.
+
+Imports narad.storage.{wal,frames}; talks to the broker through a small interface.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import time
 from collections import deque
 from typing import Protocol
 
+from narad.storage import frames as FR
 from narad.storage.wal import Entry, IngressWAL
 
 log = logging.getLogger("narad.broker.dispatcher")
@@ -40,12 +48,17 @@ BATCH_RECORDS = 4096
 BATCH_BYTES = 8 << 20
 RETRY_AFTER = 1.0
 MOVING_RETRY_AFTER = 0.05  # a partition frozen for a move (its flip is a Raft round trip away)
+WATCH_SLACK = 0.05  # watch deadlines expire in 50 ms steps (one timer wake per step at most)
+
+
+Committed = tuple[int, list[int]]  # the owner's first offset, indexes of the batch's duplicates
 
 
 class Target(Protocol):
-    async def deliver(self, topic: str, topic_id: str, partition: int, entries: list[Entry]) -> str:
-        """Commit at the owner. Returns "ok", "gone" (incarnation confirmed
-        deleted: discard) or raises to retry later."""
+    async def deliver(self, topic: str, topic_id: str, partition: int, entries: list[Entry]) -> str | Committed:
+        """Commit at the owner. Returns "ok" or the owner's ``Committed`` (which
+        records were duplicates of an idempotency key), "gone" (incarnation
+        confirmed deleted: discard) or raises to retry later."""
         ...
 
     def partition_count(self, topic: str, topic_id: str) -> int:
@@ -65,8 +78,33 @@ class _Group:
         self.remaining = remaining
 
 
+class Watch:
+    """Verdicts for watched entries: ``dup[i]`` is True (dropped as a duplicate),
+    False (committed) or None (not known yet; also for a discarded incarnation).
+    ``done`` resolves once every entry has its verdict."""
+
+    __slots__ = ("deadline", "done", "dup", "left", "seqs")
+
+    def __init__(self, seqs: list[int], done: asyncio.Future[None], deadline: float) -> None:
+        self.seqs = seqs
+        self.dup: list[bool | None] = [None] * len(seqs)
+        self.left = len(seqs)
+        self.done = done
+        self.deadline = deadline
+
+
+def _pinned(e: Entry) -> bool:
+    """A record with an idempotency key stays at its partition (never rerouted)."""
+    if not e.flags & FR.F_EXT:
+        return False
+    try:
+        return FR.read_ext(e.payload).i is not None
+    except FR.FrameError:
+        return False
+
+
 class _Dest:
-    __slots__ = ("entries", "failing_since", "groups", "inflight", "retry_at")
+    __slots__ = ("entries", "failing_since", "groups", "inflight", "kept", "probe_kept", "retry_at")
 
     def __init__(self) -> None:
         self.entries: deque[Entry] = deque()
@@ -74,6 +112,8 @@ class _Dest:
         self.inflight = False
         self.retry_at = 0.0
         self.failing_since = 0.0
+        self.kept = 0  # entries at the front the last reroute kept here (probe, pinned): not scanned again
+        self.probe_kept = False  # the first of them is a failing owner's probe, not a pinned record
 
 
 class Dispatcher:
@@ -90,6 +130,59 @@ class Dispatcher:
         self.rerouted = 0
         self.closed = False
         self.loop: asyncio.AbstractEventLoop | None = None
+        self._watched: dict[int, tuple[Watch, int]] = {}  # seq -> (watch, index in it)
+        # Watch deadlines, in order (one timeout for all): one timer for them all, not one each.
+        self._deadlines: deque[Watch] = deque()
+        self._watch_timer: asyncio.TimerHandle | None = None
+
+    def watch(self, entries: list[Entry], timeout: float) -> Watch:
+        """Follow these staged entries (their seqs are assigned) to their commit;
+        ``done`` resolves when every verdict is in or `timeout` passed (the verdicts
+        missing then stay None). The caller ``unwatch``es it."""
+        loop = self._loop()
+        w = Watch([e.seq for e in entries], loop.create_future(), time.monotonic() + timeout)
+        for i, seq in enumerate(w.seqs):
+            self._watched[seq] = (w, i)
+        if not w.seqs:
+            w.done.set_result(None)
+            return w
+        self._deadlines.append(w)
+        if self._watch_timer is None:
+            self._watch_timer = loop.call_at(loop.time() + timeout + WATCH_SLACK, self._expire_watches)
+        return w
+
+    def _expire_watches(self) -> None:
+        self._watch_timer = None
+        now = time.monotonic()
+        dl = self._deadlines
+        while dl and (dl[0].done.done() or dl[0].deadline <= now + WATCH_SLACK):
+            w = dl.popleft()
+            if not w.done.done():
+                w.done.set_result(None)  # what is not in by now stays None (pending)
+        if dl:
+            loop = self._loop()
+            self._watch_timer = loop.call_at(loop.time() + max(0.0, dl[0].deadline - now) + WATCH_SLACK,
+                                             self._expire_watches)
+
+    def unwatch(self, w: Watch) -> None:
+        for seq in w.seqs:
+            got = self._watched.get(seq)
+            if got is not None and got[0] is w:
+                del self._watched[seq]
+
+    def _resolve(self, batch: list[Entry], dups: list[int] | None) -> None:
+        """A watched entry's commit returned (dups None: discarded, no verdict)."""
+        watched = self._watched
+        dset = set(dups) if dups else ()
+        for j, e in enumerate(batch):
+            got = watched.pop(e.seq, None)
+            if got is None:
+                continue
+            w, i = got
+            w.dup[i] = (j in dset) if dups is not None else None
+            w.left -= 1
+            if w.left == 0 and not w.done.done():
+                w.done.set_result(None)
 
     def _loop(self) -> asyncio.AbstractEventLoop:
         if self.loop is None:
@@ -160,6 +253,7 @@ class Dispatcher:
                     break
                 n += 1
                 size += len(e.payload)
+            d.kept, d.probe_kept = 0, False
             batch = [d.entries.popleft() for _ in range(n)]
             groups = [d.groups.popleft() for _ in range(n)]
             d.inflight = True
@@ -180,7 +274,7 @@ class Dispatcher:
 
     async def _commit(self, key: tuple[str, bytes, int], d: _Dest, batch: list[Entry], groups: list[_Group]) -> None:
         topic, inc, part = key
-        outcome = "retry"
+        outcome: str | Committed = "retry"
         moving = False
         try:
             outcome = await self.target.deliver(topic, inc.hex(), part, batch)
@@ -196,19 +290,24 @@ class Dispatcher:
         finally:
             d.inflight = False
             self._inflight -= 1
-        if outcome in ("ok", "gone"):
+        if outcome != "retry":
             d.failing_since = 0.0
             if outcome == "gone":
                 self.discarded += len(batch)
                 log.warning("discarded WAL records of a deleted topic incarnation (leader-confirmed)",
                             extra={"topic": topic, "incarnation": inc.hex(), "records": len(batch)})
+                if self._watched:
+                    self._resolve(batch, None)
             else:
                 self.committed += len(batch)
+                if self._watched:
+                    self._resolve(batch, outcome[1] if isinstance(outcome, tuple) else [])
             for g in groups:
                 g.remaining -= 1
             self._advance()
         else:
             # Keep order: the batch goes back in front of whatever queued since.
+            d.kept, d.probe_kept = 0, False
             d.entries.extendleft(reversed(batch))
             d.groups.extendleft(reversed(groups))
             now = time.monotonic()
@@ -223,7 +322,8 @@ class Dispatcher:
         owner keeps none (membership says when it is back, and a record must not
         wait on a node that may never return). False when there is no sibling."""
         topic, inc, part = key
-        if len(d.entries) <= (1 if probe else 0):
+        skip = max(d.kept, 1) if probe else (0 if d.probe_kept else d.kept)
+        if len(d.entries) <= skip:
             return False
         n = self.target.partition_count(topic, inc.hex())
         for k in range(1, n):
@@ -236,21 +336,35 @@ class Dispatcher:
                 continue
             if other is None:
                 other = self._dests[qkey] = _Dest()
-            kept = (d.entries.popleft(), d.groups.popleft()) if probe else None
-            moved = len(d.entries)
+            kept_e: list[Entry] = []
+            kept_g: list[_Group] = []
+            if probe and not d.kept:
+                d.probe_kept = not _pinned(d.entries[0])
+            elif not probe:
+                d.probe_kept = False
+            for _ in range(skip):
+                kept_e.append(d.entries.popleft())
+                kept_g.append(d.groups.popleft())
+            moved = 0
             while d.entries:
                 e = d.entries.popleft()
+                g = d.groups.popleft()
+                if _pinned(e):  # its idempotency key is checked at this partition: it waits here
+                    kept_e.append(e)
+                    kept_g.append(g)
+                    continue
                 e.partition = q
                 other.entries.append(e)
-                other.groups.append(d.groups.popleft())
-            if kept is not None:
-                d.entries.append(kept[0])
-                d.groups.append(kept[1])
+                other.groups.append(g)
+                moved += 1
+            d.entries.extend(kept_e)
+            d.groups.extend(kept_g)
+            d.kept = len(kept_e)
             if moved:
                 self.rerouted += moved
                 log.warning("rerouted records from a failing partition owner", extra={
                     "topic": topic, "from_partition": part, "to_partition": q, "records": moved})
-            return True
+            return moved > 0
         return False
 
     def _advance(self) -> None:
@@ -265,6 +379,13 @@ class Dispatcher:
         self.closed = True
         if self._timer is not None:
             self._timer.cancel()
+        if self._watch_timer is not None:
+            self._watch_timer.cancel()
+            self._watch_timer = None
+        for w in self._deadlines:
+            if not w.done.done():
+                w.done.set_result(None)
+        self._deadlines.clear()
         for t in list(self._tasks):
             with contextlib.suppress(BaseException):
                 await asyncio.wait_for(asyncio.shield(t), 5.0)

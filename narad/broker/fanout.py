@@ -29,7 +29,9 @@ Runs in every worker, for the parent partitions that worker owns
   (an idle parent log may close; a commit reopens it and wakes the cursor).
 * **Re-key**: keyed records go to ``key_partition(key, child.partitions)``;
   keyless ones keep the parent partition index when the counts match, else
-  round-robin per child. Buckets are committed concurrently (at most 16 in
+  go by their idempotency key when they have one (a copy made twice lands at
+  one child partition, whose commit drops the second), else round-robin per
+  child. Buckets are committed concurrently (at most 16 in
   flight) with ``Broker.commit_to`` (local, another worker, or node RPC), key
   and flags kept. Only when every bucket was acknowledged does the cursor
   file advance (in place). A failed bucket is kept (only its records), retried
@@ -44,7 +46,7 @@ Runs in every worker, for the parent partitions that worker owns
   parent records that cannot be read back intact.
 
 Imports narad.storage, narad.meta (read side and request types), narad.broker
-(routing, partition), narad.metrics.
+(routing, partition, idem), narad.metrics.
 """
 
 from __future__ import annotations
@@ -59,11 +61,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from narad import metrics
+from narad.broker.idem import key_of
 from narad.broker.routing import RoundRobin, key_partition
 from narad.meta import versions as V
 from narad.meta.records import TopicRecord
 from narad.meta.requests import ConfirmEpochReq, ConfirmEpochResp
 from narad.storage import cursor_file as CF
+from narad.storage.frames import F_EXT
 from narad.storage.partition_log import BatchRead, LogClosed, OffsetGone
 
 if TYPE_CHECKING:
@@ -703,6 +707,8 @@ class Cursor:
                 cp = key_partition(key, n)
             elif same:
                 cp = self.spec.partition
+            elif r[1] & F_EXT and (ik := key_of(r[1], r[2])) is not None:
+                cp = key_partition(ik.encode(), n)  # an idempotency key: a copy made again lands where the first did
             else:
                 cp = self.e.rr.pick(child.name, n)
             b = out.get(cp)

@@ -59,11 +59,18 @@ Lives in the worker that owns the partition, on its event-loop thread only.
   taken; acks, extends and nacks of existing leases still work. A frozen
   partition is never evicted. The freeze lapses by itself (its TTL) unless the
   destination re-arms it.
+* Idempotent produce (issue 14): ``idem`` is the table of idempotency keys
+  committed here within the topic's window (``narad.broker.idem``); a commit
+  drops a record whose key is in it (or earlier in the same combined batch) and
+  answers which records of each batch were duplicates. Built from the log at
+  open (the broker's ``_open_sync``, I/O thread) when ``idem.marker`` (made
+  durable before the first keyed commit here) or a move's marker says it may
+  hold keyed records.
 * Metrics: the owner's counters for this partition (messages and payload bytes
   appended, the commit's fdatasync time) are children the broker hands over
   at open (``meter``): one add per commit, none per record.
 
-Imports narad.storage, narad.metrics.
+Imports narad.storage, narad.metrics, narad.broker.idem.
 """
 
 from __future__ import annotations
@@ -81,6 +88,8 @@ from pathlib import Path
 from typing import Any
 
 from narad import metrics
+from narad.broker.idem import DEFAULT_CAP, IdemTable, key_of
+from narad.broker.idem import mark as idem_mark
 from narad.errors import Unavailable
 from narad.storage import frames as FR
 from narad.storage import offsets as OFF
@@ -90,6 +99,7 @@ from narad.storage.partition_log import CorruptRecord, LogClosed, NotVisible, Of
 
 log = logging.getLogger("narad.broker.partition")
 MAX_COMBINED_BYTES = 16 << 20
+Committed = tuple[int, list[int]]  # first offset, indexes of the batch's duplicates (idempotent produce)
 
 
 @dataclass
@@ -144,11 +154,16 @@ class Partition:
         self.m_produced: Any = None  # metric children (``meter``); None: not metered
         self.m_bytes: Any = None
         self.m_fsync: Any = None
+        self.m_dups: Any = None  # idempotent produce: duplicates dropped, keys evicted by the cap
+        self.m_evicted: Any = None
+        self.idem = IdemTable(DEFAULT_CAP)
+        self.idem_window_ms = 300_000  # the topic's effective window (the broker sets it)
+        self.idem_marked = False  # idem.marker is durable here (the broker sets it at open)
         self.age_at: tuple[int, int] = (-1, 0)  # (offset, committed-at ms) of the last oldest-unacked read
         self.closed = False
         self.last_used = time.monotonic()  # the last reserve, settle or commit (stats never stamp it)
         # Commit combining: batches queued while a commit runs go out together.
-        self._commit_queue: list[tuple[list[tuple[bytes | None, int, bytes]], asyncio.Future[int]]] = []
+        self._commit_queue: list[tuple[list[tuple[bytes | None, int, bytes]], asyncio.Future[Committed]]] = []
         self._committing = False
         self._task: asyncio.Task[None] | None = None
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]  # set by the broker
@@ -183,6 +198,10 @@ class Partition:
     def meter(self, produced: Any, nbytes: Any, fsync: Any) -> None:
         """Count commits into these metric children (event-loop thread)."""
         self.m_produced, self.m_bytes, self.m_fsync = produced, nbytes, fsync
+
+    def meter_idem(self, dups: Any, evicted: Any) -> None:
+        """Count duplicates dropped and keys the cap evicted into these children."""
+        self.m_dups, self.m_evicted = dups, evicted
 
     def oldest_unacked_ms(self) -> int | None:
         """Committed-at of the oldest record not acked yet (frontier + 1); None when
@@ -450,10 +469,11 @@ class Partition:
         return True
 
     # ---- commit (owner side) ------------------------------------------------------------
-    async def commit(self, batch: list[tuple[bytes | None, int, bytes]], executor: Executor) -> int:
-        """Append (key, flags, payload) records; returns the first offset once
-        they are durable, read back intact and visible. Batches that arrive
-        while a commit runs are combined into the next one (one frame, one
+    async def commit(self, batch: list[tuple[bytes | None, int, bytes]], executor: Executor) -> Committed:
+        """Append (key, flags, payload) records; returns (the first offset, the
+        indexes in `batch` of the records dropped as duplicates of an idempotency
+        key) once they are durable, read back intact and visible. Batches that
+        arrive while a commit runs are combined into the next one (one frame, one
         fsync)."""
         if self.closed:
             raise OSError(9, "partition closed")
@@ -461,7 +481,7 @@ class Partition:
         if self.frozen(self.last_used):
             raise self.moving_error()
         loop = self.loop
-        fut: asyncio.Future[int] = loop.create_future()
+        fut: asyncio.Future[Committed] = loop.create_future()
         self._commit_queue.append((batch, fut))
         if not self._committing:
             self._committing = True
@@ -480,7 +500,7 @@ class Partition:
                             f.set_exception(err)
                     self._commit_queue.clear()
                     break
-                queue: list[tuple[list[tuple[bytes | None, int, bytes]], asyncio.Future[int]]] = []
+                queue: list[tuple[list[tuple[bytes | None, int, bytes]], asyncio.Future[Committed]]] = []
                 size = 0
                 while self._commit_queue and (not queue or size < MAX_COMBINED_BYTES):
                     item = self._commit_queue.pop(0)
@@ -490,11 +510,39 @@ class Partition:
                 ts = self.log.committed_at()
                 envs: list[bytes] = []
                 decoded: list[Record] = []
+                dups: list[list[int]] = []
+                fresh: dict[str, int] | None = None  # idempotency keys this frame commits
+                table = self.idem
+                ext = FR.F_EXT
                 for batch, _ in queue:
-                    for key, flags, payload in batch:
+                    dl: list[int] = []
+                    for j, (key, flags, payload) in enumerate(batch):
+                        if flags & ext:
+                            k = key_of(flags, payload)
+                            if k is not None:
+                                if fresh is None:
+                                    table.expire(ts - self.idem_window_ms)
+                                    fresh = {}
+                                if k in fresh or table.seen(k):
+                                    dl.append(j)
+                                    payload_bytes -= len(payload)
+                                    continue
+                                fresh[k] = ts
                         envs.append(FR.encode_record(key, ts, flags, payload))
                         decoded.append((key, ts, flags, payload))
+                    dups.append(dl)
+                ndup = sum(len(dl) for dl in dups)
+                if not envs:  # every record was a duplicate: nothing to write
+                    for (_, f), dl in zip(queue, dups, strict=True):
+                        if not f.done():
+                            f.set_result((self.log.hwm, dl))
+                    if self.m_dups is not None:
+                        self.m_dups.value += ndup
+                    continue
                 try:
+                    if fresh and not self.idem_marked:  # the first keyed record here: the marker first
+                        await loop.run_in_executor(executor, idem_mark, self.log.dir)
+                        self.idem_marked = True
                     res = await loop.run_in_executor(executor, self.log.write_commit, envs)
                 except OSError as e:
                     log.error("partition commit failed", extra={"topic": self.topic, "partition": self.index,
@@ -506,6 +554,12 @@ class Partition:
                             f.set_exception(OSError(e.errno or 5, f"partition commit failed: {e}"))
                     continue
                 base, seg, pos, fsize, rolled = res
+                if fresh:
+                    before = table.evicted
+                    for k in fresh:
+                        table.add(k, ts)
+                    if self.m_evicted is not None and table.evicted != before:
+                        self.m_evicted.value += table.evicted - before
                 try:
                     self.log.publish(base, seg, pos, fsize, rolled, decoded)
                 except Exception as e:  # the frame is durable; the log state is not to be trusted
@@ -521,11 +575,13 @@ class Partition:
                     self.m_produced.value += len(decoded)
                     self.m_bytes.value += payload_bytes
                     self.m_fsync.observe(self.log.last_sync_s)
+                if ndup and self.m_dups is not None:
+                    self.m_dups.value += ndup
                 off = base
-                for batch, f in queue:
+                for (batch, f), dl in zip(queue, dups, strict=True):
                     if not f.done():
-                        f.set_result(off)
-                    off += len(batch)
+                        f.set_result((off, dl))
+                    off += len(batch) - len(dl)
                 if self.on_visible is not None:
                     self.on_visible(self, len(decoded))
         finally:

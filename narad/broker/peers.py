@@ -40,6 +40,9 @@ class CommitReq(msgspec.Struct, tag=True, array_like=True):
 
 class CommitResp(msgspec.Struct, array_like=True):
     base: int
+    # Idempotent produce (issue 14): indexes of the records dropped as duplicates of an
+    # idempotency key. Trailing and defaulted: an older peer sends and ignores it.
+    dups: list[int] = []
 
 
 class Item(msgspec.Struct, array_like=True):

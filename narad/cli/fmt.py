@@ -110,6 +110,8 @@ def message_json(msg: Message) -> bytes:
     d["timestamp"] = msg.timestamp
     if msg.receipt_handle:
         d["receipt_handle"] = msg.receipt_handle
+    if msg.headers:
+        d["headers"] = msg.headers
     return msgspec.json.encode(d)
 
 

@@ -73,11 +73,18 @@ def _transient(e: NaradError) -> bool:
               help="Send the message this many times.")
 @click.option("--rate", type=click.FloatRange(min=0), default=0, show_default=True,
               help="Messages per second when --count is above 1; 0 sends as fast as possible.")
+@click.option("-H", "--header", "header", multiple=True, metavar="NAME:VALUE",
+              help="A header stored with the message (repeat for more; an extension a Narad node refuses).")
+@click.option("--idempotency-key", metavar="KEY",
+              help="Extension: a repeat of KEY on this topic within its window is accepted and not stored "
+                   "(safe to send again after a timeout).")
 def pub(topic: str, message: str | None, key: str | None, partition: int | None, file_: str | None, count: int,
-        rate: float) -> None:
+        rate: float, header: tuple[str, ...], idempotency_key: str | None) -> None:
     """Produce a message to TOPIC. The body is MESSAGE, the --file, or standard input
     (also for MESSAGE '-'), stored byte for byte. Prints 'accepted (<n> bytes)' on
-    stderr, or for several messages the count, the time and the rate."""
+    stderr, or for several messages the count, the time and the rate; with
+    --idempotency-key, how many were repeats (not stored) and, if the owner did not
+    answer in time, pending."""
     if file_ is not None and message is not None:
         raise click.UsageError("give the message as an argument or with --file, not both")
     c = connect()  # a --password-stdin line comes before a body on standard input
@@ -93,8 +100,17 @@ def pub(topic: str, message: str | None, key: str | None, partition: int | None,
         body = binary("stdin").read()
     if not body:
         raise click.UsageError("the message is empty (a message is 1 byte to 1 MiB)")
+    headers: dict[str, str] = {}
+    for h in header:
+        name, sep, value = h.partition(":")
+        if not sep or not name:
+            raise click.BadParameter(f"{h!r} is not NAME:VALUE", param_hint="--header")
+        headers[name] = value
+
+    dups = pending = 0
 
     async def go(cl: AsyncClient) -> float:
+        nonlocal dups, pending
         start = time.perf_counter()
         for i in range(count):
             if rate > 0 and i:
@@ -102,7 +118,10 @@ def pub(topic: str, message: str | None, key: str | None, partition: int | None,
                 if pause > 0:
                     await asyncio.sleep(pause)
             try:
-                await cl.produce(topic, body, key=key, partition=partition)
+                res = await cl.produce(topic, body, key=key, partition=partition, idempotency_key=idempotency_key,
+                                       record_headers=headers or None)
+                dups += res.duplicate is True
+                pending += res.pending
             except NaradError as e:
                 where = f"message {i + 1} of {count}: " if count > 1 else ""
                 done = f" ({i} accepted before it)" if i else ""
@@ -111,12 +130,21 @@ def pub(topic: str, message: str | None, key: str | None, partition: int | None,
 
     elapsed = call(c, go)
     if json_mode():
-        emit({"topic": topic, "accepted": count, "bytes": len(body), "seconds": round(elapsed, 6),
-              "rate": round(count / elapsed, 1) if elapsed > 0 else None})
-    elif count == 1:
-        click.echo(f"accepted ({len(body)} bytes)", err=True)
+        out = {"topic": topic, "accepted": count, "bytes": len(body), "seconds": round(elapsed, 6),
+               "rate": round(count / elapsed, 1) if elapsed > 0 else None}
+        if idempotency_key is not None:
+            out["duplicates"] = dups
+            if pending:
+                out["pending"] = pending
+        emit(out)
+        return
+    note = ""
+    if idempotency_key is not None:
+        note = f", {dups} duplicate(s) not stored" + (f", {pending} pending" if pending else "")
+    if count == 1:
+        click.echo(f"accepted ({len(body)} bytes{note})", err=True)
     else:
-        click.echo(f"accepted {count} messages in {elapsed:.3f}s ({count / elapsed:.0f} msg/s)", err=True)
+        click.echo(f"accepted {count} messages in {elapsed:.3f}s ({count / elapsed:.0f} msg/s{note})", err=True)
 
 
 # ---- sub -----------------------------------------------------------------------------------

@@ -89,9 +89,16 @@ def topic() -> None:
 @click.option("--delay", type=Duration(), metavar="DURATION",
               help="With --parent: a delay child, which gets each message this long after the parent "
                    "committed it.")
+@click.option("--max-deliveries", type=click.IntRange(min=0, max=1000), metavar="N",
+              help="Deliveries a message gets before it goes to --dead-letter-topic (0: unlimited). An extension.")
+@click.option("--dead-letter-topic", metavar="TOPIC",
+              help="Where messages past --max-deliveries go (it must exist); in edit, '' clears it.")
+@click.option("--idempotency-window", type=Duration(), metavar="DURATION",
+              help="How long a produce's idempotency key is remembered (1s to 24h; default 5m).")
 def topic_add(name: str, partitions: int, retention: int | None, visibility: int | None,
               max_in_flight: int | None, max_acked_ahead: int | None, schema: str | None, parent: str | None,
-              delay: int | None) -> None:
+              delay: int | None, max_deliveries: int | None, dead_letter_topic: str | None,
+              idempotency_window: int | None) -> None:
     """Create a topic (or, with --parent, a child) and print it."""
     if delay is not None and parent is None:
         raise click.UsageError("--delay needs --parent (narad topic attach --delay makes an existing topic a "
@@ -105,6 +112,8 @@ def topic_add(name: str, partitions: int, retention: int | None, visibility: int
         "max_in_flight_per_partition": max_in_flight or None,
         "max_acked_ahead_per_partition": max_acked_ahead or None,
         "schema": doc, "parent": parent, "fanout_delay_ms": delay,
+        "max_deliveries": max_deliveries or None, "dead_letter_topic": dead_letter_topic or None,
+        "idempotency_window_ms": idempotency_window or None,
     }
     t = call(c, lambda cl: cl.create_topic(name, **kw))
     show(t.raw)
@@ -160,9 +169,16 @@ def topic_info(name: str, partition: int | None) -> None:
               help="New per-partition acked-ahead cap; 0 goes back to the server's default.")
 @click.option("--visibility", metavar="DURATION",
               help="Refused: the visibility timeout is fixed when a topic is created.")
+@click.option("--max-deliveries", type=click.IntRange(min=0, max=1000), metavar="N",
+              help="Deliveries a message gets before it goes to --dead-letter-topic (0: unlimited). An extension.")
+@click.option("--dead-letter-topic", metavar="TOPIC",
+              help="Where messages past --max-deliveries go (it must exist); in edit, '' clears it.")
+@click.option("--idempotency-window", type=Duration(), metavar="DURATION",
+              help="How long a produce's idempotency key is remembered (1s to 24h; default 5m).")
 def topic_edit(name: str, retention: int | None, partitions: int | None, schema: str | None,
                schema_base_version: int | None, max_in_flight: int | None, max_acked_ahead: int | None,
-               visibility: str | None) -> None:
+               visibility: str | None, max_deliveries: int | None, dead_letter_topic: str | None,
+               idempotency_window: int | None) -> None:
     """Change retention, caps or the partition count, or register a new schema version.
     The changes apply in the order retention, caps, partitions, schema, not atomically."""
     if visibility is not None:
@@ -170,15 +186,18 @@ def topic_edit(name: str, retention: int | None, partitions: int | None, schema:
                                "(create a new topic for another one)")
     if schema_base_version is not None and schema is None:
         raise click.UsageError("--schema-base-version goes with --schema")
-    if all(v is None for v in (retention, partitions, schema, max_in_flight, max_acked_ahead)):
-        raise click.UsageError("nothing to change: give --retention, --partitions, --schema, --max-in-flight "
-                               "or --max-acked-ahead")
+    if all(v is None for v in (retention, partitions, schema, max_in_flight, max_acked_ahead, max_deliveries,
+                               dead_letter_topic, idempotency_window)):
+        raise click.UsageError("nothing to change: give --retention, --partitions, --schema, --max-in-flight, "
+                               "--max-acked-ahead, --max-deliveries, --dead-letter-topic or --idempotency-window")
     c = connect()
     doc = _schema_arg(schema)
     kw: dict[str, Any] = {
         "retention_ms": None if retention is None else 0 if retention == FOREVER else retention,
         "partitions": partitions, "schema": doc, "schema_base_version": schema_base_version,
         "max_in_flight_per_partition": max_in_flight, "max_acked_ahead_per_partition": max_acked_ahead,
+        "max_deliveries": max_deliveries, "dead_letter_topic": dead_letter_topic,
+        "idempotency_window_ms": idempotency_window,
     }
     t = call(c, lambda cl: cl.alter_topic(name, **kw))
     show(t.raw)

@@ -9,7 +9,9 @@ call kind      retried (on another node when there is one) when
 produce        nothing was sent (connect failed), or 503 with ``Retry-After``
                (Narad stored nothing). A timeout or any other 5xx is *uncertain*:
                raised with ``uncertain=True``, never retried (a retry after a 202
-               stores the message twice).
+               stores the message twice). With an ``idempotency_key`` (every
+               message of a batch keyed) a produce is retried as a consume is:
+               the owner drops a repeat within the topic's window.
 metadata write connect failed, or 503 with ``Retry-After`` unless the node says the
                write may have landed (then raised, ``uncertain=True``: read back).
 ack / extend   connect failed, 502, 503, 421. Batch ack: only the handles whose
@@ -46,15 +48,18 @@ from narad.client.envelope import wrap
 from narad.client.models import (
     AckResult,
     BatchMessage,
+    BatchResult,
     ChildList,
     Grant,
     Message,
+    ProduceResult,
     RawJSON,
     RedriveResult,
     Topic,
     TopicDetails,
     TopicPage,
     User,
+    inject_trace_context,
 )
 from narad.client.transport import H1Transport, H3Transport, NodeAddr, Transport, parse_node
 
@@ -62,7 +67,7 @@ __all__ = ["AckMode", "AsyncClient", "RetryPolicy"]
 
 VERSION = "0.1.0"
 AckMode = Literal["ack", "extend", "nack"]
-Kind = Literal["produce", "write", "ack", "consume", "read"]
+Kind = Literal["produce", "write", "ack", "consume", "read", "produce_idem"]
 _EXTEND = {"ack": None, "extend": "true", "nack": "0"}
 _enc = msgspec.json.Encoder()
 MAX_BATCH_ACK = 100
@@ -187,6 +192,9 @@ class AsyncClient:
             return True
         if kind in ("produce", "write"):
             return isinstance(err, E.Unavailable) and err.retryable
+        if kind == "produce_idem":  # a repeat is dropped at its owner: asking again stores nothing twice
+            return isinstance(err, E.TransportError) or (isinstance(err, E.ApiError) and err.status in
+                                                         (421, 500, 502, 503, 504))
         status = err.status if isinstance(err, E.ApiError) else None
         if kind == "ack":
             return status in (421, 502, 503)
@@ -310,27 +318,50 @@ class AsyncClient:
         envelope: bool | None = None,
         id: str | None = None,
         headers: dict[str, str] | None = None,
+        record_headers: dict[str, str] | None = None,
+        trace_context: bool = True,
         deadline: float | None = None,
-    ) -> None:
+        idempotency_key: str | None = None,
+    ) -> ProduceResult:
         """Store one message (returns after the node's fsync: its 202).
+
+        ``record_headers``: headers stored with the record and returned on consume
+        (``Message.headers``; an extension a Narad node refuses with 400). With
+        ``trace_context`` (the default) and opentelemetry installed, the current
+        span's context is added to them (``traceparent``), so a consumer can
+        continue the trace (``Message.trace_context()``).
 
         ``payload``: bytes as they are, str as UTF-8, anything else as JSON.
         ``key`` chooses the partition by hash; ``partition`` pins it (wins over key).
         ``envelope``/``id``/``headers`` wrap it in the Go SDK envelope.
         Raises ``ServerError``/``RequestTimeout`` with ``uncertain=True`` when it may
-        have been stored anyway (never retried then)."""
+        have been stored anyway (never retried then).
+        ``idempotency_key`` (extension, 1 to 128 bytes of UTF-8): a repeat within the
+        topic's window is not stored, on any node; the result's ``duplicate`` says
+        which it was (None without a key, or ``pending``: the owner did not answer in
+        time). With a key, the produce is retried like a consume."""
         body, ct = self._payload(payload, envelope, id=id, headers=headers)
-        await self._produce_raw(topic, body, ct, key=key, partition=partition, deadline=deadline)
+        rh = inject_trace_context(record_headers) if trace_context else record_headers
+        return await self._produce_raw(topic, body, ct, key=key, partition=partition, deadline=deadline,
+                                       idempotency_key=idempotency_key, record_headers=rh)
 
     async def _produce_raw(self, topic: str, body: bytes, ct: str, *, key: str | bytes | None,
-                           partition: int | None, deadline: float | None = None) -> None:
+                           partition: int | None, deadline: float | None = None,
+                           idempotency_key: str | None = None,
+                           record_headers: dict[str, str] | None = None) -> ProduceResult:
         query: list[tuple[str, str | bytes]] = []
         if key:
             query.append(("key", key))
         if partition is not None:
             query.append(("partition", str(partition)))
-        await self._call("produce", "POST", f"/v1/topics/{_seg(topic)}/produce", query=query, body=body,
-                         content_type=ct, deadline=deadline)
+        for name, value in (record_headers or {}).items():
+            query.append(("header", f"{name}:{value}"))
+        if idempotency_key is not None:
+            query.append(("idempotency_key", idempotency_key))
+        _s, _h, data = await self._call("produce_idem" if idempotency_key is not None else "produce", "POST",
+                                        f"/v1/topics/{_seg(topic)}/produce", query=query, body=body,
+                                        content_type=ct, deadline=deadline, op="produce")
+        return ProduceResult.from_json(msgspec.json.decode(data)) if data else ProduceResult()
 
     async def produce_batch(
         self,
@@ -338,12 +369,18 @@ class AsyncClient:
         messages: Iterable[BatchMessage | Any],
         *,
         envelope: bool | None = None,
+        trace_context: bool = True,
         deadline: float | None = None,
-    ) -> int:
+    ) -> BatchResult:
         """Store up to 1000 messages all or nothing (one WAL commit); returns the count
-        accepted. Items are ``BatchMessage`` or bare payloads. A refused message
-        names its index (``message 3: ...``) and nothing is stored."""
+        accepted (a ``BatchResult``: an int with ``duplicates`` and ``pending`` for
+        messages with an ``idempotency_key``; when every message has one, the batch is
+        retried like a consume). Items are ``BatchMessage`` or bare payloads. A refused
+        message names its index (``message 3: ...``) and nothing is stored.
+        ``trace_context``: as for ``produce`` (added to every message's ``record_headers``)."""
+        keyed = 0
         out: list[dict[str, Any]] = []
+        trace = inject_trace_context(None) if trace_context else None
         for m in messages:
             bm = m if isinstance(m, BatchMessage) else BatchMessage(m)
             body, ct = self._payload(bm.payload, envelope, id=None, headers=None)
@@ -360,12 +397,22 @@ class AsyncClient:
                     row["key"] = bm.key
             if bm.partition is not None:
                 row["partition"] = bm.partition
+            rh = {**trace, **(bm.record_headers or {})} if trace else bm.record_headers
+            if rh:
+                row["headers"] = rh
+            if bm.idempotency_key is not None:
+                row["idempotency_key"] = bm.idempotency_key
+                keyed += 1
             out.append(row)
         if not out:
             raise ValueError("a batch needs at least one message")
-        ans = await self._json("produce", "POST", f"/v1/topics/{_seg(topic)}/produce/batch", {"messages": out},
-                               deadline=deadline)
-        return int((ans or {}).get("accepted", len(out)))
+        ans = await self._json("produce_idem" if keyed == len(out) else "produce", "POST",
+                               f"/v1/topics/{_seg(topic)}/produce/batch", {"messages": out}, deadline=deadline,
+                               op="produce")
+        ans = ans if isinstance(ans, dict) else {}
+        dups = ans.get("duplicates")
+        return BatchResult(int(ans.get("accepted", len(out))), dups if isinstance(dups, int) else 0,
+                           int(ans.get("pending", 0) or 0))
 
     async def retry_later(self, msg: Message, error: BaseException | str | None, topic: str | None = None) -> None:
         """The Go SDK's ``Retry``: publish a fresh copy of an enveloped message with
@@ -377,7 +424,8 @@ class AsyncClient:
             raise ValueError("retry_later needs an enveloped message (produce with envelope=True)")
         reason = "" if error is None else str(error)
         body = wrap(env.body, id=env.id, attempts=env.attempts + 1, last_error=reason, headers=env.headers)
-        await self._produce_raw(topic or msg.topic, body, "application/json", key=msg.key, partition=None)
+        await self._produce_raw(topic or msg.topic, body, "application/json", key=msg.key, partition=None,
+                                record_headers=msg.headers or None)
         if msg.receipt_handle:
             await self.ack(msg.topic, msg.receipt_handle)
 
@@ -541,16 +589,22 @@ class AsyncClient:
         schema: Any = None,
         parent: str | None = None,
         fanout_delay_ms: int | None = None,
+        max_deliveries: int | None = None,
+        dead_letter_topic: str | None = None,
+        idempotency_window_ms: int | None = None,
     ) -> Topic:
         """Create a topic; with ``parent`` it is created and attached as a child in one
         step (``fanout_delay_ms`` makes it a delay child). ``retention_ms=0`` keeps
-        forever; leave it out for the server's default."""
+        forever; leave it out for the server's default. ``max_deliveries`` /
+        ``dead_letter_topic`` / ``idempotency_window_ms`` are extensions (a Narad
+        node refuses them with 400)."""
         body: dict[str, Any] = {"name": name}
         for k, v in (("partitions", partitions), ("retention_ms", retention_ms),
                      ("visibility_timeout_ms", visibility_timeout_ms),
                      ("max_in_flight_per_partition", max_in_flight_per_partition),
                      ("max_acked_ahead_per_partition", max_acked_ahead_per_partition), ("schema", schema),
-                     ("parent", parent), ("fanout_delay_ms", fanout_delay_ms)):
+                     ("parent", parent), ("fanout_delay_ms", fanout_delay_ms), ("max_deliveries", max_deliveries),
+                     ("dead_letter_topic", dead_letter_topic), ("idempotency_window_ms", idempotency_window_ms)):
             if v is not None:
                 body[k] = v
         return Topic.from_json(await self._json("write", "POST", "/v1/topics", body))
@@ -591,13 +645,19 @@ class AsyncClient:
         partitions: int | None = None,
         schema: Any = None,
         schema_base_version: int | None = None,
+        max_deliveries: int | None = None,
+        dead_letter_topic: str | None = None,
+        idempotency_window_ms: int | None = None,
     ) -> Topic:
         """Change the named fields (applied in the order retention, caps, partitions,
-        schema; not atomically). The visibility timeout is fixed at creation."""
+        schema, delivery settings; not atomically). The visibility timeout is fixed
+        at creation. ``dead_letter_topic=""`` clears it (``max_deliveries`` must be 0 then)."""
         body: dict[str, Any] = {}
         for k, v in (("retention_ms", retention_ms), ("max_in_flight_per_partition", max_in_flight_per_partition),
                      ("max_acked_ahead_per_partition", max_acked_ahead_per_partition),
-                     ("partitions", partitions), ("schema", schema), ("schema_base_version", schema_base_version)):
+                     ("partitions", partitions), ("schema", schema), ("schema_base_version", schema_base_version),
+                     ("max_deliveries", max_deliveries), ("dead_letter_topic", dead_letter_topic),
+                     ("idempotency_window_ms", idempotency_window_ms)):
             if v is not None:
                 body[k] = v
         if not body:

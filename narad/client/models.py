@@ -18,12 +18,14 @@ from narad.client.envelope import Envelope, unwrap
 __all__ = [
     "AckResult",
     "BatchMessage",
+    "BatchResult",
     "Child",
     "ChildList",
     "DeadLetterOrigin",
     "Grant",
     "Message",
     "PartitionStats",
+    "ProduceResult",
     "RawJSON",
     "RedriveResult",
     "Topic",
@@ -90,6 +92,7 @@ class _WireMessage(msgspec.Struct):
     key_encoding: str | None = None
     timestamp: int = 0
     receipt_handle: str | None = None
+    headers: dict[str, str] | None = None  # extension (issue 14)
     delivery_count: int | None = None  # extension (issue 14)
     dead_letter: _WireDead | None = None  # extension (issue 14)
 
@@ -122,6 +125,7 @@ class Message:
     key: bytes | None
     timestamp: int  # commit time, Unix seconds
     receipt_handle: str | None
+    headers: dict[str, str] = field(default_factory=dict)  # the record's headers (an extension; {} when none)
     # Extensions (issue 14; None from a Narad node): how many times this message was
     # leased, this delivery included (None for a replay); where a dead-lettered one came from.
     delivery_count: int | None = None
@@ -144,7 +148,7 @@ class Message:
         return cls(topic=w.topic, partition=w.partition, offset=w.offset, payload=payload,
                    payload_kind=kind,  # type: ignore[arg-type]
                    payload_json=pj, key=key, timestamp=w.timestamp, receipt_handle=w.receipt_handle,
-                   delivery_count=w.delivery_count, dead_letter=dead)
+                   headers=w.headers or {}, delivery_count=w.delivery_count, dead_letter=dead)
 
     @classmethod
     def parse_one(cls, body: bytes) -> Message:
@@ -176,6 +180,16 @@ class Message:
     def key_text(self) -> str | None:
         return None if self.key is None else self.key.decode("utf-8", "replace")
 
+    def trace_context(self) -> Any:
+        """The OpenTelemetry context its producer's SDK put in the headers
+        (``traceparent``/``tracestate``), for ``tracer.start_as_current_span(...,
+        context=msg.trace_context())``; None when opentelemetry is not installed."""
+        try:
+            from opentelemetry import propagate
+        except ImportError:
+            return None
+        return propagate.extract(dict(self.headers))
+
 
 @dataclass(frozen=True, slots=True)
 class BatchMessage:
@@ -184,6 +198,60 @@ class BatchMessage:
     payload: Any
     key: str | bytes | None = None
     partition: int | None = None
+    record_headers: dict[str, str] | None = None  # stored with the record (an extension; see produce)
+    idempotency_key: str | None = None  # extension (issue 14): a repeat within the topic's window is not stored
+
+
+def inject_trace_context(headers: dict[str, str] | None) -> dict[str, str] | None:
+    """``headers`` with the current OpenTelemetry trace context added
+    (``traceparent``/``tracestate``; headers the caller set win). Unchanged when
+    opentelemetry is not installed or no span is recording."""
+    try:
+        from opentelemetry import propagate
+    except ImportError:
+        return headers
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    if not carrier:
+        return headers
+    return {**carrier, **(headers or {})}
+
+
+@dataclass(frozen=True, slots=True)
+class ProduceResult:
+    """What a single produce's 202 said. ``duplicate``: True when the message was an
+    idempotency key's repeat (nothing stored), False when it was stored, None when the
+    produce had no key or the owner's verdict did not come in time (``pending``: it
+    is durable and still checked at its commit)."""
+
+    duplicate: bool | None = None
+    pending: bool = False
+
+    @classmethod
+    def from_json(cls, d: Any) -> ProduceResult:
+        if not isinstance(d, dict):
+            return cls()
+        dup = d.get("duplicate")
+        return cls(dup if isinstance(dup, bool) else None, d.get("pending") is True)
+
+
+class BatchResult(int):
+    """``produce_batch``'s answer: the count accepted (an int, as before) with
+    ``accepted``, ``duplicates`` (repeats of an idempotency key among them, not
+    stored; 0 without keys) and ``pending`` (keyed messages whose verdict did not
+    come in time)."""
+
+    accepted: int
+    duplicates: int
+    pending: int
+
+    def __new__(cls, accepted: int, duplicates: int = 0, pending: int = 0) -> BatchResult:
+        obj = super().__new__(cls, accepted)
+        obj.accepted, obj.duplicates, obj.pending = accepted, duplicates, pending
+        return obj
+
+    def __repr__(self) -> str:
+        return f"BatchResult(accepted={self.accepted}, duplicates={self.duplicates}, pending={self.pending})"
 
 
 def _opt_int(d: dict[str, Any], k: str) -> int | None:
@@ -210,6 +278,10 @@ class Topic:
     delay_ms: int = 0
     attach_epoch: int | None = None
     attach_offsets: list[int] = field(default_factory=list)
+    # Delivery settings (extensions, issue 14): 0 / None when not set.
+    max_deliveries: int = 0
+    dead_letter_topic: str | None = None
+    idempotency_window_ms: int = 0
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @staticmethod
@@ -230,6 +302,9 @@ class Topic:
             "delay_ms": int(d.get("delay_ms") or d.get("fanout_delay_ms") or 0),
             "attach_epoch": _opt_int(d, "attach_epoch"),
             "attach_offsets": list(d.get("attach_offsets") or []),
+            "max_deliveries": int(d.get("max_deliveries") or 0),
+            "dead_letter_topic": d.get("dead_letter_topic"),
+            "idempotency_window_ms": int(d.get("idempotency_window_ms") or 0),
             "raw": d,
         }
 

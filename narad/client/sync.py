@@ -19,9 +19,11 @@ from narad.client.client import AckMode, AsyncClient
 from narad.client.consumer import Consumer, Handler
 from narad.client.models import (
     AckResult,
+    BatchResult,
     ChildList,
     Grant,
     Message,
+    ProduceResult,
     RedriveResult,
     Topic,
     TopicDetails,
@@ -80,10 +82,10 @@ class Client:
         return self.aio.current_node
 
     # ---- messages -----------------------------------------------------------------------
-    def produce(self, topic: str, payload: Any, **kw: Any) -> None:
-        self._run(self.aio.produce(topic, payload, **kw))
+    def produce(self, topic: str, payload: Any, **kw: Any) -> ProduceResult:
+        return self._run(self.aio.produce(topic, payload, **kw))
 
-    def produce_batch(self, topic: str, messages: Sequence[Any], **kw: Any) -> int:
+    def produce_batch(self, topic: str, messages: Sequence[Any], **kw: Any) -> BatchResult:
         return self._run(self.aio.produce_batch(topic, messages, **kw))
 
     def consume(self, topic: str, **kw: Any) -> Message | None:

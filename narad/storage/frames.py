@@ -186,6 +186,17 @@ def split_ext(flags: int, stored: bytes) -> tuple[Ext | None, bytes]:
     returned whole. Raises FrameError when the block is malformed."""
     if not flags & F_EXT:
         return None, stored
+    ext, pos = _ext_at(stored)
+    return ext, bytes(stored[pos:])
+
+
+def read_ext(stored: bytes) -> Ext:
+    """The extension block of a stored payload whose flags have ``F_EXT`` (the body
+    is not copied). Raises FrameError when the block is malformed."""
+    return _ext_at(stored)[0]
+
+
+def _ext_at(stored: bytes) -> tuple[Ext, int]:
     n = len(stored)
     pos, shift, blen = 0, 0, 0
     while True:
@@ -203,4 +214,4 @@ def split_ext(flags: int, stored: bytes) -> tuple[Ext | None, bytes]:
         ext = _ext_dec.decode(stored[pos : pos + blen])
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise FrameError(f"bad extension block: {e}") from None
-    return ext, bytes(stored[pos + blen :])
+    return ext, pos + blen

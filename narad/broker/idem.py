@@ -1,0 +1,173 @@
+"""Idempotent produce (issue 14): a partition owner's table of recent idempotency keys.
+
+A record produced with an ``idempotency_key`` carries it in its extension block
+(``frames.Ext.i``). The partition's owner checks it where the record is
+committed (``Partition._commit_cycle``): a key seen in this partition within
+the topic's window (``TopicRecord.idem_window_ms``, default 5 min) makes the
+record a duplicate, which is not written; the commit answers which records of
+the batch were duplicates. Checking at the commit makes the verdict hold on any
+node the produce landed on, across retries after a timeout, and across the WAL
+replay after a crash (a keyed record committed once already is dropped then).
+
+The table is ``key -> committed-at ms`` in commit order (a dict keeps insertion
+order; committed-at never decreases along a partition), so keys whose window
+passed are dropped from its front, and when it holds ``cap`` keys the oldest is
+dropped (counted: ``evicted``) before a new one goes in; a worker's open
+partitions hold at most ``WORKER_KEYS`` in all (checked by the broker's 5 s
+poller: over it, each table is cut to its share, oldest first, so the bound can
+be passed by 5 s of keyed commits). Memory per key: see
+``bytes_per_key`` (measured by tests/test_idempotency.py: 155 bytes for a
+36-byte key on CPython 3.11, about 15 MiB for a full table of 100k keys).
+
+At open the table is rebuilt from the records the log holds that were committed
+within the window (``rebuild``, on the I/O thread), newest segment whose first
+record is older than the window onwards, so a restart (clean or kill -9) and a
+partition move (the copy is the log) keep it. Its cost is one read of the data
+committed within the window (measured by loadtest/bench_idempotency.py), paid
+only by partitions that may hold a keyed record (``needs_rebuild``): the first
+commit of a keyed record in a partition makes ``idem.marker`` durable first
+(``mark``), and a moved-in copy (``move.marker``: its history is not known
+here) is scanned too. A partition that never had a keyed record opens as before.
+
+Imports narad.storage.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from narad.storage import fileio
+from narad.storage import frames as FR
+from narad.storage import transfer as TR
+from narad.storage.partition_log import LogClosed, OffsetGone, PartitionLog, first_record_ms
+
+DEFAULT_CAP = 100_000  # keys per partition
+WORKER_KEYS = 1_000_000  # keys per worker, over its open partitions (``trim_to_budget``, every 5 s)
+MAX_KEY_BYTES = 128
+REBUILD_RECORDS = 4096
+REBUILD_BYTES = 8 << 20
+MARKER = "idem.marker"  # in a partition directory: a keyed record may have been committed here
+
+
+def needs_rebuild(d: Path) -> bool:
+    """Whether the partition in `d` may hold records with an idempotency key."""
+    return (d / MARKER).exists() or (d / TR.MARKER_FILE).exists()
+
+
+def mark(d: Path) -> None:
+    """Make ``idem.marker`` durable in `d` (I/O thread; before the first keyed commit)."""
+    if not (d / MARKER).exists():
+        fileio.replace_durable(d / MARKER, b"")
+        fileio.fsync_dir(os.fspath(d))
+
+
+def key_of(flags: int, payload: bytes) -> str | None:
+    """The record's idempotency key (None: none, or an unreadable block)."""
+    if not flags & FR.F_EXT:
+        return None
+    try:
+        return FR.read_ext(payload).i
+    except FR.FrameError:
+        return None
+
+
+class IdemTable:
+    """``key -> committed-at ms``, oldest first, at most ``cap`` keys."""
+
+    __slots__ = ("cap", "evicted", "keys")
+
+    def __init__(self, cap: int = DEFAULT_CAP) -> None:
+        self.keys: dict[str, int] = {}
+        self.cap = cap
+        self.evicted = 0  # keys dropped by the cap before their window passed
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def expire(self, cutoff_ms: int) -> None:
+        """Drop the keys committed before `cutoff_ms` (from the front)."""
+        keys = self.keys
+        while keys:
+            k = next(iter(keys))
+            if keys[k] >= cutoff_ms:
+                break
+            del keys[k]
+
+    def seen(self, key: str) -> bool:
+        return key in self.keys
+
+    def add(self, key: str, ts_ms: int) -> None:
+        keys = self.keys
+        if key in keys:
+            del keys[key]  # an expired key committed again moves to the back
+        elif len(keys) >= self.cap:
+            del keys[next(iter(keys))]
+            self.evicted += 1
+        keys[key] = ts_ms
+
+    def trim(self, n: int) -> int:
+        """Drop the oldest keys until at most `n` remain (counted as evicted); how many."""
+        keys = self.keys
+        k = max(0, len(keys) - max(0, n))
+        for _ in range(k):
+            del keys[next(iter(keys))]
+        self.evicted += k
+        return k
+
+    def bytes_per_key(self) -> float:
+        """Measured: the dict's size plus each key's string object, per key (the
+        ints are shared or small beside them; 0 when empty)."""
+        n = len(self.keys)
+        if not n:
+            return 0.0
+        total = sys.getsizeof(self.keys) + sum(sys.getsizeof(k) + sys.getsizeof(v) for k, v in self.keys.items())
+        return total / n
+
+
+def trim_to_budget(tables: list[IdemTable], budget: int = WORKER_KEYS) -> int:
+    """Over `budget` keys in all: each table keeps its share (its size times
+    budget / total), oldest dropped first. Returns the keys dropped."""
+    total = sum(len(t) for t in tables)
+    if total <= budget:
+        return 0
+    return sum(t.trim(len(t) * budget // total) for t in tables)
+
+
+def rebuild(plog: PartitionLog, window_ms: int, now_ms: int, cap: int = DEFAULT_CAP) -> tuple[IdemTable, int]:
+    """The table from the log's records committed within the window before
+    `now_ms` (I/O thread, at open). Returns it and the records read."""
+    table = IdemTable(cap)
+    cutoff = now_ms - window_ms
+    start = plog.oldest
+    for seg in reversed(plog.segments):
+        if seg.size == 0:
+            continue
+        if seg.first_ms is None:
+            seg.first_ms = first_record_ms(seg.path)
+        if seg.first_ms is not None and 0 <= seg.first_ms < cutoff:
+            start = seg.base  # this segment begins before the window: nothing older counts
+            break
+    off = max(start, plog.oldest)
+    hwm = plog.hwm
+    read = 0
+    while off < hwm:
+        try:
+            got = plog.read_batch(off, REBUILD_RECORDS, REBUILD_BYTES)
+        except OffsetGone as e:
+            off = e.oldest
+            continue
+        except LogClosed:
+            break
+        if got.next_offset <= off:
+            break
+        for _key, ts, flags, payload in got.records:
+            if ts >= cutoff and flags & FR.F_EXT:
+                k = key_of(flags, payload)
+                if k is not None:
+                    table.add(k, ts)
+        read += len(got.records)
+        off = got.next_offset
+    table.evicted = 0  # the cap at rebuild drops what an earlier life had dropped already
+    return table, read

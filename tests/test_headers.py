@@ -1,0 +1,227 @@
+"""Message headers (issue 14): produced as a batch message field or as
+``?header=name:value`` on a single produce (the fast path and the schema path),
+returned as ``headers`` on consume and replay, copied to a fan-out child with
+the record, bounded (400s naming what to fix), and absent from the answer of a
+record without them. A real node with two forked workers (a record produced on
+one worker and consumed through the other), and the SDK's record headers with
+OpenTelemetry trace context."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+from collections.abc import Iterator
+from typing import Any
+from urllib.parse import quote
+
+import pytest
+
+from narad.storage import frames as FR
+from tests.harness import ADMIN_PASSWORD, Node, Response, wait_for
+
+OCTET = {"Content-Type": "application/octet-stream"}
+CLIENT = {"X-Narad-Client": "tests"}
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
+    n = Node(tmp_path_factory.mktemp("headers") / "data", workers=2).start()
+    yield n
+    n.close()
+
+
+def mk(node: Node, name: str, **fields: Any) -> None:
+    r = node.post("/v1/topics", {"name": name, "partitions": 3, **fields})
+    assert r.status == 201, r
+
+
+def take_all(node: Node, name: str, n: int, timeout: float = 15.0) -> list[dict[str, Any]]:
+    got: list[dict[str, Any]] = []
+
+    def more() -> bool:
+        r = node.request("GET", f"/v1/topics/{name}/consume?max=100", headers=CLIENT)
+        if r.status == 200:
+            doc = r.json()
+            got.extend(doc["messages"] if isinstance(doc, dict) and "messages" in doc else [doc])
+        return len(got) >= n
+
+    wait_for(more, timeout, 0.02, f"{n} records of {name}")
+    return got
+
+
+def err(r: Response) -> str:
+    assert r.status == 400, r
+    return str(r.json()["error"])
+
+
+def test_extension_block_round_trips_and_leaves_plain_records_alone() -> None:
+    stored = FR.pack_ext(FR.Ext(h={"a": "1", "trace": "x" * 300}), b'{"v":1}')
+    ext, body = FR.split_ext(FR.F_EXT, stored)
+    assert ext is not None and ext.h == {"a": "1", "trace": "x" * 300} and body == b'{"v":1}'
+    assert FR.split_ext(FR.F_JSON, b'{"v":1}') == (None, b'{"v":1}')
+    for bad in (b"", b"\xff", b"\x05ab", b"\x02\xc1\xc1rest"):
+        with pytest.raises(FR.FrameError):
+            FR.split_ext(FR.F_EXT, bad)
+
+
+def test_batch_and_single_headers_come_back_on_consume(node: Node) -> None:
+    mk(node, "hd-basic")
+    r = node.post("/v1/topics/hd-basic/produce/batch", {"messages": [
+        {"payload": {"n": 1}, "headers": {"traceparent": "00-abc-def-01", "kind": "order"}},
+        {"payload": {"n": 2}},
+        {"payload": base64.b64encode(b"\x00\xffbin").decode(), "payload_encoding": "base64",
+         "headers": {"x": ""}},
+    ]})
+    assert r.status == 202 and r.json() == {"accepted": 3}, r
+    # Single produce, fast path (no schema): two headers, a value holding ':'.
+    r = node.post("/v1/topics/hd-basic/produce?header=kind:single&header=" + quote("url:http://h:1/x"), b"plain text",
+                  headers=OCTET)
+    assert r.status == 202 and r.body == b"", r
+    got = {json.dumps(m["payload"]) if m.get("payload_encoding") is None else m["payload"]: m
+           for m in take_all(node, "hd-basic", 4)}
+    assert got['{"n": 1}']["headers"] == {"traceparent": "00-abc-def-01", "kind": "order"}
+    assert got['{"n": 1}']["payload"] == {"n": 1}
+    assert "headers" not in got['{"n": 2}']
+    binary = got[base64.b64encode(b"\x00\xffbin").decode()]
+    assert binary["payload_encoding"] == "base64" and binary["headers"] == {"x": ""}
+    single = got['"plain text"']
+    assert single["headers"] == {"kind": "single", "url": "http://h:1/x"}
+    # Replay (offset mode) shows them too.
+    r = node.get(f"/v1/topics/hd-basic/consume?partition={single['partition']}&offset={single['offset']}")
+    assert r.status == 200 and r.json()["headers"] == {"kind": "single", "url": "http://h:1/x"}, r
+
+
+def test_single_produce_with_a_schema_keeps_headers_and_checks_only_the_body(node: Node) -> None:
+    schema = {"type": "object", "required": ["id"]}
+    mk(node, "hd-schema", schema=schema)
+    assert node.post("/v1/topics/hd-schema/produce?header=h:v", {"id": 1}).status == 202
+    assert node.post("/v1/topics/hd-schema/produce?header=h:v", {"nope": 1}).status == 400
+    (m,) = take_all(node, "hd-schema", 1)
+    assert m["payload"] == {"id": 1} and m["headers"] == {"h": "v"}
+
+
+@pytest.mark.parametrize(("query", "why"), [
+    ("header=novalue", 'must be "name:value"'),
+    ("header=a:1&header=a:2", "given twice"),
+    ("header=" + quote("bad name:1"), "header name"),
+    ("header=:1", "header name"),
+    ("&".join(f"header=h{i}:v" for i in range(33)), "at most 32 headers"),
+    ("header=big:" + "v" * 9000, "larger than 8192 bytes"),
+])
+def test_bad_single_headers_are_400(node: Node, query: str, why: str) -> None:
+    mk(node, f"hd-bad-{abs(hash(query)) % 10**8}")
+    name = f"hd-bad-{abs(hash(query)) % 10**8}"
+    assert why in err(node.post(f"/v1/topics/{name}/produce?{query}", b"x", headers=OCTET))
+    assert node.get(f"/v1/topics/{name}").json().get("partitions") == 3
+
+
+def test_bad_batch_headers_are_400_naming_the_message_and_store_nothing(node: Node) -> None:
+    mk(node, "hd-badbatch")
+    r = node.post("/v1/topics/hd-badbatch/produce/batch", {"messages": [
+        {"payload": 1, "headers": {"ok": "1"}}, {"payload": 2, "headers": {"sp ace": "1"}}]})
+    assert "message 1: invalid argument: header name" in err(r)
+    r = node.post("/v1/topics/hd-badbatch/produce/batch", {"messages": [{"payload": 1, "headers": {"a": 1}}]})
+    assert r.status == 400 and "message 0" in r.json()["error"], r
+    r = node.request("GET", "/v1/topics/hd-badbatch/consume?max=10", headers=CLIENT)
+    assert r.status == 204, r
+
+
+def test_a_child_gets_the_headers_with_the_record(node: Node) -> None:
+    mk(node, "hd-parent")
+    r = node.post("/v1/topics", {"name": "hd-child", "parent": "hd-parent"})
+    assert r.status == 201, r
+    assert node.post("/v1/topics/hd-parent/produce/batch",
+                     {"messages": [{"payload": {"c": 1}, "headers": {"origin": "parent"}}]}).status == 202
+    (m,) = take_all(node, "hd-child", 1, timeout=30.0)
+    assert m["payload"] == {"c": 1} and m["headers"] == {"origin": "parent"}
+
+
+def test_sdk_record_headers_and_trace_context(node: Node) -> None:
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from narad.client import AsyncClient, BatchMessage
+
+    mk(node, "hd-sdk")
+    trace.set_tracer_provider(TracerProvider())
+    tracer = trace.get_tracer("tests")
+
+    async def run() -> tuple[list[Any], str]:
+        async with AsyncClient(f"127.0.0.1:{node.port}", auth=("admin", ADMIN_PASSWORD)) as c:
+            with tracer.start_as_current_span("produce") as span:
+                await c.produce("hd-sdk", {"one": 1}, record_headers={"k": "v"})
+                await c.produce_batch("hd-sdk", [BatchMessage({"two": 2}, record_headers={"b": "2"})])
+                want = format(span.get_span_context().trace_id, "032x")
+            msgs: list[Any] = []
+            for _ in range(200):
+                msgs.extend(await c.consume_batch("hd-sdk", 10, wait=0.5))
+                if len(msgs) >= 2:
+                    break
+            return msgs, want
+
+    msgs, trace_id = asyncio.run(run())
+    by = {m.json().get("one", 2): m for m in msgs}
+    assert by[1].headers["k"] == "v" and by[2].headers["b"] == "2"
+    for m in by.values():
+        assert m.headers["traceparent"].split("-")[1] == trace_id  # injected by the SDK
+        ctx = m.trace_context()
+        assert format(trace.get_current_span(ctx).get_span_context().trace_id, "032x") == trace_id
+
+
+def test_headers_cross_nodes_and_survive_an_owner_kill9(tmp_path: Any) -> None:
+    """3 nodes: records with headers produced at one node for partitions other nodes own
+    (CommitReq over node RPC), consumed through a third node (consume probes), then the
+    owner of one partition is killed with SIGKILL and restarted: its records come back
+    from disk with their headers."""
+    from tests.harness import Cluster
+
+    c = Cluster(tmp_path, 3, initial=3).start()
+    try:
+        c.leader()
+        assert c["n1"].post("/v1/topics", {"name": "hdc", "partitions": 3}).status == 201
+        wait_for(lambda: all(c[n].get("/v1/topics/hdc").status == 200 for n in c.ids), 20, 0.05, "the topic")
+        owner = {s["index"]: s["owner_node"] for s in c["n1"].get("/v1/topics/hdc").json()["partition_stats"]}
+        rows = [{"payload": {"i": i}, "partition": i % 3, "headers": {"i": str(i), "from": "n1"}} for i in range(6)]
+        assert c["n1"].post("/v1/topics/hdc/produce/batch", {"messages": rows}).status == 202
+        # Wait until every record is committed at its owner (describe sums the high watermarks).
+        wait_for(lambda: sum(s["high_watermark"] for s in c["n1"].get("/v1/topics/hdc").json()["partition_stats"])
+                 == 6, 30, 0.05, "six records committed")
+        victim = next(o for o in owner.values() if o != "n1")
+        c[victim].kill9()
+        c[victim].start()
+        reader = next(n for n in c.ids if n not in ("n1", victim))
+        got: dict[int, dict[str, Any]] = {}
+
+        def drain() -> bool:
+            for nid in (reader, victim, "n1"):
+                r = c[nid].request("GET", "/v1/topics/hdc/consume?max=10", headers=CLIENT)
+                if r.status == 200:
+                    for m in r.json()["messages"]:
+                        got[m["payload"]["i"]] = m
+            return len(got) == 6
+
+        wait_for(drain, 60, 0.1, "all six records")
+        for i, m in got.items():
+            assert m["headers"] == {"i": str(i), "from": "n1"}, m
+            assert m["partition"] == i % 3
+        assert {owner[m["partition"]] for m in got.values()} - {"n1"}, owner  # some crossed a node hop
+    finally:
+        c.close()
+
+
+def test_headers_and_an_idempotency_key_share_one_extension_block(node: Node) -> None:
+    mk(node, "hd-idem")
+    q = "?header=h:1&idempotency_key=k-1"
+    r = node.post(f"/v1/topics/hd-idem/produce{q}", b"first", headers=OCTET)
+    assert r.status == 202 and r.json() == {"duplicate": False}, r
+    r = node.post(f"/v1/topics/hd-idem/produce{q}", b"again", headers=OCTET)
+    assert r.status == 202 and r.json() == {"duplicate": True}, r
+    r = node.post("/v1/topics/hd-idem/produce/batch", {"messages": [
+        {"payload": 1, "headers": {"b": "2"}, "idempotency_key": "k-2"},
+        {"payload": 2, "headers": {"b": "3"}, "idempotency_key": "k-1"}]})
+    assert r.status == 202 and r.json() == {"accepted": 2, "duplicates": 1}, r
+    got = take_all(node, "hd-idem", 2)
+    assert sorted((json.dumps(m["payload"]), m["headers"]["h" if "h" in m["headers"] else "b"]) for m in got) == \
+        [('"first"', "1"), ("1", "2")]
+    assert node.request("GET", "/v1/topics/hd-idem/consume?max=10", headers=CLIENT).status == 204

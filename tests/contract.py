@@ -474,8 +474,8 @@ def check(h: History, mode: str = "strict", *, grace_s: float | None = None, sla
         counted = [d for d in ds if d.count > 0]
         for i, d in enumerate(counted):
             for d2 in counted[i + 1:]:
-                if d2.call <= d.ret or d2.count > d.count:
-                    continue
+                if d2.call <= d.ret or d2.count > d.count or d2.nonce == d.nonce:
+                    continue  # (one lease answered twice is the dup rule's business, not a new lease)
                 detail = (f"{copy[0]}:{copy[1]} ({d2.mid}) delivered with delivery_count {d2.count} at "
                           f"+{(d2.call - h.start_ns) / NS:.3f} s after a delivery with {d.count} "
                           f"(returned +{(d.ret - h.start_ns) / NS:.3f} s)")

@@ -220,6 +220,18 @@ class _Metrics:
                                             ["topic", "reason"]))
         self.ack_extended = a(Counter("narad_ack_extended_total", "lease extensions", ["topic"]))
         self.nacks = a(Counter("narad_nack_total", "nacks", ["topic"]))
+        # Dead-lettering (issue 14): labelled with the source topic (redriven: the dead-letter topic).
+        self.dead_lettered = a(Counter("narad_dead_lettered_total",
+                                       "records past max_deliveries committed to the dead-letter topic and "
+                                       "settled in the source", ["topic"]))
+        self.dead_letter_failures = a(Counter("narad_dead_letter_failures_total",
+                                              "dead-letter commits that failed (the records stay held and are "
+                                              "retried every second)", ["topic"]))
+        self.dead_letter_held = a(Gauge("narad_dead_letter_held",
+                                        "records past max_deliveries held for the dead-letter topic (not "
+                                        "delivered, not yet committed there)", ["topic"]))
+        self.redriven = a(Counter("narad_redriven_total", "records a redrive produced back to their origin topic",
+                                  ["topic"]))
         self.consume_empty = a(Counter("narad_consume_empty_total", "consumes answered with nothing", ["topic"]))
         self.consume_waiters = a(Gauge("narad_consume_waiters", "long polls parked, waiting for records"))
         self.wal_failed = a(Gauge("narad_ingress_wal_failed", "1 while produce is latched off by a WAL failure"))

@@ -27,7 +27,12 @@ The checker (``check``) gives a verdict over a history (rules, see ``RULES``):
 - delayed_early: a copy nacked with a delay (issue 14) delivered again (another
   nonce) for certain before that delay ran out, counted from the nack's call (the
   owner applied it no earlier), minus the slack; allowed (counted) inside a declared
-  fault window + grace in either mode (a restart or a move forgets delays).
+  fault window + grace in either mode (a restart or a move forgets delays);
+- count_not_rising: two deliveries of one copy, the second reserved for certain after
+  the first (its call began after the first returned), whose ``delivery_count``s
+  (issue 14; deliveries recorded without one are left out) do not rise; allowed
+  (counted) inside a declared fault window + grace in either mode (after a kill -9 a
+  count may be lower than the truth by the leases of the owner's last ~100 ms).
 
 A delivery may carry its own lease length (``vis_ns``: a consume with
 ``visibility``) and an extend its new one; 0 means the history's visibility.
@@ -50,7 +55,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-RULES = ("lost", "phantom", "dup_after_ack", "double_lease", "not_redelivered", "undrained", "dup", "delayed_early")
+RULES = ("lost", "phantom", "dup_after_ack", "double_lease", "not_redelivered", "undrained", "dup", "delayed_early",
+         "count_not_rising")
 OCTET = {"Content-Type": "application/octet-stream"}
 JSON_CT = {"Content-Type": "application/json"}
 NS = 1_000_000_000
@@ -79,6 +85,7 @@ class Delivery:
     ret: int
     node: str = ""
     vis_ns: int = 0  # this delivery's lease length (consume ?visibility=); 0: the history's
+    count: int = 0  # its delivery_count (issue 14); 0: not known
 
     @property
     def handle(self) -> str:
@@ -215,7 +222,7 @@ class Verdict:
     counts: dict[str, int] = field(default_factory=dict)
     violations: dict[str, list[str]] = field(default_factory=lambda: {r: [] for r in RULES})
     allowed: dict[str, int] = field(default_factory=lambda: {"dup_after_ack": 0, "double_lease": 0,
-                                                             "delayed_early": 0})
+                                                             "delayed_early": 0, "count_not_rising": 0})
     fault_coverage: float = 0.0
     lost_ack_ages_ns: list[int] = field(default_factory=list)  # fault start - ack return, per allowed dup
     allowed_details: list[str] = field(default_factory=list)
@@ -237,7 +244,8 @@ class Verdict:
             f"delivered {c.get('deliveries', 0)} ({c.get('delivered_ids', 0)} ids); acked {c.get('acked_ids', 0)} "
             f"ids; duplicates {c.get('duplicates', 0)} (redelivered after lease expiry/nack/410 "
             f"{c.get('explained_redeliveries', 0)}; dup_after_ack allowed in fault windows "
-            f"{self.allowed['dup_after_ack']}; double leases allowed in fault windows {self.allowed['double_lease']}); "
+            f"{self.allowed['dup_after_ack']}; double leases allowed in fault windows {self.allowed['double_lease']}; "
+            f"delivery counts not rising allowed in fault windows {self.allowed['count_not_rising']}); "
             f"acks 204 {c.get('acks_204', 0)} / 410 {c.get('acks_410', 0)} / ambiguous {c.get('acks_ambiguous', 0)}; "
             f"extends {c.get('extends', 0)}, nacks {c.get('nacks', 0)}; faults {c.get('faults', 0)} "
             f"(run inside fault windows + grace: {self.fault_coverage:.0%}); violations {viol or 0}"
@@ -461,6 +469,22 @@ def check(h: History, mode: str = "strict", *, grace_s: float | None = None, sla
                     else:
                         v.violations["delayed_early"].append(detail)
 
+    # (g) delivery counts rise from one lease of a copy to the next
+    for copy, ds in by_copy.items():
+        counted = [d for d in ds if d.count > 0]
+        for i, d in enumerate(counted):
+            for d2 in counted[i + 1:]:
+                if d2.call <= d.ret or d2.count > d.count or d2.nonce == d.nonce:
+                    continue  # (one lease answered twice is the dup rule's business, not a new lease)
+                detail = (f"{copy[0]}:{copy[1]} ({d2.mid}) delivered with delivery_count {d2.count} at "
+                          f"+{(d2.call - h.start_ns) / NS:.3f} s after a delivery with {d.count} "
+                          f"(returned +{(d.ret - h.start_ns) / NS:.3f} s)")
+                if in_window(d2.call):
+                    v.allowed["count_not_rising"] += 1
+                    v.allowed_details.append(detail)
+                else:
+                    v.violations["count_not_rising"].append(detail)
+
     # fault coverage of the run
     covered = 0
     last = h.start_ns
@@ -506,7 +530,8 @@ def record_delivery(h: History, m: dict[str, Any], call: int, ret: int, node: st
     """Record one consumed message (an object of a single or batch consume answer, with
     its receipt handle) as a delivery; ``mid`` defaults to ``message_id(payload)``."""
     p, o, nonce = m["receipt_handle"].split(":", 2)
-    d = Delivery(mid if mid is not None else message_id(m["payload"]), int(p), int(o), nonce, call, ret, node)
+    d = Delivery(mid if mid is not None else message_id(m["payload"]), int(p), int(o), nonce, call, ret, node,
+                 count=int(m.get("delivery_count") or 0))
     h.delivered(d)
     return d
 
@@ -550,7 +575,8 @@ class Recorder:
         out = []
         for m in r.json()["messages"]:
             p, o, nonce = m["receipt_handle"].split(":", 2)
-            d = Delivery(message_id(m["payload"]), int(p), int(o), nonce, t0, t1, getattr(node, "node_id", ""))
+            d = Delivery(message_id(m["payload"]), int(p), int(o), nonce, t0, t1, getattr(node, "node_id", ""),
+                         count=int(m.get("delivery_count") or 0))
             self.h.delivered(d)
             out.append(d)
         return out

@@ -373,3 +373,26 @@ def test_pub_headers_and_topic_delivery_settings(node: Node, cfg: Path) -> None:
     assert m["payload"] == {"h": 1} and m["headers"] == {"trace": "abc", "url": "http://x:1"}
     r = narad(node, cfg, "pub", "cli-src", "x", "-H", "novalue", code=2)
     assert "NAME:VALUE" in r.stderr
+
+
+def test_topic_redrive(node: Node, cfg: Path) -> None:
+    """``narad topic redrive`` moves a dead-letter topic's messages back (issue 14); the
+    node then holds them in the origin topic and no longer in the dead-letter topic."""
+    for body in ({"name": "cl-dlt", "partitions": 3},
+                 {"name": "cl-src", "partitions": 3, "max_deliveries": 1, "dead_letter_topic": "cl-dlt"}):
+        assert node.post("/v1/topics", body).status == 201
+    assert node.post("/v1/topics/cl-src/produce", b"poison", headers={"Content-Type": "text/plain"}).status == 202
+    m = wait_for(lambda: (lambda r: r.json() if r.status == 200 else None)(node.get("/v1/topics/cl-src/consume")),
+                 10, 0.02, "the record")
+    assert node.post(f"/v1/topics/cl-src/ack?receipt_handle={m['receipt_handle']}&extend=0").status == 204
+    wait_for(lambda: sum(p["lag"] for p in node.get("/v1/topics/cl-dlt").json()["partition_stats"]) == 1, 10, 0.05,
+             "the dead-letter copy")
+    r = narad(node, cfg, "topic", "redrive", "cl-dlt", "--max", "5", "--json")
+    assert lines(r) == [{"topic": "cl-dlt", "redriven": 1, "skipped": 0}]
+    narad(node, cfg, "topic", "redrive", "cl-dlt", "--max", "0", code=2)
+    back = wait_for(lambda: (lambda r: r.json() if r.status == 200 else None)(node.get("/v1/topics/cl-src/consume")),
+                    10, 0.02, "the record back")
+    assert back["payload"] == "poison" and back["delivery_count"] == 1
+    assert node.get("/v1/topics/cl-dlt/consume").status == 204
+    r = narad(node, cfg, "topic", "redrive", "cl-dlt")
+    assert "redrove 0 message(s)" in r.stderr

@@ -391,3 +391,27 @@ def test_strict_accepts_a_long_poll_served_after_a_later_call_nacked() -> None:
     s.settle(s.deliver("a", 0.4), 0.5)
     v = check(s.end(3), "strict")
     assert v.ok, v.summary()
+
+
+def test_delivery_counts_must_rise_per_copy() -> None:
+    """Issue 14's rule: a later lease of a copy carries a higher delivery_count; one that
+    does not fails strict, and is allowed (counted) inside a fault window; deliveries
+    recorded without a count are left out."""
+    def hist(counts: list[int], fault: bool = False) -> History:
+        s = Synth()
+        s.produce("a")
+        for i, c in enumerate(counts):
+            d = Delivery("a", 0, 0, f"c{i}", at(0.1 + 1.2 * i), at(0.11 + 1.2 * i), count=c)
+            s.h.delivered(d)
+            if i == len(counts) - 1:
+                s.settle(d, 0.2 + 1.2 * i)
+        if fault:
+            s.h.faults.append(Fault("kill -9", at(1.0), at(1.2)))
+        return s.end(1.2 * len(counts) + 1)
+
+    assert check(hist([1, 2, 3]), "strict").ok
+    assert check(hist([1, 0, 3]), "strict").ok  # an unknown count is no evidence
+    v = check(hist([1, 2, 2]), "strict")
+    assert v.failed_rules() == {"count_not_rising"}, v.summary()
+    v = check(hist([1, 1], fault=True), "faults")
+    assert v.ok and v.allowed["count_not_rising"] == 1, v.summary()

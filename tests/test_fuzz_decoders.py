@@ -386,6 +386,38 @@ def test_offset_slot_with_valid_checksum_but_garbage_body(body: bytes) -> None:
         assert all(a > frontier for a in ahead) and ahead == sorted(ahead)
 
 
+@FAST
+@given(st.binary(max_size=300))
+def test_offset_slot_counts_tail_garbage_is_refused_or_sane(tail: bytes) -> None:
+    """Issue 14's delivery-counts tail after the acked deltas: a checksummed body with
+    garbage there decodes to sane counts (offsets above the frontier, counts >= 1) or is
+    refused; never raises; the reader without the tail still reads the rest."""
+    import struct
+
+    body = struct.pack(">QqI", 1, 5, 0) + tail
+    slot = (O._HDR.pack(O.MAGIC, __import__("crc32c").crc32c(body), len(body)) + body).ljust(O.SLOT, b"\0")
+    got = O._decode_full(slot)
+    if got is not None:
+        _seq, frontier, _ahead, counts = got
+        assert all(o > frontier and c >= 1 for o, c in counts.items())
+    assert O._decode(slot) is not None  # no held acks: the old reader ignores the tail
+
+
+@FAST
+@given(st.integers(-1, 1 << 40), st.dictionaries(st.integers(1, 1 << 20), st.integers(1, 1 << 20), max_size=3000))
+def test_offset_slot_counts_round_trip_or_trim(frontier: int, rel: dict[int, int]) -> None:
+    """Counts written are read back whole when ``fits`` says so, else a subset with the
+    same values (the highest counts kept)."""
+    counts = {frontier + d: c for d, c in rel.items()}
+    got = O._decode_full(O._encode(3, frontier, [], counts))
+    assert got is not None
+    kept = got[3]
+    assert all(counts[o] == c for o, c in kept.items())
+    assert (kept == counts) == O.fits(frontier, [], counts)
+    if kept != counts and kept:
+        assert min(kept.values()) >= max(c for o, c in counts.items() if o not in kept)
+
+
 @FUZZ
 @given(st.integers(0, 1 << 30), mutation(), st.booleans())
 def test_offset_file_corrupt_never_passes_a_real_ack(seed: int, edits: list[tuple[str, float, int]],

@@ -92,6 +92,8 @@ ALLOWED_UNPRODUCED: dict[tuple[str, int], str] = {
     ("consume", 503): "the owner of a pinned partition is down (a cluster: tests/test_chaos_matrix.py)",
     ("ack", 502): "a forwarded ack got no answer (a cluster)",
     ("ack", 503): "the partition owner is down (a cluster)",
+    ("redriveTopic", 500): "the ingress WAL failed (a disk error)",
+    ("redriveTopic", 503): "a partition owner or an origin topic went away midway (a cluster)",
 }
 
 PLAIN_PW = "plain-password-1"
@@ -246,6 +248,10 @@ R: dict[tuple[str, int], Recipe] = {
     ("ack", 403): lambda e: e.req("POST", "/v1/topics/oa-c/ack?receipt_handle=0:0:1", auth=e.plain),
     ("ack", 404): lambda e: e.req("POST", "/v1/topics/oa-none/ack?receipt_handle=0:0:1"),
     ("ack", 410): lambda e: e.req("POST", "/v1/topics/oa-c/ack?receipt_handle=0:0:1"),
+    ("redriveTopic", 200): lambda e: e.req("POST", "/v1/topics/oa-t/redrive?max=10"),
+    ("redriveTopic", 400): lambda e: e.req("POST", "/v1/topics/oa-t/redrive?max=0"),
+    ("redriveTopic", 403): lambda e: e.req("POST", "/v1/topics/oa-t/redrive", auth=e.plain),
+    ("redriveTopic", 404): lambda e: e.req("POST", "/v1/topics/oa-none/redrive"),
     ("ack", 413): lambda e: e.req("POST", "/v1/topics/oa-c/ack", {"receipt_handles": ["0:0:1" + " " * 70000]}),
     ("createUser", 201): lambda e: e.req("POST", "/v1/users", {"username": "oa-new", "password": "pw-new-1",
                                                                "grants": [{"action": "consume", "patterns": ["a*"]}]}),
@@ -499,3 +505,41 @@ def test_the_idempotency_extension_is_described_and_answers_as_documented(env: E
     r = env.req("POST", "/v1/topics/oa-idem/produce?idempotency_key=", b"x", headers=octet)
     assert r.status == 400, r
     _validate("produce", 400, r)
+
+
+def test_the_dead_letter_extensions_are_described_and_answer_as_documented(env: Env) -> None:
+    """Issue 14's nack ``reason`` (query and batch body), ``delivery_count`` and
+    ``dead_letter`` in consume answers, and the redrive answer: valid against the document."""
+    p = _param("ack", "reason")
+    assert p["in"] == "query" and not p["required"] and p["schema"] == {"type": "string"}
+    assert _param("redriveTopic", "max")["in"] == "query"
+    body_schema = {**DOC["components"]["schemas"]["AckBatchRequest"], "components": DOC["components"]}
+    assert env.req("POST", "/v1/topics", {"name": "oa-dlt", "partitions": 3}).status == 201
+    assert env.req("POST", "/v1/topics", {"name": "oa-dl", "partitions": 3, "max_deliveries": 1,
+                                          "dead_letter_topic": "oa-dlt"}).status == 201
+    assert env.req("POST", "/v1/topics/oa-dl/produce?key=k", b"x",
+                   headers={"Content-Type": "application/octet-stream"}).status == 202
+
+    def first(topic: str) -> dict[str, Any] | None:
+        r = env.req("GET", f"/v1/topics/{topic}/consume?max=1&wait=1s", headers={"X-Narad-Client": "t"})
+        if r.status != 200:
+            return None
+        _validate("consume", 200, r)
+        return r.json()["messages"][0]  # type: ignore[no-any-return]
+
+    m = wait_for(lambda: first("oa-dl"), 20, 0.0, "the record of oa-dl")
+    assert m["delivery_count"] == 1
+    body = {"receipt_handles": [m["receipt_handle"]], "reason": "bad input"}
+    jsonschema.Draft202012Validator(body_schema).validate(body)
+    r = env.req("POST", "/v1/topics/oa-dl/ack?extend=0", body)
+    assert r.status == 200, r
+    _validate("ack", 200, r)
+    d = wait_for(lambda: first("oa-dlt"), 20, 0.0, "its dead-letter copy")
+    assert d["dead_letter"]["reason"] == "bad input" and d["dead_letter"]["topic"] == "oa-dl"
+    assert env.req("POST", f"/v1/topics/oa-dlt/ack?receipt_handle={d['receipt_handle']}&extend=0").status == 204
+    r = env.req("POST", "/v1/topics/oa-dlt/redrive")
+    assert r.status == 200 and r.json() == {"redriven": 1, "skipped": 0}, r
+    _validate("redriveTopic", 200, r)
+    r = env.req("POST", "/v1/topics/oa-dl/ack?receipt_handle=0:0:1&extend=0&reason=" + "x" * 300)
+    assert r.status == 400, r
+    _validate("ack", 400, r)

@@ -589,3 +589,21 @@ def test_an_install_renamed_back_to_staging_resumes_without_fetching_again(tmp_p
     st2.install(hwm=hwm, frontier=4, ahead=[], cursors={}, marker={"token": "b"}, seg_mtimes={})
     assert records(final) == (hwm, [payload(o) for o in range(hwm)])
     assert OffsetFile(final).load(max_frontier=hwm - 1) == (4, [])
+
+
+def test_install_keeps_the_delivery_counts_of_unacked_offsets(tmp_path: Path) -> None:
+    """Issue 14: a move carries the source's delivery counts; the install keeps those of
+    offsets above the frontier, below the hwm and not acked."""
+    src = tmp_path / "s" / "p00000"
+    plog = source_log(src, [10])
+    hwm, segs = TR.list_open(plog)
+    plog.close()
+    final = tmp_path / "d" / "p00000"
+    st = TR.Staging(final)
+    copy_all(src, st, segs)
+    assert st.verify(hwm) is None
+    st.install(hwm=hwm, frontier=2, ahead=[5], cursors={}, marker={}, seg_mtimes={},
+               counts={1: 4, 3: 2, 5: 7, 9: 3, 10: 8, 40: 1})
+    assert OFF.peek_counts(final, max_frontier=hwm - 1) == (2, [5], {3: 2, 9: 3})
+    of = OffsetFile(final)
+    assert of.load(max_frontier=hwm - 1) == (2, [5]) and of.counts == {3: 2, 9: 3}

@@ -24,6 +24,9 @@ duplicates too); verdicts not in by then are ``"pending"`` (single
 ``{"duplicate": null, "pending": true}``, batch ``"pending": K`` beside
 ``duplicates``, which counts the verdicts known). Produces without a key take
 the same path and give the same answers as before (the fast path included).
+``reason`` on a nack (query, or batch body field; at most 256 bytes of UTF-8)
+is kept for the record's dead-letter copy. ``POST /v1/topics/{dlt}/redrive``
+moves a dead-letter topic's records back to their origin topics.
 
 Imports narad.api.{context,router}, narad.broker, narad.meta, narad.errors.
 """
@@ -278,6 +281,7 @@ class AckBody(msgspec.Struct, forbid_unknown_fields=True):
     receipt_handles: list[str] | msgspec.UnsetType = msgspec.UNSET
     delay: str | msgspec.UnsetType = msgspec.UNSET  # a nack's delay (extension, issue 14)
     visibility: str | msgspec.UnsetType = msgspec.UNSET  # an extend's lease length (extension)
+    reason: str | msgspec.UnsetType = msgspec.UNSET  # a nack's reason (extension, issue 14)
 
 
 _batch_dec = msgspec.json.Decoder(BatchBody)
@@ -337,6 +341,7 @@ class MessagesAPI:
         r.add("POST", "/v1/topics/{topic}/produce/batch", self.produce_batch, body_limit=MAX_BATCH_BODY)
         r.add("GET", "/v1/topics/{topic}/consume", self.consume)
         r.add("POST", "/v1/topics/{topic}/ack", self.ack, body_limit=ACK_BODY_LIMIT)
+        r.add("POST", "/v1/topics/{topic}/redrive", self.redrive)
 
     # ---- shared checks -----------------------------------------------------------------
     def _topic(self, req: Request) -> TopicRecord:
@@ -780,13 +785,15 @@ class MessagesAPI:
             raise BadRequest('invalid argument: extend must be "true"/"1" (extend), "0" (nack) or absent (ack)')
         raw_delay = self._single_query(req, "delay")
         raw_vis = self._single_query(req, "visibility")
+        raw_reason = self._single_query(req, "reason")
         handle = self._single_query(req, "receipt_handle")
         if handle is not None:
             dur_ms = _settle_ms(mode, raw_delay, raw_vis)
+            reason = _nack_reason(mode, raw_reason)
             item = _handle_fields(handle)
             if item is None:
                 raise BadRequest("invalid argument: receipt_handle is not partition:offset:nonce")
-            (status,) = await self.broker.settle(t, [item], mode, dur_ms)
+            (status,) = await self.broker.settle(t, [item], mode, dur_ms, reason)
             if status == 204:
                 return empty(204)
             if status == 410:
@@ -802,6 +809,8 @@ class MessagesAPI:
             for f in ("delay", "visibility"):
                 if str(e).endswith(f"`$.{f}`"):
                     raise BadRequest(f'invalid argument: {f} must be a duration string such as "30s"') from None
+            if str(e).endswith("`$.reason`"):
+                raise BadRequest("invalid argument: reason must be a string") from None
             raise BadRequest(f"invalid json: {e}") from None
         except msgspec.DecodeError as e:
             raise BadRequest(f"invalid json: {e}") from None
@@ -820,7 +829,12 @@ class MessagesAPI:
             if raw_vis is not None:
                 raise BadRequest("invalid argument: visibility given both in the query and the body; give one")
             raw_vis = body.visibility
+        if body.reason is not msgspec.UNSET:
+            if raw_reason is not None:
+                raise BadRequest("invalid argument: reason given both in the query and the body; give one")
+            raw_reason = body.reason
         dur_ms = _settle_ms(mode, raw_delay, raw_vis)
+        reason = _nack_reason(mode, raw_reason)
         results: list[dict[str, Any] | None] = [None] * len(handles)
         parsed: list[tuple[int, int, int]] = []
         where: list[int] = []
@@ -831,7 +845,7 @@ class MessagesAPI:
             else:
                 parsed.append(it)
                 where.append(i)
-        statuses = await self.broker.settle(t, parsed, mode, dur_ms) if parsed else []
+        statuses = await self.broker.settle(t, parsed, mode, dur_ms, reason) if parsed else []
         for i, s in zip(where, statuses, strict=True):
             if s == 204:
                 results[i] = _SETTLED  # one shared (never mutated) dict per status
@@ -840,6 +854,86 @@ class MessagesAPI:
             else:
                 results[i] = {"status": s, "error": "partition owner is unavailable; retry"}
         return Response(200, _enc.encode({"results": results}), "application/json")
+
+    # ---- redrive (issue 14) -------------------------------------------------------------------
+    async def redrive(self, req: Request) -> Response:
+        """Move up to ``max`` records of a dead-letter topic back to their origin topics:
+        each is leased here (the consume path, no wait), produced to its origin (the
+        WAL: durable before the ack) and only then acked in the dead-letter topic (at
+        least once: a crash in between leaves a duplicate, never a loss). Records
+        without an origin, or whose origin is gone, are nacked back and counted as
+        skipped."""
+        t = self._topic(req)
+        who: G.Identity = req.identity
+        if not who.unrestricted and not G.can_manage_topic(self.ctx.store.user(who.name or ""), t):
+            raise Forbidden("redrive needs the admin role or management of this topic")
+        raw_max = self._single_query(req, "max")
+        limit = REDRIVE_DEFAULT
+        if raw_max is not None:
+            limit = parse_int(raw_max, "max", minimum=INT64_MIN)
+            if not 1 <= limit <= REDRIVE_MAX:
+                raise BadRequest(f"invalid argument: max must be an integer from 1 to {REDRIVE_MAX}")
+        self._refuse_if_draining(t)  # it produces: a node being decommissioned takes none (503)
+        redriven = 0
+        skipped: list[Item] = []  # held until the end (a nack now would hand them to the next round)
+        pending: list[Item] = []  # leased, not yet acked: given back if this call fails
+        store = self.ctx.store
+        try:
+            while redriven + len(skipped) < limit:
+                items = await self.broker.consume(t, min(MAX_CONSUME_BATCH, limit - redriven - len(skipped)), 0.0)
+                if not items:
+                    break
+                pending = list(items)
+                by_topic: dict[str, list[Entry]] = {}
+                moved: list[Item] = []
+                for it in items:
+                    e = _redrive_entry(it, store, self._incarnation, self.broker.choose_partition)
+                    if e is None:
+                        skipped.append(it)
+                    else:
+                        by_topic.setdefault(e.topic, []).append(e)
+                        moved.append(it)
+                pending = moved
+                for name, entries in by_topic.items():
+                    origin = store.topic(name)
+                    if origin is None:
+                        raise Unavailable(f'origin topic "{name}" went away during the redrive; retry')
+                    await self._append(req, origin, entries)
+                    self.m.redriven.labels(t.name).inc(len(entries))
+                await self.broker.settle(t, [(i.partition, i.offset, i.nonce) for i in moved], ACK)
+                redriven += len(moved)
+                pending = []
+        finally:
+            back = skipped + pending
+            if back:
+                self._giver(t, back)()
+        return json_response(200, {"redriven": redriven, "skipped": len(skipped)})
+
+
+REDRIVE_DEFAULT, REDRIVE_MAX = 1000, 10_000
+
+
+def _redrive_entry(it: Item, store: Any, inc: Any, choose: Any) -> Entry | None:
+    """The produce that sends a dead-letter record back to its origin (original key
+    and headers, no DeadLetter block); None when it has no origin or the origin
+    topic is gone."""
+    try:
+        ext, body = FR.split_ext(it.flags, it.payload)
+    except FR.FrameError:
+        return None
+    d = ext.d if ext is not None else None
+    if d is None:
+        return None
+    origin = store.topic(d.t)
+    if origin is None or (origin.delay_ms and origin.parent is not None):
+        return None  # gone, or a delay child (fed by its parent only)
+    part = d.p if 0 <= d.p < origin.partitions else choose(origin, d.k)
+    flags = it.flags & ~FR.F_EXT
+    payload = body
+    if ext is not None and ext.h:
+        payload = FR.pack_ext(FR.Ext(h=ext.h), body)
+        flags |= FR.F_EXT
+    return Entry(origin.name, inc(origin), part, int(time.time() * 1000), flags, d.k, payload)
 
 
 def _settle_ms(mode: int, raw_delay: str | None, raw_vis: str | None) -> int:
@@ -857,6 +951,24 @@ def _settle_ms(mode: int, raw_delay: str | None, raw_vis: str | None) -> int:
                              "not an ack or a nack")
         return duration_ms(raw_vis, "visibility", MIN_VISIBILITY_S, MAX_VISIBILITY_S)
     return 0
+
+
+MAX_REASON_BYTES = 256
+
+
+def _nack_reason(mode: int, raw: str | None) -> str:
+    """A nack's reason ("" when none): a nack only, at most 256 bytes of UTF-8."""
+    if raw is None:
+        return ""
+    if mode != NACK:
+        raise BadRequest("invalid argument: reason applies to a nack only (extend=0)")
+    try:
+        n = len(raw.encode())
+    except UnicodeEncodeError:
+        raise BadRequest("invalid argument: reason must be valid UTF-8") from None
+    if n > MAX_REASON_BYTES:
+        raise BadRequest(f"invalid argument: reason must be at most {MAX_REASON_BYTES} bytes of UTF-8, got {n}")
+    return raw
 
 
 def _parse_handle(h: str) -> tuple[int, int, int] | None:

@@ -32,6 +32,13 @@ One per worker process, on its event loop. It owns:
   through ``commit_to`` (here, one hop, or node RPC; no WAL: the records are
   durable in the parent's log), and ``fanout_lag`` gathers every owner's
   cursor positions for the children listing (``FanoutLagReq``);
+* delivery counts and dead-lettering (issue 14): the partitions' counts are
+  written with their acks by the offset committer (which records in
+  ``Partition.written_gen`` what reached the file); the dead-letter driver
+  (``narad.broker.deadletter``) moves records past their topic's
+  ``max_deliveries`` to its dead-letter topic through ``commit_to``, then settles
+  them; a topic change hands the partitions their ``max_deliveries``; leases a
+  consumer never saw are given back uncounted (``GIVE_BACK``);
 * the metrics of its partitions: per commit the owner adds to the partition's
   counters (messages, payload bytes, fsync time), per delivered record the
   answering worker adds to (topic, partition)'s consumed counters (a dict
@@ -68,6 +75,7 @@ from typing import Any
 from narad import metrics
 from narad.broker import idem as IDEM
 from narad.broker import peers as P
+from narad.broker.deadletter import DeadLetterDriver
 from narad.broker.dispatcher import Dispatcher, Watch
 from narad.broker.fanout import FanoutEngine, FanoutSettings
 from narad.broker.moves import MoveRunner, MoveSource
@@ -109,6 +117,11 @@ POLL_EVERY = float(os.environ.get("NARAD_METRICS_POLL_MS", "5000")) / 1000.0
 POLL_MIN_GAP = min(1.0, POLL_EVERY)  # a topic change brings the next pass forward, never closer than this to the last
 COLD_POLL_EVERY = 30.0  # a closed partition's gauges are read from its files at most this often
 ACK, EXTEND, NACK = 0, 1, 2
+# A lease given back because its consumer never saw it (hung up, the answer was dropped, a
+# late probe, a redrive's skipped record): a nack that takes back the delivery it counted.
+# A node without it reads any mode but 0 and 1 as a nack: the safe failure is a count one too high.
+GIVE_BACK = 3
+MAX_REASON_CHARS = 256  # a nack reason is at most 256 bytes of UTF-8 (the API checks; peers are cut here)
 
 
 class Gone(Exception):
@@ -198,7 +211,8 @@ class Broker:
         self._peer_asked: dict[tuple[str, int], float] = {}  # (topic, worker): when a consume here last probed it
         self._node_asked: dict[tuple[str, str], float] = {}  # (topic, node): the same, for nodes
         self._probes: dict[tuple[int, str, str, int], list[Any]] = {}  # (worker, topic, id, vis_ms) -> [want, waiters]
-        self._acks: dict[tuple[int, str, str, int, int], list[Any]] = {}  # (worker, topic, id, mode, dur_ms) -> [..]
+        # (worker, topic, id, mode, dur_ms, nack reason) -> [items, waiters]
+        self._acks: dict[tuple[int, str, str, int, int, str], list[Any]] = {}
         self._polling: dict[str, int] = {}  # topic -> consumes of it running on this worker
         self._topics_ver = -1
         self._synced: dict[tuple[str, int], float] = {}
@@ -226,6 +240,7 @@ class Broker:
         self.caught_up = caught_up
         self.move_source = MoveSource(self)
         self.mover = MoveRunner(self, meta_call)
+        self.deadletters = DeadLetterDriver(self)  # records past max_deliveries, to their dead-letter topic
         self._assign_ver = -1
         self._register_peer_handlers()
 
@@ -254,12 +269,14 @@ class Broker:
             self._tasks.append(loop.create_task(coro))
         self.fanout.start()
         self.mover.start()
+        self.deadletters.start()
 
     async def close(self) -> None:
         """Graceful: stop dispatching, persist every partition's offsets and hwm."""
         self.closing = True
         await self.mover.stop()  # its staging copies stay and resume at the next start
         await self.fanout.stop()  # cursors first: their files stay where the last committed slab left them
+        await self.deadletters.stop()  # what it holds stays unsettled: dead-lettered again after the restart
         for t in [*self._tasks, *self._late]:
             t.cancel()
         await self.dispatcher.close()
@@ -437,6 +454,7 @@ class Broker:
         p.meter_idem(m.idem_duplicates.labels(*lbl), m.idem_evicted.labels(*lbl))
         p.on_visible = self._on_visible
         p.on_released = self._on_released
+        p.on_dead = self.deadletters.on_dead
         p.loop = self.loop
         self.partitions[key] = p
         return p
@@ -447,7 +465,8 @@ class Broker:
         offs = OffsetFile(d)
         frontier, ahead = offs.load(max_frontier=plog.hwm - 1)  # a frontier past the log is damage
         p = Partition(topic.name, topic.id, index, plog, offs)
-        p.restore(frontier, ahead)
+        p.restore(frontier, ahead, offs.counts)
+        p.max_deliveries = topic.max_deliveries if topic.dead_letter_topic else 0
         # Idempotent produce: the keys committed within the window, from the log itself.
         p.idem_window_ms = topic.idem_window_ms
         p.idem_marked = (d / IDEM.MARKER).exists()
@@ -499,10 +518,11 @@ class Broker:
             release()
             raise
         frontier, ahead = p.snapshot_offsets()
+        counts = p.snapshot_counts()
 
         def close_sync() -> None:
             try:
-                p.offsets.close(frontier, ahead)
+                p.offsets.close(frontier, ahead, counts)
             except OSError as e:
                 log.error("could not persist consumer offsets at close", extra={"topic": p.topic, "err": str(e)})
             p.log.close(clean=clean)
@@ -1051,11 +1071,11 @@ class Broker:
         task.add_done_callback(self._late.discard)
 
     async def _ack_at(self, w: int, t: TopicRecord, mode: int, sub: list[tuple[int, int, int]],
-                      dur_ms: int = 0) -> list[int]:
+                      dur_ms: int = 0, reason: str = "") -> list[int]:
         """Settle at worker `w`: every settle of `t` with this mode (and nack delay or
-        extend length) made in this loop pass travels in one AckReq; statuses come back
-        in order (503 if it failed)."""
-        key = (w, t.name, t.id, mode, dur_ms)
+        extend length, and nack reason) made in this loop pass travels in one AckReq;
+        statuses come back in order (503 if it failed)."""
+        key = (w, t.name, t.id, mode, dur_ms, reason)
         b = self._acks.get(key)
         if b is None or len(b[0]) + len(sub) > ACK_MAX:
             b = self._acks[key] = [[], []]
@@ -1065,16 +1085,16 @@ class Broker:
         b[0].extend(sub)
         return await asyncio.shield(fut)  # a caller that goes away leaves the batch alone
 
-    def _send_acks(self, key: tuple[int, str, str, int, int], b: list[Any]) -> None:
+    def _send_acks(self, key: tuple[int, str, str, int, int, str], b: list[Any]) -> None:
         if self._acks.get(key) is b:
             del self._acks[key]
-        w, name, tid, mode, dur_ms = key
+        w, name, tid, mode, dur_ms, reason = key
         items, waiters = b
 
         async def send() -> None:
             try:
-                statuses = (await self.links.call(w, P.AckReq(name, tid, mode, items, P.WORKER, dur_ms), P.AckResp,
-                                                  timeout=2.0)).statuses
+                req = P.AckReq(name, tid, mode, items, P.WORKER, dur_ms, reason)
+                statuses = (await self.links.call(w, req, P.AckResp, timeout=2.0)).statuses
                 if len(statuses) != len(items):
                     statuses = [503] * len(items)
             except Exception:
@@ -1138,7 +1158,7 @@ class Broker:
     def _give_back_owned(self, t: TopicRecord, items: list[P.Item]) -> None:
         """Nack leases of this worker's partitions that nobody will see (synchronous)."""
         if items:
-            self.settle_owned(t, [(i.partition, i.offset, i.nonce) for i in items], NACK)
+            self.settle_owned(t, [(i.partition, i.offset, i.nonce) for i in items], GIVE_BACK)
 
     def _give_back(self, t: TopicRecord, items: list[P.Item], why: str) -> None:
         """Nack leases wherever their owners are, now, in the background."""
@@ -1196,12 +1216,13 @@ class Broker:
     async def nack_items(self, t: TopicRecord, items: list[P.Item]) -> None:
         """Give back leases a consumer will never see (it went away)."""
         if items:
-            await self.settle(t, [(i.partition, i.offset, i.nonce) for i in items], NACK)
+            await self.settle(t, [(i.partition, i.offset, i.nonce) for i in items], GIVE_BACK)
 
     # ---- settle (ack / extend / nack) -------------------------------------------------------------
     def settle_owned(self, t: TopicRecord, items: list[tuple[int, int, int]], mode: int,
-                     dur_ms: int = 0) -> list[int]:
-        """`dur_ms`: a nack's delay, or an extend's lease length (0: none / the topic's)."""
+                     dur_ms: int = 0, reason: str = "") -> list[int]:
+        """`dur_ms`: a nack's delay, or an extend's lease length (0: none / the topic's);
+        `reason`: a nack's (kept for the dead-letter record)."""
         now = time.monotonic()
         vis = (dur_ms if mode == EXTEND and dur_ms > 0 else t.visibility_timeout_ms) / 1000.0
         delay = dur_ms / 1000.0 if mode == NACK else 0.0
@@ -1215,24 +1236,26 @@ class Broker:
                 ok = p.ack(off, nonce, now)
             elif mode == EXTEND:
                 ok = p.extend(off, nonce, now, vis)
+            elif mode == GIVE_BACK:
+                ok = p.nack(off, nonce, now, uncount=True)
             else:
-                ok = p.nack(off, nonce, now, delay)
+                ok = p.nack(off, nonce, now, delay, reason)
             out.append(204 if ok else 410)
         if mode == EXTEND:
             self.m.ack_extended.labels(t.name).inc(sum(1 for s in out if s == 204))
-        elif mode == NACK:
+        elif mode in (NACK, GIVE_BACK):
             self.m.nacks.labels(t.name).inc(sum(1 for s in out if s == 204))
         return out
 
     async def settle(self, t: TopicRecord, items: list[tuple[int, int, int]], mode: int,
-                     dur_ms: int = 0) -> list[int]:
+                     dur_ms: int = 0, reason: str = "") -> list[int]:
         """Statuses in request order: 204 settled, 410 no live lease, 503 owner
         down or unknown, 502 a forwarded call got no answer. Items of this
         worker's own partitions are settled here at once (no task, no hop);
         the rest go to their owners, one call per owner."""
         mine = self._placement(t).mine_set
         if all(it[0] in mine for it in items):
-            return self.settle_owned(t, items, mode, dur_ms)
+            return self.settle_owned(t, items, mode, dur_ms, reason)
         result = [410] * len(items)
         groups: dict[tuple[str | None, int], list[int]] = {}
         for i, (part, _, _) in enumerate(items):
@@ -1245,14 +1268,14 @@ class Broker:
             if node is None:
                 statuses = [503] * len(sub)
             elif node == self.node_id and worker == self.index:
-                statuses = self.settle_owned(t, sub, mode, dur_ms)
+                statuses = self.settle_owned(t, sub, mode, dur_ms, reason)
             elif node == self.node_id:
-                statuses = await self._ack_at(worker, t, mode, sub, dur_ms)
+                statuses = await self._ack_at(worker, t, mode, sub, dur_ms, reason)
             elif not self.remote.node_alive(node):
                 statuses = [503] * len(sub)
             else:
                 try:
-                    resp = await self.remote.call(node, P.AckReq(t.name, t.id, mode, sub, P.NODE, dur_ms),
+                    resp = await self.remote.call(node, P.AckReq(t.name, t.id, mode, sub, P.NODE, dur_ms, reason),
                                                   P.AckResp, timeout=2.0)
                     statuses = resp.statuses
                 except Unavailable:
@@ -1439,9 +1462,10 @@ class Broker:
             t = self.store.topic(m.topic)
             if t is None or t.id != m.topic_id:
                 return P.AckResp([410] * len(m.items))
+            reason = m.reason[:MAX_REASON_CHARS]  # a peer's string: never unbounded in memory
             if m.scope == P.WORKER:
-                return P.AckResp(self.settle_owned(t, m.items, m.mode, m.dur_ms))
-            return P.AckResp(await self.settle(t, m.items, m.mode, m.dur_ms))
+                return P.AckResp(self.settle_owned(t, m.items, m.mode, m.dur_ms, reason))
+            return P.AckResp(await self.settle(t, m.items, m.mode, m.dur_ms, reason))
 
         async def replay(m: P.ReplayReq, _c: Any) -> P.ReplayResp:
             t = self._topic_for(m.topic, m.topic_id)
@@ -1588,8 +1612,10 @@ class Broker:
                 if p.dirty:
                     p.dirty = False
                     frontier, ahead = p.snapshot_offsets()
+                    gen = p.count_gen
                     try:
-                        p.offsets.write_window(frontier, ahead)
+                        p.offsets.write_window(frontier, ahead, p.snapshot_counts())
+                        p.written_gen = gen  # these counts survive a process crash now
                     except OSError as e:
                         log.error("consumer offset write failed", extra={"topic": p.topic, "err": str(e)})
                         self.m.errors.labels("storage", "offset_write_failed").inc()
@@ -1764,10 +1790,24 @@ class Broker:
                 t = self.store.topic(p.topic)
                 if t is None or t.id != p.topic_id:
                     await self._retire(key, p)
+                else:
+                    self._delivery_settings(p, t)
             for name in list(self._waiters):
                 t = self.store.topic(name)
                 if t is None:
                     self._wake(name, len(self._waiters.get(name, ())))
+
+    def _delivery_settings(self, p: Partition, t: TopicRecord) -> None:
+        """A topic change may have set or lifted max_deliveries (PATCH): the partition
+        follows; lifted, what it held for the dead-letter topic goes out again."""
+        maxd = t.max_deliveries if t.dead_letter_topic else 0
+        if maxd == p.max_deliveries:
+            return
+        p.max_deliveries = maxd
+        if maxd <= 0 and p.dead:
+            p.release_dead()
+            self._on_released(p)
+        # a lowered maximum: the next reserve holds the records already past it
 
     # ---- partition moves --------------------------------------------------------------------------------
     async def _moved_away(self) -> None:

@@ -17,7 +17,8 @@ Destination (``MoveRunner``, one task per partition whose target is this node):
    high watermark (else discard it and copy again; twice: blocked);
 4. fence: present the token again; a lapsed freeze (409 ``freeze_lapsed``) means
    commits may have landed behind the copy: freeze afresh and finalize again;
-5. install (``transfer.Staging.install``): positions clamped, fan-out cursors,
+5. install (``transfer.Staging.install``): positions clamped (frontier, held acks,
+   delivery counts: the listing and the freeze answer carry them), fan-out cursors,
    ``move.marker``; any old in-memory state of the partition here dropped;
 6. flip: one compare-and-set Raft entry (type 40) through the supervisor. An
    error is not a failure: the install is kept and the outcome read from the
@@ -168,11 +169,12 @@ class MoveSource:
         t = self._owned_here(m.topic, m.topic_id, m.partition)
         p = await self.b.partition(t, m.partition)
         frontier, ahead = p.snapshot_offsets()  # positions first: never past what the listing copies
+        counts = sorted(p.snapshot_counts().items())
         d = partition_dir(self.b.data_dir, t.name, t.id, m.partition)
         cursors = await self.b.loop.run_in_executor(self.b.io, read_cursors, d)
         hwm, segs = await self.b.loop.run_in_executor(self.b.io, TR.list_open, p.log)
         return P.MoveListResp(hwm, [(s.base, s.size, s.mtime_ms) for s in segs], int(time.time() * 1000),
-                              p.frozen(), frontier, ahead, cursors)
+                              p.frozen(), frontier, ahead, cursors, counts)
 
     async def vouch(self, m: P.MoveVouchReq) -> P.MoveVouchResp:
         """What this node (the owner, its replica says) holds of a partition another
@@ -228,12 +230,13 @@ class MoveSource:
         # Positions first, then the high watermark and the segments: a listing never
         # carries a position past what it copies.
         frontier, ahead = p.snapshot_offsets()
+        counts = sorted(p.snapshot_counts().items())  # delivery counts move with the positions
         d = partition_dir(self.b.data_dir, t.name, t.id, m.partition)
         loop = self.b.loop
         cursors = await loop.run_in_executor(self.b.io, read_cursors, d)
         hwm, segs = await loop.run_in_executor(self.b.io, TR.list_open, p.log)
         return P.MoveFreezeResp(p.freeze_token or "", hwm, frontier, ahead, cursors,
-                                [(s.base, s.size, s.mtime_ms) for s in segs], int(time.time() * 1000))
+                                [(s.base, s.size, s.mtime_ms) for s in segs], int(time.time() * 1000), counts)
 
     async def thaw(self, m: P.MoveThawReq) -> P.MoveFreezeResp:
         p = self.b.partitions.get((m.topic, m.partition))
@@ -608,7 +611,8 @@ class MoveRunner:
             marker = {"source": mv.source, "target": self.b.node_id, "topic_id": mv.topic_id, "hwm": hwm,
                       "token": mv.token, "forced": False}
             qdir = await self._io(st.install, hwm=hwm, frontier=fz.frontier, ahead=list(fz.ahead),
-                                  cursors={c: (e, n) for c, e, n in fz.cursors}, marker=marker, seg_mtimes=mtimes)
+                                  cursors={c: (e, n) for c, e, n in fz.cursors}, marker=marker, seg_mtimes=mtimes,
+                                  counts=dict(fz.counts))
             if qdir is not None:
                 log.error("an older copy of the partition was in the way of the install; quarantined",
                           extra={"topic": name, "partition": part, "dir": str(qdir)})
@@ -680,7 +684,8 @@ class MoveRunner:
                   "token": "", "forced": True}
         self.b.forget_partition(name, part, mv.topic_id)
         await self._io(st.install, hwm=reached, frontier=last.frontier, ahead=list(last.ahead),
-                       cursors={c: (e, n) for c, e, n in last.cursors}, marker=marker, seg_mtimes={})
+                       cursors={c: (e, n) for c, e, n in last.cursors}, marker=marker, seg_mtimes={},
+                       counts=dict(last.counts))
         self.b.forget_partition(name, part, mv.topic_id)
         mv.phase = "flip_pending"
         mv.blocked = None

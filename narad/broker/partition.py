@@ -24,6 +24,29 @@ Lives in the worker that owns the partition, on its event-loop thread only.
   memory they take is bounded as the leases' is). Delays live in memory only: a
   restart or a partition move forgets them (the record is delivered again at
   once, as any lease that was out).
+* Delivery counts (issue 14): ``deliveries`` maps an offset above the frontier
+  that is not acked yet to how many times it was leased (each ``reserve`` adds
+  one, this lease included; the Item carries it). Ack, settle and retention's
+  skip drop the entry. Counts mark the partition dirty, so the offsets writer
+  persists them with the acks (``OffsetFile``: page cache every ~100 ms), and a
+  move carries them. The entries are bounded like the leases: an offset gets one
+  only when it is leased, redeliveries go out before new offsets, so they are
+  about the leases plus the offsets waiting to be leased again. A nack may leave
+  a ``reason`` (memory only, for the dead-letter record). A give-back (a lease
+  whose consumer never saw it: it hung up, its answer was dropped) takes its
+  count back (``nack(uncount=True)``).
+* Dead-lettering: with ``max_deliveries`` > 0 (set by the broker from the
+  topic), a lease that ends unacked (expiry, nack) with its count at the
+  maximum, or an offset about to be leased whose (restored) count is already
+  there, is not delivered again: it joins ``dead`` (not deliverable, holding its
+  in-flight slot, keeping the partition open) and ``on_dead`` tells the broker,
+  whose driver commits it to the dead-letter topic and only then settles it
+  here (``settle_dead``). The driver waits until the count that used the record
+  up is in the offset file (``written_gen`` >= the hold's ``count_gen``: the
+  committer's next tick), so a kill -9 after the dead-letter commit never brings
+  the record back live in the source. A crash between the commit and the settle:
+  the count is on disk, so it is held and dead-lettered again after the restart
+  (at least once into the dead-letter topic, never lost).
 * Idle partitions are closed whole (the broker's idle eviction): ``last_used``
   is stamped by every reserve, settle and commit (never by stats), and
   ``evictable`` says whether everything the object holds is on disk already
@@ -85,6 +108,7 @@ class Delivery:
     offset: int
     nonce: int
     record: Record
+    deliveries: int = 0
 
 
 class _NoncePool:
@@ -148,6 +172,14 @@ class Partition:
         # A move's freeze on this (source) partition: token and monotonic deadline.
         self.freeze_token: str | None = None
         self.freeze_until = 0.0
+        # Delivery counts and dead-lettering (issue 14).
+        self.deliveries: dict[int, int] = {}  # offset above the frontier, not acked -> times leased
+        self.reasons: dict[int, str] = {}  # offset -> its last nack's reason (memory only)
+        self.dead: dict[int, int] = {}  # held for the dead-letter driver (not deliverable) -> count_gen at the hold
+        self.count_gen = 0  # bumped by every count change
+        self.written_gen = 0  # the count_gen the offset file's last window write holds (the committer sets it)
+        self.max_deliveries = 0  # the topic's (0: unlimited); the broker keeps it current
+        self.on_dead: Callable[[Partition], None] | None = None
 
     # ---- move freeze (source side) ----------------------------------------------------
     def frozen(self, now: float | None = None) -> bool:
@@ -187,13 +219,16 @@ class Partition:
         self.age_at = (off, ts)
         return ts
 
-    def restore(self, frontier: int, ahead: list[int]) -> None:
+    def restore(self, frontier: int, ahead: list[int], counts: dict[int, int] | None = None) -> None:
         hwm = self.log.hwm
         # A persisted frontier never passes what the log holds.
         self.committed = min(frontier, hwm - 1)
         self.acked_ahead = {a for a in ahead if self.committed < a < hwm}
         self._advance()
         self.cursor = self.committed + 1
+        if counts:
+            self.deliveries = {o: c for o, c in counts.items()
+                               if self.committed < o < hwm and o not in self.acked_ahead and c > 0}
 
     # ---- reserve ---------------------------------------------------------------------
     def purge(self, now: float) -> int:
@@ -212,13 +247,46 @@ class Partition:
             cur = self.leases.get(off)
             if cur is not None and cur[0] == nonce and cur[1] == exp:
                 del self.leases[off]
-                heapq.heappush(self._redeliver, off)
-                n += 1
+                if not self._hold_if_spent(off):
+                    heapq.heappush(self._redeliver, off)
+                    n += 1
         return n
+
+    def _spent(self, off: int) -> bool:
+        m = self.max_deliveries
+        return m > 0 and self.deliveries.get(off, 0) >= m
+
+    def _hold_if_spent(self, off: int) -> bool:
+        """A record leased ``max_deliveries`` times goes to the dead-letter driver
+        instead of out again; True if it did."""
+        if not self._spent(off):
+            return False
+        self.dead[off] = self.count_gen
+        if self.on_dead is not None:
+            self.on_dead(self)
+        return True
+
+    def settle_dead(self, off: int) -> bool:
+        """The dead-letter topic holds the record now: settle it here (as an ack)."""
+        if off not in self.dead:
+            return False
+        del self.dead[off]
+        if off > self.committed:
+            self._settle(off)
+        if self.on_released is not None:
+            self.on_released(self)  # its in-flight slot is free
+        return True
+
+    def release_dead(self) -> None:
+        """max_deliveries was lowered to 0 (or the topic lost its dead-letter topic):
+        what was held goes out again."""
+        for off in self.dead:
+            heapq.heappush(self._redeliver, off)
+        self.dead.clear()
 
     def _deliverable(self, off: int) -> bool:
         return (off > self.committed and off not in self.leases and off not in self.acked_ahead
-                and off not in self.delayed)
+                and off not in self.delayed and off not in self.dead)
 
     def _candidate(self) -> int | None:
         red = self._redeliver
@@ -243,8 +311,8 @@ class Partition:
         self.purge(now)
         out: list[Delivery] = []
         while len(out) < max_n:
-            if len(self.leases) + len(self.delayed) >= max_in_flight:
-                break  # a delayed nack keeps its in-flight slot until it falls due
+            if len(self.leases) + len(self.delayed) + len(self.dead) >= max_in_flight:
+                break  # a delayed nack (a dead-letter hold) keeps its in-flight slot until it is due (settled)
             off = self._candidate()
             if off is None:
                 break
@@ -253,6 +321,13 @@ class Partition:
                 continue
             if len(self.acked_ahead) >= max_acked_ahead and off != self.committed + 1:
                 break  # at the acked-ahead cap only the frontier message goes out
+            if self._spent(off):  # its count (restored, or a lowered maximum) is used up already
+                if self._redeliver and self._redeliver[0] == off:
+                    heapq.heappop(self._redeliver)
+                elif off == self.cursor:
+                    self.cursor = off + 1
+                self._hold_if_spent(off)
+                continue
             nonce = new_nonce()
             expiry = now + visibility_s
             self.leases[off] = (nonce, expiry)
@@ -278,7 +353,12 @@ class Partition:
                 heapq.heappush(self._redeliver, off)
                 break
             heapq.heappush(self._expiry, (expiry, off, nonce))
-            out.append(make(self.index, off, nonce, rec))
+            count = self.deliveries[off] = self.deliveries.get(off, 0) + 1
+            self.count_gen += 1
+            self.dirty = True  # the count is persisted with the acks
+            item = make(self.index, off, nonce, rec)
+            item.deliveries = count
+            out.append(item)
         return out
 
     def _skip_to_oldest(self) -> None:
@@ -292,6 +372,10 @@ class Partition:
             self.acked_ahead = {a for a in self.acked_ahead if a >= oldest}
             for off in [o for o in self.leases if o < oldest]:
                 del self.leases[off]
+            for d in (self.deliveries, self.reasons):
+                for off in [o for o in d if o < oldest]:
+                    del d[off]
+            self.dead = {o: g for o, g in self.dead.items() if o >= oldest}
             gone = [o for o in self.delayed if o < oldest]
             if gone:
                 for off in gone:
@@ -311,6 +395,10 @@ class Partition:
 
     # ---- settle ---------------------------------------------------------------------
     def _settle(self, off: int) -> None:
+        if self.deliveries:
+            self.deliveries.pop(off, None)
+        if self.reasons:
+            self.reasons.pop(off, None)
         if off == self.committed + 1:
             self.committed = off
             self._advance()
@@ -347,13 +435,29 @@ class Partition:
         heapq.heappush(self._expiry, (expiry, off, nonce))
         return True
 
-    def nack(self, off: int, nonce: int, now: float, delay_s: float = 0.0) -> bool:
+    def nack(self, off: int, nonce: int, now: float, delay_s: float = 0.0, reason: str = "",
+             uncount: bool = False) -> bool:
         """Give the lease back: delivered again at once, or (``delay_s`` > 0) not
-        before ``now + delay_s`` (the due-time heap; the sweep or a touch moves it)."""
+        before ``now + delay_s`` (the due-time heap; the sweep or a touch moves it).
+        A record whose deliveries are used up goes to the dead-letter driver instead
+        (``reason``, if any, is kept for its dead-letter record). ``uncount``: a give-back
+        (the consumer never saw this delivery): its count is taken back."""
         self.last_used = now
         if not self._lease_ok(off, nonce, now):
             return False
         del self.leases[off]
+        if uncount:
+            c = self.deliveries.get(off, 0) - 1
+            if c > 0:
+                self.deliveries[off] = c
+            else:
+                self.deliveries.pop(off, None)
+            self.count_gen += 1
+            self.dirty = True
+        if reason:
+            self.reasons[off] = reason
+        if self._hold_if_spent(off):
+            return True
         if delay_s > 0:
             due = now + delay_s
             self.delayed[off] = due
@@ -501,9 +605,10 @@ class Partition:
 
     def evictable(self) -> bool:
         """Everything this object holds is on disk: closing it loses nothing (no
-        lease, no commit queued or in flight, acks written and synced, and the acks
-        held above the frontier fit one offset slot whole)."""
-        if self.closed or self.leases or self.delayed or self._committing or self._commit_queue:
+        lease, delayed nack or dead-letter hold, no commit queued or in flight, acks
+        and counts written and synced, and the acks held above the frontier and the
+        delivery counts fit one offset slot whole)."""
+        if self.closed or self.leases or self.delayed or self.dead or self._committing or self._commit_queue:
             return False
         if self.frozen():
             return False
@@ -511,7 +616,9 @@ class Partition:
             return False
         if self.dirty or self.offsets.dirty_since_sync:
             return False
-        return not self.acked_ahead or OFF.fits(self.committed, sorted(self.acked_ahead))
+        if not self.acked_ahead and not self.deliveries:
+            return True
+        return OFF.fits(self.committed, sorted(self.acked_ahead), self.deliveries)
 
     def next_expiry(self) -> float | None:
         """The earliest lease expiry or delayed nack due time (None: neither)."""
@@ -545,13 +652,13 @@ class Partition:
     def available(self) -> int:
         """Records no lease covers, above the frontier (an estimate)."""
         return max(0, self.log.hwm - 1 - self.committed - len(self.leases) - len(self.acked_ahead)
-                   - len(self.delayed))
+                   - len(self.delayed) - len(self.dead))
 
     def ready(self, max_in_flight: int, max_acked_ahead: int) -> int:
         """Records a reserve with these caps would hand out now (an estimate, like
         ``available``): none while the in-flight cap is full, only the frontier
         record while the acked-ahead cap is."""
-        held = len(self.leases) + len(self.delayed)
+        held = len(self.leases) + len(self.delayed) + len(self.dead)
         if self.closed or held >= max_in_flight or self.frozen():
             return 0
         n = self.available()
@@ -559,11 +666,16 @@ class Partition:
             return 0
         if len(self.acked_ahead) >= max_acked_ahead:
             f = self.committed + 1
-            return 1 if f < self.log.hwm and f not in self.leases and f not in self.delayed else 0
+            return 1 if f < self.log.hwm and self._deliverable(f) else 0
         return min(n, max_in_flight - held)
 
     def snapshot_offsets(self) -> tuple[int, list[int]]:
         return self.committed, sorted(self.acked_ahead)
+
+    def snapshot_counts(self) -> dict[int, int]:
+        """The delivery counts to persist (or move): offsets above the frontier only."""
+        c = self.committed
+        return {o: n for o, n in self.deliveries.items() if o > c}
 
 
 def stats_from_disk(directory: Path) -> dict[str, int]:

@@ -77,10 +77,11 @@ class ConsumeResp(msgspec.Struct, array_like=True):
 class AckReq(msgspec.Struct, tag=True, array_like=True):
     topic: str
     topic_id: str
-    mode: int  # 0 ack, 1 extend, 2 nack
+    mode: int  # 0 ack, 1 extend, 2 nack, 3 give back (a nack taking its delivery count back; older nodes: a nack)
     items: list[tuple[int, int, int]]  # partition, offset, nonce
     scope: int = WORKER
     dur_ms: int = 0  # nack: its delay; extend: the new lease length (0: none / the topic's); trailing, defaulted
+    reason: str = ""  # nack: why (kept for a dead-letter record; issue 14); trailing, defaulted
 
 
 class AckResp(msgspec.Struct, array_like=True):
@@ -178,6 +179,7 @@ class MoveListResp(msgspec.Struct, array_like=True):
     frontier: int = -1
     ahead: list[int] = []
     cursors: list[tuple[str, str, int]] = []
+    counts: list[tuple[int, int]] = []  # delivery counts (offset, deliveries) of unacked offsets; trailing
 
 
 class MoveVouchReq(msgspec.Struct, tag=True, array_like=True):
@@ -228,6 +230,7 @@ class MoveFreezeResp(msgspec.Struct, array_like=True):
     cursors: list[tuple[str, str, int]] = []  # fan-out cursors: child, attach epoch, next offset
     segments: list[SegTuple] = []
     now_ms: int = 0
+    counts: list[tuple[int, int]] = []  # delivery counts (offset, deliveries) of unacked offsets; trailing
 
 
 class MoveThawReq(msgspec.Struct, tag=True, array_like=True):

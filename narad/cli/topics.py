@@ -1,5 +1,5 @@
-"""``narad topic add|ls|info|edit|schema|rm|attach|detach|children`` (``narad topics``
-works too): topics and their fan-out children, through narad.client.
+"""``narad topic add|ls|info|edit|schema|rm|redrive|attach|detach|children`` (``narad topics``
+works too): topics, their fan-out children and the redrive of a dead-letter topic, through narad.client.
 
 Imports narad.cli.{base,fmt}, narad.client, click, msgspec and the standard library.
 """
@@ -238,6 +238,22 @@ def topic_rm(name: str, force: bool) -> None:
         emit({"deleted": name})
     else:
         click.echo(f'deleted topic "{name}"', err=True)
+
+
+@topic.command("redrive")
+@click.argument("name")
+@click.option("--max", "max_", type=click.IntRange(min=1, max=10_000), metavar="N",
+              help="Move at most N messages (1-10000; the server's default 1000).")
+def topic_redrive(name: str, max_: int | None) -> None:
+    """Move the messages of the dead-letter topic NAME back to the topics they were
+    dead-lettered from (at least once). Prints how many moved and how many were left
+    (no origin, or the origin topic is gone)."""
+    c = connect()
+    r = call(c, lambda cl: cl.redrive(name, max=max_))
+    if json_mode():
+        emit({"topic": name, "redriven": r.redriven, "skipped": r.skipped})
+    else:
+        click.echo(f'redrove {r.redriven} message(s) of "{name}"; {r.skipped} left (no origin)', err=True)
 
 
 @topic.command("attach")

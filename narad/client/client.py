@@ -54,6 +54,7 @@ from narad.client.models import (
     Message,
     ProduceResult,
     RawJSON,
+    RedriveResult,
     Topic,
     TopicDetails,
     TopicPage,
@@ -499,17 +500,24 @@ class AsyncClient:
         extra = [("visibility", go_duration(visibility))] if visibility is not None else None
         await self._settle(topic, handle, "extend", extra)
 
-    async def nack(self, topic: str, handle: str | Message, *, delay: float | None = None) -> None:
+    async def nack(self, topic: str, handle: str | Message, *, delay: float | None = None,
+                   reason: str | None = None) -> None:
         """End the lease now: the message may be delivered again at once, or (``delay``,
         seconds, 0 to 43200; an extension a Narad node refuses with 400) not before that
         long. The delay lives in the owner's memory: after an owner restart or a
-        partition move the message may come back at once."""
-        extra = [("delay", go_duration(delay))] if delay is not None else None
+        partition move the message may come back at once. ``reason`` (at most 256
+        bytes of UTF-8; an extension) is kept for the message's dead-letter copy, should
+        this have been its last delivery (``max_deliveries``)."""
+        extra: list[tuple[str, str | bytes]] = []
+        if delay is not None:
+            extra.append(("delay", go_duration(delay)))
+        if reason is not None:
+            extra.append(("reason", reason))
         await self._settle(topic, handle, "nack", extra)
 
     async def ack_batch(self, topic: str, handles: Sequence[str | Message], *, mode: AckMode = "ack",
                         deadline: float | None = None, delay: float | None = None,
-                        visibility: float | None = None) -> list[AckResult]:
+                        visibility: float | None = None, reason: str | None = None) -> list[AckResult]:
         """Ack (extend, nack) many handles, 100 per request; one result per handle in
         order. Handles answered 502/503 are sent again (with backoff, within the
         deadline); what is still 502/503 at the end is returned as such. ``delay``
@@ -522,7 +530,11 @@ class AsyncClient:
             raise ValueError('delay applies to mode="nack" only')
         if visibility is not None and mode != "extend":
             raise ValueError('visibility applies to mode="extend" only')
+        if reason is not None and mode != "nack":
+            raise ValueError('reason applies to mode="nack" only')
         extra: dict[str, str] = {}
+        if reason is not None:
+            extra["reason"] = reason
         if delay is not None:
             extra["delay"] = go_duration(delay)
         if visibility is not None:
@@ -554,6 +566,15 @@ class AsyncClient:
                 break
             await asyncio.sleep(pause)
         return [results[i] for i in range(len(hs))]
+
+    async def redrive(self, topic: str, *, max: int | None = None) -> RedriveResult:
+        """Move up to ``max`` (1 to 10000; the server's default 1000) messages of the
+        dead-letter topic ``topic`` back to their origin topics (an extension: a Narad
+        node answers 404). At least once: a failure midway may leave a message both
+        back in its origin and still in ``topic``, never in neither."""
+        query: list[tuple[str, str | bytes]] = [("max", str(max))] if max is not None else []
+        ans = await self._json("write", "POST", f"/v1/topics/{_seg(topic)}/redrive", query=query, op="redrive")
+        return RedriveResult(int((ans or {}).get("redriven", 0)), int((ans or {}).get("skipped", 0)))
 
     # ---- topics ----------------------------------------------------------------------------
     async def create_topic(

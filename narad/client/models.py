@@ -21,11 +21,13 @@ __all__ = [
     "BatchResult",
     "Child",
     "ChildList",
+    "DeadLetterOrigin",
     "Grant",
     "Message",
     "PartitionStats",
     "ProduceResult",
     "RawJSON",
+    "RedriveResult",
     "Topic",
     "TopicDetails",
     "TopicPage",
@@ -40,6 +42,46 @@ class RawJSON(bytes):
     embedded verbatim in a batch or an envelope."""
 
 
+class _WireDead(msgspec.Struct):
+    topic: str = ""
+    partition: int = 0
+    offset: int = 0
+    delivery_count: int = 0
+    key: str | None = None
+    key_encoding: str | None = None
+    reason: str | None = None
+    timestamp: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetterOrigin:
+    """Where a dead-lettered message came from (``Message.dead_letter``): its topic,
+    partition, offset and key there, how many times it was delivered, the last
+    nack's reason, its commit time there (Unix seconds)."""
+
+    topic: str
+    partition: int
+    offset: int
+    delivery_count: int
+    key: bytes | None
+    reason: str | None
+    timestamp: int
+
+
+@dataclass(frozen=True, slots=True)
+class RedriveResult:
+    """A redrive's answer: records moved back to their origin, records left (no origin)."""
+
+    redriven: int
+    skipped: int
+
+
+def _key_bytes(key: str | None, enc: str | None) -> bytes | None:
+    if key is None:
+        return None
+    return base64.b64decode(key) if enc == "base64" else key.encode()
+
+
 class _WireMessage(msgspec.Struct):
     topic: str = ""
     partition: int = 0
@@ -51,6 +93,8 @@ class _WireMessage(msgspec.Struct):
     timestamp: int = 0
     receipt_handle: str | None = None
     headers: dict[str, str] | None = None  # extension (issue 14)
+    delivery_count: int | None = None  # extension (issue 14)
+    dead_letter: _WireDead | None = None  # extension (issue 14)
 
 
 class _WireBatch(msgspec.Struct):
@@ -82,6 +126,10 @@ class Message:
     timestamp: int  # commit time, Unix seconds
     receipt_handle: str | None
     headers: dict[str, str] = field(default_factory=dict)  # the record's headers (an extension; {} when none)
+    # Extensions (issue 14; None from a Narad node): how many times this message was
+    # leased, this delivery included (None for a replay); where a dead-lettered one came from.
+    delivery_count: int | None = None
+    dead_letter: DeadLetterOrigin | None = None
 
     @classmethod
     def _from_wire(cls, w: _WireMessage) -> Message:
@@ -93,13 +141,14 @@ class Message:
             payload, kind, pj = msgspec.json.decode(raw, type=str).encode(), "text", raw
         else:
             payload, kind, pj = raw, "json", raw
-        key: bytes | None = None
-        if w.key is not None:
-            key = base64.b64decode(w.key) if w.key_encoding == "base64" else w.key.encode()
+        key = _key_bytes(w.key, w.key_encoding)
+        d = w.dead_letter
+        dead = None if d is None else DeadLetterOrigin(d.topic, d.partition, d.offset, d.delivery_count,
+                                                       _key_bytes(d.key, d.key_encoding), d.reason, d.timestamp)
         return cls(topic=w.topic, partition=w.partition, offset=w.offset, payload=payload,
                    payload_kind=kind,  # type: ignore[arg-type]
                    payload_json=pj, key=key, timestamp=w.timestamp, receipt_handle=w.receipt_handle,
-                   headers=w.headers or {})
+                   headers=w.headers or {}, delivery_count=w.delivery_count, dead_letter=dead)
 
     @classmethod
     def parse_one(cls, body: bytes) -> Message:

@@ -24,6 +24,7 @@ from narad.client.models import (
     Grant,
     Message,
     ProduceResult,
+    RedriveResult,
     Topic,
     TopicDetails,
     TopicPage,
@@ -102,12 +103,18 @@ class Client:
     def extend(self, topic: str, handle: str | Message, *, visibility: float | None = None) -> None:
         self._run(self.aio.extend(topic, handle, visibility=visibility))
 
-    def nack(self, topic: str, handle: str | Message, *, delay: float | None = None) -> None:
-        self._run(self.aio.nack(topic, handle, delay=delay))
+    def nack(self, topic: str, handle: str | Message, *, delay: float | None = None,
+             reason: str | None = None) -> None:
+        self._run(self.aio.nack(topic, handle, delay=delay, reason=reason))
 
     def ack_batch(self, topic: str, handles: Sequence[str | Message], *, mode: AckMode = "ack",
-                  delay: float | None = None, visibility: float | None = None) -> list[AckResult]:
-        return self._run(self.aio.ack_batch(topic, handles, mode=mode, delay=delay, visibility=visibility))
+                  delay: float | None = None, visibility: float | None = None,
+                  reason: str | None = None) -> list[AckResult]:
+        return self._run(self.aio.ack_batch(topic, handles, mode=mode, delay=delay, visibility=visibility,
+                                            reason=reason))
+
+    def redrive(self, topic: str, *, max: int | None = None) -> RedriveResult:
+        return self._run(self.aio.redrive(topic, max=max))
 
     def retry_later(self, msg: Message, error: BaseException | str | None, topic: str | None = None) -> None:
         self._run(self.aio.retry_later(msg, error, topic))

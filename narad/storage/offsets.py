@@ -12,10 +12,20 @@ anchor. Every record holds only acked values, so recovery never yields a
 frontier past a real ack; the worst case is redelivery.
 
 Slot: ``'NOFF' | u32 crc32c(rest) | u32 used | u64 seq | i64 frontier |
-u32 count | uvarint deltas`` (acked offsets above the frontier, ascending).
-Too many to fit: the lowest are kept, the rest will be redelivered (``fits``
+u32 count | uvarint deltas`` (acked offsets above the frontier, ascending)
+``[| u32 ncounts | ncounts x (uvarint delta, uvarint deliveries)]``.
+Too many acks to fit: the lowest are kept, the rest will be redelivered (``fits``
 says whether a set fits whole: a partition whose held acks do not is never
 closed as idle).
+
+The optional tail (issue 14) holds the delivery counts of unacked offsets above
+the frontier (offset deltas from the frontier, ascending; counts >= 1). A slot
+written before it ends after the deltas and decodes as no counts; a decoder
+without it ignores the tail (``used`` covers it, the checksum too). The counts
+take the room the acks leave: when not all fit, the highest counts are kept
+(ties: the lowest offsets), as those are the nearest to their dead-letter
+maximum; a count left out restarts from zero after a restart (the record may be
+delivered up to ``max_deliveries`` more times, never lost).
 
 An ``OffsetFile`` is used from the event loop (``write_window``) and from I/O
 threads (``writeout``, ``level``, ``close``): one lock orders them, and after
@@ -56,8 +66,13 @@ def _uvarint_len(d: int) -> int:
     return n
 
 
-def fits(frontier: int, ahead: list[int]) -> bool:
-    """Whether a record of `frontier` and these held acks (ascending) fits one slot whole."""
+_U32 = struct.Struct(">I")
+Counts = dict[int, int]  # offset -> deliveries
+
+
+def fits(frontier: int, ahead: list[int], counts: Counts | None = None) -> bool:
+    """Whether a record of `frontier`, these held acks (ascending) and these delivery
+    counts fits one slot whole."""
     room = SLOT - _HDR.size - _BODY.size
     prev, used = frontier, 0
     for off in ahead:
@@ -68,10 +83,68 @@ def fits(frontier: int, ahead: list[int]) -> bool:
         if used > room:
             return False
         prev = off
+    live = sorted((o, c) for o, c in (counts or {}).items() if o > frontier and c > 0)
+    if live:
+        used += _U32.size
+        prev = frontier
+        for off, c in live:  # as _encode_counts writes them when all fit
+            used += _uvarint_len(off - prev) + _uvarint_len(c)
+            if used > room:
+                return False
+            prev = off
     return True
 
 
-def _encode(seq: int, frontier: int, ahead: list[int]) -> bytes:
+def _put_uvarint(out: bytearray, d: int) -> None:
+    while d >= 0x80:
+        out.append((d & 0x7F) | 0x80)
+        d >>= 7
+    out.append(d)
+
+
+def _encode_counts(frontier: int, counts: Counts, room: int) -> bytes:
+    """The counts tail within `room` bytes. All of them when they fit (the usual case:
+    a flat bytes() of one-byte deltas and counts when every value is below 128);
+    otherwise the highest counts first (ties: the lowest offsets), each charged its
+    delta from the frontier, an upper bound of the delta it is written with, so what
+    is chosen always fits."""
+    live = sorted((o, c) for o, c in counts.items() if o > frontier and c > 0)
+    if not live or room <= _U32.size:
+        return b""
+    room -= _U32.size
+    flat: list[int] = []
+    prev = frontier
+    for o, c in live:
+        flat.append(o - prev)
+        flat.append(c)
+        prev = o
+    if max(flat) < 0x80 and len(flat) <= room:
+        return _U32.pack(len(live)) + bytes(flat)
+    out = bytearray()
+    for v in flat:
+        _put_uvarint(out, v)
+    if len(out) <= room:
+        return _U32.pack(len(live)) + bytes(out)
+    live.sort(key=lambda oc: (-oc[1], oc[0]))
+    chosen: list[tuple[int, int]] = []
+    budget = 0
+    for o, c in live:
+        cost = _uvarint_len(o - frontier) + _uvarint_len(c)
+        if budget + cost > room:
+            break
+        budget += cost
+        chosen.append((o, c))
+    chosen.sort()
+    out = bytearray()
+    prev = frontier
+    for o, c in chosen:
+        _put_uvarint(out, o - prev)
+        _put_uvarint(out, c)
+        prev = o
+    return _U32.pack(len(chosen)) + bytes(out)
+
+
+def _encode(seq: int, frontier: int, ahead: list[int], counts: Counts | None = None) -> bytes:
     out = bytearray()
     prev = frontier
     n = 0
@@ -90,11 +163,56 @@ def _encode(seq: int, frontier: int, ahead: list[int]) -> bytes:
         out += enc
         prev = off
         n += 1
+    if counts:
+        out += _encode_counts(frontier, counts, room - len(out))
     body = _BODY.pack(seq, frontier, n) + bytes(out)
     return (_HDR.pack(MAGIC, crc32c(body), len(body)) + body).ljust(SLOT, b"\0")
 
 
-def _decode(slot: bytes) -> tuple[int, int, list[int]] | None:
+def _read_uvarint(body: bytes, pos: int, used: int) -> tuple[int, int] | None:
+    d, shift = 0, 0
+    while True:
+        if pos >= used or shift > 63:
+            return None
+        b = body[pos]
+        pos += 1
+        d |= (b & 0x7F) << shift
+        if b < 0x80:
+            return d, pos
+        shift += 7
+
+
+def _decode_counts(body: bytes, pos: int, used: int, frontier: int) -> Counts | None:
+    if pos == used:
+        return {}  # a slot without the tail (or written before it existed)
+    if pos + _U32.size > used:
+        return None
+    (n,) = _U32.unpack_from(body, pos)
+    pos += _U32.size
+    if n > (used - pos) // 2:
+        return None  # each entry takes at least two bytes
+    out: Counts = {}
+    prev = frontier
+    for _ in range(n):
+        r = _read_uvarint(body, pos, used)
+        if r is None or r[0] <= 0:
+            return None
+        prev += r[0]
+        r2 = _read_uvarint(body, r[1], used)
+        if r2 is None or r2[0] <= 0:
+            return None
+        out[prev] = r2[0]
+        pos = r2[1]
+    return out
+
+
+def _decode_full(slot: bytes) -> tuple[int, int, list[int], Counts] | None:
+    """-> (seq, frontier, acked-ahead, delivery counts) or None (not a valid slot)."""
+    r = _decode(slot, want_tail=True)
+    return r  # type: ignore[return-value]
+
+
+def _decode(slot: bytes, want_tail: bool = False) -> tuple[int, int, list[int]] | None:
     if len(slot) < _HDR.size + _BODY.size:
         return None
     magic, crc, used = _HDR.unpack_from(slot, 0)
@@ -122,10 +240,15 @@ def _decode(slot: bytes) -> tuple[int, int, list[int]] | None:
             return None  # deltas are strictly positive
         prev += d
         out.append(prev)
+    if want_tail:
+        counts = _decode_counts(body, pos, used, frontier)
+        if counts is None:
+            return None
+        return seq, frontier, out, counts  # type: ignore[return-value]
     return seq, frontier, out
 
 
-def _best_slot(slots: list[tuple[int, int, list[int]] | None]) -> int | None:
+def _best_slot(slots: list[tuple[int, int, list[int], Counts] | None]) -> int | None:
     best = None
     for i, s in enumerate(slots):
         if s is not None and (best is None or s[0] > slots[best][0]):  # type: ignore[index]
@@ -144,24 +267,31 @@ def _read_level_at(d: Path) -> int:
 def peek(directory: Path, max_frontier: int | None = None) -> tuple[int, list[int]]:
     """(frontier, acked-ahead offsets) as ``OffsetFile.load`` would recover them,
     read-only: nothing is created, primed or synced (a closed partition's stats)."""
+    frontier, ahead, _counts = peek_counts(directory, max_frontier)
+    return frontier, ahead
+
+
+def peek_counts(directory: Path, max_frontier: int | None = None) -> tuple[int, list[int], Counts]:
+    """``peek`` with the delivery counts (offsets above the recovered frontier)."""
     d = Path(directory)
     try:
         with open(d / "consumer.ahead", "rb") as fh:
             raw = fh.read(2 * SLOT)
     except FileNotFoundError:
         raw = b""
-    slots = [_decode(raw[i * SLOT:(i + 1) * SLOT]) for i in (0, 1)]
+    slots = [_decode_full(raw[i * SLOT:(i + 1) * SLOT]) for i in (0, 1)]
     best = _best_slot(slots)
-    frontier, ahead = -1, []
+    frontier, ahead, counts = -1, [], {}
     if best is not None:
-        _seq, frontier, ahead = slots[best]  # type: ignore[misc]
+        _seq, frontier, ahead, counts = slots[best]  # type: ignore[misc]
     level = _read_level_at(d)
     if max_frontier is not None and level > max(max_frontier, frontier):
         level = -1
     if level > frontier:
         frontier = level
         ahead = [a for a in ahead if a > frontier]
-    return frontier, ahead
+        counts = {o: c for o, c in counts.items() if o > frontier}
+    return frontier, ahead, counts
 
 
 class OffsetFile:
@@ -172,8 +302,9 @@ class OffsetFile:
         self._seq = 0
         self.dirty_since_sync = False
         self._lock = threading.Lock()
-        self._anchored: tuple[int, list[int]] | None = None  # what the anchor slot says
-        self._window: tuple[int, list[int]] | None = None  # what the window slot says, once written whole
+        self._anchored: tuple[int, list[int], Counts] | None = None  # what the anchor slot says
+        self._window: tuple[int, list[int], Counts] | None = None  # what the window slot says, once written whole
+        self.counts: Counts = {}  # the delivery counts ``load`` recovered
         self._level_on_disk = -1  # what consumer.offset holds
 
     def load(self, max_frontier: int | None = None) -> tuple[int, list[int]]:
@@ -182,7 +313,8 @@ class OffsetFile:
         ``max_frontier`` (the log's high watermark - 1, when the caller knows it):
         ``consumer.offset`` carries no checksum, and a frontier past the end of the
         log cannot come from an ack (a damaged file, e.g. a flipped high bit): it is
-        ignored rather than clamped, which would skip every unacked record."""
+        ignored rather than clamped, which would skip every unacked record.
+        The delivery counts recovered are left in ``self.counts``."""
         path = self.dir / "consumer.ahead"
         created = not path.exists()
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
@@ -191,11 +323,11 @@ class OffsetFile:
             # Real zeros, not a sparse hole: later in-place writes must never need
             # new blocks (acks keep persisting on a full disk).
             fileio.pwrite_all(self._fd, bytes(2 * SLOT - size), size)
-        slots = [_decode(os.pread(self._fd, SLOT, i * SLOT)) for i in (0, 1)]
+        slots = [_decode_full(os.pread(self._fd, SLOT, i * SLOT)) for i in (0, 1)]
         best = _best_slot(slots)
-        frontier, ahead = -1, []
+        frontier, ahead, counts = -1, [], {}
         if best is not None:
-            self._seq, frontier, ahead = slots[best]  # type: ignore[misc]
+            self._seq, frontier, ahead, counts = slots[best]  # type: ignore[misc]
         level = self._level_on_disk = self._read_level()
         if max_frontier is not None and level > max(max_frontier, frontier):
             log.error("consumer.offset holds a frontier past the end of the log; ignored (damaged file?)",
@@ -205,21 +337,23 @@ class OffsetFile:
         if raised:
             frontier = level
             ahead = [a for a in ahead if a > frontier]
+            counts = {o: c for o, c in counts.items() if o > frontier}
+        self.counts = counts
         if best is not None and not raised:
             # The newest valid slot becomes the anchor as it is: made durable
             # (a crashed process may have left it in the page cache only), never
             # rewritten in place (a torn rewrite would lose the only good copy).
             self._anchor = best
             fileio.fdatasync(self._fd)
-            self._anchored = (frontier, list(ahead))
+            self._anchored = (frontier, list(ahead), dict(counts))
         else:
             # Nothing valid yet, or consumer.offset is ahead of the slots: a new
             # record, into the slot that is not the newest valid one, then anchored.
             self._anchor = 0 if best is None else 1 - best
             self._seq += 1
-            fileio.pwrite_all(self._fd, _encode(self._seq, frontier, ahead), self._anchor * SLOT)
+            fileio.pwrite_all(self._fd, _encode(self._seq, frontier, ahead, counts), self._anchor * SLOT)
             fileio.fdatasync(self._fd)
-            self._anchored = (frontier, list(ahead))
+            self._anchored = (frontier, list(ahead), dict(counts))
         self.dirty_since_sync = False
         if created:
             fileio.fsync_dir(self.dir)
@@ -228,12 +362,12 @@ class OffsetFile:
     def _read_level(self) -> int:
         return _read_level_at(self.dir)
 
-    def write_window(self, frontier: int, ahead: list[int]) -> None:
+    def write_window(self, frontier: int, ahead: list[int], counts: Counts | None = None) -> None:
         """Page cache only (survives a process crash, not power loss)."""
         with self._lock:
-            self._write_window(frontier, ahead)
+            self._write_window(frontier, ahead, counts or {})
 
-    def _write_window(self, frontier: int, ahead: list[int]) -> None:
+    def _write_window(self, frontier: int, ahead: list[int], counts: Counts) -> None:
         if self._fd < 0:
             return  # closed: nothing of this partition is written any more
         self._seq += 1
@@ -241,8 +375,8 @@ class OffsetFile:
         # a failed (possibly torn) write must not be synced and made the anchor.
         self.dirty_since_sync = False
         self._window = None
-        fileio.pwrite_all(self._fd, _encode(self._seq, frontier, ahead), (1 - self._anchor) * SLOT)
-        self._window = (frontier, list(ahead))
+        fileio.pwrite_all(self._fd, _encode(self._seq, frontier, ahead, counts), (1 - self._anchor) * SLOT)
+        self._window = (frontier, list(ahead), dict(counts))
         self.dirty_since_sync = True
 
     def writeout(self) -> None:
@@ -275,16 +409,17 @@ class OffsetFile:
         fileio.fsync_dir(self.dir)
         self._level_on_disk = frontier
 
-    def close(self, frontier: int, ahead: list[int]) -> None:
-        """Persist (frontier, ahead) durably and level consumer.offset; only what the
-        files do not already say is written (an untouched partition closes without a
-        sync)."""
+    def close(self, frontier: int, ahead: list[int], counts: Counts | None = None) -> None:
+        """Persist (frontier, ahead, delivery counts) durably and level consumer.offset;
+        only what the files do not already say is written (an untouched partition
+        closes without a sync)."""
+        counts = {o: c for o, c in (counts or {}).items() if o > frontier}
         with self._lock:
             if self._fd < 0:
                 return
             try:
-                if self.dirty_since_sync or self._anchored != (frontier, list(ahead)):
-                    self._write_window(frontier, ahead)
+                if self.dirty_since_sync or self._anchored != (frontier, list(ahead), counts):
+                    self._write_window(frontier, ahead, counts)
                     self._writeout()
                 if self._level_on_disk != frontier:
                     self._level(frontier)

@@ -1,0 +1,210 @@
+"""The dead-letter driver (issue 14): records leased ``max_deliveries`` times
+without an ack, moved to the topic's ``dead_letter_topic``.
+
+A partition holds such an offset (``Partition.dead``: not deliverable, holding its
+in-flight slot) and tells this driver (``on_dead``). The driver, one task per
+worker, takes the held offsets of each holding partition (up to ``BATCH`` a pass;
+the partitions side by side, so one whose dead-letter owner does not answer holds
+up no other), reads each
+record, builds its dead-letter copy (key kept; flags | ``F_EXT``; the extension
+block keeps the original headers, drops an idempotency key and adds the origin
+``DeadLetter``: topic, partition, offset, key, delivery count, last nack reason,
+committed-at) and commits them with ``Broker.commit_to`` (one commit per
+dead-letter partition: here, another worker, another node). Only after a commit
+succeeded are its source offsets settled (as acks). So a crash between the two
+leaves the source unsettled with its count on disk: after the restart the record
+is held and dead-lettered again (at least once into the dead-letter topic, never
+lost, never live in both: the source copy is never delivered again once held).
+
+The driver takes only holds whose count reached the offset file (the
+committer's next 100 ms tick; ``Partition.written_gen``), so a kill -9 right
+after the dead-letter commit never finds a lower count and delivers the record
+in the source again. A commit that fails (the dead-letter topic missing, its owner down, a move) keeps
+the offsets held and is retried every ``RETRY`` s; each failure is counted
+(``narad_dead_letter_failures_total``) and logged at most once a minute per topic.
+A frozen partition (a move's source) is left alone; its counts travel with the
+move and the destination holds the records again. Lowering ``max_deliveries`` to
+0 releases what is held (delivered again).
+
+Test seam: NARAD_FAULT_DLQ_HOLD_SETTLE_MS (a pause between the commit and the settle).
+
+Imports narad.storage.frames, narad.storage.partition_log (errors), narad.metrics,
+narad.broker.{partition,routing}; the broker hands itself in (no import of broker.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import heapq
+import logging
+import os
+import time
+from typing import Any
+
+from narad import metrics
+from narad.storage import frames as FR
+from narad.storage.partition_log import CorruptRecord, LogClosed, NotVisible, OffsetGone
+
+from .partition import Partition
+
+log = logging.getLogger("narad.broker.deadletter")
+
+BATCH = 1000  # held offsets of one partition moved per pass
+RETRY = 1.0  # a failed commit (or a missing dead-letter topic) is tried again this often
+LOG_EVERY = 60.0  # failures of one topic are logged at most this often
+# Test seam (never set in production): hold this long between a dead-letter commit and the
+# source settle (the kill window of the at-least-once test).
+HOLD_SETTLE = float(os.environ.get("NARAD_FAULT_DLQ_HOLD_SETTLE_MS", "0")) / 1000.0
+UNWRITTEN_RECHECK = 0.12  # a hold whose count is not in the offset file yet: looked at again after this
+
+
+def dead_letter_record(topic: str, partition: int, offset: int, deliveries: int, reason: str | None,
+                       rec: tuple[bytes | None, int, int, bytes]) -> tuple[bytes | None, int, bytes]:
+    """(key, flags, payload) of the dead-letter copy of `rec` (key, committed-at, flags, stored payload)."""
+    key, ts, flags, stored = rec
+    headers = None
+    try:
+        ext, body = FR.split_ext(flags, stored)
+    except FR.FrameError:
+        ext, body = None, stored  # a damaged block: the stored bytes travel as an opaque body
+        flags &= ~(FR.F_JSON | FR.F_UTF8)
+    if ext is not None:
+        headers = ext.h or None  # kept; the idempotency key is not (the copy is a new record)
+    dl = FR.DeadLetter(t=topic, p=partition, o=offset, c=deliveries, k=key, r=reason or None, ts=ts)
+    payload = FR.pack_ext(FR.Ext(h=headers, d=dl), body)
+    return key, flags | FR.F_EXT, payload
+
+
+class DeadLetterDriver:
+    def __init__(self, broker: Any) -> None:
+        self.b = broker
+        self.pending: dict[tuple[str, int], Partition] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._logged: dict[str, float] = {}  # topic -> when its last failure was logged
+        self._held_topics: set[str] = set()  # topics whose held gauge this worker set above zero
+        m = metrics.get()
+        self.m_dead = m.dead_lettered
+        self.m_fail = m.dead_letter_failures
+        self.m_held = m.dead_letter_held
+
+    def start(self) -> None:
+        self._task = self.b.loop.create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+
+    def on_dead(self, p: Partition) -> None:
+        """Partition hook: `p` holds an offset for the dead-letter topic."""
+        self.pending[(p.topic, p.index)] = p
+        self._wake.set()
+
+    async def _run(self) -> None:
+        wait = RETRY
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), wait)
+            self._wake.clear()
+            try:
+                await self.pass_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("dead-letter pass failed")
+            # holds whose count is not written yet: look again just after the committer's tick
+            wait = UNWRITTEN_RECHECK if any(p.written_gen < max(p.dead.values(), default=0)
+                                            for p in self.pending.values()) else RETRY
+
+    async def pass_once(self) -> None:
+        """Every partition holding records, side by side (one whose dead-letter owner
+        does not answer does not hold up the others), then the held gauges."""
+        live: list[Partition] = []
+        for key, p in list(self.pending.items()):
+            if not p.dead or p.closed or self.b.partitions.get(key) is not p:
+                if self.pending.get(key) is p:
+                    del self.pending[key]
+                continue
+            live.append(p)
+        res = await asyncio.gather(*(self._drain(p) for p in live if not p.frozen()), return_exceptions=True)
+        for r in res:
+            if isinstance(r, Exception):
+                log.error("dead-letter drain failed", extra={"err": repr(r)})
+        held: dict[str, int] = {}
+        for p in live:
+            key = (p.topic, p.index)
+            if p.dead:
+                held[p.topic] = held.get(p.topic, 0) + len(p.dead)
+            elif self.pending.get(key) is p:
+                del self.pending[key]
+        for topic in self._held_topics - held.keys():
+            self.m_held.labels(topic).set(0)
+        for topic, n in held.items():
+            self.m_held.labels(topic).set(n)
+        self._held_topics = set(held)
+
+    def _failed(self, topic: str, n: int, why: str) -> None:
+        self.m_fail.labels(topic).inc()
+        now = time.monotonic()
+        if now - self._logged.get(topic, -LOG_EVERY) >= LOG_EVERY:
+            self._logged[topic] = now
+            log.warning("records past max_deliveries are held: the dead-letter commit failed; retrying",
+                        extra={"topic": topic, "records": n, "err": why})
+
+    async def _drain(self, p: Partition) -> None:
+        b = self.b
+        t = b.store.topic(p.topic)
+        if t is None or t.id != p.topic_id:
+            return  # the topic watch retires the partition
+        if t.max_deliveries <= 0 or not t.dead_letter_topic:
+            p.max_deliveries = 0
+            p.release_dead()
+            if p.on_released is not None:
+                p.on_released(p)
+            return
+        dlt = b.store.topic(t.dead_letter_topic)
+        if dlt is None:
+            self._failed(t.name, len(p.dead), f'dead-letter topic "{t.dead_letter_topic}" does not exist')
+            return
+        # only holds whose count is in the offset file already (a kill -9 after the
+        # dead-letter commit must not find a lower count and deliver the record again)
+        offs = heapq.nsmallest(BATCH, (o for o, g in p.dead.items() if g <= p.written_gen))
+        groups: dict[int, list[tuple[int, tuple[bytes | None, int, bytes]]]] = {}
+        for off in offs:
+            try:
+                rec = p.log.read(off)
+            except OffsetGone:
+                p.dead.pop(off, None)  # retention passed it: the next reserve moves the frontier (a counted loss)
+                heapq.heappush(p._redeliver, off)
+                continue
+            except CorruptRecord:
+                p.dead.pop(off, None)
+                p._settle_unreadable(off)
+                continue
+            except (LogClosed, NotVisible):
+                return
+            out = dead_letter_record(p.topic, p.index, off, p.deliveries.get(off, 0), p.reasons.get(off), rec)
+            dp = b.choose_partition(dlt, out[0])
+            groups.setdefault(dp, []).append((off, out))
+        if not groups:
+            return
+
+        async def one(dp: int, recs: list[tuple[int, tuple[bytes | None, int, bytes]]]) -> None:
+            try:
+                await b.commit_to(dlt, dp, [r for _, r in recs])
+            except Exception as e:
+                self._failed(t.name, len(recs), str(e) or type(e).__name__)
+                return
+            if HOLD_SETTLE:
+                log.info("dead-letter commit done; holding the source settle (test seam)",
+                         extra={"topic": t.name, "partition": p.index, "records": len(recs)})
+                await asyncio.sleep(HOLD_SETTLE)
+            if p.closed or b.partitions.get((p.topic, p.index)) is not p:
+                return  # closed meanwhile: its count is on disk, the next owner dead-letters it again
+            n = sum(1 for off, _ in recs if p.settle_dead(off))
+            self.m_dead.labels(t.name).inc(n)
+
+        await asyncio.gather(*(one(dp, recs) for dp, recs in groups.items()))

@@ -1,0 +1,282 @@
+"""Delivery counts and dead-letter holds of one partition (issue 14), driven
+directly on real files: the count a lease carries, what ack / nack / expiry do
+to it, the counts tail of the offset slot (old slots decode as no counts, the
+4 KiB bound keeps the highest counts), restore after a crash (page cache) and a
+close, and the hold of a record whose deliveries are used up."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from narad.broker.partition import Partition
+from narad.storage import offsets as OFF
+from narad.storage.offsets import SLOT, OffsetFile, _decode, _decode_full, _encode
+from narad.storage.partition_log import PartitionLog
+
+
+def _partition(tmp: Path, n: int) -> Partition:
+    plog = PartitionLog(tmp)
+    plog.open()
+    offs = OffsetFile(tmp)
+    p = Partition("t", "00" * 8, 0, plog, offs)
+    p.restore(*offs.load(), offs.counts)
+    if n:
+        with ThreadPoolExecutor(1) as ex:
+            async def fill() -> None:
+                p.loop = asyncio.get_running_loop()
+                for i in range(n):
+                    await p.commit([(None, 0, f"m{i}".encode())], ex)
+
+            asyncio.run(fill())
+    return p
+
+
+def _reopen(tmp: Path) -> Partition:
+    return _partition(tmp, 0)
+
+
+def test_counts_rise_per_lease_and_go_at_ack(tmp_path: Path) -> None:
+    p = _partition(tmp_path, 3)
+    d = p.reserve(100.0, 3, 30.0, 1024, 1024)
+    assert [x.deliveries for x in d] == [1, 1, 1]
+    assert p.nack(0, d[0].nonce, 101.0, reason="bad")
+    again = p.reserve(101.0, 1, 30.0, 1024, 1024)
+    assert (again[0].offset, again[0].deliveries) == (0, 2)
+    assert p.reasons == {0: "bad"}
+    late = p.reserve(140.0, 5, 30.0, 1024, 1024)  # every lease expired: all out again
+    assert sorted((x.offset, x.deliveries) for x in late) == [(0, 3), (1, 2), (2, 2)]
+    for x in late:
+        assert p.ack(x.offset, x.nonce, 141.0)
+    assert p.deliveries == {} and p.reasons == {}
+    assert p.committed == 2
+
+
+def test_a_give_back_takes_its_count_back(tmp_path: Path) -> None:
+    """A lease whose consumer never saw it (hung up, answer dropped) is given back
+    uncounted: the next delivery carries the same count, and max_deliveries=1 does not
+    dead-letter a record nobody saw."""
+    p = _partition(tmp_path, 1)
+    p.max_deliveries = 1
+    d = p.reserve(100.0, 1, 30.0, 1024, 1024)
+    assert d[0].deliveries == 1
+    assert p.nack(0, d[0].nonce, 100.1, uncount=True)
+    assert not p.dead and 0 not in p.deliveries
+    d = p.reserve(100.2, 1, 30.0, 1024, 1024)
+    assert d[0].deliveries == 1
+    assert p.nack(0, d[0].nonce, 100.3)  # a real nack: spent
+    assert set(p.dead) == {0}
+
+
+def test_slot_tail_round_trip_and_old_slots(tmp_path: Path) -> None:
+    raw = _encode(5, 10, [12, 15], {11: 3, 13: 1, 20: 7})
+    assert _decode_full(raw) == (5, 10, [12, 15], {11: 3, 13: 1, 20: 7})
+    assert _decode(raw) == (5, 10, [12, 15])  # a reader without the tail ignores it
+    old = _encode(5, 10, [12, 15])  # written before the tail existed
+    assert _decode_full(old) == (5, 10, [12, 15], {})
+    assert len(_encode(1, 0, [], {i: 2 for i in range(1, 5000)})) == SLOT
+
+
+def test_counts_past_the_slot_keep_the_highest(tmp_path: Path) -> None:
+    counts = {i: 1 for i in range(1, 4000)}
+    counts[3500] = 9
+    counts[3999] = 5
+    assert not OFF.fits(0, [], counts)
+    got = _decode_full(_encode(1, 0, [], counts))
+    assert got is not None
+    kept = got[3]
+    assert kept[3500] == 9 and kept[3999] == 5  # the highest counts first
+    assert 0 < len(kept) < len(counts)
+    ones = sorted(o for o, c in kept.items() if c == 1)
+    assert ones == list(range(1, len(ones) + 1))  # then the lowest offsets
+    assert OFF.fits(0, [], {1: 2, 2: 3})
+
+
+def test_counts_survive_a_crash_and_a_close(tmp_path: Path) -> None:
+    p = _partition(tmp_path, 4)
+    d = p.reserve(100.0, 4, 30.0, 1024, 1024)
+    assert p.ack(1, d[1].nonce, 100.5)
+    assert p.dirty
+    f, a = p.snapshot_offsets()
+    p.offsets.write_window(f, a, p.snapshot_counts())  # the committer's tick: page cache only
+    os.close(p.offsets._fd)  # kill -9: the descriptor goes, the page cache stays
+    p.offsets._fd = -1
+    q = _reopen(tmp_path)
+    assert q.committed == -1 and q.deliveries == {0: 1, 2: 1, 3: 1}
+    d = q.reserve(200.0, 4, 30.0, 1024, 1024)
+    assert sorted((x.offset, x.deliveries) for x in d) == [(0, 2), (2, 2), (3, 2)]
+    assert q.ack(0, next(x.nonce for x in d if x.offset == 0), 200.5)
+    f, a = q.snapshot_offsets()
+    q.offsets.close(f, a, q.snapshot_counts())
+    r = _reopen(tmp_path)
+    assert r.committed == 1 and r.deliveries == {2: 2, 3: 2}
+
+
+def test_used_up_deliveries_are_held_then_settled(tmp_path: Path) -> None:
+    p = _partition(tmp_path, 3)
+    held: list[int] = []
+    p.on_dead = lambda part: held.append(len(part.dead))
+    p.max_deliveries = 2
+    d = p.reserve(100.0, 3, 30.0, 1024, 1024)
+    assert p.nack(0, d[0].nonce, 100.1, reason="nope")
+    d2 = p.reserve(100.2, 1, 30.0, 1024, 1024)
+    assert (d2[0].offset, d2[0].deliveries) == (0, 2)
+    assert p.nack(0, d2[0].nonce, 100.3, delay_s=60.0)  # spent: held, not delayed
+    assert set(p.dead) == {0} and 0 not in p.delayed and held == [1]
+    assert p.available() == 0  # 1 and 2 are leased, 0 is held
+    assert p.ready(3, 1024) == 0  # the hold keeps its in-flight slot
+    # offsets 1 and 2 expire twice: held too
+    p.reserve(131.0, 5, 30.0, 1024, 1024)
+    assert p.reserve(162.0, 5, 30.0, 1024, 1024) == []
+    assert set(p.dead) == {0, 1, 2}
+    assert not p.evictable()
+    assert p.reasons.get(0) == "nope"
+    for off in (0, 1, 2):
+        assert p.settle_dead(off)
+    assert p.committed == 2 and not p.dead and not p.deliveries and not p.reasons
+    assert not p.settle_dead(0)
+
+
+def test_a_restored_spent_count_is_held_not_leased(tmp_path: Path) -> None:
+    p = _partition(tmp_path, 2)
+    p.max_deliveries = 2
+    for t in (100.0, 131.0):
+        p.reserve(t, 1, 30.0, 1024, 1024)
+    f, a = p.snapshot_offsets()
+    p.offsets.close(f, a, p.snapshot_counts())  # the crash came after the count reached the disk
+    q = _reopen(tmp_path)
+    assert q.deliveries == {0: 2}
+    q.max_deliveries = 2
+    d = q.reserve(300.0, 5, 30.0, 1024, 1024)
+    assert [x.offset for x in d] == [1] and set(q.dead) == {0}
+    q.release_dead()  # the maximum was lifted: out again
+    q.max_deliveries = 0
+    d = q.reserve(300.0, 5, 30.0, 1024, 1024)
+    assert [(x.offset, x.deliveries) for x in d] == [(0, 3)]
+
+
+def test_the_trailing_wire_fields_decode_both_ways() -> None:
+    """AckReq.reason, Item.deliveries, MoveListResp.counts and MoveFreezeResp.counts are
+    trailing defaulted fields: a frame from a node without them decodes (no reason, no
+    count, no counts moved), and one with them decodes at such a node (dropped)."""
+    import msgspec
+
+    from narad.broker import peers as P
+
+    class OldAckReq(msgspec.Struct, tag="AckReq", array_like=True):
+        topic: str
+        topic_id: str
+        mode: int
+        items: list[tuple[int, int, int]]
+        scope: int = P.WORKER
+        dur_ms: int = 0
+
+    class OldItem(msgspec.Struct, array_like=True):
+        partition: int
+        offset: int
+        nonce: int
+        key: bytes | None
+        ts_ms: int
+        flags: int
+        payload: bytes
+
+    class OldFreezeResp(msgspec.Struct, array_like=True):
+        token: str
+        hwm: int = -1
+        frontier: int = -1
+        ahead: list[int] = []
+        cursors: list[tuple[str, str, int]] = []
+        segments: list[tuple[int, int, int]] = []
+        now_ms: int = 0
+
+    class OldListResp(msgspec.Struct, array_like=True):
+        hwm: int
+        segments: list[tuple[int, int, int]]
+        now_ms: int
+        frozen: bool = False
+        frontier: int = -1
+        ahead: list[int] = []
+        cursors: list[tuple[str, str, int]] = []
+
+    enc, dec = msgspec.msgpack.encode, msgspec.msgpack.decode
+    assert dec(enc(OldAckReq("t", "id", 2, [(0, 1, 2)], P.NODE, 5)), type=P.AckReq).reason == ""
+    assert dec(enc(P.AckReq("t", "id", 2, [(0, 1, 2)], P.NODE, 5, "why")), type=OldAckReq) == \
+        OldAckReq("t", "id", 2, [(0, 1, 2)], P.NODE, 5)
+    assert dec(enc(OldItem(0, 1, 2, None, 3, 0, b"x")), type=P.Item).deliveries == 0
+    assert dec(enc(P.Item(0, 1, 2, None, 3, 0, b"x", 4)), type=OldItem) == OldItem(0, 1, 2, None, 3, 0, b"x")
+    assert dec(enc(OldFreezeResp("tok", 5, 1, [3])), type=P.MoveFreezeResp).counts == []
+    new = P.MoveFreezeResp("tok", 5, 1, [3], [], [], 9, [(2, 4)])
+    assert dec(enc(new), type=P.MoveFreezeResp).counts == [(2, 4)]
+    assert dec(enc(new), type=OldFreezeResp) == OldFreezeResp("tok", 5, 1, [3], [], [], 9)
+    lst = P.MoveListResp(5, [], 9, False, 1, [3], [], [(2, 4)])
+    assert dec(enc(lst), type=OldListResp) == OldListResp(5, [], 9, False, 1, [3], [])
+    assert dec(enc(OldListResp(5, [], 9)), type=P.MoveListResp).counts == []
+
+
+def test_fits_says_exactly_whether_every_count_is_written() -> None:
+    """``fits`` (a partition whose counts do not all fit is never closed as idle) agrees
+    with what the slot keeps, over random sets of held acks and counts."""
+    import random
+
+    rnd = random.Random(14)
+    seen = set()
+    for _ in range(300):
+        frontier = rnd.randrange(-1, 1000)
+        ahead = sorted(rnd.sample(range(frontier + 1, frontier + 5000), rnd.randrange(0, 600)))
+        held = set(ahead)
+        pool = [o for o in range(frontier + 1, frontier + 40000, rnd.choice((1, 3, 200))) if o not in held]
+        counts = {o: rnd.choice((1, 2, 3, 200)) for o in rnd.sample(pool, min(len(pool), rnd.randrange(0, 3000)))}
+        got = _decode_full(_encode(1, frontier, ahead, counts))
+        assert got is not None
+        whole = got[2] == ahead and got[3] == counts
+        assert OFF.fits(frontier, ahead, counts) == whole, (frontier, len(ahead), len(counts))
+        seen.add(whole)
+    assert seen == {True, False}  # both cases drawn
+
+
+def test_the_dead_letter_copy_and_the_redrive_produce() -> None:
+    """The dead-letter copy keeps key, body, body flags and headers, drops an
+    idempotency key and a previous origin, adds this origin; the redrive's produce
+    gives back the original key, partition, headers and body without the origin; a
+    damaged block travels as an opaque body."""
+    from types import SimpleNamespace
+
+    from narad.api.messages import _redrive_entry
+    from narad.broker.deadletter import dead_letter_record
+    from narad.broker.peers import Item
+    from narad.storage import frames as FR
+
+    body = b'{"a": 1}'
+    stored = FR.pack_ext(FR.Ext(h={"trace": "t1"}, i="idem-1", d=FR.DeadLetter("older", 9, 9, 9)), body)
+    key, flags, payload = dead_letter_record("src", 2, 40, 3, "bad", (b"k", 1234, FR.F_JSON | FR.F_EXT, stored))
+    assert key == b"k" and flags == FR.F_JSON | FR.F_EXT
+    ext, b2 = FR.split_ext(flags, payload)
+    assert b2 == body and ext is not None and ext.h == {"trace": "t1"} and ext.i is None
+    assert ext.d == FR.DeadLetter("src", 2, 40, 3, b"k", "bad", 1234)
+    # a plain record: only the origin block is added
+    _, flags, payload = dead_letter_record("src", 0, 1, 2, None, (None, 5, FR.F_UTF8, b"text"))
+    ext, b2 = FR.split_ext(flags, payload)
+    assert flags == FR.F_UTF8 | FR.F_EXT and b2 == b"text" and ext is not None and ext.h is None
+    assert ext.d is not None and ext.d.r is None and ext.d.k is None
+    # a damaged block: the stored bytes become an opaque (base64-rendered) body
+    _, flags, payload = dead_letter_record("src", 0, 1, 2, None, (None, 5, FR.F_JSON | FR.F_EXT, b"\xff\xff"))
+    ext, b2 = FR.split_ext(flags, payload)
+    assert b2 == b"\xff\xff" and not flags & (FR.F_JSON | FR.F_UTF8)
+
+    topics = {"src": SimpleNamespace(name="src", id="00" * 8, partitions=3, delay_ms=0, parent=None)}
+    store = SimpleNamespace(topic=topics.get)
+    inc = lambda t: bytes.fromhex(t.id)  # noqa: E731
+    choose = lambda t, k: 0  # noqa: E731
+    key, flags, payload = dead_letter_record("src", 2, 40, 3, "bad", (b"k", 1234, FR.F_JSON | FR.F_EXT, stored))
+    e = _redrive_entry(Item(1, 7, 1, key, 99, flags, payload), store, inc, choose)
+    assert e is not None and (e.topic, e.partition, e.key) == ("src", 2, b"k")
+    ext, b2 = FR.split_ext(e.flags, e.payload)
+    assert b2 == body and ext == FR.Ext(h={"trace": "t1"}) and e.flags == FR.F_JSON | FR.F_EXT
+    _, flags, payload = dead_letter_record("src", 5, 1, 2, None, (None, 5, FR.F_UTF8, b"text"))
+    e = _redrive_entry(Item(1, 8, 1, None, 99, flags, payload), store, inc, choose)
+    assert e is not None and e.partition == 0 and e.flags == FR.F_UTF8 and e.payload == b"text"  # 5 >= 3: chosen
+    assert _redrive_entry(Item(1, 9, 1, None, 99, FR.F_UTF8, b"x"), store, inc, choose) is None  # no origin
+    _, flags, payload = dead_letter_record("gone", 0, 1, 2, None, (None, 5, 0, b"x"))
+    assert _redrive_entry(Item(1, 9, 1, None, 99, flags, payload), store, inc, choose) is None  # origin gone

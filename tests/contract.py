@@ -33,6 +33,12 @@ The checker (``check``) gives a verdict over a history (rules, see ``RULES``):
   (issue 14; deliveries recorded without one are left out) do not rise; allowed
   (counted) inside a declared fault window + grace in either mode (after a kill -9 a
   count may be lower than the truth by the leases of the owner's last ~100 ms).
+- dead_then_live: a copy seen in its dead-letter topic (``History.dead_lettered``,
+  from the dead-letter record's origin: source partition and offset) delivered again
+  from its source by a consume that began after that dead-letter delivery returned;
+  a violation in either mode (the dead-letter commit waits until the count that used
+  the record up is on disk, so not even a kill -9 brings it back live). A copy seen
+  in the dead-letter topic counts as settled for not_redelivered and undrained.
 
 A delivery may carry its own lease length (``vis_ns``: a consume with
 ``visibility``) and an extend its new one; 0 means the history's visibility.
@@ -56,7 +62,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 RULES = ("lost", "phantom", "dup_after_ack", "double_lease", "not_redelivered", "undrained", "dup", "delayed_early",
-         "count_not_rising")
+         "count_not_rising", "dead_then_live")
 OCTET = {"Content-Type": "application/octet-stream"}
 JSON_CT = {"Content-Type": "application/json"}
 NS = 1_000_000_000
@@ -115,6 +121,21 @@ class Settle:
         return self.status is None or self.status >= 500
 
 
+@dataclass(frozen=True)
+class DeadCopy:
+    """A source copy seen in its dead-letter topic: the dead-letter delivery's origin."""
+
+    mid: str
+    partition: int  # in the source
+    offset: int
+    call: int  # the dead-letter consume's call and return
+    ret: int
+
+    @property
+    def copy(self) -> tuple[int, int]:
+        return (self.partition, self.offset)
+
+
 @dataclass
 class Fault:
     name: str
@@ -142,6 +163,7 @@ class History:
         self.deliveries: list[Delivery] = []
         self.settles: list[Settle] = []
         self.faults: list[Fault] = []
+        self.dead: list[DeadCopy] = []
         self.start_ns = now()
         self.end_ns: int | None = None
         self.accepted: set[str] = set()
@@ -157,6 +179,11 @@ class History:
     def delivered(self, d: Delivery) -> None:
         with self.lock:
             self.deliveries.append(d)
+
+    def dead_lettered(self, d: DeadCopy) -> None:
+        """A consume of the dead-letter topic returned this source copy (its origin)."""
+        with self.lock:
+            self.dead.append(d)
 
     def settled(self, s: Settle, mid: str | None = None) -> None:
         with self.lock:
@@ -276,6 +303,11 @@ def check(h: History, mode: str = "strict", *, grace_s: float | None = None, sla
     (then a message whose only ack got no answer counts as drained)."""
     assert mode in ("strict", "faults"), mode
     produces, deliveries, settles, faults = h.snapshot()
+    with h.lock:
+        dead = list(h.dead)
+    dead_at: dict[tuple[int, int], int] = {}  # source copy -> when it was first seen dead-lettered (ret)
+    for dc in dead:
+        dead_at[dc.copy] = min(dc.ret, dead_at.get(dc.copy, dc.ret))
     end = h.end_ns if h.end_ns is not None else now()
     vis = h.visibility_ns
     grace = int((grace_s if grace_s is not None else h.visibility_ns / NS + 20) * NS)
@@ -385,6 +417,8 @@ def check(h: History, mode: str = "strict", *, grace_s: float | None = None, sla
     # (d) every lease that ran out unacked is followed by another delivery of that copy
     explained = 0
     for copy, ds in by_copy.items():
+        if copy in dead_at:
+            continue  # settled by the broker into its dead-letter topic
         for d in ds:
             ss = by_handle.get(d.handle, [])
             if any(s.kind == "ack" and (s.ok or s.ambiguous) for s in ss):
@@ -403,7 +437,7 @@ def check(h: History, mode: str = "strict", *, grace_s: float | None = None, sla
                     f"never delivered again (history ends +{(end - h.start_ns) / NS:.3f} s)")
 
     # (e) drained: every accepted message and every delivered copy acked with 204
-    acked_ids = {d.mid for ds in by_mid.values() for d in ds if acks_ok(d)}
+    acked_ids = {d.mid for ds in by_mid.values() for d in ds if acks_ok(d)} | {dc.mid for dc in dead}
     in_doubt = {d.mid for ds in by_mid.values() for d in ds
                 if any(s.kind == "ack" and s.ambiguous for s in by_handle.get(d.handle, []))}
     for mid in sorted((accepted & by_mid.keys()) - acked_ids):
@@ -411,7 +445,7 @@ def check(h: History, mode: str = "strict", *, grace_s: float | None = None, sla
             continue
         v.violations["undrained"].append(f"{mid} answered 202, delivered, never acked with 204")
     for copy, ds in sorted(by_copy.items()):
-        if any(acks_ok(d) for d in ds):
+        if any(acks_ok(d) for d in ds) or copy in dead_at:
             continue
         if broker_empty and any(s.kind == "ack" and s.ambiguous for d in ds for s in by_handle.get(d.handle, [])):
             continue
@@ -485,6 +519,14 @@ def check(h: History, mode: str = "strict", *, grace_s: float | None = None, sla
                 else:
                     v.violations["count_not_rising"].append(detail)
 
+    # (h) a copy seen in its dead-letter topic is never delivered again from its source
+    for copy, t_dead in sorted(dead_at.items()):
+        for d in by_copy.get(copy, []):
+            if d.call > t_dead:
+                v.violations["dead_then_live"].append(
+                    f"{copy[0]}:{copy[1]} ({d.mid}) delivered from its source at +{(d.call - h.start_ns) / NS:.3f} s "
+                    f"after its dead-letter copy was consumed (+{(t_dead - h.start_ns) / NS:.3f} s)")
+
     # fault coverage of the run
     covered = 0
     last = h.start_ns
@@ -513,6 +555,7 @@ def check(h: History, mode: str = "strict", *, grace_s: float | None = None, sla
         "extends": sum(1 for s in settles if s.kind == "extend"),
         "nacks": sum(1 for s in settles if s.kind == "nack"),
         "faults": len(faults),
+        "dead_lettered": len(dead_at),
         "lost": len(v.violations["lost"]),
     }
     return v
@@ -580,6 +623,30 @@ class Recorder:
             self.h.delivered(d)
             out.append(d)
         return out
+
+    def consume_dead(self, node: Any, dead_letter_topic: str, wait: str = "0s", max_n: int = 100) -> int | None:
+        """Consume the dead-letter topic once and ack what came: every record whose
+        origin is this recorder's topic is recorded as a dead copy (``DeadCopy``);
+        returns how many, None when the call failed."""
+        t0 = now()
+        r = node.request("GET", f"/v1/topics/{dead_letter_topic}/consume?wait={wait}&max={max_n}",
+                         headers={"X-Narad-Client": "contract"})
+        t1 = now()
+        if r.status == 204:
+            return 0
+        if r.status != 200:
+            return None
+        msgs = r.json()["messages"]
+        n = 0
+        for m in msgs:
+            o = m.get("dead_letter")
+            if o and o.get("topic") == self.topic:
+                self.h.dead_lettered(DeadCopy(message_id(m["payload"]), int(o["partition"]), int(o["offset"]),
+                                              t0, t1))
+                n += 1
+        body = json.dumps({"receipt_handles": [m["receipt_handle"] for m in msgs]}).encode()
+        node.request("POST", f"/v1/topics/{dead_letter_topic}/ack", body, headers=JSON_CT)
+        return n
 
     def settle(self, node: Any, ds: Sequence[Delivery], kind: str = "ack",
                conn: http.client.HTTPConnection | None = None, *, delay_s: float = 0.0,

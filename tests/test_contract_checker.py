@@ -415,3 +415,28 @@ def test_delivery_counts_must_rise_per_copy() -> None:
     assert v.failed_rules() == {"count_not_rising"}, v.summary()
     v = check(hist([1, 1], fault=True), "faults")
     assert v.ok and v.allowed["count_not_rising"] == 1, v.summary()
+
+
+def test_a_dead_lettered_copy_is_settled_and_never_live_again() -> None:
+    from tests.contract import DeadCopy
+
+    s = Synth()
+    s.produce("a")
+    s.produce("b")
+    a1 = s.deliver("a", 0.1)
+    s.settle(a1, 0.2, "nack")
+    s.deliver("a", 0.3)  # its second lease runs out; max_deliveries 2: dead-lettered
+    s.h.dead_lettered(DeadCopy("a", 0, 0, at(1.5), at(1.51)))
+    s.settle(s.deliver("b", 0.1, o=1), 0.2)
+    v = check(s.end(3.0))
+    assert v.ok, v.summary()  # no undrained, no not_redelivered for "a": the broker settled it
+    assert v.counts["dead_lettered"] == 1
+    # The same copy delivered from the source after its dead-letter copy was consumed: a violation,
+    # in faults mode too (no fault window excuses it).
+    s.h.end_ns = None
+    s.deliver("a", 2.0)
+    s.h.faults.append(Fault("kill", at(1.0), at(2.5)))
+    for mode in ("strict", "faults"):
+        v = check(s.end(4.0), mode)
+        assert v.failed_rules() == {"dead_then_live"} or "dead_then_live" in v.failed_rules(), v.summary()
+        assert "0:0 (a) delivered from its source" in v.violations["dead_then_live"][0]

@@ -187,7 +187,7 @@ def split_ext(flags: int, stored: bytes) -> tuple[Ext | None, bytes]:
     if not flags & F_EXT:
         return None, stored
     ext, pos = _ext_at(stored)
-    return ext, bytes(stored[pos:])
+    return ext, stored[pos:]
 
 
 def read_ext(stored: bytes) -> Ext:
@@ -198,6 +198,14 @@ def read_ext(stored: bytes) -> Ext:
 
 def _ext_at(stored: bytes) -> tuple[Ext, int]:
     n = len(stored)
+    if n and stored[0] < 0x80:  # a block under 128 bytes (headers of a trace id or two): one length byte
+        blen, pos = stored[0], 1
+        if pos + blen > n:
+            raise FrameError("extension block runs past the record")
+        try:
+            return _ext_dec.decode(memoryview(stored)[1 : 1 + blen]), 1 + blen
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise FrameError(f"bad extension block: {e}") from None
     pos, shift, blen = 0, 0, 0
     while True:
         if pos >= n or shift > 63:

@@ -41,6 +41,8 @@ PENDING_H_METRICS: frozenset[str] = frozenset()
 # the node must declare them (a TYPE line in /metrics) and the panels still show them.
 EVENT_ONLY: dict[str, str] = {  # name -> why it has no samples yet
     "narad_decommission_blocked": "a series exists only while a draining member's removal waits (leader)",
+    "narad_dead_letter_held": "a series per source topic exists once a record of it was held for a dead-letter topic",
+    "narad_dead_letter_failures_total": "a series per source topic exists once a dead-letter commit of it failed",
 }
 
 # Series the rules use that Prometheus makes, not the node.

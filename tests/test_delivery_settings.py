@@ -77,3 +77,14 @@ def test_own_dead_letter_topic_is_refused(node: Node) -> None:
 def test_entry_type_43_is_applied_by_this_build() -> None:
     assert C.EntryType.SET_DELIVERY == 43 and 43 in C.APPLIED_TYPES
     assert C.FALLBACK[C.EntryType.SET_DELIVERY] is None
+
+
+def test_a_fan_out_child_cannot_be_a_dead_letter_topic(node: Node) -> None:
+    assert node.post("/v1/topics", {"name": "ds-par", "partitions": 3}).status == 201
+    assert node.post("/v1/topics", {"name": "ds-kid", "parent": "ds-par"}).status == 201
+    why = err(node.post("/v1/topics", {"name": "ds-src3", "partitions": 3, "max_deliveries": 2,
+                                       "dead_letter_topic": "ds-kid"}))
+    assert 'is a fan-out child of "ds-par"' in why
+    assert node.post("/v1/topics", {"name": "ds-src4", "partitions": 3}).status == 201
+    why = err(node.request("PATCH", "/v1/topics/ds-src4", body={"dead_letter_topic": "ds-kid"}))
+    assert "fan-out child" in why

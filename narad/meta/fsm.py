@@ -1165,8 +1165,12 @@ class FSM:
         if dlt is not None and p.dead_letter_topic:
             if dlt == t.name:
                 return _refuse(C.Result.INVALID, f'topic "{t.name}" cannot be its own dead-letter topic'), set()
-            if self._get_topic(txn, dlt) is None:
+            d = self._get_topic(txn, dlt)
+            if d is None:
                 return _refuse(C.Result.INVALID, f'dead-letter topic "{dlt}" not found'), set()
+            if d.parent is not None:
+                return _refuse(C.Result.INVALID, f'dead-letter topic "{dlt}" is a fan-out child of "{d.parent}": '
+                                                 f"only its parent feeds it"), set()
         if maxd > 0 and dlt is None:
             return _refuse(C.Result.INVALID, "max_deliveries needs a dead_letter_topic (a record past its last "
                                              "delivery goes there, it is never dropped)"), set()

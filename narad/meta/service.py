@@ -367,8 +367,8 @@ class MetaService:
             if self.request_applied():
                 return self._read_topic(name)  # this very request created it before a leader change
             self._name_free(name)
-            if dlt is not None and self.store.topic(dlt) is None:
-                raise BadRequest(f'invalid argument: dead-letter topic "{dlt}" not found (create it first)')
+            if dlt is not None:
+                _check_dead_letter_topic(self.store.topic(dlt), dlt)
             rec = TopicRecord(
                 name=name, id=secrets.token_hex(8), partitions=parts, retention_ms=retention,
                 visibility_timeout_ms=vis, max_in_flight_per_partition=inflight,
@@ -750,9 +750,8 @@ class MetaService:
                 await self._put_schema(name, req.schema, req.schema_base_version, may_manage)
             if (req.max_deliveries, req.dead_letter_topic, req.idempotency_window_ms) != (None, None, None):
                 self._require_type(C.EntryType.SET_DELIVERY, "changing delivery settings")
-                if req.dead_letter_topic and self.store.topic(req.dead_letter_topic) is None:
-                    raise BadRequest(f'invalid argument: dead-letter topic "{req.dead_letter_topic}" not found '
-                                     f"(create it first)")
+                if req.dead_letter_topic:
+                    _check_dead_letter_topic(self.store.topic(req.dead_letter_topic), req.dead_letter_topic)
 
                 def set_delivery(t: TopicRecord) -> msgspec.Struct:
                     may_manage(t)
@@ -1320,3 +1319,12 @@ def public_user(u: UserRecord) -> UserRecord:
 
 
 __all__ = ["Grant", "MetaService", "public_user"]
+
+
+def _check_dead_letter_topic(rec: TopicRecord | None, name: str) -> None:
+    """A dead-letter topic exists and is no fan-out child (only its parent feeds a child)."""
+    if rec is None:
+        raise BadRequest(f'invalid argument: dead-letter topic "{name}" not found (create it first)')
+    if rec.parent is not None:
+        raise BadRequest(f'invalid argument: dead-letter topic "{name}" is a fan-out child of "{rec.parent}"; '
+                         f"name a topic that takes produce")

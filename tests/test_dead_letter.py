@@ -137,6 +137,8 @@ def test_expiries_count_and_a_missing_dead_letter_topic_holds_the_record(node: N
              "failed dead-letter commits retried")
     assert metric(node, "narad_dead_letter_held", name) == 1
     assert consume(node, name).status == 204  # not redelivered meanwhile
+    row = next(s for s in node.get(f"/v1/topics/{name}").json()["partition_stats"] if s["index"] == W1_PART[name])
+    assert row["dead_letter_held"] == 1 and row["in_flight"] == 0, row  # describe says where it is
     r = node.post("/v1/topics", {"name": dlt, "partitions": 4})
     assert r.status == 201, r
     d = take(node, dlt, timeout=15)
@@ -145,6 +147,7 @@ def test_expiries_count_and_a_missing_dead_letter_topic_holds_the_record(node: N
     ack(node, dlt, d["receipt_handle"])
     wait_for(lambda: metric(node, "narad_dead_letter_held", name) == 0, 10, 0.1, "the held gauge back to 0")
     assert consume(node, name).status == 204
+    assert all("dead_letter_held" not in s for s in node.get(f"/v1/topics/{name}").json()["partition_stats"])
 
 
 def test_redrive_round_trip(node: Node) -> None:

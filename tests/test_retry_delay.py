@@ -86,6 +86,8 @@ def test_a_nack_with_a_delay_is_not_delivered_before_it_then_is(node: Node) -> N
     assert r.status == 204, r
     assert consume(node, name, conn=w0).status == 204  # held back
     assert consume(node, name).status == 204  # on any worker
+    row = next(s for s in node.get(f"/v1/topics/{name}").json()["partition_stats"] if s["index"] == m["partition"])
+    assert row["delayed"] == 1 and row["in_flight"] == 0, row  # describe shows the delayed record
     again = take(node, name)
     assert time.monotonic() - t_nack >= 2.0 - 0.05
     assert (again["partition"], again["offset"]) == (m["partition"], m["offset"]) and again["payload"] == "m1"

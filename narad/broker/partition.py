@@ -644,6 +644,12 @@ class Partition:
             "segments": len(self.log.segments),
             "size_bytes": self.log.size_bytes(),
         }
+        # Extensions (issue 14), present only when there is something: a topic without
+        # delays or dead-lettering answers as before.
+        if self.delayed:
+            out["delayed"] = len(self.delayed)
+        if self.dead:
+            out["dead_letter_held"] = len(self.dead)
         first = self.log.oldest_segment_ms()
         if first is not None:
             out[OLDEST_SEGMENT_MS] = first

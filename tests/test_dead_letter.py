@@ -180,6 +180,30 @@ def test_redrive_round_trip(node: Node) -> None:
     assert r.status == 200 and r.json() == {"redriven": 0, "skipped": 0}
 
 
+def test_redrive_checks_the_origins_current_schema(node: Node) -> None:
+    """A record the origin's schema (registered after it was dead-lettered) refuses is
+    left in the dead-letter topic and counted as skipped; the others go back."""
+    dlt = mk(node, "dlt-s-")
+    name = mk(node, "src-s-", max_deliveries=1, dead_letter_topic=dlt)
+    for body in (b'{"id": 1}', b'{"nope": 2}'):
+        produce(node, name, body)
+    got: list[dict[str, Any]] = []
+    wait_for(lambda: got.extend(take(node, name, "max=10")["messages"]) or len(got) >= 2, 10, 0.0, "two")
+    r = node.post(f"/v1/topics/{name}/ack?extend=0", {"receipt_handles": [m["receipt_handle"] for m in got]})
+    assert [x["status"] for x in r.json()["results"]] == [204] * 2
+    wait_for(lambda: metric(node, "narad_dead_lettered_total", name) == 2, 10, 0.05, "two dead-lettered")
+    r = node.request("PATCH", f"/v1/topics/{name}", body={"schema": {"type": "object", "required": ["id"]}})
+    assert r.status == 200, r
+    r = node.post(f"/v1/topics/{dlt}/redrive")
+    assert r.status == 200 and r.json() == {"redriven": 1, "skipped": 1}, r
+    back = take(node, name)
+    assert back["payload"] == {"id": 1}
+    ack(node, name, back["receipt_handle"])
+    left = take(node, dlt)
+    assert left["payload"] == {"nope": 2} and left["dead_letter"]["topic"] == name
+    ack(node, dlt, left["receipt_handle"])
+
+
 def test_bad_reason_and_redrive_max_are_400s(node: Node) -> None:
     name = mk(node, "bad-")
     produce(node, name, b"x")

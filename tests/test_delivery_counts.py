@@ -270,13 +270,17 @@ def test_the_dead_letter_copy_and_the_redrive_produce() -> None:
     inc = lambda t: bytes.fromhex(t.id)  # noqa: E731
     choose = lambda t, k: 0  # noqa: E731
     key, flags, payload = dead_letter_record("src", 2, 40, 3, "bad", (b"k", 1234, FR.F_JSON | FR.F_EXT, stored))
-    e = _redrive_entry(Item(1, 7, 1, key, 99, flags, payload), store, inc, choose)
-    assert e is not None and (e.topic, e.partition, e.key) == ("src", 2, b"k")
+    got = _redrive_entry(Item(1, 7, 1, key, 99, flags, payload), store, inc, choose)
+    assert got is not None
+    e, b1 = got
+    assert (e.topic, e.partition, e.key) == ("src", 2, b"k") and b1 == body
     ext, b2 = FR.split_ext(e.flags, e.payload)
     assert b2 == body and ext == FR.Ext(h={"trace": "t1"}) and e.flags == FR.F_JSON | FR.F_EXT
     _, flags, payload = dead_letter_record("src", 5, 1, 2, None, (None, 5, FR.F_UTF8, b"text"))
-    e = _redrive_entry(Item(1, 8, 1, None, 99, flags, payload), store, inc, choose)
-    assert e is not None and e.partition == 0 and e.flags == FR.F_UTF8 and e.payload == b"text"  # 5 >= 3: chosen
+    got = _redrive_entry(Item(1, 8, 1, None, 99, flags, payload), store, inc, choose)
+    assert got is not None
+    e = got[0]
+    assert e.partition == 0 and e.flags == FR.F_UTF8 and e.payload == b"text"  # 5 >= 3: chosen
     assert _redrive_entry(Item(1, 9, 1, None, 99, FR.F_UTF8, b"x"), store, inc, choose) is None  # no origin
     _, flags, payload = dead_letter_record("gone", 0, 1, 2, None, (None, 5, 0, b"x"))
     assert _redrive_entry(Item(1, 9, 1, None, 99, flags, payload), store, inc, choose) is None  # origin gone

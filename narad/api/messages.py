@@ -861,8 +861,8 @@ class MessagesAPI:
         each is leased here (the consume path, no wait), produced to its origin (the
         WAL: durable before the ack) and only then acked in the dead-letter topic (at
         least once: a crash in between leaves a duplicate, never a loss). Records
-        without an origin, or whose origin is gone, are nacked back and counted as
-        skipped."""
+        without an origin, whose origin is gone, or whose body the origin's current
+        schema refuses, are nacked back and counted as skipped."""
         t = self._topic(req)
         who: G.Identity = req.identity
         if not who.unrestricted and not G.can_manage_topic(self.ctx.store.user(who.name or ""), t):
@@ -887,12 +887,18 @@ class MessagesAPI:
                 by_topic: dict[str, list[Entry]] = {}
                 moved: list[Item] = []
                 for it in items:
-                    e = _redrive_entry(it, store, self._incarnation, self.broker.choose_partition)
-                    if e is None:
+                    got = _redrive_entry(it, store, self._incarnation, self.broker.choose_partition)
+                    if got is None:
                         skipped.append(it)
-                    else:
-                        by_topic.setdefault(e.topic, []).append(e)
-                        moved.append(it)
+                        continue
+                    e, body = got
+                    origin = store.topic(e.topic)
+                    v = await self._validator(origin) if origin is not None else None
+                    if v is not None and await self._validation.check(v, body) is not None:
+                        skipped.append(it)  # the origin's schema (as it is now) refuses it: left here
+                        continue
+                    by_topic.setdefault(e.topic, []).append(e)
+                    moved.append(it)
                 pending = moved
                 for name, entries in by_topic.items():
                     origin = store.topic(name)
@@ -913,10 +919,10 @@ class MessagesAPI:
 REDRIVE_DEFAULT, REDRIVE_MAX = 1000, 10_000
 
 
-def _redrive_entry(it: Item, store: Any, inc: Any, choose: Any) -> Entry | None:
+def _redrive_entry(it: Item, store: Any, inc: Any, choose: Any) -> tuple[Entry, bytes] | None:
     """The produce that sends a dead-letter record back to its origin (original key
-    and headers, no DeadLetter block); None when it has no origin or the origin
-    topic is gone."""
+    and headers, no DeadLetter block) and the message body; None when it has no
+    origin or the origin topic is gone."""
     try:
         ext, body = FR.split_ext(it.flags, it.payload)
     except FR.FrameError:
@@ -933,7 +939,7 @@ def _redrive_entry(it: Item, store: Any, inc: Any, choose: Any) -> Entry | None:
     if ext is not None and ext.h:
         payload = FR.pack_ext(FR.Ext(h=ext.h), body)
         flags |= FR.F_EXT
-    return Entry(origin.name, inc(origin), part, int(time.time() * 1000), flags, d.k, payload)
+    return Entry(origin.name, inc(origin), part, int(time.time() * 1000), flags, d.k, payload), body
 
 
 def _settle_ms(mode: int, raw_delay: str | None, raw_vis: str | None) -> int:

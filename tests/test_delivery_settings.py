@@ -88,3 +88,16 @@ def test_a_fan_out_child_cannot_be_a_dead_letter_topic(node: Node) -> None:
     assert node.post("/v1/topics", {"name": "ds-src4", "partitions": 3}).status == 201
     why = err(node.request("PATCH", "/v1/topics/ds-src4", body={"dead_letter_topic": "ds-kid"}))
     assert "fan-out child" in why
+
+
+def test_a_dead_letter_topic_cannot_be_attached_as_a_child(node: Node) -> None:
+    for n in ("ds-dl2", "ds-par2"):
+        assert node.post("/v1/topics", {"name": n, "partitions": 3}).status == 201
+    assert node.post("/v1/topics", {"name": "ds-src5", "partitions": 3, "max_deliveries": 2,
+                                    "dead_letter_topic": "ds-dl2"}).status == 201
+    r = node.post("/v1/topics/ds-par2/children", {"child": "ds-dl2"})
+    assert r.status == 409 and 'dead-letter topic of "ds-src5"' in r.json()["error"], r
+    clear = {"max_deliveries": 0, "dead_letter_topic": ""}
+    assert node.request("PATCH", "/v1/topics/ds-src5", body=clear).status == 200
+    r = node.post("/v1/topics/ds-par2/children", {"child": "ds-dl2"})
+    assert r.status in (200, 201), r

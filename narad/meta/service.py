@@ -459,6 +459,15 @@ class MetaService:
         if why is not None:
             raise Conflict(why)
 
+    def _not_a_dead_letter_topic(self, name: str) -> None:
+        """409 when a topic names `name` as its dead-letter topic: a child is fed by its
+        parent only (its records come from there), so it cannot take dead letters."""
+        with self.store.read() as r:
+            users = [t.name for t in r.topics() if t.dead_letter_topic == name]
+        if users:
+            raise Conflict(f'topic "{name}" is the dead-letter topic of "{users[0]}" and cannot become a child; '
+                           f"point {users[0]}'s dead_letter_topic elsewhere first")
+
     async def _create_child(self, req: Q.CreateTopicReq, name: str, parts: int, retention: int, vis: int,
                             inflight: int, ahead: int, schema: bytes | None,
                             user: UserRecord | None) -> TopicRecord:
@@ -524,6 +533,7 @@ class MetaService:
                 self._may_manage(req.who, user, child)
                 self._require_type(C.EntryType.ATTACH_CHILD_CAS, "attaching a child")
                 self._link_rules(par, child, req.delay_ms)
+                self._not_a_dead_letter_topic(child.name)
                 self._schema_fit(par, child, None, child.name)
                 self._attach_point(par, req.parent_id, req.attach_offsets)
                 res = await self.write(C.AttachChildCas(par.name, par.id, child.name, child.id, req.delay_ms,

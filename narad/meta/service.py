@@ -495,6 +495,7 @@ class MetaService:
                     attach_offsets=list(req.attach_offsets),
                 )
                 self._link_rules(par, rec, delay, new=True)
+                self._not_a_dead_letter_topic(name)  # a deleted dead-letter topic created again as a child
                 self._schema_fit(par, None, schema, name)
                 self._attach_point(par, req.parent_id, req.attach_offsets)
                 await self.wait_forming()

@@ -3,11 +3,13 @@ stderr (or plain text), tagged with the process role and pid.
 
 Call ``setup(role, level, fmt)`` once per process (the supervisor, the fork
 server and each worker after fork). Extra fields go in ``extra={...}``.
+It also turns on faulthandler: a fatal signal prints every thread's stack.
 Bottom layer: imports nothing from narad.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import os
@@ -74,6 +76,9 @@ def setup(role: str, level: str = "info", fmt: str = "json") -> None:
     # aioquic logs every handshake and stream reset at info: keep its warnings
     # (NARAD_QUIC_LOG=info brings them back when debugging HTTP/3).
     logging.getLogger("quic").setLevel(os.environ.get("NARAD_QUIC_LOG", "warning").upper())
+    # A crash in C (SIGSEGV, SIGBUS, SIGABRT, SIGFPE, SIGILL) prints every thread's Python stack on
+    # stderr before the process dies, so the log says where, not only that it died.
+    faulthandler.enable(file=sys.stderr, all_threads=True)
 
 
 _dumpers: list[Callable[[], str]] = []

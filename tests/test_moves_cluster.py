@@ -190,6 +190,24 @@ def _log_has(n: Node, text: str) -> bool:
         return False
 
 
+def _held_frozen(n: Node) -> set[int]:
+    """Partitions `n` logged as held frozen by the test seam."""
+    return {int(m) for m in re.findall(r"move held frozen \(test seam\) topic=\S+ partition=(\d+)", n.log())}
+
+
+def _all_held_from_one_source(leader: Node, dest: Node) -> dict[str, Any] | None:
+    """A move to `dest` held frozen whose source has no other move to `dest` that is not."""
+    try:
+        ms = [x for x in moves(leader) if x["to"] == dest.node_id]
+    except (OSError, AssertionError):
+        return None
+    held = _held_frozen(dest)
+    for x in ms:
+        if x["partition"] in held and all(y["partition"] in held for y in ms if y["from"] == x["from"]):
+            return x
+    return None
+
+
 def test_kill9_destination_mid_copy(tmp_path: Path) -> None:
     def fault(c: Cluster, h: History) -> None:
         n4 = c["n4"]
@@ -353,12 +371,14 @@ def test_dead_source_is_force_promoted_and_its_returning_copy_reclaimed(tmp_path
         n1 = c["n1"]
         h, tr, live = loaded(c, 6, 200)
         n4 = c["n4"]
-        n4.extra_env["NARAD_FAULT_MOVE_HOLD_FROZEN_MS"] = "2000"
+        # Long enough that every move n4 takes from one source is held frozen at once: the
+        # source dies only when none of its moves is still pre-copying (a tail committed after
+        # a pre-copy listing would be only on the dead source, its copy then quarantined).
+        n4.extra_env["NARAD_FAULT_MOVE_HOLD_FROZEN_MS"] = "15000"
         with h.fault("n4 joins; the source of its move dies while frozen and stays down"):
             c.start(["n4"])
             live.append("n4")
-            wait_for(lambda: _log_has(n4, "move held frozen (test seam)"), 60, 0.05, "a move held frozen")
-            m = next(x for x in moves(n1 if "n1" in live else c["n2"]) if x["to"] == "n4")
+            m = wait_for(lambda: _all_held_from_one_source(n1, n4), 60, 0.05, "every move from one source held frozen")
             src = c[m["from"]]
             live.remove(src.node_id)
             src.kill9()

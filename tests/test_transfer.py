@@ -607,3 +607,20 @@ def test_install_keeps_the_delivery_counts_of_unacked_offsets(tmp_path: Path) ->
     assert OFF.peek_counts(final, max_frontier=hwm - 1) == (2, [5], {3: 2, 9: 3})
     of = OffsetFile(final)
     assert of.load(max_frontier=hwm - 1) == (2, [5]) and of.counts == {3: 2, 9: 3}
+
+
+def test_stale_copy_sweep_skips_quarantined_moved_aside_copies(tmp_path: Path) -> None:
+    """A moved-aside copy the sweep quarantined (``p.moved-<token>.quarantine-...``) is not a
+    candidate again: it was once re-quarantined every sweep until its name grew too long."""
+    from narad.broker.moves import _stale_candidates
+
+    top = tmp_path / "orders@t1"
+    for name in ("p00000", "p00001.moved-tok", "p00002.moved-tok.quarantine-stale_copy-0",
+                 "p00003.staging", "p00004.quarantine-stale_copy-0", "junk"):
+        (top / name).mkdir(parents=True)
+    got = [(t, tid, p, d.name, moved) for t, tid, p, d, moved in _stale_candidates(tmp_path)]
+    assert got == [("orders", "t1", 0, "p00000", False), ("orders", "t1", 1, "p00001.moved-tok", True)]
+    q = TR.quarantine(top / "p00001.moved-tok", "stale_copy")
+    assert [d.name for *_, d, _m in _stale_candidates(tmp_path)] == ["p00000"]
+    assert [x[3] for x in TR.quarantined(tmp_path)] == sorted([top / "p00002.moved-tok.quarantine-stale_copy-0", q,
+                                                               top / "p00004.quarantine-stale_copy-0"])

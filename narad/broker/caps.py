@@ -94,9 +94,10 @@ class CapTable:
             start = self._i(worker, region, 0)
             self._q[start : start + SLOTS] = memoryview(bytes(SLOTS * 8)).cast("Q")
 
-    def close(self, unlink: bool = False) -> None:
-        self._q.release()
-        self._mm.close()
+    def close(self, unlink: bool = False, unmap: bool = True) -> None:
+        if unmap:
+            self._q.release()
+            self._mm.close()
         if unlink:
             try:
                 posix_ipc.unlink_shared_memory(self.name)

@@ -136,8 +136,8 @@ def _stale_candidates(root: Path) -> list[tuple[str, str, int, Path, bool]]:
             head, dot, rest = sub.partition(".")
             if len(head) != 6 or head[0] != "p" or not head[1:].isdigit():
                 continue
-            if dot and not rest.startswith("moved-"):
-                continue  # staging and quarantine directories are not stale copies
+            if dot and (not rest.startswith("moved-") or ".quarantine-" in rest):
+                continue  # staging and quarantine directories (of a moved-aside copy too) are not stale copies
             out.append((name, tid, int(head[1:]), root / tname / sub, bool(dot)))
     return out
 

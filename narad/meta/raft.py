@@ -679,6 +679,7 @@ class RaftNode:
         self._applied_through = 0
         self._fail: FailStop | None = None
         self._closed = False
+        self._close_lock = threading.Lock()  # a second close() waits for the first to finish
         self._lock = threading.Lock()
         self._role = "follower"
         self.leader_since: float | None = None  # monotonic time this node became leader
@@ -1117,24 +1118,45 @@ class RaftNode:
         if self._obj is not None:
             self._obj.forceLogCompaction()
 
+    def threads_alive(self) -> list[str]:
+        """Raft's threads still running (the tick thread, a snapshot writer): while one is,
+        the FSM environment and the shared segments it touches must stay open."""
+        out = []
+        obj = self._obj
+        thread = getattr(obj, "_SyncObj__thread", None) if obj is not None else None
+        for t in (thread, self._snap_thread):
+            if t is not None and t.is_alive() and t is not threading.current_thread():
+                out.append(t.name)
+        return out
+
     def transfer_leadership(self, target: str | None = None) -> None:
         if self._obj is not None and self._obj._isLeader():
             self._obj.transferLeadership(target)
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+        """Stop Raft: the tick thread closes the transport and the journal, then exits; a
+        snapshot being written finishes first. A second call (the fail-stop path closes
+        from a thread, the shutdown again) returns once the first has finished."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._close()
+
+    def _close(self) -> None:
         obj = self._obj
         if obj is not None:
             obj.destroy()
-            # The tick thread closes the transport and the journal, then exits.
             thread = getattr(obj, "_SyncObj__thread", None)
             if thread is not None and thread is not threading.current_thread():
                 thread.join(timeout=5)
         snap = self._snap_thread
         if snap is not None and snap is not threading.current_thread():
             snap.join(timeout=60)  # a snapshot being written finishes (or fails) first
+        alive = self.threads_alive()
+        if alive:
+            log.warning("raft: threads still running after close; the metastore files and "
+                        "shared memory stay open until the process exits", extra={"threads": alive})
         err = RaftUnavailable("raft stopped")
         for fut, _ in self._completions:
             self.loop.call_soon_threadsafe(_fail_fut, fut, err)

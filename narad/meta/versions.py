@@ -170,9 +170,12 @@ class Heartbeats:
             return None
         return max(0, (now_ms() if now is None else now) - v) / 1000.0
 
-    def close(self, unlink: bool = False) -> None:
-        ffi.release(self._buf)
-        self._mm.close()
+    def close(self, unlink: bool = False, unmap: bool = True) -> None:
+        """Unmap the segment (not when ``unmap`` is False: a thread may still stamp it, and
+        the process exit unmaps it anyway) and, with ``unlink``, remove its name."""
+        if unmap:
+            ffi.release(self._buf)
+            self._mm.close()
         if unlink:
             _unlink_segment(self.name)
 
@@ -253,11 +256,13 @@ class VersionTable:
         """Invalidate every cache (after the FSM file was replaced)."""
         self.bump(range(TOPICS, SIZE))  # the heartbeats are a segment of their own
 
-    def close(self, unlink: bool = False) -> None:
-        self.hb.close(unlink=unlink)
-        if self._primary:
-            lib.set_base(ffi.NULL, 0)
-        ffi.release(self._buf)
-        self._mm.close()
+    def close(self, unlink: bool = False, unmap: bool = True) -> None:
+        """As Heartbeats.close, for both segments."""
+        self.hb.close(unlink=unlink, unmap=unmap)
+        if unmap:
+            if self._primary:
+                lib.set_base(ffi.NULL, 0)
+            ffi.release(self._buf)
+            self._mm.close()
         if unlink:
             _unlink_segment(self.name)

@@ -984,8 +984,15 @@ class Supervisor:
         log.info("stopped", extra={"seconds": round(time.monotonic() - t0, 3), "exit_code": self.exit_code})
 
     def close_process(self) -> None:
-        with contextlib.suppress(Exception):
-            self.fsm.close()
+        # Close the FSM environment and unmap the shared segments only when no Raft thread
+        # can still touch them (one that outlived its join would crash the process with
+        # SIGSEGV in LMDB or on unmapped memory); the exit reclaims both either way, and the
+        # segments' names are removed regardless.
+        raft = getattr(self, "raft", None)  # absent when the boot failed before Raft started
+        busy = raft.threads_alive() if raft is not None else []
+        if not busy:
+            with contextlib.suppress(Exception):
+                self.fsm.close()
         self.forkserver.stop()
         for tcp, udp in self.sockets:
             tcp.close()
@@ -993,8 +1000,8 @@ class Supervisor:
                 udp.close()
         for s in self.cluster_sockets:
             s.close()
-        self.versions.close(unlink=True)
-        self.caps.close(unlink=True)
+        self.versions.close(unlink=True, unmap=not busy)
+        self.caps.close(unlink=True, unmap=not busy)
         for p in (self.cfg.control_socket, self.runtime_dir / "worker.sock"):
             with contextlib.suppress(FileNotFoundError):
                 p.unlink()

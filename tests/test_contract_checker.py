@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.contract import NS, Delivery, Fault, History, Settle, Traffic, broker_empty, check
+from tests.contract import NS, Delivery, Fault, History, Settle, Traffic, broker_empty, check, now
 from tests.harness import Node, Response
 
 
@@ -259,6 +259,9 @@ def test_strict_counts_a_second_copy_and_an_unexplained_redelivery() -> None:
 
 # ---- a real node behind a misbehaving broker facade -----------------------------------
 
+AFTER_ACK_NS = 20_000_000
+
+
 class FaultyBroker:
     """A real node with a broker fault in front of it: the recorder talks to this as
     it would to a node, and the fault is in what it answers."""
@@ -267,7 +270,12 @@ class FaultyBroker:
         self.node, self.fault, self.node_id = node, fault, node.node_id
         self.lock = threading.Lock()
         self.produces = 0
-        self.acked: list[dict[str, Any]] = []  # messages whose ack this facade saw answered 204
+        # dup_after_ack: (when the ack returned, message) of messages whose ack this facade saw
+        # answered 204; handed out again only to a consume that starts AFTER_ACK_NS later, so the
+        # recorder (which notes the ack's return just after, the consume's call just before) sees
+        # the consume begin after the 204
+        self.acked: list[tuple[int, dict[str, Any]]] = []
+        self.leased: dict[str, dict[str, Any]] = {}  # dup_after_ack: handle -> message, until its ack
         self.seen: set[tuple[int, int]] = set()
         self.aliases: dict[str, str] = {}  # fabricated handle -> real handle
         self.victims: set[tuple[int, int]] = set()
@@ -292,7 +300,14 @@ class FaultyBroker:
                 real = [self.aliases.get(x, x) for x in handles]
             refused = [f == "undrained" and tuple(map(int, x.split(":")[:2])) in self.victims for x in real]
             if not any(refused):
-                return self.node.request(method, path, json.dumps({"receipt_handles": real}).encode(), **kw)
+                r = self.node.request(method, path, json.dumps({"receipt_handles": real}).encode(), **kw)
+                if f == "dup_after_ack" and r.status == 200:
+                    with self.lock:
+                        for h, res in zip(real, r.json()["results"], strict=True):
+                            m = self.leased.pop(h, None)
+                            if m is not None and res.get("status") == 204 and len(self.acked) < 3:
+                                self.acked.append((now(), m))
+                return r
             # the victim's acks are refused (410) and never reach the node
             ok = [x for x, bad in zip(real, refused, strict=True) if not bad]
             res: list[dict[str, Any]] = []
@@ -302,17 +317,18 @@ class FaultyBroker:
             it = iter(res)
             out = [{"status": 410, "error": "gone"} if bad else next(it) for bad in refused]
             return Response(200, {}, json.dumps({"results": out}).encode())
+        t_call = now()
         r = self.node.request(method, path, body, **kw)
         if "/consume" in path and r.status == 200:
             msgs = r.json()["messages"]
             with self.lock:
-                out = self._mutate(msgs)
+                out = self._mutate(msgs, t_call)
             if not out:
                 return Response(204, {}, b"")
             r = Response(200, r.headers, json.dumps({"messages": out}).encode())
         return r
 
-    def _mutate(self, msgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def _mutate(self, msgs: list[dict[str, Any]], t_call: int) -> list[dict[str, Any]]:
         f = self.fault
         out = []
         for m in msgs:
@@ -323,16 +339,16 @@ class FaultyBroker:
                 self.victims.add(copy)
             self.seen.add(copy)
             out.append(m)
-        if f == "dup_after_ack" and self.acked:
-            out.append(self.acked.pop())  # an already acked message handed out again
+        if f == "dup_after_ack" and self.acked and self.acked[0][0] + AFTER_ACK_NS < t_call:
+            out.append(self.acked.pop(0)[1])  # an already acked message handed out again
         if f == "double_lease" and msgs and len(self.aliases) < 5:
             m = dict(msgs[0])
             fake = m["receipt_handle"] + "7"
             self.aliases[fake] = m["receipt_handle"]
             m["receipt_handle"] = fake
             out.append(m)  # the same offset leased again under another nonce, at once
-        if f == "dup_after_ack" and len(self.acked) < 3:
-            self.acked.extend(msgs[:1])
+        if f == "dup_after_ack" and msgs and len(self.leased) < 100:
+            self.leased[msgs[0]["receipt_handle"]] = msgs[0]
         return out
 
 

@@ -249,11 +249,12 @@ def test_the_dead_letter_copy_and_the_redrive_produce() -> None:
     from narad.storage import frames as FR
 
     body = b'{"a": 1}'
-    stored = FR.pack_ext(FR.Ext(h={"trace": "t1"}, i="idem-1", d=FR.DeadLetter("older", 9, 9, 9)), body)
+    stored = FR.pack_ext(FR.Ext(h=FR.headers_json({"trace": "t1"}), i="idem-1",
+                                d=FR.DeadLetter("older", 9, 9, 9)), body)
     key, flags, payload = dead_letter_record("src", 2, 40, 3, "bad", (b"k", 1234, FR.F_JSON | FR.F_EXT, stored))
     assert key == b"k" and flags == FR.F_JSON | FR.F_EXT
     ext, b2 = FR.split_ext(flags, payload)
-    assert b2 == body and ext is not None and ext.h == {"trace": "t1"} and ext.i is None
+    assert b2 == body and ext is not None and ext.h == b'{"trace":"t1"}' and ext.i is None
     assert ext.d == FR.DeadLetter("src", 2, 40, 3, b"k", "bad", 1234)
     # a plain record: only the origin block is added
     _, flags, payload = dead_letter_record("src", 0, 1, 2, None, (None, 5, FR.F_UTF8, b"text"))
@@ -275,7 +276,7 @@ def test_the_dead_letter_copy_and_the_redrive_produce() -> None:
     e, b1 = got
     assert (e.topic, e.partition, e.key) == ("src", 2, b"k") and b1 == body
     ext, b2 = FR.split_ext(e.flags, e.payload)
-    assert b2 == body and ext == FR.Ext(h={"trace": "t1"}) and e.flags == FR.F_JSON | FR.F_EXT
+    assert b2 == body and ext == FR.Ext(h=b'{"trace":"t1"}') and e.flags == FR.F_JSON | FR.F_EXT
     _, flags, payload = dead_letter_record("src", 5, 1, 2, None, (None, 5, FR.F_UTF8, b"text"))
     got = _redrive_entry(Item(1, 8, 1, None, 99, flags, payload), store, inc, choose)
     assert got is not None

@@ -56,9 +56,20 @@ def err(r: Response) -> str:
 
 
 def test_extension_block_round_trips_and_leaves_plain_records_alone() -> None:
-    stored = FR.pack_ext(FR.Ext(h={"a": "1", "trace": "x" * 300}), b'{"v":1}')
+    hdrs = {"a": "1", "trace": "x" * 300}
+    stored = FR.pack_ext(FR.Ext(h=FR.headers_json(hdrs)), b'{"v":1}')
     ext, body = FR.split_ext(FR.F_EXT, stored)
-    assert ext is not None and ext.h == {"a": "1", "trace": "x" * 300} and body == b'{"v":1}'
+    assert ext is not None and ext.h is not None and FR.headers_dict(ext.h) == hdrs and body == b'{"v":1}'
+    assert not FR.has_idem(stored)  # headers alone: no idempotency key, told without decoding
+    # the key is the map's first entry whatever else the block holds, short or long block
+    for h in (None, FR.headers_json({"a": "1"}), FR.headers_json(hdrs)):
+        with_key = FR.pack_ext(FR.Ext(h=h, i="k1", d=FR.DeadLetter("t", 0, 1, 2)), b"x")
+        assert FR.has_idem(with_key) and FR.read_ext(with_key).i == "k1"
+        assert not FR.has_idem(FR.pack_ext(FR.Ext(h=h, d=FR.DeadLetter("t", 0, 1, 2)), b"x"))
+    assert len(FR.pack_ext(FR.Ext(h=FR.headers_json(hdrs), i="k"), b"")) > 0x80  # the two-byte length path
+    assert not FR.has_idem(b"") and not FR.has_idem(b"\xff")
+    with pytest.raises(FR.FrameError):
+        FR.headers_dict(b'{"a": 1}')
     assert FR.split_ext(FR.F_JSON, b'{"v":1}') == (None, b'{"v":1}')
     for bad in (b"", b"\xff", b"\x05ab", b"\x02\xc1\xc1rest"):
         with pytest.raises(FR.FrameError):

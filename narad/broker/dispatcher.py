@@ -95,12 +95,7 @@ class Watch:
 
 def _pinned(e: Entry) -> bool:
     """A record with an idempotency key stays at its partition (never rerouted)."""
-    if not e.flags & FR.F_EXT:
-        return False
-    try:
-        return FR.read_ext(e.payload).i is not None
-    except FR.FrameError:
-        return False
+    return bool(e.flags & FR.F_EXT) and FR.has_idem(e.payload)
 
 
 class _Dest:

@@ -65,7 +65,7 @@ def mark(d: Path) -> None:
 
 def key_of(flags: int, payload: bytes) -> str | None:
     """The record's idempotency key (None: none, or an unreadable block)."""
-    if not flags & FR.F_EXT:
+    if not flags & FR.F_EXT or not FR.has_idem(payload):
         return None
     try:
         return FR.read_ext(payload).i

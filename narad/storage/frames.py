@@ -18,8 +18,10 @@ consume renders the payload without parsing it again), bit3 (``F_EXT``) the
 payload starts with an *extension block* (issue 14).
 
 Extension block: ``uvarint length | MessagePack map | message body``. The map
-(``Ext``) carries what Narad's record has no place for: ``h`` headers (string
-to string), ``i`` an idempotency key, ``d`` a dead-letter origin. Bits 1-2
+(``Ext``) carries what Narad's record has no place for: ``i`` an idempotency
+key (always the first key written, so ``has_idem`` tells from two bytes), ``h``
+headers (the JSON text of one string-to-string object, kept as text so a
+consume copies it into its answer without parsing), ``d`` a dead-letter origin. Bits 1-2
 describe the body alone. The block lives inside the payload field, so every
 path that carries (key, flags, payload) untouched (the ingress WAL, commits
 between workers and nodes, fan-out and delay children, partition moves) carries
@@ -164,21 +166,55 @@ class DeadLetter(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=False
 
 
 class Ext(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=False):
-    """The extension block's map. Every field optional; empty fields are not written."""
+    """The extension block's map. Every field optional; empty fields are not written.
+    msgspec writes the fields in this order: ``i`` first is what ``has_idem`` reads."""
 
-    h: dict[str, str] | None = None  # headers
     i: str | None = None  # idempotency key
+    h: bytes | None = None  # headers: one JSON object text, string to string (``headers_json``)
     d: DeadLetter | None = None  # dead-letter origin
 
 
 _ext_enc = msgspec.msgpack.Encoder()
 _ext_dec = msgspec.msgpack.Decoder(Ext)
+_hdr_enc = msgspec.json.Encoder()
+_hdr_dec = msgspec.json.Decoder(dict[str, str])
+_IDEM_KEY = b"\xa1i"  # MessagePack fixstr "i": the first key of a map that has an idempotency key
+
+
+def headers_json(h: dict[str, str]) -> bytes:
+    """Headers as they are stored in ``Ext.h`` (and returned on consume)."""
+    return _hdr_enc.encode(h)
+
+
+def headers_dict(raw: bytes) -> dict[str, str]:
+    """``Ext.h`` back as a dict. Raises FrameError when it is not a string-to-string object."""
+    try:
+        return _hdr_dec.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise FrameError(f"bad headers in extension block: {e}") from None
 
 
 def pack_ext(ext: Ext, body: bytes) -> bytes:
     """The stored payload of a record with an extension block (set ``F_EXT`` in its flags)."""
     blob = _ext_enc.encode(ext)
-    return _uvarint(len(blob)) + blob + body
+    n = len(blob)
+    return b"".join((bytes((n,)) if n < 0x80 else _uvarint(n), blob, body))  # one copy of the body
+
+
+def has_idem(stored: bytes) -> bool:
+    """Whether the extension block of `stored` (a payload whose flags have ``F_EXT``)
+    carries an idempotency key, read from its first map key without decoding the map
+    (records with headers alone pay two byte reads). A malformed block answers False;
+    ``read_ext`` is what finds it malformed."""
+    n = len(stored)
+    if not n:
+        return False
+    pos = 1
+    if stored[0] >= 0x80:
+        while pos < n and pos < 10 and stored[pos] >= 0x80:
+            pos += 1
+        pos += 1
+    return stored[pos + 1 : pos + 3] == _IDEM_KEY
 
 
 def split_ext(flags: int, stored: bytes) -> tuple[Ext | None, bytes]:
@@ -188,6 +224,13 @@ def split_ext(flags: int, stored: bytes) -> tuple[Ext | None, bytes]:
         return None, stored
     ext, pos = _ext_at(stored)
     return ext, stored[pos:]
+
+
+def ext_at(stored: bytes) -> tuple[Ext, int]:
+    """-> (extension block, where the body starts) of a payload whose flags have
+    ``F_EXT``: for a reader that views the body in place instead of copying it.
+    Raises FrameError when the block is malformed."""
+    return _ext_at(stored)
 
 
 def read_ext(stored: bytes) -> Ext:
@@ -203,7 +246,7 @@ def _ext_at(stored: bytes) -> tuple[Ext, int]:
         if pos + blen > n:
             raise FrameError("extension block runs past the record")
         try:
-            return _ext_dec.decode(memoryview(stored)[1 : 1 + blen]), 1 + blen
+            return _ext_dec.decode(stored[1 : 1 + blen]), 1 + blen  # a short copy beats a memoryview
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             raise FrameError(f"bad extension block: {e}") from None
     pos, shift, blen = 0, 0, 0

@@ -191,7 +191,7 @@ def expect(status: int, want: int, req: bytes, body: bytes) -> None:
 # --features (issue 14): what each variant adds to every message (or to the topic).
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 FEATURE_HEADERS = {"traceparent": TRACEPARENT, "tenant": "acme"}
-FEATURES = ("headers", "dlq", "idem")
+FEATURES = ("headers", "dlq", "idem", "key")  # "key": the placement an idempotency key implies, without it
 DLQ_TOPIC = "bench-dlq"
 
 
@@ -206,7 +206,9 @@ def topic_body(feature: str) -> dict[str, Any]:
 class Requests:
     """Pre-rendered request bytes for one topic on one node. ``feature``: "" (plain),
     "headers" (two headers per message, 80 bytes: a traceparent and a tenant),
-    "idem" (an idempotency key per message: its id), "dlq" (no change to requests:
+    "idem" (an idempotency key per message: its id), "key" (a message key per message,
+    its id: each message goes to the partition its key hashes to, as a keyed one with an
+    idempotency key does, but nothing is deduplicated), "dlq" (no change to requests:
     the topic has max_deliveries and a dead-letter topic)."""
 
     def __init__(self, port: int, auth: str, topic: str = TOPIC, feature: str = "") -> None:
@@ -219,7 +221,7 @@ class Requests:
         self._extra = b""
         if feature == "headers":
             self._extra = b',"headers":' + msgspec.json.encode(FEATURE_HEADERS)
-        self._idem_head = (f"POST {base}/produce?idempotency_key=").encode()
+        self._idem_head = (f"POST {base}/produce?{'key' if feature == 'key' else 'idempotency_key'}=").encode()
         self._idem_tail = (f" HTTP/1.1\r\n{common}Content-Type: application/json\r\n"
                            f"Content-Length: {MSG_SIZE}\r\n\r\n").encode()
         self.produce_head = (f"POST {base}/produce{query} HTTP/1.1\r\n{common}Content-Type: application/json\r\n"
@@ -237,13 +239,14 @@ class Requests:
         self.describe = f"GET {base} HTTP/1.1\r\n{common}\r\n".encode()
 
     def produce(self, mid: int) -> bytes:
-        if self.feature == "idem":
+        if self.feature in ("idem", "key"):
             return self._idem_head + b"%016x" % mid + self._idem_tail + payload(mid)
         return self.produce_head + payload(mid)
 
     def produce_batch(self, first: int, n: int) -> bytes:
-        if self.feature == "idem":
-            rows = [b'{"payload":' + payload(first + i) + b',"idempotency_key":"%016x"}' % (first + i)
+        if self.feature in ("idem", "key"):
+            field = b"idempotency_key" if self.feature == "idem" else b"key"
+            rows = [b'{"payload":' + payload(first + i) + b',"' + field + b'":"%016x"}' % (first + i)
                     for i in range(n)]
         else:
             extra = self._extra
@@ -1011,6 +1014,15 @@ def main() -> None:
             rate, rate0 = r.msgs / r.wall, plain.msgs / plain.wall
             print(f"#   {r.sc.name:<28} w{r.sc.workers}: {us - us0:+.1f} µs/msg ({(us - us0) / us0 * 100:+.0f}%), "
                   f"{rate:,.0f} vs {rate0:,.0f} msgs/s ({(rate - rate0) / rate0 * 100:+.0f}%)")
+        for r in results:  # the deduplication alone: idem against the keyed run of the same sitting
+            if r.sc.feature != "idem" or r.failure or not r.msgs:
+                continue
+            k = next((x for x in results if x.sc.feature == "key" and x.sc.workers == r.sc.workers
+                      and x.sc.mode == r.sc.mode and x.msgs and not x.failure), None)
+            if k is not None:
+                us, usk = r.server_cpu / r.msgs * 1e6, k.server_cpu / k.msgs * 1e6
+                print(f"#   {r.sc.name:<28} w{r.sc.workers}: {us - usk:+.1f} µs/msg ({(us - usk) / usk * 100:+.0f}%) "
+                      f"against +key (the same placement, nothing deduplicated)")
     problems = [r for r in results if r.failure or r.check.failed]
     for r in problems:
         print(f"\n## {r.sc.name}, {r.sc.workers} worker(s): {'FAILED' if r.failure else 'check failed'}")

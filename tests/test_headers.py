@@ -68,6 +68,13 @@ def test_extension_block_round_trips_and_leaves_plain_records_alone() -> None:
         assert not FR.has_idem(FR.pack_ext(FR.Ext(h=h, d=FR.DeadLetter("t", 0, 1, 2)), b"x"))
     assert len(FR.pack_ext(FR.Ext(h=FR.headers_json(hdrs), i="k"), b"")) > 0x80  # the two-byte length path
     assert not FR.has_idem(b"") and not FR.has_idem(b"\xff")
+    # a key alone: a consume finds the body without decoding the block; anything more, it decodes
+    only = FR.pack_ext(FR.Ext(i="k" * 200), b"body")
+    assert FR.idem_only_body(only) == len(only) - 4 and only[FR.idem_only_body(only):] == b"body"
+    assert FR.idem_only_body(FR.pack_ext(FR.Ext(i="k", h=b'{"a":"1"}'), b"x")) == -1
+    assert FR.idem_only_body(FR.pack_ext(FR.Ext(h=b'{"a":"1"}'), b"x")) == -1
+    for bad in (b"", b"\x05\x81\xa1i", b"\xff\xff", b"\x01\x81"):
+        assert FR.idem_only_body(bad) == -1
     with pytest.raises(FR.FrameError):
         FR.headers_dict(b'{"a": 1}')
     assert FR.split_ext(FR.F_JSON, b'{"v":1}') == (None, b'{"v":1}')

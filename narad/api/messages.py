@@ -187,15 +187,19 @@ def render(topic: str, it: Item, handle: bool) -> MessageOut:
     body = it.payload
     headers = dead = None
     if f & FR.F_EXT:
-        try:
-            ext, pos = FR.ext_at(body)
+        pos = FR.idem_only_body(body)  # an idempotency key alone: nothing of it is shown
+        if pos >= 0:
             body = body[pos:]
-            if ext.h:
-                headers = msgspec.Raw(ext.h)  # stored as JSON text: copied, not parsed
-            if ext.d is not None:
-                dead = dead_letter_json(ext.d)
-        except FR.FrameError:
-            f &= ~(F_JSON | F_UTF8)  # a damaged block: the stored bytes are shown as they are (base64 below)
+        else:
+            try:
+                ext, pos = FR.ext_at(body)
+                body = body[pos:]
+                if ext.h:
+                    headers = msgspec.Raw(ext.h)  # stored as JSON text: copied, not parsed
+                if ext.d is not None:
+                    dead = dead_letter_json(ext.d)
+            except FR.FrameError:
+                f &= ~(F_JSON | F_UTF8)  # a damaged block: the stored bytes are shown as they are (base64)
     payload: Any
     if f & F_JSON:
         payload = msgspec.Raw(body)

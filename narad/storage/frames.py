@@ -64,6 +64,23 @@ def _uvarint(n: int) -> bytes:
     return bytes(out)
 
 
+def read_uvarint(buf: bytes | memoryview, pos: int) -> tuple[int, int]:
+    """(value, position after it) of the uvarint at `pos`: the record's key length and the
+    extension block's length. Value -1 when it runs past `buf` or over 10 bytes."""
+    n = len(buf)
+    if pos < n and buf[pos] < 0x80:  # one byte: nearly every key and block
+        return buf[pos], pos + 1
+    shift = val = 0
+    while pos < n and shift <= 63:
+        b = buf[pos]
+        pos += 1
+        val |= (b & 0x7F) << shift
+        if b < 0x80:
+            return val, pos
+        shift += 7
+    return -1, pos
+
+
 def encode_record(key: bytes | None, committed_ms: int, flags: int, payload: bytes) -> bytes:
     if key:
         return bytes((RECORD_VERSION, flags | F_KEY)) + _uvarint(len(key)) + key + _U64.pack(committed_ms) + payload
@@ -80,16 +97,13 @@ def decode_record(rec: bytes | memoryview) -> tuple[bytes | None, int, int, byte
     if rec[0] != RECORD_VERSION:
         raise FrameError(f"unknown record version {rec[0]}")
     flags = rec[1]
-    pos, shift, klen = 2, 0, 0
-    while True:
-        if pos >= n or shift > 63:
+    klen = rec[2]
+    if klen < 0x80:  # a one-byte key length (read inline: this runs for every record read)
+        pos = 3
+    else:
+        klen, pos = read_uvarint(rec, 2)
+        if klen < 0:
             raise FrameError("bad key length in record envelope")
-        b = rec[pos]
-        pos += 1
-        klen |= (b & 0x7F) << shift
-        if b < 0x80:
-            break
-        shift += 7
     if pos + klen + 8 > n:
         raise FrameError("record envelope shorter than its key and timestamp")
     key = bytes(rec[pos : pos + klen]) if klen else None
@@ -201,20 +215,29 @@ def pack_ext(ext: Ext, body: bytes) -> bytes:
     return b"".join((bytes((n,)) if n < 0x80 else _uvarint(n), blob, body))  # one copy of the body
 
 
+def _block_start(stored: bytes) -> tuple[int, int]:
+    """(length of the block, where its map starts); (-1, ...) for a length that does not parse."""
+    return read_uvarint(stored, 0)
+
+
+def idem_only_body(stored: bytes) -> int:
+    """Where the body starts when the block of `stored` (flags with ``F_EXT``) holds an
+    idempotency key and nothing else (a consume, which never shows the key, skips
+    decoding it); -1 otherwise, and for a block whose length does not fit."""
+    blen, pos = _block_start(stored)
+    end = pos + blen
+    if blen < 3 or end > len(stored) or stored[pos] != 0x81 or stored[pos + 1 : pos + 3] != _IDEM_KEY:
+        return -1
+    return end
+
+
 def has_idem(stored: bytes) -> bool:
     """Whether the extension block of `stored` (a payload whose flags have ``F_EXT``)
     carries an idempotency key, read from its first map key without decoding the map
     (records with headers alone pay two byte reads). A malformed block answers False;
     ``read_ext`` is what finds it malformed."""
-    n = len(stored)
-    if not n:
-        return False
-    pos = 1
-    if stored[0] >= 0x80:
-        while pos < n and pos < 10 and stored[pos] >= 0x80:
-            pos += 1
-        pos += 1
-    return stored[pos + 1 : pos + 3] == _IDEM_KEY
+    blen, pos = _block_start(stored)
+    return blen >= 3 and stored[pos + 1 : pos + 3] == _IDEM_KEY
 
 
 def split_ext(flags: int, stored: bytes) -> tuple[Ext | None, bytes]:
@@ -240,29 +263,12 @@ def read_ext(stored: bytes) -> Ext:
 
 
 def _ext_at(stored: bytes) -> tuple[Ext, int]:
-    n = len(stored)
-    if n and stored[0] < 0x80:  # a block under 128 bytes (headers of a trace id or two): one length byte
-        blen, pos = stored[0], 1
-        if pos + blen > n:
-            raise FrameError("extension block runs past the record")
-        try:
-            return _ext_dec.decode(stored[1 : 1 + blen]), 1 + blen  # a short copy beats a memoryview
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            raise FrameError(f"bad extension block: {e}") from None
-    pos, shift, blen = 0, 0, 0
-    while True:
-        if pos >= n or shift > 63:
-            raise FrameError("bad extension block length")
-        b = stored[pos]
-        pos += 1
-        blen |= (b & 0x7F) << shift
-        if b < 0x80:
-            break
-        shift += 7
-    if blen > MAX_EXT_BYTES or pos + blen > n:
+    blen, pos = _block_start(stored)
+    if blen < 0:
+        raise FrameError("bad extension block length")
+    if blen > MAX_EXT_BYTES or pos + blen > len(stored):
         raise FrameError("extension block runs past the record")
     try:
-        ext = _ext_dec.decode(stored[pos : pos + blen])
+        return _ext_dec.decode(stored[pos : pos + blen]), pos + blen  # a short copy beats a memoryview
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise FrameError(f"bad extension block: {e}") from None
-    return ext, pos + blen

@@ -34,7 +34,7 @@ never touch a reopened one's files). ``close`` writes only what the files do
 not already say. ``peek`` reads a closed partition's progress without opening
 or priming anything.
 
-Imports narad.storage.fileio.
+Imports narad.storage.fileio and narad.storage.frames (its uvarint reader).
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ from pathlib import Path
 from crc32c import crc32c
 
 from narad.storage import fileio
+from narad.storage.frames import read_uvarint
 
 log = logging.getLogger("narad.storage.offsets")
 
@@ -154,10 +155,7 @@ def _encode(seq: int, frontier: int, ahead: list[int], counts: Counts | None = N
         if d <= 0:
             continue
         enc = bytearray()
-        while d >= 0x80:
-            enc.append((d & 0x7F) | 0x80)
-            d >>= 7
-        enc.append(d)
+        _put_uvarint(enc, d)
         if len(out) + len(enc) > room:
             break
         out += enc
@@ -167,19 +165,6 @@ def _encode(seq: int, frontier: int, ahead: list[int], counts: Counts | None = N
         out += _encode_counts(frontier, counts, room - len(out))
     body = _BODY.pack(seq, frontier, n) + bytes(out)
     return (_HDR.pack(MAGIC, crc32c(body), len(body)) + body).ljust(SLOT, b"\0")
-
-
-def _read_uvarint(body: bytes, pos: int, used: int) -> tuple[int, int] | None:
-    d, shift = 0, 0
-    while True:
-        if pos >= used or shift > 63:
-            return None
-        b = body[pos]
-        pos += 1
-        d |= (b & 0x7F) << shift
-        if b < 0x80:
-            return d, pos
-        shift += 7
 
 
 def _decode_counts(body: bytes, pos: int, used: int, frontier: int) -> Counts | None:
@@ -194,15 +179,14 @@ def _decode_counts(body: bytes, pos: int, used: int, frontier: int) -> Counts | 
     out: Counts = {}
     prev = frontier
     for _ in range(n):
-        r = _read_uvarint(body, pos, used)
-        if r is None or r[0] <= 0:
+        d, pos = read_uvarint(body, pos)  # body is the slot's `used` bytes
+        if d <= 0:
             return None
-        prev += r[0]
-        r2 = _read_uvarint(body, r[1], used)
-        if r2 is None or r2[0] <= 0:
+        prev += d
+        c, pos = read_uvarint(body, pos)
+        if c <= 0:
             return None
-        out[prev] = r2[0]
-        pos = r2[1]
+        out[prev] = c
     return out
 
 
@@ -226,18 +210,9 @@ def _decode(slot: bytes, want_tail: bool = False) -> tuple[int, int, list[int]] 
         return None  # each held ack takes at least one byte
     pos, prev, out = _BODY.size, frontier, []
     for _ in range(n):
-        d, shift = 0, 0
-        while True:
-            if pos >= used or shift > 63:
-                return None
-            b = body[pos]
-            pos += 1
-            d |= (b & 0x7F) << shift
-            if b < 0x80:
-                break
-            shift += 7
+        d, pos = read_uvarint(body, pos)
         if d <= 0:
-            return None  # deltas are strictly positive
+            return None  # deltas are strictly positive (-1: a varint running past the slot)
         prev += d
         out.append(prev)
     if want_tail:

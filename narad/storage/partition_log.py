@@ -758,16 +758,9 @@ def first_record_ms(path: Path, pos: int = 0) -> int | None:
             rec = head[FR.HEADER_SIZE + 4:]
             if len(rec) < 3 or rec[0] != FR.RECORD_VERSION:
                 return -1
-            i, shift, klen = 2, 0, 0
-            while True:
-                if i >= len(rec) or shift > 63:
-                    return -1
-                b = rec[i]
-                i += 1
-                klen |= (b & 0x7F) << shift
-                if b < 0x80:
-                    break
-                shift += 7
+            klen, i = FR.read_uvarint(rec, 2)
+            if klen < 0:
+                return -1
             at = pos + FR.HEADER_SIZE + 4 + i + klen
             raw = os.pread(fd, 8, at)
             if len(raw) != 8:

@@ -49,6 +49,7 @@ from narad.api.hangup import cancel_on_hangup
 from narad.api.router import Reply, Request, Response, Router, empty, json_response
 from narad.broker import caps as CAPS
 from narad.broker.broker import ACK, EXTEND, NACK
+from narad.broker.dispatcher import Watch
 from narad.broker.peers import Item
 from narad.broker.validation import ValidationCapacity
 from narad.errors import (
@@ -445,9 +446,12 @@ class MessagesAPI:
             return []
         return await self.broker.verdicts(w)
 
-    def _append_cb(self, req: Request, t: TopicRecord, entries: list[Entry], reply: Reply) -> None:
+    def _append_cb(self, req: Request, t: TopicRecord, entries: list[Entry], reply: Reply,
+                   watched: bool = False) -> None:
         """``_append`` for the synchronous entry: the WAL calls back when the group's sync
-        returned and ``reply`` gets the same answer the async path gives (202, or 500)."""
+        returned and ``reply`` gets the same answer the async path gives (202, or 500).
+        ``watched`` (one entry with an idempotency key): the answer waits, by callback, for
+        the owner's duplicate verdict, as the async path's does."""
         ident = None
         n = len(entries)
         if self.produce_cap > 0 and self.caps is not None:
@@ -455,19 +459,35 @@ class MessagesAPI:
             if not self.caps.try_take(self.ctx.worker_index, CAPS.PRODUCE, ident, n, self.produce_cap):
                 raise TooManyRequests(f"too many in-flight produce requests for this identity "
                                       f"(limit {self.produce_cap} per node)")
+        w: Watch | None = None
+
+        def verdict(_: object = None) -> None:
+            assert w is not None
+            self.broker.unwatch(w)
+            dup = w.dup[0]
+            reply(json_response(202, {"duplicate": None, "pending": True} if dup is None else {"duplicate": dup}))
 
         def done(err: OSError | None) -> None:
             if ident is not None and self.caps is not None:
                 self.caps.give_back(self.ctx.worker_index, CAPS.PRODUCE, ident, n)
             if err is not None:
+                if w is not None:
+                    self.broker.unwatch(w)
                 self.m.wal_failed.set(1)
                 reply(InternalError("produce failed"))
                 return
             self.m.messages_accepted.labels(t.name).inc(n)
-            reply(Response(202, b"", None) if n == 1 else json_response(202, {"accepted": n}))
+            if w is None:
+                reply(Response(202, b"", None) if n == 1 else json_response(202, {"accepted": n}))
+            elif w.done.done():
+                verdict()
+            else:
+                w.done.add_done_callback(verdict)
 
         try:
             self.broker.wal.append_cb(entries, done)
+            if watched:  # the seqs are assigned; the commit comes only after the sync this waits for
+                w = self.broker.watch(entries, IDEM_WAIT_S)
         except WALFailed as e:
             if ident is not None and self.caps is not None:
                 self.caps.give_back(self.ctx.worker_index, CAPS.PRODUCE, ident, n)
@@ -510,16 +530,19 @@ class MessagesAPI:
         t = self._topic(req)
         if t.schema_version:
             return False  # its check may run on the validation thread: the async path
-        if req.query and IDEM_PARAM in req.query:
-            return False  # it waits for the owner's verdict: the async path
         body, key, partition = self._produce_args(req, t)
+        idem = None
+        if req.query and IDEM_PARAM in req.query:
+            raw_idem = self._single_query(req, IDEM_PARAM)
+            idem = idem_key(raw_idem) if raw_idem is not None else None
         if partition is None:
-            partition = self.broker.choose_partition(t, key)
+            partition = self.broker.choose_partition(t, key, idem)
         flags, stored = payload_flags(body), body
-        if req.query and "header" in req.query:
-            flags, stored = with_ext(flags, body, query_headers(req.query["header"]))
+        hdrs = query_headers(req.query["header"]) if req.query and "header" in req.query else None
+        if hdrs or idem is not None:
+            flags, stored = with_ext(flags, body, hdrs, idem)
         entry = Entry(t.name, self._incarnation(t), partition, int(time.time() * 1000), flags, key, stored)
-        self._append_cb(req, t, [entry], reply)
+        self._append_cb(req, t, [entry], reply, watched=idem is not None)
         return True
 
     async def produce(self, req: Request) -> Response:

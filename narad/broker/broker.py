@@ -397,6 +397,14 @@ class Broker:
             raise
         return w
 
+    def watch(self, entries: list[Entry], timeout: float = 5.0) -> Watch:
+        """The dispatcher's Watch on these staged entries' commits, for a caller that
+        answers from a callback (``w.done``) instead of ``verdicts``; it ``unwatch``es."""
+        return self.dispatcher.watch(entries, timeout)
+
+    def unwatch(self, w: Watch) -> None:
+        self.dispatcher.unwatch(w)
+
     async def verdicts(self, w: Watch) -> list[bool | None]:
         """The owners' duplicate verdicts for a watch, waited for until its deadline
         (None: not known by then; the record is durable and is still checked at its

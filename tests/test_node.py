@@ -237,8 +237,12 @@ def test_health_ready_metrics_members(node: Node) -> None:
     assert node.get("/healthz", auth=None).json() == {"status": "ok"}
     assert node.get("/readyz", auth=None).json() == {"status": "ready"}
     assert node.get("/metrics", auth=None).status == 401
-    text = node.get("/metrics").body.decode()
-    assert 'narad_raft_state{state="leader"} 1.0' in text
+    # the role gauge follows the first election (a node booted just now may not have seen it yet)
+    def scrape() -> str | None:
+        t = node.get("/metrics").body.decode()
+        return t if 'narad_raft_state{state="leader"} 1.0' in t else None
+
+    text = wait_for(scrape, 10, 0.1, "the leader gauge")
     assert "narad_http_requests_total" in text
     members = node.get("/v1/cluster/members").json()["members"]
     assert len(members) == 1

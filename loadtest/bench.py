@@ -581,6 +581,7 @@ class Result:
     server_cpu: float = 0.0
     cpu_split: dict[str, float] = field(default_factory=dict)  # supervisor / workerN / other -> CPU seconds
     thread_split: dict[str, float] = field(default_factory=dict)  # "workerN loop" / "workerN threads" -> CPU s
+    hops: dict[str, float] = field(default_factory=dict)  # narad_worker_hops_total{op} during the window
     server_sys: float = 0.0  # the system (kernel) part of server_cpu
     other_cpu: float = 0.0  # everything else on the machine (other users' jobs make a run noisy)
     check: Check = field(default_factory=Check)
@@ -666,6 +667,7 @@ def run(sc: Scenario, profile_dir: Path | None, profile_which: str = "flow", pro
         except Exception:  # a client failed its setup; its Stats says why
             pass
         cpu0, busy0, th0 = _cpu(procs), _machine_busy(), _thread_cpu(procs)
+        hops0 = _hops(node) if sc.workers > 1 else {}
         if profile_dir is not None:
             spies, res.profiles = _start_spies(node, sc, profile_dir, profile_which, profile_rate)
         stats: list[Stats] = []
@@ -674,6 +676,8 @@ def run(sc: Scenario, profile_dir: Path | None, profile_which: str = "flow", pro
                 raise BenchFailure("a client process gave no result within the run time + 300 s")
             stats.append(rd.recv())
         cpu1, busy1, th1 = _cpu(procs), _machine_busy(), _thread_cpu(procs)
+        if sc.workers > 1:
+            res.hops = {k: v - hops0.get(k, 0.0) for k, v in _hops(node).items() if v - hops0.get(k, 0.0) > 0}
         for p in children:
             p.join(10)
         for spy in spies:
@@ -734,6 +738,19 @@ def run(sc: Scenario, profile_dir: Path | None, profile_which: str = "flow", pro
         node.close()
         shutil.rmtree(tmp, ignore_errors=True)
     return res
+
+
+_HOP_LINE = re.compile(r'^narad_worker_hops_total\{op="([A-Za-z]+)"\} ([0-9.e+]+)$', re.M)
+
+
+def _hops(node: Node) -> dict[str, float]:
+    """narad_worker_hops_total by message type, summed over the node's workers."""
+    r = node.get("/metrics")
+    out: Counter[str] = Counter()
+    if r.status == 200:
+        for op, v in _HOP_LINE.findall(r.body.decode()):
+            out[op] += float(v)
+    return dict(out)
 
 
 def _tail(node: Node, lines: int = 40) -> str:
@@ -999,6 +1016,9 @@ def main() -> None:
             if r.thread_split and r.msgs:
                 per = ", ".join(f"{k} {v / r.msgs * 1e6:.0f}" for k, v in sorted(r.thread_split.items()))
                 print(f"#   {'':<18}     µs/msg by thread: {per}")
+            if r.hops and r.msgs:
+                per = ", ".join(f"{k} {v / r.msgs:.2f}" for k, v in sorted(r.hops.items(), key=lambda x: -x[1]))
+                print(f"#   {'':<18}     worker hops per message: {per}")
     if args.features:
         print("\n# feature cost: server µs/msg with the feature on minus the plain run just before it "
               "(and in % of it); msgs/s the same")

@@ -275,6 +275,9 @@ class _Metrics:
                                      "timeout, error); notes count as ok when sent", ["op", "outcome"]))
         self.node_rpc_served = a(Counter("narad_node_rpc_served_total", "node RPC requests and notes handled",
                                          ["op"]))
+        self.worker_hops = a(Counter("narad_worker_hops_total",
+                                     "calls and notes a worker sent to another worker of its node (a hop), by "
+                                     "message type", ["op"]))
         self.schema_seconds = a(Histogram("narad_schema_validation_seconds",
                                           "payload schema checks (bounded validations), per request"))
         self.schema_in_flight = a(Gauge("narad_schema_validations_in_flight",

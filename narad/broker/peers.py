@@ -7,7 +7,7 @@ extend / nack, replay, partition stats, fan-out lag, and the watch / unwatch / d
 notes that wake a long-poll parked on another worker. Links reconnect on demand (a
 restarted peer comes back on the same path).
 
-Imports narad.ipc and narad.meta.requests (pure data).
+Imports narad.ipc, narad.metrics (the hop counter) and narad.meta.requests (pure data).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import Any, Protocol, TypeVar
 
 import msgspec
 
+from narad import metrics
 from narad.errors import Unavailable
 from narad.ipc import rpc
 from narad.meta.requests import MoveWorkerView, QuarantinedCopy
@@ -295,6 +296,7 @@ class PeerLinks:
         self._conns: dict[int, rpc.Connection] = {}
         self._connecting: dict[int, asyncio.Future[rpc.Connection]] = {}
         self._server: asyncio.AbstractServer | None = None
+        self._hops: dict[type, Any] = {}  # message type -> its narad_worker_hops_total child
 
     def path(self, i: int) -> Path:
         return self.runtime_dir / f"w{i}.sock"
@@ -335,10 +337,19 @@ class PeerLinks:
             self._connecting.pop(i, None)
 
     async def call(self, i: int, msg: Any, resp_type: type[T], timeout: float = 5.0) -> T:
+        self._count(msg)
         c = await self.conn(i)
         return await c.call(msg, resp_type, timeout)
 
+    def _count(self, msg: Any) -> None:
+        kind = type(msg)
+        m = self._hops.get(kind)
+        if m is None:
+            m = self._hops[kind] = metrics.get().worker_hops.labels(kind.__name__)
+        m.inc()
+
     def notify(self, i: int, msg: Any) -> None:
+        self._count(msg)
         c = self._conns.get(i)
         if c is not None and not c.closed:
             c.notify(msg)

@@ -152,6 +152,32 @@ def test_record_envelope_random_bytes(data: bytes) -> None:
 
 
 @FAST
+@given(st.binary(max_size=200), st.sampled_from([FR.F_EXT, FR.F_EXT | FR.F_JSON | FR.F_UTF8, FR.F_EXT | FR.F_UTF8]))
+def test_extension_block_random_bytes(stored: bytes, flags: int) -> None:
+    """The block readers never raise but FrameError, agree with each other, and a consume
+    renders any stored payload (a damaged block as the stored bytes)."""
+    import msgspec
+
+    from narad.api.messages import render
+    from narad.broker.peers import Item
+
+    pos = FR.idem_only_body(stored)
+    assert pos == -1 or (FR.has_idem(stored) and 0 < pos <= len(stored))
+    try:
+        ext, at = FR.ext_at(stored)
+        assert 0 < at <= len(stored)
+        if pos >= 0:
+            assert at == pos and ext.h is None and ext.d is None  # a one-entry map of "i"
+    except FR.FrameError:
+        pass
+    try:
+        out = render("t", Item(0, 1, 2, None, 3, flags, stored), True)
+    except UnicodeDecodeError:
+        return  # F_UTF8 set on bytes that are not: a record the produce path never writes
+    msgspec.json.encode(out)
+
+
+@FAST
 @given(st.binary(max_size=200), st.integers(-5, 1 << 31))
 def test_split_records_random(payload: bytes, count: int) -> None:
     try:

@@ -215,10 +215,15 @@ class Node:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
         try:
-            return self.proc.wait(timeout)
+            rc = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             self.kill9()
             raise AssertionError(f"node did not stop within {timeout}s:\n{self.log()[-3000:]}") from None
+        if rc < 0 and sig != signal.SIGKILL:
+            # Died of a signal it was not sent to die of (SIGSEGV, SIGABRT): the log's tail holds
+            # faulthandler's stacks; printed so a failing test's captured output shows them.
+            print(f"node {self.node_id} exited with signal {-rc}; log tail:\n{self.log()[-6000:]}", flush=True)
+        return rc
 
     def kill9(self) -> None:
         """SIGKILL every process of the node (supervisor, fork server, workers)."""
@@ -312,6 +317,10 @@ class Node:
         if check and p.returncode != 0:
             raise AssertionError(f"naradctl {' '.join(args)} failed ({p.returncode}): {p.stderr}")
         return json.loads(p.stdout) if p.returncode == 0 else p
+
+    def worker_pids(self) -> dict[int, int]:
+        """Worker index -> pid of the live workers (``naradctl status``)."""
+        return {w["index"]: w["pid"] for w in self.status()["workers"] if w["alive"]}
 
     def status(self) -> dict[str, Any]:
         """``naradctl --json status``: the same request on the same control socket, sent from

@@ -104,10 +104,6 @@ KEEP = "fz-keep"  # a topic the fuzz never deletes (its produce/consume/ack run 
 
 # ---- the node --------------------------------------------------------------------------------------------
 
-def worker_pids(n: Node) -> dict[int, int]:
-    return {w["index"]: w["pid"] for w in n.status()["workers"]}
-
-
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     d: Path = tmp_path_factory.mktemp("fuzzhttp") / "data"
@@ -118,16 +114,16 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     for i in range(5):
         assert n.post(f"/v1/topics/{KEEP}/produce", f"msg-{i}".encode(),
                       headers={"Content-Type": "application/octet-stream"}).status == 202
-    pids = worker_pids(n)
+    pids = n.worker_pids()
     yield n
     try:
-        assert worker_pids(n) == pids, "a worker was restarted during the fuzz (it crashed)"
+        assert n.worker_pids() == pids, "a worker was restarted during the fuzz (it crashed)"
         assert n.get("/healthz").status == 200
     finally:
         total = sum(v for k, v in STATS.items() if k.startswith("status:"))
         print(f"\n[fuzz-http] raw connections tried: {STATS['raw']}, route requests tried: {STATS['route']}, "
               f"answers: {total}, 5xx: {len(FIVE_XX)}, hangs: {len(HANGS)}, worker crashes: "
-              f"{'0' if worker_pids(n) == pids else 'some'}")
+              f"{'0' if n.worker_pids() == pids else 'some'}")
         print("[fuzz-http] status histogram:", dict(sorted((k, v) for k, v in STATS.items()
                                                            if k.startswith("status:"))))
         for line in FIVE_XX[:20]:

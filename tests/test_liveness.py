@@ -102,6 +102,25 @@ def test_stopped_supervisor_makes_readyz_and_healthz_503_naming_it(tmp_path: Pat
     wait_for(lambda: _probe(n, "/healthz")[0] == 200, 20, 0.1, "/healthz back to 200")
 
 
+def test_a_crash_in_c_leaves_every_threads_stack_in_the_log(tmp_path: Path, node_factory: list[Node]) -> None:
+    """A fatal signal (here SIGSEGV, as a crash in C would raise) is reported by faulthandler:
+    the supervisor's log says which signal and holds the stack of each of its threads
+    (the event loop's and Raft's tick thread at least); a worker's the same."""
+    n = Node(tmp_path / "d", workers=1)
+    node_factory.append(n)
+    n.start()
+    assert n.proc is not None
+    worker = next(iter(n.worker_pids().values()))
+    os.kill(worker, signal.SIGSEGV)
+    wait_for(lambda: n.log().count("Fatal Python error: Segmentation fault") >= 1, 10, 0.05,
+             "the worker's faulthandler report")
+    assert n.stop(signal.SIGSEGV) == -signal.SIGSEGV
+    log = n.log()
+    assert log.count("Fatal Python error: Segmentation fault") == 2, log[-3000:]
+    sup = log[log.rindex("Fatal Python error: Segmentation fault"):]
+    assert sup.count("Thread 0x") >= 2 and "narad/supervisor/main.py" in sup, sup[:3000]
+
+
 def test_stuck_worker_is_named_then_killed_counted_and_restarted(tmp_path: Path,
                                                                  node_factory: list[Node]) -> None:
     # 7 s: /readyz names worker 1 after 3 s of silence, and /metrics answers ~2 s later (the

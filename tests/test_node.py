@@ -26,10 +26,6 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     n.close()
 
 
-def _worker_pids(n: Node) -> dict[int, int]:
-    return {w["index"]: w["pid"] for w in n.status()["workers"] if w["alive"]}
-
-
 def test_workers_are_separate_processes_pinned_to_distinct_cores(node: Node) -> None:
     st = node.status()
     assert st["ready"] and st["raft"]["role"] == "leader"
@@ -273,9 +269,9 @@ def test_admin_password_file_when_no_env(tmp_path: Path) -> None:
 def test_killed_worker_is_replaced_and_node_keeps_serving(tmp_path: Path) -> None:
     n = Node(tmp_path / "data", workers=2).start()
     try:
-        before = _worker_pids(n)
+        before = n.worker_pids()
         os.kill(before[1], signal.SIGKILL)
-        after = wait_for(lambda: (p := _worker_pids(n)) and len(p) == 2 and p[1] != before[1] and p,
+        after = wait_for(lambda: (p := n.worker_pids()) and len(p) == 2 and p[1] != before[1] and p,
                          what="worker 1 to be replaced")
         assert after[0] == before[0]
         st = n.status()

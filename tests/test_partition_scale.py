@@ -40,10 +40,6 @@ def mk(node: Node, name: str, **kw: Any) -> None:
     assert r.status == 201, r
 
 
-def worker_pids(node: Node) -> list[int]:
-    return [w["pid"] for w in node.status()["workers"] if w["alive"]]
-
-
 def topic_fds(node: Node, topic: str, partition: int | None = None, *, writable: bool = False) -> int:
     """Descriptors the workers hold on files of `topic` (or of one partition). With
     `writable`, only those open for writing: an open log's (its active segment and
@@ -52,7 +48,7 @@ def topic_fds(node: Node, topic: str, partition: int | None = None, *, writable:
     mark = f"/topics/{topic}@"
     part = f"/p{partition:05d}/" if partition is not None else ""
     n = 0
-    for pid in worker_pids(node):
+    for pid in list(node.worker_pids().values()):
         fd_dir = f"/proc/{pid}/fd"
         for fd in os.listdir(fd_dir):
             try:

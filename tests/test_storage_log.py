@@ -652,3 +652,18 @@ def test_closed_log_refuses_commits(tmp_path: Path) -> None:
     envs, _ = envelopes(plog, range(1, 2))
     with pytest.raises(OSError):
         plog.write_commit(envs)
+
+
+def test_first_record_ms_refuses_a_key_length_no_frame_could_hold(tmp_path: Path) -> None:
+    """A frame whose record claims a ~2^70-byte key: -1 (unreadable), never an OverflowError
+    out of the read (it runs at partition open and for the stats)."""
+    from narad.storage import frames as FR
+    from narad.storage.partition_log import first_record_ms
+
+    good = tmp_path / "good.log"
+    good.write_bytes(FR.encode_frame(0, [FR.encode_record(b"k", 1234, 0, b"x")]))
+    assert first_record_ms(good) == 1234
+    bad = tmp_path / "bad.log"
+    bad.write_bytes(FR.encode_frame(0, [bytes([FR.RECORD_VERSION, FR.F_KEY]) + b"\xff" * 9 + b"\x7f" + bytes(8)]))
+    assert first_record_ms(bad) == -1
+    assert first_record_ms(tmp_path / "missing.log") is None

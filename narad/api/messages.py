@@ -194,11 +194,15 @@ def render(topic: str, it: Item, handle: bool) -> MessageOut:
         else:
             try:
                 ext, pos = FR.ext_at(body)
+                h = ext.h
+                # Written only from checked headers (with_ext; dead-letter copies and redrive
+                # carry those bytes on) under the record's CRC: trusted as JSON, as a body
+                # flagged F_JSON is; a block not even shaped as an object is a damaged one.
+                if h and (h[:1] != b"{" or h[-1:] != b"}"):
+                    raise FR.FrameError("headers in the extension block are not a JSON object")
+                dead = dead_letter_json(ext.d) if ext.d is not None else None
+                headers = msgspec.Raw(h) if h else None
                 body = body[pos:]
-                if ext.h:
-                    headers = msgspec.Raw(ext.h)  # stored as JSON text: copied, not parsed
-                if ext.d is not None:
-                    dead = dead_letter_json(ext.d)
             except FR.FrameError:
                 f &= ~(F_JSON | F_UTF8)  # a damaged block: the stored bytes are shown as they are (base64)
     payload: Any
@@ -486,8 +490,6 @@ class MessagesAPI:
 
         try:
             self.broker.wal.append_cb(entries, done)
-            if watched:  # the seqs are assigned; the commit comes only after the sync this waits for
-                w = self.broker.watch(entries, IDEM_WAIT_S)
         except WALFailed as e:
             if ident is not None and self.caps is not None:
                 self.caps.give_back(self.ctx.worker_index, CAPS.PRODUCE, ident, n)
@@ -497,6 +499,8 @@ class MessagesAPI:
             if ident is not None and self.caps is not None:
                 self.caps.give_back(self.ctx.worker_index, CAPS.PRODUCE, ident, n)
             raise
+        if watched:  # the seqs are assigned; done() runs only after the sync this waits for
+            w = self.broker.watch(entries, IDEM_WAIT_S)
 
     def _incarnation(self, t: TopicRecord) -> bytes:
         inc = self._incs.get(t.id)

@@ -46,7 +46,10 @@ HEADER_SIZE = 27
 MAX_FRAME_BYTES = 256 << 20
 RECORD_VERSION = 3
 F_KEY, F_JSON, F_UTF8, F_EXT = 1, 2, 4, 8
-MAX_EXT_BYTES = 64 << 10  # an extension block larger than this is refused at produce (and unreadable here)
+# A reader's bound on an extension block's length (the block must also fit its payload). Produce
+# writes at most ~50 KB (8 KiB of headers, JSON-escaped, and a 128-byte key), but a dead-letter copy
+# carries the source record's key, which may be as large as a WAL record allows.
+MAX_EXT_BYTES = 16 << 20
 
 _U32 = struct.Struct(">I")
 _U64 = struct.Struct(">Q")
@@ -223,19 +226,30 @@ def _block_start(stored: bytes) -> tuple[int, int]:
 def idem_only_body(stored: bytes) -> int:
     """Where the body starts when the block of `stored` (flags with ``F_EXT``) holds an
     idempotency key and nothing else (a consume, which never shows the key, skips
-    decoding it); -1 otherwise, and for a block whose length does not fit."""
+    decoding it): a one-entry map whose key is ``i`` and whose value is a string (fixstr,
+    str8 or str16: a key is at most 128 bytes) ending exactly where the block ends. -1
+    otherwise (the caller decodes the block, which refuses a malformed one)."""
     blen, pos = _block_start(stored)
     end = pos + blen
-    if blen < 3 or end > len(stored) or stored[pos] != 0x81 or stored[pos + 1 : pos + 3] != _IDEM_KEY:
+    if blen < 4 or end > len(stored) or stored[pos] != 0x81 or stored[pos + 1 : pos + 3] != _IDEM_KEY:
         return -1
-    return end
+    t = stored[pos + 3]
+    if 0xA0 <= t <= 0xBF:
+        at = pos + 4 + (t & 0x1F)
+    elif t == 0xD9 and blen >= 5:
+        at = pos + 5 + stored[pos + 4]
+    elif t == 0xDA and blen >= 6:
+        at = pos + 6 + (stored[pos + 4] << 8 | stored[pos + 5])
+    else:
+        return -1
+    return end if at == end else -1
 
 
 def has_idem(stored: bytes) -> bool:
     """Whether the extension block of `stored` (a payload whose flags have ``F_EXT``)
     carries an idempotency key, read from its first map key without decoding the map
-    (records with headers alone pay two byte reads). A malformed block answers False;
-    ``read_ext`` is what finds it malformed."""
+    (records with headers alone pay two byte reads). A malformed block may answer
+    either way: ``read_ext`` (``key_of``) decides, and finds it malformed."""
     blen, pos = _block_start(stored)
     return blen >= 3 and stored[pos + 1 : pos + 3] == _IDEM_KEY
 

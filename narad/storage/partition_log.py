@@ -759,8 +759,8 @@ def first_record_ms(path: Path, pos: int = 0) -> int | None:
             if len(rec) < 3 or rec[0] != FR.RECORD_VERSION:
                 return -1
             klen, i = FR.read_uvarint(rec, 2)
-            if klen < 0:
-                return -1
+            if klen < 0 or klen > FR.MAX_FRAME_BYTES:
+                return -1  # a key length no frame could hold (and too large for a pread offset)
             at = pos + FR.HEADER_SIZE + 4 + i + klen
             raw = os.pread(fd, 8, at)
             if len(raw) != 8:

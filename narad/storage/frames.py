@@ -227,8 +227,9 @@ def idem_only_body(stored: bytes) -> int:
     """Where the body starts when the block of `stored` (flags with ``F_EXT``) holds an
     idempotency key and nothing else (a consume, which never shows the key, skips
     decoding it): a one-entry map whose key is ``i`` and whose value is a string (fixstr,
-    str8 or str16: a key is at most 128 bytes) ending exactly where the block ends. -1
-    otherwise (the caller decodes the block, which refuses a malformed one)."""
+    str8 or str16: a key is at most 128 bytes) ending exactly where the block ends; the
+    key's bytes are not checked (never shown). -1 otherwise (the caller decodes the block,
+    which refuses a malformed one)."""
     blen, pos = _block_start(stored)
     end = pos + blen
     if blen < 4 or end > len(stored) or stored[pos] != 0x81 or stored[pos + 1 : pos + 3] != _IDEM_KEY:

@@ -58,7 +58,11 @@ _CRC_HDR = struct.Struct(">BiqII")
 assert HEADER.size == HEADER_SIZE
 
 
-def _uvarint(n: int) -> bytes:
+def uvarint(n: int) -> bytes:
+    """`n` (>= 0) as a uvarint: the record's key length, the extension block's length, the
+    offsets slot's deltas and counts."""
+    if n < 0x80:
+        return bytes((n,))
     out = bytearray()
     while n >= 0x80:
         out.append((n & 0x7F) | 0x80)
@@ -86,7 +90,7 @@ def read_uvarint(buf: bytes | memoryview, pos: int) -> tuple[int, int]:
 
 def encode_record(key: bytes | None, committed_ms: int, flags: int, payload: bytes) -> bytes:
     if key:
-        return bytes((RECORD_VERSION, flags | F_KEY)) + _uvarint(len(key)) + key + _U64.pack(committed_ms) + payload
+        return bytes((RECORD_VERSION, flags | F_KEY)) + uvarint(len(key)) + key + _U64.pack(committed_ms) + payload
     return bytes((RECORD_VERSION, flags & ~F_KEY, 0)) + _U64.pack(committed_ms) + payload
 
 
@@ -194,7 +198,6 @@ class Ext(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=False):
 _ext_enc = msgspec.msgpack.Encoder()
 _ext_dec = msgspec.msgpack.Decoder(Ext)
 _hdr_enc = msgspec.json.Encoder()
-_hdr_dec = msgspec.json.Decoder(dict[str, str])
 _IDEM_KEY = b"\xa1i"  # MessagePack fixstr "i": the first key of a map that has an idempotency key
 
 
@@ -203,24 +206,10 @@ def headers_json(h: dict[str, str]) -> bytes:
     return _hdr_enc.encode(h)
 
 
-def headers_dict(raw: bytes) -> dict[str, str]:
-    """``Ext.h`` back as a dict. Raises FrameError when it is not a string-to-string object."""
-    try:
-        return _hdr_dec.decode(raw)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
-        raise FrameError(f"bad headers in extension block: {e}") from None
-
-
 def pack_ext(ext: Ext, body: bytes) -> bytes:
     """The stored payload of a record with an extension block (set ``F_EXT`` in its flags)."""
     blob = _ext_enc.encode(ext)
-    n = len(blob)
-    return b"".join((bytes((n,)) if n < 0x80 else _uvarint(n), blob, body))  # one copy of the body
-
-
-def _block_start(stored: bytes) -> tuple[int, int]:
-    """(length of the block, where its map starts); (-1, ...) for a length that does not parse."""
-    return read_uvarint(stored, 0)
+    return b"".join((uvarint(len(blob)), blob, body))  # one copy of the body
 
 
 def idem_only_body(stored: bytes) -> int:
@@ -230,7 +219,7 @@ def idem_only_body(stored: bytes) -> int:
     str8 or str16: a key is at most 128 bytes) ending exactly where the block ends; the
     key's bytes are not checked (never shown). -1 otherwise (the caller decodes the block,
     which refuses a malformed one)."""
-    blen, pos = _block_start(stored)
+    blen, pos = read_uvarint(stored, 0)
     end = pos + blen
     if blen < 4 or end > len(stored) or stored[pos] != 0x81 or stored[pos + 1 : pos + 3] != _IDEM_KEY:
         return -1
@@ -251,7 +240,7 @@ def has_idem(stored: bytes) -> bool:
     carries an idempotency key, read from its first map key without decoding the map
     (records with headers alone pay two byte reads). A malformed block may answer
     either way: ``read_ext`` (``key_of``) decides, and finds it malformed."""
-    blen, pos = _block_start(stored)
+    blen, pos = read_uvarint(stored, 0)
     return blen >= 3 and stored[pos + 1 : pos + 3] == _IDEM_KEY
 
 
@@ -260,25 +249,21 @@ def split_ext(flags: int, stored: bytes) -> tuple[Ext | None, bytes]:
     returned whole. Raises FrameError when the block is malformed."""
     if not flags & F_EXT:
         return None, stored
-    ext, pos = _ext_at(stored)
+    ext, pos = ext_at(stored)
     return ext, stored[pos:]
-
-
-def ext_at(stored: bytes) -> tuple[Ext, int]:
-    """-> (extension block, where the body starts) of a payload whose flags have
-    ``F_EXT``: for a reader that views the body in place instead of copying it.
-    Raises FrameError when the block is malformed."""
-    return _ext_at(stored)
 
 
 def read_ext(stored: bytes) -> Ext:
     """The extension block of a stored payload whose flags have ``F_EXT`` (the body
     is not copied). Raises FrameError when the block is malformed."""
-    return _ext_at(stored)[0]
+    return ext_at(stored)[0]
 
 
-def _ext_at(stored: bytes) -> tuple[Ext, int]:
-    blen, pos = _block_start(stored)
+def ext_at(stored: bytes) -> tuple[Ext, int]:
+    """-> (extension block, where the body starts) of a payload whose flags have
+    ``F_EXT``, for a reader that slices the body itself. Raises FrameError when the
+    block is malformed."""
+    blen, pos = read_uvarint(stored, 0)
     if blen < 0:
         raise FrameError("bad extension block length")
     if blen > MAX_EXT_BYTES or pos + blen > len(stored):

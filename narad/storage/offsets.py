@@ -34,7 +34,7 @@ never touch a reopened one's files). ``close`` writes only what the files do
 not already say. ``peek`` reads a closed partition's progress without opening
 or priming anything.
 
-Imports narad.storage.fileio and narad.storage.frames (its uvarint reader).
+Imports narad.storage.fileio and narad.storage.frames (its uvarint writer and reader).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from pathlib import Path
 from crc32c import crc32c
 
 from narad.storage import fileio
-from narad.storage.frames import read_uvarint
+from narad.storage.frames import read_uvarint, uvarint
 
 log = logging.getLogger("narad.storage.offsets")
 
@@ -96,13 +96,6 @@ def fits(frontier: int, ahead: list[int], counts: Counts | None = None) -> bool:
     return True
 
 
-def _put_uvarint(out: bytearray, d: int) -> None:
-    while d >= 0x80:
-        out.append((d & 0x7F) | 0x80)
-        d >>= 7
-    out.append(d)
-
-
 def _encode_counts(frontier: int, counts: Counts, room: int) -> bytes:
     """The counts tail within `room` bytes. All of them when they fit (the usual case:
     a flat bytes() of one-byte deltas and counts when every value is below 128);
@@ -123,7 +116,7 @@ def _encode_counts(frontier: int, counts: Counts, room: int) -> bytes:
         return _U32.pack(len(live)) + bytes(flat)
     out = bytearray()
     for v in flat:
-        _put_uvarint(out, v)
+        out += uvarint(v)
     if len(out) <= room:
         return _U32.pack(len(live)) + bytes(out)
     live.sort(key=lambda oc: (-oc[1], oc[0]))
@@ -139,8 +132,8 @@ def _encode_counts(frontier: int, counts: Counts, room: int) -> bytes:
     out = bytearray()
     prev = frontier
     for o, c in chosen:
-        _put_uvarint(out, o - prev)
-        _put_uvarint(out, c)
+        out += uvarint(o - prev)
+        out += uvarint(c)
         prev = o
     return _U32.pack(len(chosen)) + bytes(out)
 
@@ -154,8 +147,7 @@ def _encode(seq: int, frontier: int, ahead: list[int], counts: Counts | None = N
         d = off - prev
         if d <= 0:
             continue
-        enc = bytearray()
-        _put_uvarint(enc, d)
+        enc = uvarint(d)
         if len(out) + len(enc) > room:
             break
         out += enc

@@ -219,7 +219,7 @@ class Node:
         except subprocess.TimeoutExpired:
             self.kill9()
             raise AssertionError(f"node did not stop within {timeout}s:\n{self.log()[-3000:]}") from None
-        if rc < 0 and sig != signal.SIGKILL:
+        if rc < 0 and -rc != sig:
             # Died of a signal it was not sent to die of (SIGSEGV, SIGABRT): the log's tail holds
             # faulthandler's stacks; printed so a failing test's captured output shows them.
             print(f"node {self.node_id} exited with signal {-rc}; log tail:\n{self.log()[-6000:]}", flush=True)

@@ -27,6 +27,7 @@ class Owners:
         self.dead: set[int] = set()
         self.failing: set[int] = set()
         self.gone = False
+        self.trusted = True  # routes_trusted(): the node's replica caught up once
         self.committed: dict[int, list[bytes]] = defaultdict(list)
         self.attempts: dict[int, int] = defaultdict(int)
 
@@ -45,6 +46,9 @@ class Owners:
 
     def owner_alive(self, topic: str, topic_id: str, partition: int) -> bool:
         return partition not in self.dead
+
+    def routes_trusted(self) -> bool:
+        return self.trusted
 
 
 @pytest.fixture
@@ -86,6 +90,29 @@ def test_records_reach_their_owner_in_order_and_the_checkpoint_follows(tmp_path:
         assert owners.committed[0] == [f"m{i}".encode() for i in range(0, 50, 2)]
         assert owners.committed[1] == [f"m{i}".encode() for i in range(1, 50, 2)]
         assert wal.checkpoint_seq > 50 - 1
+        await disp.close()
+        wal.close()
+
+    asyncio.run(main())
+
+
+def test_nothing_is_dispatched_before_the_replica_caught_up_once(tmp_path: Path, io: ThreadPoolExecutor) -> None:
+    """Until routes_trusted() (the node was ready once), durable records wait: no delivery,
+    no reroute, the checkpoint holds; then they go, in order."""
+    async def main() -> None:
+        owners = Owners()
+        owners.trusted = False
+        owners.dead.add(1)  # a reroute would be decided from the same untrusted replica
+        wal, disp = await _setup(tmp_path, io, owners)
+        first_ckpt = wal.checkpoint_seq
+        for i in range(6):
+            await _produce(wal, i % 3, [f"m{i}".encode()])
+        await asyncio.sleep(0.3)
+        assert sum(owners.attempts.values()) == 0 and disp.rerouted == 0 and wal.checkpoint_seq == first_ckpt
+        owners.dead.clear()
+        owners.trusted = True
+        await _until(lambda: disp.committed == 6)
+        assert owners.committed[1] == [b"m1", b"m4"] and disp.rerouted == 0
         await disp.close()
         wal.close()
 

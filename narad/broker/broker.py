@@ -171,6 +171,8 @@ class Broker:
         self.data_dir = Path(data_dir)
         self.store = store
         self.versions = versions
+        self._routes_trusted = False  # routes_trusted(): latched at the node's first readiness
+        self._untrusted_since: float | None = None
         self.index = index
         self.workers = workers
         self.links = links
@@ -622,6 +624,11 @@ class Broker:
                            f"the topic is {t.id if t else 'absent'}", code="incarnation_mismatch")
         if not 0 <= partition < t.partitions:
             raise Conflict(f"partition {partition} is not in topic {topic}", code="incarnation_mismatch")
+        if not self.routes_trusted():
+            # Restarted with a replica that may be behind a flip made while this node was
+            # down: the copy here may no longer be the partition. Retried by every sender.
+            raise Unavailable(f"partition {partition} of {topic}: this node's replica has not caught up with "
+                              "the leader since it started; retry", code="partition_moving")
         node, worker = self.where(t, partition)
         if node != self.node_id or worker != self.index:
             # The sender's replica and ours disagree (a move's flip, a fresh placement):
@@ -676,6 +683,23 @@ class Broker:
     def partition_count(self, topic: str, topic_id: str) -> int:
         t = self.store.topic(topic)
         return t.partitions if t is not None and t.id == topic_id else 0
+
+    def routes_trusted(self) -> bool:
+        """The dispatcher's gate (see ``Target.routes_trusted``), and every local commit's
+        (``commit_local``: WAL records, fan-out copies, dead-letter copies, peers' commits):
+        latched once the node was ready (/readyz), which needs the replica to have applied
+        the commit index it heard from a live leader. Until then records wait, durable."""
+        if not self._routes_trusted:
+            self._routes_trusted = self.versions.load(V.READY) == 1
+            if self._routes_trusted:
+                if self._untrusted_since is not None:
+                    log.info("dispatch starts: this node's replica caught up with the leader",
+                             extra={"waited_seconds": round(time.monotonic() - self._untrusted_since, 3)})
+            elif self._untrusted_since is None:
+                self._untrusted_since = time.monotonic()
+                log.info("dispatch waits until this node's replica has caught up with the leader "
+                         "(a partition may have moved while it was down)")
+        return self._routes_trusted
 
     def owner_alive(self, topic: str, topic_id: str, partition: int) -> bool:
         t = self.store.topic(topic)

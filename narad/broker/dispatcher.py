@@ -48,6 +48,7 @@ BATCH_RECORDS = 4096
 BATCH_BYTES = 8 << 20
 RETRY_AFTER = 1.0
 MOVING_RETRY_AFTER = 0.05  # a partition frozen for a move (its flip is a Raft round trip away)
+TRUST_RECHECK = 0.05  # before the replica caught up once: looked at again after this
 WATCH_SLACK = 0.05  # watch deadlines expire in 50 ms steps (one timer wake per step at most)
 
 
@@ -67,6 +68,12 @@ class Target(Protocol):
 
     def owner_alive(self, topic: str, topic_id: str, partition: int) -> bool:
         """False when the partition's owner is marked dead (or unassigned)."""
+        ...
+
+    def routes_trusted(self) -> bool:
+        """False until this node's replica has caught up with the leader once since it
+        started: a restart can find its replica behind a move's flip made while it was
+        down, and nothing is dispatched by a route read from that replica."""
         ...
 
 
@@ -222,6 +229,10 @@ class Dispatcher:
 
     def _pump(self) -> None:
         if self.closed:
+            return
+        if not self.target.routes_trusted():
+            if self._timer is None:
+                self._timer = self._loop().call_later(TRUST_RECHECK, self._on_timer)
             return
         now = time.monotonic()
         soonest = None

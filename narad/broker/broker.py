@@ -93,6 +93,7 @@ from narad.storage.partition_log import OffsetGone, PartitionLog
 from narad.storage.wal import Entry, IngressWAL
 
 log = logging.getLogger("narad.broker")
+TRUST_POLL = 0.05  # how often a starting worker looks for the node's first readiness
 
 COMMIT_TICK = 0.1
 SWEEP_EVERY = 1.0
@@ -266,7 +267,7 @@ class Broker:
             log.info("ingress WAL replayed for dispatch", extra={"records": replayed, "worker": self.index})
         self._topics_ver = self.versions.load(V.TOPICS)
         loop = self.loop
-        for coro in (self._committer(), self._sweeper(), self._reaper(), self._topic_watch(),
+        for coro in (self._trust_watch(), self._committer(), self._sweeper(), self._reaper(), self._topic_watch(),
                      self._metrics_poller()):
             self._tasks.append(loop.create_task(coro))
         self.fanout.start()
@@ -683,6 +684,12 @@ class Broker:
     def partition_count(self, topic: str, topic_id: str) -> int:
         t = self.store.topic(topic)
         return t.partitions if t is not None and t.id == topic_id else 0
+
+    async def _trust_watch(self) -> None:
+        """Latch ``routes_trusted`` at the node's first readiness even when nothing is
+        dispatched then: a node that lost its quorum later (not ready) keeps committing."""
+        while not self.routes_trusted():
+            await asyncio.sleep(TRUST_POLL)
 
     def routes_trusted(self) -> bool:
         """The dispatcher's gate (see ``Target.routes_trusted``), and every local commit's

@@ -41,6 +41,20 @@ def test_workers_are_separate_processes_pinned_to_distinct_cores(node: Node) -> 
     assert set(pids) <= descendants
 
 
+def test_a_workers_io_threads_run_sched_batch_and_its_loop_does_not(node: Node) -> None:
+    """The fdatasync threads must not preempt the worker's event loop on wake-up."""
+    topic = "sched-batch"
+    assert node.post("/v1/topics", {"name": topic, "partitions": 4}).status == 201
+    for w in (0, 1):  # a produce through each worker starts its WAL syncer and I/O pool
+        r = node.post(f"/v1/topics/{topic}/produce", b"x", conn=node.worker_connection(w),
+                      headers={"Content-Type": "application/octet-stream"})
+        assert r.status == 202, r.body
+    for pid in (w["pid"] for w in node.status()["workers"]):
+        policies = {t.id: os.sched_getscheduler(t.id) for t in psutil.Process(pid).threads()}
+        assert policies.pop(pid) == os.SCHED_OTHER  # the event loop's thread
+        assert os.SCHED_BATCH in policies.values(), policies
+
+
 def test_a_topic_created_through_one_worker_is_visible_on_every_worker(node: Node) -> None:
     w0, w1 = node.worker_connection(0), node.worker_connection(1)
     r = node.post("/v1/topics", {"name": "visible-everywhere", "partitions": 4}, conn=w0)

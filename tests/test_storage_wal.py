@@ -550,3 +550,23 @@ def test_a_damaged_record_holding_a_forged_frame_is_skipped_whole(tmp_path: Path
     w.close()
     assert ("victim", b"FORGED") not in got
     assert got[0] == ("t", b"honest") and got[-1] == ("t", b"after"), got
+
+
+def test_the_syncer_thread_runs_sched_batch_so_its_wakeups_do_not_preempt_the_loop(
+        tmp_path: Path, pool: ThreadPoolExecutor) -> None:
+    """An fdatasync returning on the syncer must not throw the event loop off its
+    core (SCHED_BATCH threads do not preempt on wake-up); the loop itself stays
+    SCHED_OTHER."""
+
+    async def go() -> None:
+        w = opened(tmp_path / "w", pool)
+        try:
+            await w.append([entry(1)])
+            syncers = [t for t in threading.enumerate() if t.name == w._syncer.name]
+            assert len(syncers) == 1 and syncers[0].native_id is not None
+            assert os.sched_getscheduler(syncers[0].native_id) == os.SCHED_BATCH
+            assert os.sched_getscheduler(0) == os.SCHED_OTHER
+        finally:
+            w.close()
+
+    asyncio.run(go())

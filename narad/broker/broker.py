@@ -86,6 +86,7 @@ from narad.meta import versions as V
 from narad.meta.records import TopicRecord
 from narad.meta.requests import ConfirmEpochReq, ConfirmEpochResp, QuarantinedCopy
 from narad.meta.store import MetaStore
+from narad.storage import iothreads
 from narad.storage import partition_log as PL
 from narad.storage import transfer as TR
 from narad.storage.offsets import OffsetFile
@@ -191,7 +192,8 @@ class Broker:
         # open forgets it; a restart starts with none (they open once, then close).
         self._drained: set[tuple[str, int, str]] = set()
         self._cap_warned = 0.0
-        self.io = ThreadPoolExecutor(max_workers=8, thread_name_prefix=f"io-w{index}")
+        self.io = ThreadPoolExecutor(max_workers=8, thread_name_prefix=f"io-w{index}",
+                                     initializer=iothreads.batch_class)
         self.wal = IngressWAL(self.data_dir / "ingress" / f"w{index}", self.io)
         self.dispatcher = Dispatcher(self.wal, self)
         self.partitions: dict[tuple[str, int], Partition] = {}

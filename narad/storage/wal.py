@@ -24,7 +24,7 @@ place at once (survives a process crash) and fdatasync'd within 250 ms.
 Segments wholly below it are deleted; a fully dispatched active segment over
 1 MiB is rotated so it can go too.
 
-Imports narad.storage.fileio.
+Imports narad.storage.fileio and narad.storage.iothreads (its syncer thread runs SCHED_BATCH).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from typing import Any
 
 from crc32c import crc32c
 
-from narad.storage import fileio
+from narad.storage import fileio, iothreads
 
 log = logging.getLogger("narad.storage.wal")
 
@@ -139,6 +139,7 @@ class _Syncer:
         self._q.put((loop, fn, buf, first_seq, done))
 
     def _run(self) -> None:
+        iothreads.batch_class()
         q = self._q
         while True:
             job = q.get()

@@ -241,10 +241,28 @@ def disk_counts(n: Node, name: str) -> dict[int, int]:
     return peek_counts(dirs[0])[2]
 
 
+def disk_reasons(n: Node, name: str) -> dict[int, str]:
+    """The nack reasons the offset file of `name`'s worker-1 partition says now."""
+    from narad.storage.offsets import peek_all
+
+    dirs = list((n.data_dir / "topics").glob(f"{name}@*/p{W1_PART[name]:05d}"))
+    if len(dirs) != 1 or not (dirs[0] / "consumer.ahead").exists():
+        return {}
+    return peek_all(dirs[0])[3]
+
+
 def test_counts_survive_a_kill9_within_the_bound(tmp_path: Any) -> None:
     n = Node(tmp_path / "data", workers=2).start()
     try:
         name = mk(n, "k9-", visibility_timeout_ms=60_000)
+        # a nack's reason, persisted with the counts, names the dead-letter record after the kill
+        why_dlt = mk(n, "k9-why-dlt-")
+        why = mk(n, "k9-why-", max_deliveries=2, dead_letter_topic=why_dlt, visibility_timeout_ms=60_000)
+        produce(n, why, b"nacked before the kill")
+        w = take(n, why)
+        assert nack(n, why, w["receipt_handle"], "&reason=" + quote("upstream said 503")).status == 204
+        wait_for(lambda: disk_reasons(n, why) == {w["offset"]: "upstream said 503"}, 5, 0.005,
+                 "the reason in the page cache")
         # a record held for a dead-letter topic that does not exist (yet)
         dlt = mk(n, "k9-dlt-")
         held = mk(n, "k9-held-", max_deliveries=1, dead_letter_topic=dlt, visibility_timeout_ms=1000)
@@ -282,6 +300,12 @@ def test_counts_survive_a_kill9_within_the_bound(tmp_path: Any) -> None:
                  20, 0.0, "all three after the restart")
         # every lease was out at the kill: each comes back counted once more than before it
         assert seen == {first: 4, second: 3, sorted(h)[2]: 2}, seen
+        w2 = take(n, why, timeout=15)
+        assert (w2["offset"], w2["delivery_count"]) == (w["offset"], 2)
+        assert nack(n, why, w2["receipt_handle"]).status == 204  # no reason now: the last one is the one kept
+        d = take(n, why_dlt, timeout=15)
+        assert d["dead_letter"]["reason"] == "upstream said 503" and d["dead_letter"]["delivery_count"] == 2, d
+        ack(n, why_dlt, d["receipt_handle"])
         # the held record: its count (1 = max_deliveries) came back, so it is held again, not delivered
         assert consume(n, held).status == 204
         wait_for(lambda: metric(n, "narad_dead_letter_held", held) == 1, 15, 0.05, "held again after the restart")
@@ -441,9 +465,10 @@ def test_cluster_dead_letter_to_another_nodes_partition_and_redrive(tmp_path: An
 @pytest.mark.slow
 def test_counts_move_with_a_partition_to_a_new_node(tmp_path: Any) -> None:
     """Scale 3 -> 4 nodes: the partitions that move to the new node carry their records'
-    delivery counts (the freeze answer's trailing field, installed with the positions),
-    so the third delivery after the move says 3 and, max_deliveries being 3, a nack then
-    dead-letters it with delivery_count 3 (a lost count would say 1 and redeliver)."""
+    delivery counts and last nack reasons (the freeze answer's trailing fields, installed
+    with the positions), so the third delivery after the move says 3 and, max_deliveries
+    being 3, a nack then dead-letters it with delivery_count 3 (a lost count would say 1
+    and redeliver) and the reason of the nack before the move."""
     from tests.harness import Cluster
 
     parts = 8
@@ -480,8 +505,10 @@ def test_counts_move_with_a_partition_to_a_new_node(tmp_path: Any) -> None:
 
         for want in (1, 2):
             got = lease_all(want)
-            r = c["n1"].post(f"/v1/topics/{src}/ack?extend=0",
-                             {"receipt_handles": [m["receipt_handle"] for m in got.values()]})
+            body: dict[str, Any] = {"receipt_handles": [m["receipt_handle"] for m in got.values()]}
+            if want == 2:
+                body["reason"] = "before the move"  # the last nack reasons move too
+            r = c["n1"].post(f"/v1/topics/{src}/ack?extend=0", body)
             assert [x["status"] for x in r.json()["results"]] == [204] * parts, r
         before = {int(s["index"]): s["owner_node"]
                   for s in c["n1"].get(f"/v1/topics/{src}").json()["partition_stats"]}
@@ -499,7 +526,7 @@ def test_counts_move_with_a_partition_to_a_new_node(tmp_path: Any) -> None:
         assert moved and all(after[k] == "n4" for k in moved), (before, after)
         third = lease_all(3)  # the moved partitions' records too: their counts came with them
         r = c["n1"].post(f"/v1/topics/{src}/ack?extend=0",
-                         {"receipt_handles": [m["receipt_handle"] for m in third.values()], "reason": "third"})
+                         {"receipt_handles": [m["receipt_handle"] for m in third.values()]})
         assert [x["status"] for x in r.json()["results"]] == [204] * parts, r
         dead: dict[int, dict[str, Any]] = {}
 
@@ -513,8 +540,8 @@ def test_counts_move_with_a_partition_to_a_new_node(tmp_path: Any) -> None:
             return len(dead) >= parts
 
         wait_for(drain, 60, 0.1, "every record dead-lettered")
-        assert {k: (m["dead_letter"]["delivery_count"], m["payload"]) for k, m in dead.items()} == {
-            k: (3, f"m{k}") for k in range(parts)}
+        assert {k: (m["dead_letter"]["delivery_count"], m["payload"], m["dead_letter"].get("reason"))
+                for k, m in dead.items()} == {k: (3, f"m{k}", "before the move") for k in range(parts)}
         print(f"moved partitions {moved}: their counts arrived with them")
     finally:
         c.close()
@@ -547,8 +574,8 @@ def test_a_kill9_between_the_dead_letter_commit_and_the_settle_gives_a_duplicate
         wait_for(lambda: copies.extend(take(n, dlt, "max=10")["messages"]) or len(copies) >= 2, 10, 0.0, "both")
         assert [(c["payload"], c["dead_letter"]["offset"], c["dead_letter"]["delivery_count"]) for c in copies] == [
             ("once", m["offset"], 1)] * 2
-        # the reason lived in the killed process's memory: the second copy has none
-        assert sorted("reason" in c["dead_letter"] for c in copies) == [False, True]
+        # the reason was in the offset file before the first copy was made: the second carries it too
+        assert [c["dead_letter"].get("reason") for c in copies] == ["r1", "r1"]
         wait_for(lambda: all(x["lag"] == 0 for x in n.get(f"/v1/topics/{name}").json()["partition_stats"]), 10,
                  0.05, "settled in the source")
         assert consume(n, name).status == 204

@@ -1,8 +1,9 @@
 """Delivery counts and dead-letter holds of one partition (issue 14), driven
 directly on real files: the count a lease carries, what ack / nack / expiry do
 to it, the counts tail of the offset slot (old slots decode as no counts, the
-4 KiB bound keeps the highest counts), restore after a crash (page cache) and a
-close, and the hold of a record whose deliveries are used up."""
+4 KiB bound keeps the highest counts), the nack-reasons tail after it, restore
+after a crash (page cache) and a close, and the hold of a record whose deliveries
+are used up."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 
 from narad.broker.partition import Partition
 from narad.storage import offsets as OFF
-from narad.storage.offsets import SLOT, OffsetFile, _decode, _decode_full, _encode
+from narad.storage.offsets import SLOT, OffsetFile, _decode, _decode_all, _decode_full, _encode
 from narad.storage.partition_log import PartitionLog
 
 
@@ -22,7 +23,7 @@ def _partition(tmp: Path, n: int) -> Partition:
     plog.open()
     offs = OffsetFile(tmp)
     p = Partition("t", "00" * 8, 0, plog, offs)
-    p.restore(*offs.load(), offs.counts)
+    p.restore(*offs.load(), offs.counts, offs.reasons)
     if n:
         with ThreadPoolExecutor(1) as ex:
             async def fill() -> None:
@@ -77,6 +78,53 @@ def test_slot_tail_round_trip_and_old_slots(tmp_path: Path) -> None:
     old = _encode(5, 10, [12, 15])  # written before the tail existed
     assert _decode_full(old) == (5, 10, [12, 15], {})
     assert len(_encode(1, 0, [], {i: 2 for i in range(1, 5000)})) == SLOT
+
+
+def test_reasons_tail_round_trip_old_readers_and_bounds() -> None:
+    raw = _encode(5, 10, [12, 15], {11: 3, 13: 1}, {11: "bad json", 13: "é timeout", 20: "no count"})
+    assert _decode_all(raw) == (5, 10, [12, 15], {11: 3, 13: 1}, {11: "bad json", 13: "é timeout", 20: "no count"})
+    assert _decode_full(raw) == (5, 10, [12, 15], {11: 3, 13: 1})  # a reader without reasons stops after the counts
+    assert _decode(raw) == (5, 10, [12, 15])
+    only = _encode(1, -1, [], None, {4: "why"})  # reasons with no counts: an empty counts tail first
+    assert _decode_all(only) == (1, -1, [], {}, {4: "why"})
+    assert _decode_all(_encode(1, 10, [], {11: 1}, {3: "below the frontier", 12: ""})) == (1, 10, [], {11: 1}, {})
+    assert _decode_all(_encode(1, 0, [1, 2])) == (1, 0, [1, 2], {}, {})
+    # room: the reasons of the highest counts are kept, the rest left out, the slot stays whole
+    counts = {i: 1 for i in range(1, 40)}
+    counts[30] = 9
+    reasons = {i: f"{i:03d}" + "r" * 250 for i in range(1, 40)}
+    got = _decode_all(_encode(2, 0, [], counts, reasons))
+    assert got is not None and got[3] == counts
+    kept = got[4]
+    assert 30 in kept and 0 < len(kept) < len(reasons) and all(reasons[o] == r for o, r in kept.items())
+    rest = sorted(o for o in kept if o != 30)
+    assert rest == list(range(1, len(rest) + 1))  # then the lowest offsets
+    assert len(_encode(2, 0, [], counts, reasons)) == SLOT
+    # a reason's bytes never invalidate a slot: bad UTF-8 decodes with replacement characters
+    bad = _encode(1, 0, [], {}, {1: "\udcff"})
+    assert _decode_all(bad) == (1, 0, [], {}, {1: "?"})
+
+
+def test_reasons_survive_a_crash_and_a_close(tmp_path: Path) -> None:
+    p = _partition(tmp_path, 3)
+    d = p.reserve(100.0, 3, 30.0, 1024, 1024)
+    p.dirty = False
+    assert p.nack(0, d[0].nonce, 100.1, reason="upstream 503")
+    assert p.dirty  # a reason alone is something to write
+    f, a = p.snapshot_offsets()
+    p.offsets.write_window(f, a, p.snapshot_counts(), p.snapshot_reasons())  # the committer's tick
+    os.close(p.offsets._fd)  # kill -9: the page cache stays
+    p.offsets._fd = -1
+    q = _reopen(tmp_path)
+    assert q.reasons == {0: "upstream 503"} and q.deliveries == {0: 1, 1: 1, 2: 1}
+    d = q.reserve(200.0, 3, 30.0, 1024, 1024)
+    assert q.nack(1, next(x.nonce for x in d if x.offset == 1), 200.1, reason="second")
+    assert q.ack(0, next(x.nonce for x in d if x.offset == 0), 200.2)  # its reason goes with it
+    f, a = q.snapshot_offsets()
+    q.offsets.close(f, a, q.snapshot_counts(), q.snapshot_reasons())
+    r = _reopen(tmp_path)
+    assert r.committed == 0 and r.reasons == {1: "second"}
+    assert OFF.peek_all(tmp_path)[3] == {1: "second"}
 
 
 def test_counts_past_the_slot_keep_the_highest(tmp_path: Path) -> None:

@@ -79,7 +79,7 @@ from narad.broker.deadletter import DeadLetterDriver
 from narad.broker.dispatcher import Dispatcher, Watch
 from narad.broker.fanout import FanoutEngine, FanoutSettings
 from narad.broker.moves import MoveRunner, MoveSource
-from narad.broker.partition import Committed, Partition, finish_stats, rfc3339_ms, stats_from_disk
+from narad.broker.partition import MAX_REASON_CHARS, Committed, Partition, finish_stats, rfc3339_ms, stats_from_disk
 from narad.broker.routing import RoundRobin, key_partition, owner_worker
 from narad.errors import BadGateway, Conflict, NaradError, NotFound, Unavailable
 from narad.meta import versions as V
@@ -123,7 +123,6 @@ ACK, EXTEND, NACK = 0, 1, 2
 # late probe, a redrive's skipped record): a nack that takes back the delivery it counted.
 # A node without it reads any mode but 0 and 1 as a nack: the safe failure is a count one too high.
 GIVE_BACK = 3
-MAX_REASON_CHARS = 256  # a nack reason is at most 256 bytes of UTF-8 (the API checks; peers are cut here)
 
 
 class Gone(Exception):
@@ -478,7 +477,7 @@ class Broker:
         offs = OffsetFile(d)
         frontier, ahead = offs.load(max_frontier=plog.hwm - 1)  # a frontier past the log is damage
         p = Partition(topic.name, topic.id, index, plog, offs)
-        p.restore(frontier, ahead, offs.counts)
+        p.restore(frontier, ahead, offs.counts, offs.reasons)
         p.max_deliveries = topic.max_deliveries if topic.dead_letter_topic else 0
         # Idempotent produce: the keys committed within the window, from the log itself.
         p.idem_window_ms = topic.idem_window_ms
@@ -532,10 +531,11 @@ class Broker:
             raise
         frontier, ahead = p.snapshot_offsets()
         counts = p.snapshot_counts()
+        reasons = p.snapshot_reasons()
 
         def close_sync() -> None:
             try:
-                p.offsets.close(frontier, ahead, counts)
+                p.offsets.close(frontier, ahead, counts, reasons)
             except OSError as e:
                 log.error("could not persist consumer offsets at close", extra={"topic": p.topic, "err": str(e)})
             p.log.close(clean=clean)
@@ -1655,7 +1655,7 @@ class Broker:
                     frontier, ahead = p.snapshot_offsets()
                     gen = p.count_gen
                     try:
-                        p.offsets.write_window(frontier, ahead, p.snapshot_counts())
+                        p.offsets.write_window(frontier, ahead, p.snapshot_counts(), p.snapshot_reasons())
                         p.written_gen = gen  # these counts survive a process crash now
                     except OSError as e:
                         log.error("consumer offset write failed", extra={"topic": p.topic, "err": str(e)})

@@ -59,7 +59,7 @@ from narad.storage import transfer as TR
 
 from . import peers as P
 from .fanout import partition_dir
-from .partition import rfc3339_ms
+from .partition import MAX_REASON_CHARS, rfc3339_ms
 
 log = logging.getLogger("narad.broker.moves")
 T = TypeVar("T")
@@ -84,6 +84,11 @@ COPY_DELAY = float(os.environ.get("NARAD_FAULT_MOVE_CHUNK_DELAY_MS", "0")) / 100
 HOLD_FROZEN = float(os.environ.get("NARAD_FAULT_MOVE_HOLD_FROZEN_MS", "0")) / 1000.0
 HOLD_FLIP = float(os.environ.get("NARAD_FAULT_MOVE_HOLD_FLIP_MS", "0")) / 1000.0
 HOLD_PRECOPY = float(os.environ.get("NARAD_FAULT_MOVE_HOLD_PRECOPY_MS", "0")) / 1000.0
+
+
+def _reasons(pairs: list[tuple[int, str]]) -> dict[int, str]:
+    """A source's last nack reasons, each cut to the API's bound (a peer's strings)."""
+    return {o: r[:MAX_REASON_CHARS] for o, r in pairs}
 
 
 class _Aborted(Exception):
@@ -170,11 +175,12 @@ class MoveSource:
         p = await self.b.partition(t, m.partition)
         frontier, ahead = p.snapshot_offsets()  # positions first: never past what the listing copies
         counts = sorted(p.snapshot_counts().items())
+        reasons = sorted(p.snapshot_reasons().items())
         d = partition_dir(self.b.data_dir, t.name, t.id, m.partition)
         cursors = await self.b.loop.run_in_executor(self.b.io, read_cursors, d)
         hwm, segs = await self.b.loop.run_in_executor(self.b.io, TR.list_open, p.log)
         return P.MoveListResp(hwm, [(s.base, s.size, s.mtime_ms) for s in segs], int(time.time() * 1000),
-                              p.frozen(), frontier, ahead, cursors, counts)
+                              p.frozen(), frontier, ahead, cursors, counts, reasons)
 
     async def vouch(self, m: P.MoveVouchReq) -> P.MoveVouchResp:
         """What this node (the owner, its replica says) holds of a partition another
@@ -231,12 +237,14 @@ class MoveSource:
         # carries a position past what it copies.
         frontier, ahead = p.snapshot_offsets()
         counts = sorted(p.snapshot_counts().items())  # delivery counts move with the positions
+        reasons = sorted(p.snapshot_reasons().items())  # and the last nack reasons
         d = partition_dir(self.b.data_dir, t.name, t.id, m.partition)
         loop = self.b.loop
         cursors = await loop.run_in_executor(self.b.io, read_cursors, d)
         hwm, segs = await loop.run_in_executor(self.b.io, TR.list_open, p.log)
         return P.MoveFreezeResp(p.freeze_token or "", hwm, frontier, ahead, cursors,
-                                [(s.base, s.size, s.mtime_ms) for s in segs], int(time.time() * 1000), counts)
+                                [(s.base, s.size, s.mtime_ms) for s in segs], int(time.time() * 1000), counts,
+                                reasons)
 
     async def thaw(self, m: P.MoveThawReq) -> P.MoveFreezeResp:
         p = self.b.partitions.get((m.topic, m.partition))
@@ -612,7 +620,7 @@ class MoveRunner:
                       "token": mv.token, "forced": False}
             qdir = await self._io(st.install, hwm=hwm, frontier=fz.frontier, ahead=list(fz.ahead),
                                   cursors={c: (e, n) for c, e, n in fz.cursors}, marker=marker, seg_mtimes=mtimes,
-                                  counts=dict(fz.counts))
+                                  counts=dict(fz.counts), reasons=_reasons(fz.reasons))
             if qdir is not None:
                 log.error("an older copy of the partition was in the way of the install; quarantined",
                           extra={"topic": name, "partition": part, "dir": str(qdir)})
@@ -685,7 +693,7 @@ class MoveRunner:
         self.b.forget_partition(name, part, mv.topic_id)
         await self._io(st.install, hwm=reached, frontier=last.frontier, ahead=list(last.ahead),
                        cursors={c: (e, n) for c, e, n in last.cursors}, marker=marker, seg_mtimes={},
-                       counts=dict(last.counts))
+                       counts=dict(last.counts), reasons=_reasons(last.reasons))
         self.b.forget_partition(name, part, mv.topic_id)
         mv.phase = "flip_pending"
         mv.blocked = None

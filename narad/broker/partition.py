@@ -32,7 +32,8 @@ Lives in the worker that owns the partition, on its event-loop thread only.
   move carries them. The entries are bounded like the leases: an offset gets one
   only when it is leased, redeliveries go out before new offsets, so they are
   about the leases plus the offsets waiting to be leased again. A nack may leave
-  a ``reason`` (memory only, for the dead-letter record). A give-back (a lease
+  a ``reason`` for the dead-letter record (persisted with the counts, room
+  allowing, and carried by a move). A give-back (a lease
   whose consumer never saw it: it hung up, its answer was dropped) takes its
   count back (``nack(uncount=True)``).
 * Dead-lettering: with ``max_deliveries`` > 0 (set by the broker from the
@@ -41,7 +42,7 @@ Lives in the worker that owns the partition, on its event-loop thread only.
   there, is not delivered again: it joins ``dead`` (not deliverable, holding its
   in-flight slot, keeping the partition open) and ``on_dead`` tells the broker,
   whose driver commits it to the dead-letter topic and only then settles it
-  here (``settle_dead``). The driver waits until the count that used the record
+  here (``settle_dead``). The driver waits until the count (and reason) that used the record
   up is in the offset file (``written_gen`` >= the hold's ``count_gen``: the
   committer's next tick), so a kill -9 after the dead-letter commit never brings
   the record back live in the source. A crash between the commit and the settle:
@@ -97,6 +98,7 @@ from narad.storage import partition_log as PL
 from narad.storage.offsets import OffsetFile
 from narad.storage.partition_log import CorruptRecord, LogClosed, NotVisible, OffsetGone, PartitionLog, Record
 
+MAX_REASON_CHARS = 256  # a nack reason is at most 256 bytes of UTF-8 (the API checks; peers' are cut here)
 log = logging.getLogger("narad.broker.partition")
 MAX_COMBINED_BYTES = 16 << 20
 Committed = tuple[int, list[int]]  # first offset, indexes of the batch's duplicates (idempotent produce)
@@ -174,7 +176,7 @@ class Partition:
         self.freeze_until = 0.0
         # Delivery counts and dead-lettering (issue 14).
         self.deliveries: dict[int, int] = {}  # offset above the frontier, not acked -> times leased
-        self.reasons: dict[int, str] = {}  # offset -> its last nack's reason (memory only)
+        self.reasons: dict[int, str] = {}  # offset -> its last nack's reason (in the offset file, room allowing)
         self.dead: dict[int, int] = {}  # held for the dead-letter driver (not deliverable) -> count_gen at the hold
         self.count_gen = 0  # bumped by every count change
         self.written_gen = 0  # the count_gen the offset file's last window write holds (the committer sets it)
@@ -219,7 +221,8 @@ class Partition:
         self.age_at = (off, ts)
         return ts
 
-    def restore(self, frontier: int, ahead: list[int], counts: dict[int, int] | None = None) -> None:
+    def restore(self, frontier: int, ahead: list[int], counts: dict[int, int] | None = None,
+                reasons: dict[int, str] | None = None) -> None:
         hwm = self.log.hwm
         # A persisted frontier never passes what the log holds.
         self.committed = min(frontier, hwm - 1)
@@ -229,6 +232,9 @@ class Partition:
         if counts:
             self.deliveries = {o: c for o, c in counts.items()
                                if self.committed < o < hwm and o not in self.acked_ahead and c > 0}
+        if reasons:
+            self.reasons = {o: r for o, r in reasons.items()
+                            if self.committed < o < hwm and o not in self.acked_ahead and r}
 
     # ---- reserve ---------------------------------------------------------------------
     def purge(self, now: float) -> int:
@@ -454,8 +460,10 @@ class Partition:
                 self.deliveries.pop(off, None)
             self.count_gen += 1
             self.dirty = True
-        if reason:
+        if reason and self.reasons.get(off) != reason:
             self.reasons[off] = reason
+            self.count_gen += 1  # a dead-letter hold waits for the write that holds it, like a count
+            self.dirty = True  # the committer writes it with the counts (it survives a restart)
         if self._hold_if_spent(off):
             return True
         if delay_s > 0:
@@ -682,6 +690,11 @@ class Partition:
         """The delivery counts to persist (or move): offsets above the frontier only."""
         c = self.committed
         return {o: n for o, n in self.deliveries.items() if o > c}
+
+    def snapshot_reasons(self) -> dict[int, str]:
+        """The last nack reasons to persist (or move): offsets above the frontier only."""
+        c = self.committed
+        return {o: r for o, r in self.reasons.items() if o > c} if self.reasons else {}
 
 
 def stats_from_disk(directory: Path) -> dict[str, int]:

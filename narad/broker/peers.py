@@ -181,6 +181,7 @@ class MoveListResp(msgspec.Struct, array_like=True):
     ahead: list[int] = []
     cursors: list[tuple[str, str, int]] = []
     counts: list[tuple[int, int]] = []  # delivery counts (offset, deliveries) of unacked offsets; trailing
+    reasons: list[tuple[int, str]] = []  # last nack reasons (offset, reason) of unacked offsets; trailing
 
 
 class MoveVouchReq(msgspec.Struct, tag=True, array_like=True):
@@ -232,6 +233,7 @@ class MoveFreezeResp(msgspec.Struct, array_like=True):
     segments: list[SegTuple] = []
     now_ms: int = 0
     counts: list[tuple[int, int]] = []  # delivery counts (offset, deliveries) of unacked offsets; trailing
+    reasons: list[tuple[int, str]] = []  # last nack reasons (offset, reason) of unacked offsets; trailing
 
 
 class MoveThawReq(msgspec.Struct, tag=True, array_like=True):

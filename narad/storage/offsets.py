@@ -13,7 +13,8 @@ frontier past a real ack; the worst case is redelivery.
 
 Slot: ``'NOFF' | u32 crc32c(rest) | u32 used | u64 seq | i64 frontier |
 u32 count | uvarint deltas`` (acked offsets above the frontier, ascending)
-``[| u32 ncounts | ncounts x (uvarint delta, uvarint deliveries)]``.
+``[| u32 ncounts | ncounts x (uvarint delta, uvarint deliveries)``
+``[| u32 nreasons | nreasons x (uvarint delta, uvarint length, UTF-8 reason)]]``.
 Too many acks to fit: the lowest are kept, the rest will be redelivered (``fits``
 says whether a set fits whole: a partition whose held acks do not is never
 closed as idle).
@@ -26,6 +27,14 @@ take the room the acks leave: when not all fit, the highest counts are kept
 (ties: the lowest offsets), as those are the nearest to their dead-letter
 maximum; a count left out restarts from zero after a restart (the record may be
 delivered up to ``max_deliveries`` more times, never lost).
+
+The second optional tail holds the last nack reasons of unacked offsets (deltas
+chained from the frontier like the counts'; a reason is at most 256 bytes). It
+follows the counts tail (a ``u32 0`` count header when there are no counts); a
+decoder without it stops after the counts. Reasons take the room acks and counts
+leave, in the counts' order of preference (highest count first); a reason left
+out is lost at a restart (its dead-letter record then says none). A slot is never
+refused for a reason's bytes: bad UTF-8 decodes with replacement characters.
 
 An ``OffsetFile`` is used from the event loop (``write_window``) and from I/O
 threads (``writeout``, ``level``, ``close``): one lock orders them, and after
@@ -69,6 +78,7 @@ def _uvarint_len(d: int) -> int:
 
 _U32 = struct.Struct(">I")
 Counts = dict[int, int]  # offset -> deliveries
+Reasons = dict[int, str]  # offset -> its last nack's reason
 
 
 def fits(frontier: int, ahead: list[int], counts: Counts | None = None) -> bool:
@@ -138,7 +148,37 @@ def _encode_counts(frontier: int, counts: Counts, room: int) -> bytes:
     return _U32.pack(len(chosen)) + bytes(out)
 
 
-def _encode(seq: int, frontier: int, ahead: list[int], counts: Counts | None = None) -> bytes:
+def _encode_reasons(frontier: int, reasons: Reasons, counts: Counts, room: int) -> bytes:
+    """The reasons tail within `room` bytes (after the counts tail): the reasons of
+    the offsets with the highest counts first (ties: the lowest offsets), each
+    charged its delta from the frontier (an upper bound of the one it is written
+    with, so what is chosen always fits); the rest are left out."""
+    live = [(o, r.encode("utf-8", "replace")) for o, r in reasons.items() if o > frontier and r]
+    if not live or room <= _U32.size:
+        return b""
+    room -= _U32.size
+    live.sort(key=lambda e: (-counts.get(e[0], 0), e[0]))
+    chosen: list[tuple[int, bytes]] = []
+    for o, rb in live:
+        cost = _uvarint_len(o - frontier) + _uvarint_len(len(rb)) + len(rb)
+        if cost <= room:
+            chosen.append((o, rb))
+            room -= cost
+    if not chosen:
+        return b""
+    chosen.sort()
+    out = bytearray(_U32.pack(len(chosen)))
+    prev = frontier
+    for o, rb in chosen:
+        out += uvarint(o - prev)
+        out += uvarint(len(rb))
+        out += rb
+        prev = o
+    return bytes(out)
+
+
+def _encode(seq: int, frontier: int, ahead: list[int], counts: Counts | None = None,
+            reasons: Reasons | None = None) -> bytes:
     out = bytearray()
     prev = frontier
     n = 0
@@ -153,15 +193,22 @@ def _encode(seq: int, frontier: int, ahead: list[int], counts: Counts | None = N
         out += enc
         prev = off
         n += 1
-    if counts:
-        out += _encode_counts(frontier, counts, room - len(out))
+    if counts or reasons:
+        tail = _encode_counts(frontier, counts or {}, room - len(out))
+        if reasons and room - len(out) - max(len(tail), _U32.size) > _U32.size:
+            more = _encode_reasons(frontier, reasons, counts or {}, room - len(out) - max(len(tail), _U32.size))
+            if more:
+                out += tail or _U32.pack(0)
+                tail = more
+        out += tail
     body = _BODY.pack(seq, frontier, n) + bytes(out)
     return (_HDR.pack(MAGIC, crc32c(body), len(body)) + body).ljust(SLOT, b"\0")
 
 
-def _decode_counts(body: bytes, pos: int, used: int, frontier: int) -> Counts | None:
+def _decode_counts(body: bytes, pos: int, used: int, frontier: int) -> tuple[Counts, int] | None:
+    """-> (counts, the position after them) or None (not a valid tail)."""
     if pos == used:
-        return {}  # a slot without the tail (or written before it existed)
+        return {}, pos  # a slot without the tail (or written before it existed)
     if pos + _U32.size > used:
         return None
     (n,) = _U32.unpack_from(body, pos)
@@ -179,13 +226,44 @@ def _decode_counts(body: bytes, pos: int, used: int, frontier: int) -> Counts | 
         if c <= 0:
             return None
         out[prev] = c
+    return out, pos
+
+
+def _decode_reasons(body: bytes, pos: int, used: int, frontier: int) -> Reasons | None:
+    if pos == used:
+        return {}  # no reasons tail
+    if pos + _U32.size > used:
+        return None
+    (n,) = _U32.unpack_from(body, pos)
+    pos += _U32.size
+    if n > (used - pos) // 3:
+        return None  # each entry takes at least three bytes
+    out: Reasons = {}
+    prev = frontier
+    for _ in range(n):
+        d, pos = read_uvarint(body, pos)
+        if d <= 0:
+            return None
+        prev += d
+        ln, pos = read_uvarint(body, pos)
+        if ln <= 0 or pos + ln > used:
+            return None
+        out[prev] = body[pos:pos + ln].decode("utf-8", "replace")
+        pos += ln
     return out
+
+
+def _decode_all(slot: bytes) -> tuple[int, int, list[int], Counts, Reasons] | None:
+    """-> (seq, frontier, acked-ahead, delivery counts, nack reasons) or None (not a
+    valid slot)."""
+    r = _decode(slot, want_tail=True)
+    return r  # type: ignore[return-value]
 
 
 def _decode_full(slot: bytes) -> tuple[int, int, list[int], Counts] | None:
     """-> (seq, frontier, acked-ahead, delivery counts) or None (not a valid slot)."""
-    r = _decode(slot, want_tail=True)
-    return r  # type: ignore[return-value]
+    r = _decode_all(slot)
+    return None if r is None else r[:4]
 
 
 def _decode(slot: bytes, want_tail: bool = False) -> tuple[int, int, list[int]] | None:
@@ -208,14 +286,18 @@ def _decode(slot: bytes, want_tail: bool = False) -> tuple[int, int, list[int]] 
         prev += d
         out.append(prev)
     if want_tail:
-        counts = _decode_counts(body, pos, used, frontier)
-        if counts is None:
+        got = _decode_counts(body, pos, used, frontier)
+        if got is None:
             return None
-        return seq, frontier, out, counts  # type: ignore[return-value]
+        counts, pos = got
+        reasons = _decode_reasons(body, pos, used, frontier)
+        if reasons is None:
+            return None
+        return seq, frontier, out, counts, reasons  # type: ignore[return-value]
     return seq, frontier, out
 
 
-def _best_slot(slots: list[tuple[int, int, list[int], Counts] | None]) -> int | None:
+def _best_slot(slots: list[tuple[int, int, list[int], Counts, Reasons] | None]) -> int | None:
     best = None
     for i, s in enumerate(slots):
         if s is not None and (best is None or s[0] > slots[best][0]):  # type: ignore[index]
@@ -240,17 +322,24 @@ def peek(directory: Path, max_frontier: int | None = None) -> tuple[int, list[in
 
 def peek_counts(directory: Path, max_frontier: int | None = None) -> tuple[int, list[int], Counts]:
     """``peek`` with the delivery counts (offsets above the recovered frontier)."""
+    frontier, ahead, counts, _reasons = peek_all(directory, max_frontier)
+    return frontier, ahead, counts
+
+
+def peek_all(directory: Path, max_frontier: int | None = None) -> tuple[int, list[int], Counts, Reasons]:
+    """``peek`` with the delivery counts and the nack reasons (offsets above the
+    recovered frontier)."""
     d = Path(directory)
     try:
         with open(d / "consumer.ahead", "rb") as fh:
             raw = fh.read(2 * SLOT)
     except FileNotFoundError:
         raw = b""
-    slots = [_decode_full(raw[i * SLOT:(i + 1) * SLOT]) for i in (0, 1)]
+    slots = [_decode_all(raw[i * SLOT:(i + 1) * SLOT]) for i in (0, 1)]
     best = _best_slot(slots)
-    frontier, ahead, counts = -1, [], {}
+    frontier, ahead, counts, reasons = -1, [], {}, {}
     if best is not None:
-        _seq, frontier, ahead, counts = slots[best]  # type: ignore[misc]
+        _seq, frontier, ahead, counts, reasons = slots[best]  # type: ignore[misc]
     level = _read_level_at(d)
     if max_frontier is not None and level > max(max_frontier, frontier):
         level = -1
@@ -258,7 +347,8 @@ def peek_counts(directory: Path, max_frontier: int | None = None) -> tuple[int, 
         frontier = level
         ahead = [a for a in ahead if a > frontier]
         counts = {o: c for o, c in counts.items() if o > frontier}
-    return frontier, ahead, counts
+        reasons = {o: r for o, r in reasons.items() if o > frontier}
+    return frontier, ahead, counts, reasons
 
 
 class OffsetFile:
@@ -269,9 +359,10 @@ class OffsetFile:
         self._seq = 0
         self.dirty_since_sync = False
         self._lock = threading.Lock()
-        self._anchored: tuple[int, list[int], Counts] | None = None  # what the anchor slot says
-        self._window: tuple[int, list[int], Counts] | None = None  # what the window slot says, once written whole
+        self._anchored: tuple[int, list[int], Counts, Reasons] | None = None  # what the anchor slot says
+        self._window: tuple[int, list[int], Counts, Reasons] | None = None  # the window slot, once written whole
         self.counts: Counts = {}  # the delivery counts ``load`` recovered
+        self.reasons: Reasons = {}  # the nack reasons ``load`` recovered
         self._level_on_disk = -1  # what consumer.offset holds
 
     def load(self, max_frontier: int | None = None) -> tuple[int, list[int]]:
@@ -281,7 +372,8 @@ class OffsetFile:
         ``consumer.offset`` carries no checksum, and a frontier past the end of the
         log cannot come from an ack (a damaged file, e.g. a flipped high bit): it is
         ignored rather than clamped, which would skip every unacked record.
-        The delivery counts recovered are left in ``self.counts``."""
+        The delivery counts recovered are left in ``self.counts``, the nack reasons
+        in ``self.reasons``."""
         path = self.dir / "consumer.ahead"
         created = not path.exists()
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
@@ -290,11 +382,11 @@ class OffsetFile:
             # Real zeros, not a sparse hole: later in-place writes must never need
             # new blocks (acks keep persisting on a full disk).
             fileio.pwrite_all(self._fd, bytes(2 * SLOT - size), size)
-        slots = [_decode_full(os.pread(self._fd, SLOT, i * SLOT)) for i in (0, 1)]
+        slots = [_decode_all(os.pread(self._fd, SLOT, i * SLOT)) for i in (0, 1)]
         best = _best_slot(slots)
-        frontier, ahead, counts = -1, [], {}
+        frontier, ahead, counts, reasons = -1, [], {}, {}
         if best is not None:
-            self._seq, frontier, ahead, counts = slots[best]  # type: ignore[misc]
+            self._seq, frontier, ahead, counts, reasons = slots[best]  # type: ignore[misc]
         level = self._level_on_disk = self._read_level()
         if max_frontier is not None and level > max(max_frontier, frontier):
             log.error("consumer.offset holds a frontier past the end of the log; ignored (damaged file?)",
@@ -305,22 +397,24 @@ class OffsetFile:
             frontier = level
             ahead = [a for a in ahead if a > frontier]
             counts = {o: c for o, c in counts.items() if o > frontier}
+            reasons = {o: r for o, r in reasons.items() if o > frontier}
         self.counts = counts
+        self.reasons = reasons
         if best is not None and not raised:
             # The newest valid slot becomes the anchor as it is: made durable
             # (a crashed process may have left it in the page cache only), never
             # rewritten in place (a torn rewrite would lose the only good copy).
             self._anchor = best
             fileio.fdatasync(self._fd)
-            self._anchored = (frontier, list(ahead), dict(counts))
+            self._anchored = (frontier, list(ahead), dict(counts), dict(reasons))
         else:
             # Nothing valid yet, or consumer.offset is ahead of the slots: a new
             # record, into the slot that is not the newest valid one, then anchored.
             self._anchor = 0 if best is None else 1 - best
             self._seq += 1
-            fileio.pwrite_all(self._fd, _encode(self._seq, frontier, ahead, counts), self._anchor * SLOT)
+            fileio.pwrite_all(self._fd, _encode(self._seq, frontier, ahead, counts, reasons), self._anchor * SLOT)
             fileio.fdatasync(self._fd)
-            self._anchored = (frontier, list(ahead), dict(counts))
+            self._anchored = (frontier, list(ahead), dict(counts), dict(reasons))
         self.dirty_since_sync = False
         if created:
             fileio.fsync_dir(self.dir)
@@ -329,12 +423,13 @@ class OffsetFile:
     def _read_level(self) -> int:
         return _read_level_at(self.dir)
 
-    def write_window(self, frontier: int, ahead: list[int], counts: Counts | None = None) -> None:
+    def write_window(self, frontier: int, ahead: list[int], counts: Counts | None = None,
+                     reasons: Reasons | None = None) -> None:
         """Page cache only (survives a process crash, not power loss)."""
         with self._lock:
-            self._write_window(frontier, ahead, counts or {})
+            self._write_window(frontier, ahead, counts or {}, reasons or {})
 
-    def _write_window(self, frontier: int, ahead: list[int], counts: Counts) -> None:
+    def _write_window(self, frontier: int, ahead: list[int], counts: Counts, reasons: Reasons) -> None:
         if self._fd < 0:
             return  # closed: nothing of this partition is written any more
         self._seq += 1
@@ -342,8 +437,8 @@ class OffsetFile:
         # a failed (possibly torn) write must not be synced and made the anchor.
         self.dirty_since_sync = False
         self._window = None
-        fileio.pwrite_all(self._fd, _encode(self._seq, frontier, ahead, counts), (1 - self._anchor) * SLOT)
-        self._window = (frontier, list(ahead), dict(counts))
+        fileio.pwrite_all(self._fd, _encode(self._seq, frontier, ahead, counts, reasons), (1 - self._anchor) * SLOT)
+        self._window = (frontier, list(ahead), dict(counts), dict(reasons))
         self.dirty_since_sync = True
 
     def writeout(self) -> None:
@@ -376,17 +471,19 @@ class OffsetFile:
         fileio.fsync_dir(self.dir)
         self._level_on_disk = frontier
 
-    def close(self, frontier: int, ahead: list[int], counts: Counts | None = None) -> None:
-        """Persist (frontier, ahead, delivery counts) durably and level consumer.offset;
-        only what the files do not already say is written (an untouched partition
-        closes without a sync)."""
+    def close(self, frontier: int, ahead: list[int], counts: Counts | None = None,
+              reasons: Reasons | None = None) -> None:
+        """Persist (frontier, ahead, delivery counts, nack reasons) durably and level
+        consumer.offset; only what the files do not already say is written (an
+        untouched partition closes without a sync)."""
         counts = {o: c for o, c in (counts or {}).items() if o > frontier}
+        reasons = {o: r for o, r in (reasons or {}).items() if o > frontier}
         with self._lock:
             if self._fd < 0:
                 return
             try:
-                if self.dirty_since_sync or self._anchored != (frontier, list(ahead), counts):
-                    self._write_window(frontier, ahead, counts)
+                if self.dirty_since_sync or self._anchored != (frontier, list(ahead), counts, reasons):
+                    self._write_window(frontier, ahead, counts, reasons)
                     self._writeout()
                 if self._level_on_disk != frontier:
                     self._level(frontier)

@@ -69,13 +69,19 @@ def test_extension_block_round_trips_and_leaves_plain_records_alone() -> None:
         assert not FR.has_idem(FR.pack_ext(FR.Ext(h=h, d=FR.DeadLetter("t", 0, 1, 2)), b"x"))
     assert len(FR.pack_ext(FR.Ext(h=FR.headers_json(hdrs), i="k"), b"")) > 0x80  # the two-byte length path
     assert not FR.has_idem(b"") and not FR.has_idem(b"\xff")
-    # a key alone: a consume finds the body without decoding the block; anything more, it decodes
+    # a key alone or headers alone: a consume finds the body (and the headers' text) without
+    # decoding the block; anything more, it decodes
     only = FR.pack_ext(FR.Ext(i="k" * 200), b"body")
-    assert FR.idem_only_body(only) == len(only) - 4 and only[FR.idem_only_body(only):] == b"body"
-    assert FR.idem_only_body(FR.pack_ext(FR.Ext(i="k", h=b'{"a":"1"}'), b"x")) == -1
-    assert FR.idem_only_body(FR.pack_ext(FR.Ext(h=b'{"a":"1"}'), b"x")) == -1
-    for bad in (b"", b"\x05\x81\xa1i", b"\xff\xff", b"\x01\x81"):
-        assert FR.idem_only_body(bad) == -1
+    assert FR.plain_block(only) == (0, 0, len(only) - 4) and only[FR.plain_block(only)[2]:] == b"body"
+    assert FR.plain_block(FR.pack_ext(FR.Ext(i="k", h=b'{"a":"1"}'), b"x")) == FR.NOT_PLAIN
+    for h in (b'{"a":"1"}', FR.headers_json(hdrs), b"{" + b"x" * 300 + b"}"):
+        stored = FR.pack_headers(h, b"body")
+        assert stored == FR.pack_ext(FR.Ext(h=h), b"body")  # the hand-made block is msgspec's, byte for byte
+        hs, he, at = FR.plain_block(stored)
+        assert (stored[hs:he], stored[at:]) == (h, b"body")
+    assert FR.plain_block(FR.pack_ext(FR.Ext(h=b'{"a":"1"}', d=FR.DeadLetter("t", 0, 1, 2)), b"x")) == FR.NOT_PLAIN
+    for bad in (b"", b"\x05\x81\xa1i", b"\xff\xff", b"\x01\x81", b"\x05\x81\xa1h\xc4\x09", b"\x06\x81\xa1h\xc5\x00"):
+        assert FR.plain_block(bad) == FR.NOT_PLAIN
     assert FR.split_ext(FR.F_JSON, b'{"v":1}') == (None, b'{"v":1}')
     for bad in (b"", b"\xff", b"\x05ab", b"\x02\xc1\xc1rest"):
         with pytest.raises(FR.FrameError):

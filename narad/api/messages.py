@@ -188,9 +188,16 @@ def render(topic: str, it: Item, handle: bool) -> MessageOut:
     body = it.payload
     headers = dead = None
     if f & FR.F_EXT:
-        pos = FR.idem_only_body(body)  # an idempotency key alone: nothing of it is shown
+        hs, he, pos = FR.plain_block(body)  # a key alone (never shown) or headers alone: read in place
         if pos >= 0:
-            body = body[pos:]
+            if he > hs:
+                if body[hs] != 0x7B or body[he - 1] != 0x7D:  # not shaped as a JSON object: a damaged block
+                    f &= ~(F_JSON | F_UTF8)
+                    pos = 0
+                else:
+                    headers = msgspec.Raw(body[hs:he])
+            if pos:
+                body = body[pos:]
         else:
             try:
                 ext, pos = FR.ext_at(body)
@@ -279,8 +286,10 @@ def query_headers(vals: list[str]) -> dict[str, str]:
 def with_ext(flags: int, body: bytes, headers: dict[str, str] | None, idem: str | None = None) -> tuple[int, bytes]:
     """The stored (flags, payload) of a message: with an extension block when it has
     headers or an idempotency key (F_JSON / F_UTF8 still describe the body)."""
-    if not headers and idem is None:
-        return flags, body
+    if idem is None:
+        if not headers:
+            return flags, body
+        return flags | FR.F_EXT, FR.pack_headers(FR.headers_json(headers), body)
     return flags | FR.F_EXT, FR.pack_ext(FR.Ext(i=idem, h=FR.headers_json(headers) if headers else None), body)
 
 

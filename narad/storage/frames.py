@@ -199,6 +199,7 @@ _ext_enc = msgspec.msgpack.Encoder()
 _ext_dec = msgspec.msgpack.Decoder(Ext)
 _hdr_enc = msgspec.json.Encoder()
 _IDEM_KEY = b"\xa1i"  # MessagePack fixstr "i": the first key of a map that has an idempotency key
+_HDR_KEY = b"\xa1h"  # fixstr "h": the headers' key
 
 
 def headers_json(h: dict[str, str]) -> bytes:
@@ -212,18 +213,64 @@ def pack_ext(ext: Ext, body: bytes) -> bytes:
     return b"".join((uvarint(len(blob)), blob, body))  # one copy of the body
 
 
-def idem_only_body(stored: bytes) -> int:
-    """Where the body starts when the block of `stored` (flags with ``F_EXT``) holds an
-    idempotency key and nothing else (a consume, which never shows the key, skips
-    decoding it): a one-entry map whose key is ``i`` and whose value is a string (fixstr,
-    str8 or str16: a key is at most 128 bytes) ending exactly where the block ends; the
-    key's bytes are not checked (never shown). -1 otherwise (the caller decodes the block,
-    which refuses a malformed one)."""
-    blen, pos = read_uvarint(stored, 0)
+# Length byte and map head of a headers-only block whose JSON text is n < 123 bytes
+# (the block, 5 + n bytes, then has a one-byte length).
+_SHORT_HEADS = [bytes((5 + n, 0x81, 0xA1, 0x68, 0xC4, n)) for n in range(0x80 - 5)]
+
+
+def pack_headers(hjson: bytes, body: bytes) -> bytes:
+    """``pack_ext(Ext(h=hjson), body)`` byte for byte (a one-entry map, the headers as
+    bin8 or bin16, as msgspec writes it), without building the struct: the produce
+    path's common block."""
+    n = len(hjson)
+    if n < len(_SHORT_HEADS):
+        return b"".join((_SHORT_HEADS[n], hjson, body))
+    if n < 0x100:
+        head = b"\x81\xa1h\xc4" + bytes((n,))
+    elif n < 0x10000:
+        head = b"\x81\xa1h\xc5" + n.to_bytes(2, "big")
+    else:
+        return pack_ext(Ext(h=hjson), body)
+    return b"".join((uvarint(len(head) + n), head, hjson, body))
+
+
+NOT_PLAIN = (0, 0, -1)
+
+
+def plain_block(stored: bytes) -> tuple[int, int, int]:
+    """A consume's fast path through the extension block of `stored` (flags with
+    ``F_EXT``) when it is one of the two common shapes, read without decoding it:
+    an idempotency key alone (a one-entry map ``i``: fixstr, str8 or str16, a key
+    being at most 128 bytes; its bytes are not checked, a consume never shows it),
+    or headers alone (a one-entry map ``h``: bin8 or bin16), in either case ending
+    exactly where the block ends. -> (start, end of the headers' JSON text, equal
+    when there are none; where the body starts), or ``NOT_PLAIN`` (body start -1)
+    for any other block: the caller decodes it (``ext_at``), which refuses a
+    malformed one."""
+    if not stored:
+        return NOT_PLAIN
+    blen = stored[0]
+    if blen < 0x80:
+        pos = 1
+    else:
+        blen, pos = read_uvarint(stored, 0)
     end = pos + blen
-    if blen < 4 or end > len(stored) or stored[pos] != 0x81 or stored[pos + 1 : pos + 3] != _IDEM_KEY:
-        return -1
+    if blen < 4 or end > len(stored) or stored[pos] != 0x81:
+        return NOT_PLAIN
+    key = stored[pos + 1 : pos + 3]
     t = stored[pos + 3]
+    if key == _HDR_KEY:
+        if t == 0xC4 and blen >= 5:
+            hs = pos + 5
+            he = hs + stored[pos + 4]
+        elif t == 0xC5 and blen >= 6:
+            hs = pos + 6
+            he = hs + (stored[pos + 4] << 8 | stored[pos + 5])
+        else:
+            return NOT_PLAIN
+        return (hs, he, end) if he == end else NOT_PLAIN
+    if key != _IDEM_KEY:
+        return NOT_PLAIN
     if 0xA0 <= t <= 0xBF:
         at = pos + 4 + (t & 0x1F)
     elif t == 0xD9 and blen >= 5:
@@ -231,8 +278,8 @@ def idem_only_body(stored: bytes) -> int:
     elif t == 0xDA and blen >= 6:
         at = pos + 6 + (stored[pos + 4] << 8 | stored[pos + 5])
     else:
-        return -1
-    return end if at == end else -1
+        return NOT_PLAIN
+    return (0, 0, end) if at == end else NOT_PLAIN
 
 
 def has_idem(stored: bytes) -> bool:

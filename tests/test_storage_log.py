@@ -590,10 +590,13 @@ def test_retention_deletes_whole_sealed_segments_by_age(tmp_path: Path) -> None:
     assert plog.expired_segments(0, now) == []  # 0 = keep forever
     expired = plog.expired_segments(1000, now)
     assert expired == segs[:2]
-    n, size = plog.delete_segments(expired)
+    # the loop's part leaves the files (their unlink is the I/O thread's: remove_files)
+    n, size, paths = plog.detach_segments(expired)
     assert n == segs[2].base and size == segs[0].size + segs[1].size
-    assert not segs[0].path.exists() and not segs[1].path.exists()
+    assert paths == [segs[0].path, segs[1].path] and all(p.exists() for p in paths)
     assert plog.oldest == segs[2].base
+    PL.remove_files(paths, tmp_path)
+    assert not segs[0].path.exists() and not segs[1].path.exists()
     with pytest.raises(OffsetGone) as ei:
         plog.read(segs[2].base - 1)
     assert ei.value.oldest == segs[2].base

@@ -570,3 +570,33 @@ def test_the_syncer_thread_runs_sched_batch_so_its_wakeups_do_not_preempt_the_lo
             w.close()
 
     asyncio.run(go())
+
+
+def test_dispatched_segments_are_unlinked_off_the_event_loop(tmp_path: Path, pool: ThreadPoolExecutor,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reclaim after a checkpoint sync removes segment files on an I/O thread:
+    unlinking a 64 MiB segment took 20 ms on this VM, a stall of every connection."""
+    monkeypatch.setattr(W, "CHECKPOINT_SYNC_DELAY", 0.01)
+    unlinked: list[tuple[str, str]] = []
+    real = Path.unlink
+
+    def recording(self: Path, missing_ok: bool = False) -> None:
+        if self.suffix == ".wal":
+            unlinked.append((self.name, threading.current_thread().name))
+        real(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", recording)
+    w = opened(tmp_path, pool, segment_bytes=300)
+
+    async def main() -> str:
+        await append_one_by_one(w, range(1, 31))
+        w.set_checkpoint(31)
+        deadline = time.monotonic() + 10
+        while len(segments(tmp_path)) > 1 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        return threading.current_thread().name
+
+    loop_thread = asyncio.run(main())
+    assert len(segments(tmp_path)) == 1
+    assert unlinked and all(t != loop_thread for _, t in unlinked), unlinked
+    w.close()

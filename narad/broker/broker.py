@@ -1731,7 +1731,12 @@ class Broker:
         segs = p.log.expired_segments(t.retention_ms, now_ms)
         if not segs:
             return 0
-        n, size = p.log.delete_segments(segs)
+        n, size, paths = p.log.detach_segments(segs)
+        if paths:  # unlinking a large segment takes milliseconds: never on the loop
+            try:
+                await self.loop.run_in_executor(self.io, PL.remove_files, paths, p.log.dir)
+            except OSError as e:
+                log.error("retention could not remove segment files", extra={"topic": p.topic, "err": str(e)})
         lbl = (p.topic, str(p.index), "age")
         self.m.retention_deleted.labels(*lbl).inc(n)
         self.m.retention_bytes_deleted.labels(*lbl).inc(size)

@@ -42,6 +42,7 @@ Imports narad.storage.{fileio,frames}.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 import os
 import struct
@@ -119,6 +120,15 @@ class BatchRead:
 
 def _seg_path(d: Path, base: int) -> Path:
     return d / f"{base:020d}.log"
+
+
+def remove_files(paths: list[Path], directory: Path) -> None:
+    """Unlink detached segment files, then sync their directory (any thread)."""
+    for p in paths:
+        with contextlib.suppress(FileNotFoundError):
+            p.unlink()
+    if paths:
+        fileio.fsync_dir(directory)
 
 
 class PartitionLog:
@@ -608,8 +618,20 @@ class PartitionLog:
 
     def delete_segments(self, segs: list[Segment]) -> tuple[int, int]:
         """Unlink sealed segments (oldest first). Returns (records, bytes) removed."""
+        n_recs, n_bytes, paths = self.detach_segments(segs)
+        remove_files(paths, self.dir)
+        return n_recs, n_bytes
+
+    def detach_segments(self, segs: list[Segment]) -> tuple[int, int, list[Path]]:
+        """The log's part of deleting sealed segments (oldest first; the event loop,
+        where readers use the list): they leave the log, their descriptors and cached
+        frames go. Returns (records, bytes, the files to remove): the caller unlinks
+        them with ``remove_files``, off the loop (unlinking a 64 MiB file took 20 ms on
+        this VM). A file a crash leaves before that is found again at the next open,
+        as the log's oldest segment, and retention deletes it again."""
         self._last_frame = None
         n_recs = n_bytes = 0
+        paths: list[Path] = []
         for seg in segs:
             if seg is self.segments[-1] or seg is not self.segments[0]:
                 break
@@ -620,15 +642,10 @@ class PartitionLog:
             for k in [k for k in self._cache if k[0] == seg.base]:
                 self._cache.pop(k)
                 self._cache_bytes -= self._sizes.pop(k, 0)
-            try:
-                seg.path.unlink()
-            except FileNotFoundError:
-                pass
+            paths.append(seg.path)
             n_recs += seg.end - seg.base
             n_bytes += seg.size
-        if segs:
-            fileio.fsync_dir(self.dir)
-        return n_recs, n_bytes
+        return n_recs, n_bytes, paths
 
     def close(self, *, clean: bool = True) -> None:
         with self._io_lock:  # never under a commit in flight

@@ -410,3 +410,23 @@ def test_cluster_wal_replay_after_a_kill9_drops_the_keyed_records_committed_alre
         assert hw[px] == 5 and hw[pz] == 1, hw
     finally:
         c.close()
+
+
+def test_the_hand_packed_key_block_is_msgspecs_at_every_length() -> None:
+    """``pack_idem`` (the produce path) writes what ``pack_ext(Ext(i=...))`` writes for
+    every key length the API admits (fixstr, str8, a one- and a two-byte block length),
+    and ``key_of`` reads each back in place; other blocks go through the decoder."""
+    for n in range(0, 200):
+        for ch in ("k", "é"):
+            key = (ch * n)[:n] if ch == "k" else "é" * (n // 2) + "k" * (n % 2)
+            stored = FR.pack_idem(key.encode(), b'{"v":1}')
+            assert stored == FR.pack_ext(FR.Ext(i=key), b'{"v":1}'), (n, ch)
+            assert IDEM.key_of(FR.F_EXT, stored) == key
+            ks, ke = FR.idem_span(stored)  # read in place at every admitted length
+            assert stored[ks:ke] == key.encode() and ks > 0 and stored[ke:] == b'{"v":1}'
+    both = FR.pack_ext(FR.Ext(i="k1", h=b'{"a":"1"}'), b"x")
+    assert FR.idem_span(both) == (-1, -1) and IDEM.key_of(FR.F_EXT, both) == "k1"
+    assert IDEM.key_of(FR.F_EXT, FR.pack_headers(b'{"a":"1"}', b"x")) is None
+    assert IDEM.key_of(FR.F_JSON, FR.pack_idem(b"k", b"x")) is None  # no F_EXT: a plain payload
+    bad_utf8 = b"\x06\x81\xa1i\xa2\xff\xfe" + b"x"
+    assert FR.idem_span(bad_utf8) == (5, 7) and IDEM.key_of(FR.F_EXT, bad_utf8) is None

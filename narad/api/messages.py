@@ -290,6 +290,8 @@ def with_ext(flags: int, body: bytes, headers: dict[str, str] | None, idem: str 
         if not headers:
             return flags, body
         return flags | FR.F_EXT, FR.pack_headers(FR.headers_json(headers), body)
+    if not headers:
+        return flags | FR.F_EXT, FR.pack_idem(idem.encode(), body)
     return flags | FR.F_EXT, FR.pack_ext(FR.Ext(i=idem, h=FR.headers_json(headers) if headers else None), body)
 
 

@@ -234,6 +234,49 @@ def pack_headers(hjson: bytes, body: bytes) -> bytes:
     return b"".join((uvarint(len(head) + n), head, hjson, body))
 
 
+# Length byte and map head of an idempotency-key-only block whose key is n < 32 bytes
+# of UTF-8 (a fixstr; the block, 4 + n bytes, has a one-byte length).
+_IDEM_HEADS = [bytes((4 + n, 0x81, 0xA1, 0x69, 0xA0 | n)) for n in range(32)]
+
+
+def pack_idem(key: bytes, body: bytes) -> bytes:
+    """``pack_ext(Ext(i=key.decode()), body)`` byte for byte (a one-entry map, the key
+    as fixstr or str8, as msgspec writes it), without building the struct: an
+    idempotent produce's block. `key` is the key's UTF-8."""
+    n = len(key)
+    if n < 32:
+        return b"".join((_IDEM_HEADS[n], key, body))
+    if n < 0x100:
+        return b"".join((uvarint(5 + n), b"\x81\xa1i\xd9", bytes((n,)), key, body))
+    return pack_ext(Ext(i=key.decode()), body)
+
+
+def idem_span(stored: bytes) -> tuple[int, int]:
+    """Where the idempotency key's UTF-8 lies in `stored` (flags with ``F_EXT``) when
+    its block is a key alone (fixstr or str8, ending where the block ends), else
+    (-1, -1): the caller decodes the block (``read_ext``). The bytes are not checked."""
+    if len(stored) < 5:
+        return -1, -1
+    blen = stored[0]
+    if blen < 0x80:
+        pos = 1
+    else:
+        blen, pos = read_uvarint(stored, 0)
+    if blen < 4 or stored[pos : pos + 3] != b"\x81\xa1i":
+        return -1, -1
+    end = pos + blen
+    t = stored[pos + 3]
+    if 0xA0 <= t <= 0xBF:
+        ks = pos + 4
+        ke = ks + (t & 0x1F)
+    elif t == 0xD9 and blen >= 5:
+        ks = pos + 5
+        ke = ks + stored[pos + 4]
+    else:
+        return -1, -1
+    return (ks, ke) if ke == end and end <= len(stored) else (-1, -1)
+
+
 NOT_PLAIN = (0, 0, -1)
 
 
@@ -287,6 +330,8 @@ def has_idem(stored: bytes) -> bool:
     carries an idempotency key, read from its first map key without decoding the map
     (records with headers alone pay two byte reads). A malformed block may answer
     either way: ``read_ext`` (``key_of``) decides, and finds it malformed."""
+    if stored and stored[0] < 0x80:  # a one-byte length: nearly every block
+        return stored[0] >= 3 and stored[2:4] == _IDEM_KEY
     blen, pos = read_uvarint(stored, 0)
     return blen >= 3 and stored[pos + 1 : pos + 3] == _IDEM_KEY
 

@@ -59,6 +59,7 @@ import multiprocessing.connection
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -977,6 +978,9 @@ def main() -> None:
     ap.add_argument("--features", metavar="LIST",
                     help=f"comma list of {', '.join(FEATURES)}: every selected run again with the feature on, back "
                          f"to back, and the server CPU per message each adds (issue 14)")
+    ap.add_argument("--repeat", type=int, default=1, metavar="N",
+                    help="run the whole selection N times in turn (plain and feature runs interleaved); "
+                         "feature costs are then printed as the median [range] of the N differences")
     ap.add_argument("--profile", type=Path, metavar="DIR",
                     help="py-spy (raw format) every node worker during the runs --profile-runs picks, write "
                          "DIR/*.txt, summarise")
@@ -993,7 +997,7 @@ def main() -> None:
     if args.quick:
         args.seconds = min(args.seconds, 2.0)
         args.latency_count = min(args.latency_count, 500)
-    todo = scenarios(args)
+    todo = scenarios(args) * max(1, args.repeat)
     print(f"# narad message benchmark: {cpus} CPUs, {MSG_SIZE} B messages, topic with {PARTITIONS} partitions, "
           f"{time.strftime('%Y-%m-%d %H:%M')}, code {code_version()}")
     print(f"# client: uvloop + httptools, keep-alive HTTP/1.1, {args.procs} process(es); conns = procs x conns; "
@@ -1023,6 +1027,7 @@ def main() -> None:
         print("\n# feature cost: server µs/msg with the feature on minus the plain run just before it "
               "(and in % of it); msgs/s the same")
         plain: Result | None = None
+        deltas: dict[tuple[str, int], list[tuple[float, float]]] = {}
         for r in results:
             if not r.sc.feature:
                 plain = r
@@ -1032,17 +1037,34 @@ def main() -> None:
                 continue
             us, us0 = r.server_cpu / r.msgs * 1e6, plain.server_cpu / plain.msgs * 1e6
             rate, rate0 = r.msgs / r.wall, plain.msgs / plain.wall
+            deltas.setdefault((r.sc.name, r.sc.workers), []).append((us - us0, (us - us0) / us0 * 100))
             print(f"#   {r.sc.name:<28} w{r.sc.workers}: {us - us0:+.1f} µs/msg ({(us - us0) / us0 * 100:+.0f}%), "
                   f"{rate:,.0f} vs {rate0:,.0f} msgs/s ({(rate - rate0) / rate0 * 100:+.0f}%)")
-        for r in results:  # the deduplication alone: idem against the keyed run of the same sitting
+        if args.repeat > 1:
+            print(f"# feature cost over the {args.repeat} repetitions, median [min, max]:")
+            for (name, wk), ds in deltas.items():
+                us_d = sorted(d for d, _ in ds)
+                pct = sorted(p for _, p in ds)
+                print(f"#   {name:<28} w{wk}: {statistics.median(us_d):+.1f} µs/msg [{us_d[0]:+.1f}, {us_d[-1]:+.1f}], "
+                      f"{statistics.median(pct):+.0f}% [{pct[0]:+.0f}, {pct[-1]:+.0f}] of the plain run (n={len(ds)})")
+        against_key: dict[tuple[str, int], list[tuple[float, float]]] = {}
+        for i, r in enumerate(results):  # the deduplication alone: idem against the nearest keyed run
             if r.sc.feature != "idem" or r.failure or not r.msgs:
                 continue
-            k = next((x for x in results if x.sc.feature == "key" and x.sc.workers == r.sc.workers
-                      and x.sc.mode == r.sc.mode and x.msgs and not x.failure), None)
-            if k is not None:
+            near = sorted((x for x in results if x.sc.feature == "key" and x.sc.workers == r.sc.workers
+                           and x.sc.mode == r.sc.mode and x.msgs and not x.failure),
+                          key=lambda x: abs(results.index(x) - i))
+            if near:
+                k = near[0]
                 us, usk = r.server_cpu / r.msgs * 1e6, k.server_cpu / k.msgs * 1e6
+                against_key.setdefault((r.sc.name, r.sc.workers), []).append((us - usk, (us - usk) / usk * 100))
                 print(f"#   {r.sc.name:<28} w{r.sc.workers}: {us - usk:+.1f} µs/msg ({(us - usk) / usk * 100:+.0f}%) "
                       f"against +key (the same placement, nothing deduplicated)")
+        if args.repeat > 1:
+            for (name, wk), ds in against_key.items():
+                us_d, pct = sorted(d for d, _ in ds), sorted(p for _, p in ds)
+                print(f"#   {name:<28} w{wk}: median {statistics.median(us_d):+.1f} µs/msg "
+                      f"({statistics.median(pct):+.0f}% [{pct[0]:+.0f}, {pct[-1]:+.0f}]) against +key (n={len(ds)})")
     problems = [r for r in results if r.failure or r.check.failed]
     for r in problems:
         print(f"\n## {r.sc.name}, {r.sc.workers} worker(s): {'FAILED' if r.failure else 'check failed'}")

@@ -839,3 +839,38 @@ def test_idempotency_key_fast_paths_agree_with_msgspec_under_mutation(key: str, 
     except FR.FrameError:
         want = None
     assert IDEM.key_of(FR.F_EXT, m) == want
+
+
+@FAST
+@given(st.sampled_from([0, FR.F_JSON | FR.F_UTF8, FR.F_UTF8, FR.F_JSON]), st.booleans(),
+       st.sampled_from(["none", "headers", "idem", "both", "dead"]), st.one_of(st.none(), st.binary(max_size=12)),
+       st.binary(max_size=60), st.integers(0, 7), st.integers(0, 2**63 - 1), st.integers(0, 400), st.integers(-1, 255))
+def test_the_consume_paths_template_renders_what_render_does(flags: int, ext: bool, block: str, key: bytes | None,
+                                                             body: bytes, deliveries: int, nonce: int, at: int,
+                                                             byte: int) -> None:
+    """``render_leased`` (a consume's common records, built positionally) encodes to
+    exactly the bytes of ``render(..., True)`` for any record, a damaged extension block
+    (one byte changed) and bodies that are not UTF-8 included: both raise or neither."""
+    from narad.broker.peers import Item
+
+    stored = body
+    if ext:
+        flags |= FR.F_EXT
+        stored = {"none": lambda: FR.pack_ext(FR.Ext(), body),
+                  "headers": lambda: FR.pack_headers(b'{"a":"1"}', body),
+                  "idem": lambda: FR.pack_idem(b"k1", body),
+                  "both": lambda: FR.pack_ext(FR.Ext(i="k", h=b'{"t":"x"}'), body),
+                  "dead": lambda: FR.pack_ext(FR.Ext(d=FR.DeadLetter("src", 1, 2, 3)), body)}[block]()
+        if byte >= 0:
+            m = bytearray(stored)
+            m[at % len(m)] = byte
+            stored = bytes(m)
+    it = Item(2, 41, nonce, key, 1_796_229_551_123, flags, stored, deliveries)
+
+    def enc(f: Any) -> tuple[str, bytes]:
+        try:
+            return "ok", msgspec.json.encode(f())
+        except UnicodeDecodeError:
+            return "raised", b""
+
+    assert enc(lambda: M.render_leased("topic-1", it)) == enc(lambda: M.render("topic-1", it, True))

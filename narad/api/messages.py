@@ -226,6 +226,66 @@ def render(topic: str, it: Item, handle: bool) -> MessageOut:
                       dead_letter=dead)
 
 
+class _Leased(msgspec.Struct, omit_defaults=True):
+    """A leased record without a key as ``MessageOut`` writes it (the same fields in
+    the same order), built positionally: the consume path's common case."""
+
+    topic: str
+    partition: int
+    offset: int
+    payload: Any
+    timestamp: int
+    receipt_handle: str
+    delivery_count: int | None = None
+    headers: msgspec.Raw | None = None
+
+
+class _LeasedKey(msgspec.Struct, omit_defaults=True):
+    """``_Leased`` with a UTF-8 key."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: str
+    payload: Any
+    timestamp: int
+    receipt_handle: str
+    delivery_count: int | None = None
+    headers: msgspec.Raw | None = None
+
+
+def render_leased(topic: str, it: Item) -> MessageOut | _Leased | _LeasedKey:
+    """``render(topic, it, True)``, encoding to the same bytes, for a consume: the
+    common records (a JSON or UTF-8 body, a UTF-8 key or none, no extension block or
+    one holding a key alone or headers alone) without building a ``MessageOut``
+    (keywords, twelve fields); anything else, a damaged block included, is ``render``'s."""
+    f = it.flags
+    body = it.payload
+    hdr = None
+    if f & FR.F_EXT:
+        hs, he, pos = FR.plain_block(body)
+        if pos < 0 or (he > hs and (body[hs] != 0x7B or body[he - 1] != 0x7D)):
+            return render(topic, it, True)
+        if he > hs:
+            hdr = msgspec.Raw(body[hs:he])
+        body = body[pos:]
+    if f & F_JSON:
+        pay: Any = msgspec.Raw(body)
+    elif f & F_UTF8:
+        pay = body.decode()
+    else:
+        return render(topic, it, True)
+    p, o = it.partition, it.offset
+    k = it.key
+    if k is None:
+        return _Leased(topic, p, o, pay, it.ts_ms // 1000, f"{p}:{o}:{it.nonce}", it.deliveries or None, hdr)
+    try:
+        ks = k.decode()
+    except UnicodeDecodeError:
+        return render(topic, it, True)
+    return _LeasedKey(topic, p, o, ks, pay, it.ts_ms // 1000, f"{p}:{o}:{it.nonce}", it.deliveries or None, hdr)
+
+
 class BatchMsg(msgspec.Struct, forbid_unknown_fields=True):
     payload: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
     payload_encoding: str | None = None
@@ -772,15 +832,17 @@ class MessagesAPI:
             self.m.consume_empty.labels(t.name).inc()
             return empty(204, headers)
         if not batch:
-            resp = json_response(200, render(t.name, items[0], True), headers)
+            resp = json_response(200, render_leased(t.name, items[0]), headers)
             resp.on_dropped = self._giver(t, items)
             return resp
-        out, size, leftover = [], 0, []
+        out: list[MessageOut | _Leased | _LeasedKey] = []
+        size = 0
+        leftover: list[Item] = []
         for it in items:
             if out and size + len(it.payload) + 256 > RESPONSE_BUDGET:
                 leftover.append(it)
                 continue
-            out.append(render(t.name, it, True))
+            out.append(render_leased(t.name, it))
             size += len(it.payload) + 256
         if leftover:
             # given back in the background: no await between the reserve and the answer, so a

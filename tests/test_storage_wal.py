@@ -1,6 +1,7 @@
 """Ingress WAL on real files: group commit under asyncio, replay from the
 checkpoint after reopen, torn tails, the failure latch (write and fsync
-faults through the fileio seam), checkpoint persistence, reclaim/rotation
+faults through the fileio seam), checkpoint persistence, reclaim/rotation,
+segment recycling (spares, stale frames, seeded CRCs, earlier builds' frames)
 and the record encoding."""
 
 from __future__ import annotations
@@ -511,7 +512,8 @@ def _with_forged_payload(tmp_path: Path, pool: ThreadPoolExecutor) -> tuple[Path
         w.open()
         await w.append([Entry("t", INC, 0, 1, 0, None, b"honest")])
         forged = Entry("victim", b"\1" * 16, 0, 1, 0, None, b"FORGED").encode()
-        frame = W.FRAME.pack(W.MAGIC, len(forged), 3, crc32c(forged)) + forged
+        # the strongest forger: it knows the segment's salt (segment 1)
+        frame = W.FRAME.pack(W.MAGIC, len(forged), 3, crc32c(forged, W.salt(1))) + forged
         await w.append([Entry("t", INC, 0, 1, 0, None, b"x" * 4000 + frame + b"y" * 4000)])
         w.close()
 
@@ -600,3 +602,151 @@ def test_dispatched_segments_are_unlinked_off_the_event_loop(tmp_path: Path, poo
     assert len(segments(tmp_path)) == 1
     assert unlinked and all(t != loop_thread for _, t in unlinked), unlinked
     w.close()
+
+
+# ---- segment recycling ------------------------------------------------------------------------------------
+
+
+def spares(d: Path) -> list[str]:
+    return sorted(p.name for p in d.glob("*.spare"))
+
+
+async def _ckpt(w: IngressWAL, seq: int) -> None:
+    w.set_checkpoint(seq)
+
+
+def test_dispatched_segments_are_recycled_and_their_stale_frames_never_replay(
+        tmp_path: Path, pool: ThreadPoolExecutor) -> None:
+    """Dispatched segments become spares (at most SPARE_SEGMENTS), later segments are
+    renamed from them and overwrite their frames; a reopen cuts the stale frames after
+    the tail and replays exactly the records from the checkpoint, nothing stale."""
+    w = opened(tmp_path, pool, segment_bytes=2000)
+    asyncio.run(append_one_by_one(w, range(1, 121)))
+    assert len(segments(tmp_path)) >= 4
+    asyncio.run(_ckpt(w, 121))
+    assert w.reclaim() >= 3
+    assert len(spares(tmp_path)) == W.SPARE_SEGMENTS
+    assert all((tmp_path / n).stat().st_size >= 2000 for n in spares(tmp_path))
+    # Appends fill the active segment, then the next ones reuse the spares' files,
+    # which are longer than what the last one gets.
+    asyncio.run(append_one_by_one(w, range(121, 151)))
+    assert w.recycled >= 1
+    active = tmp_path / segments(tmp_path)[-1]
+    assert active.stat().st_size > w._size  # stale frames of the file's earlier life lie after the tail
+    w.close()
+    again = opened(tmp_path, pool, segment_bytes=2000)
+    assert active.stat().st_size == again._size  # cut at open
+    got = list(again.replay())
+    assert [e.seq for e in got] == list(range(121, 151)) and all(same(e, entry(e.seq)) for e in got)
+    asyncio.run(append_one_by_one(again, range(151, 160)))
+    again.close()
+    third = opened(tmp_path, pool, segment_bytes=2000)
+    got = list(third.replay())
+    assert [e.seq for e in got] == list(range(121, 160)) and all(same(e, entry(e.seq)) for e in got)
+    third.close()
+
+
+def test_a_segment_left_for_the_next_is_cut_to_its_tail(tmp_path: Path, pool: ThreadPoolExecutor) -> None:
+    """Only the active segment may hold stale frames: a recycled segment is cut to its
+    tail when the next one starts, so replay never scans an earlier life."""
+    w = opened(tmp_path, pool, segment_bytes=3000)
+    big = [Entry("t", INC, 0, 1, 0, None, b"b" * 1400) for _ in range(6)]
+
+    async def main() -> None:
+        for e in big:
+            await w.append([e])
+        w.set_checkpoint(w.next_seq)
+        w.reclaim()
+        assert spares(tmp_path)
+        for i in range(20):  # small frames: each recycled file is longer than what it gets
+            await w.append([Entry("t", INC, 0, 1, 0, None, b"s%d" % i * 40)])
+
+    asyncio.run(main())
+    assert w.recycled >= 1
+    w.close()
+    segs = [tmp_path / n for n in segments(tmp_path)]
+    for seg in segs[:-1]:
+        data = seg.read_bytes()
+        pos = 0
+        while pos < len(data):  # every frame of a left segment is of its own life, to the end
+            magic, length, seq, _crc = W.FRAME.unpack_from(data, pos)
+            assert magic == W.MAGIC and seq >= int(seg.name[:-4])
+            pos += W.FRAME_HEADER + length
+        assert pos == len(data)
+
+
+def test_spares_above_a_lost_checkpoint_are_not_reused(tmp_path: Path, pool: ThreadPoolExecutor) -> None:
+    """A spare is reused only by a segment that starts at or above its bound (every seq
+    in it is below the bound). With the checkpoint lost (seqs may start low again) the
+    spares that do not qualify are removed at open."""
+    w = opened(tmp_path, pool, segment_bytes=300)
+    asyncio.run(append_one_by_one(w, range(1, 31)))
+    asyncio.run(_ckpt(w, 31))
+    w.reclaim()
+    assert len(spares(tmp_path)) == W.SPARE_SEGMENTS
+    w.close()
+    for seg in segments(tmp_path):
+        (tmp_path / seg).unlink()
+    (tmp_path / "checkpoint").write_bytes((1).to_bytes(8, "big"))
+    again = opened(tmp_path, pool, segment_bytes=300)
+    assert spares(tmp_path) == [] and again.next_seq == 1
+    asyncio.run(append_one_by_one(again, range(1, 12)))
+    assert again.recycled == 0
+    again.close()
+    third = opened(tmp_path, pool, segment_bytes=300)
+    got = list(third.replay())
+    assert [e.seq for e in got] == list(range(1, 12)) and all(same(e, entry(e.seq)) for e in got)
+    third.close()
+
+
+def test_a_frame_sealed_for_another_segment_never_verifies(tmp_path: Path, pool: ThreadPoolExecutor) -> None:
+    """After damage, the scan resumes at the next frame that verifies: a frame whose CRC
+    was sealed with another segment's salt (a stale frame of a recycled file, with a seq
+    that would fit) is not one, while a frame sealed for this segment is."""
+    from crc32c import crc32c
+
+    w = opened(tmp_path, pool)
+    asyncio.run(append_one_by_one(w, range(1, 6)))
+    w.close()
+    seg = tmp_path / segments(tmp_path)[-1]
+
+    def frame(seq: int, seed: int) -> bytes:
+        body = entry(seq).encode()
+        return W.FRAME.pack(W.MAGIC, len(body), seq, crc32c(body, seed)) + body
+
+    damaged = bytearray(frame(6, W.salt(1)))
+    damaged[-1] ^= 0xFF
+    with open(seg, "ab") as fh:
+        fh.write(bytes(damaged) + frame(7, W.salt(99)) + frame(8, W.salt(1)))
+    again = opened(tmp_path, pool)
+    assert [e.seq for e in again.replay()] == [1, 2, 3, 4, 5, 8]
+    again.close()
+
+
+def test_segments_of_an_earlier_build_are_read_continued_and_not_recycled(
+        tmp_path: Path, pool: ThreadPoolExecutor) -> None:
+    """Frames of builds before recycling ('NWAL', unseeded CRC) are replayed after an
+    upgrade, the segment is continued with this build's frames, and it is unlinked,
+    never recycled (its first frame is not seeded)."""
+    from crc32c import crc32c
+
+    tmp_path.mkdir(exist_ok=True)
+    with open(tmp_path / W._seg_name(1), "wb") as fh:
+        for seq in range(1, 6):
+            body = entry(seq).encode()
+            fh.write(W.FRAME.pack(W.LEGACY_MAGIC, len(body), seq, crc32c(body)) + body)
+    w = opened(tmp_path, pool, segment_bytes=1000)
+    assert [e.seq for e in w.replay()] == [1, 2, 3, 4, 5] and w.next_seq == 6
+    asyncio.run(append_one_by_one(w, range(6, 9)))
+    w.close()
+    again = opened(tmp_path, pool, segment_bytes=1000)
+    got = list(again.replay())
+    assert [e.seq for e in got] == list(range(1, 9)) and all(same(e, entry(e.seq)) for e in got)
+    asyncio.run(append_one_by_one(again, range(9, 40)))
+    asyncio.run(_ckpt(again, 40))
+    again.reclaim()
+    assert W._seg_name(1) not in segments(tmp_path)
+    assert all(int(n[:-6]) > 1 for n in spares(tmp_path))  # the legacy segment was unlinked
+    with open(tmp_path / spares(tmp_path)[0], "rb") as fh:
+        assert fh.read(4) == W.MAGIC
+    again.close()

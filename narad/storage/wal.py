@@ -2,9 +2,22 @@
 
 Each worker owns one WAL directory (``<data>/ingress/w<i>/``): 64 MiB
 segments named by their first sequence number, frames
-``'NWAL' | u32 length | u64 seq | u32 CRC-32C | payload`` with dense,
+``'NWA2' | u32 length | u64 seq | u32 CRC-32C | payload`` with dense,
 strictly increasing sequence numbers, and a ``checkpoint`` file (8 bytes: the
-first sequence not yet committed at its partition's owner).
+first sequence not yet committed at its partition's owner). A frame's CRC is
+seeded with its segment's salt (a CRC of the segment's first seq), so a frame
+verifies only in the segment it was written for. Frames of earlier builds
+(``'NWAL'``, unseeded) are read in a segment that starts with one, never written.
+
+Segment recycling: a dispatched segment is not unlinked but kept as a spare
+(``<bound>.spare``, every seq in it below ``bound``; at most ``SPARE_SEGMENTS``)
+and renamed into place as the next segment, whose frames overwrite the stale
+ones. Overwriting blocks a file already has costs a third of the CPU of
+appending (no block allocation, no fresh page-cache pages) and its fdatasync
+needs no journal commit (the file's size does not change): 2.0 against 6.8 us
+of CPU per 1.1 KB record and 0.28 against 0.87 ms per fdatasync on this VM. The
+stale frames after the tail never verify (another salt, lower seqs); the tail is
+cut when a segment is left (rotation) and at open.
 
 Group commit: every append staged while a write+fdatasync is running joins the
 next one, so concurrent produces share one write and one sync (run on the
@@ -33,6 +46,7 @@ import asyncio
 import logging
 import os
 import queue
+import re
 import struct
 import threading
 import time
@@ -47,7 +61,10 @@ from narad.storage import fileio, iothreads
 
 log = logging.getLogger("narad.storage.wal")
 
-MAGIC = b"NWAL"
+MAGIC = b"NWA2"  # frames whose CRC is seeded with their segment's salt
+LEGACY_MAGIC = b"NWAL"  # frames of builds before recycling (unseeded CRC): read, never written
+_ANY_MAGIC = re.compile(b"NWA[2L]")
+SPARE_SEGMENTS = 2  # dispatched segments kept for reuse
 FRAME = struct.Struct(">4sIQI")
 FRAME_HEADER = FRAME.size  # 20
 SEGMENT_BYTES = 64 << 20
@@ -191,6 +208,25 @@ def _seg_name(first_seq: int) -> str:
     return f"{first_seq:020d}.wal"
 
 
+def _spare_name(bound: int) -> str:
+    return f"{bound:020d}.spare"
+
+
+def salt(first_seq: int) -> int:
+    """The CRC seed of the frames of the segment that starts at `first_seq`."""
+    return crc32c(_U64.pack(first_seq))
+
+
+def _crc_ok(data: bytes, magic: bytes, start: int, end: int, crc: int, seed: int, legacy_ok: bool) -> bool:
+    if magic == MAGIC:
+        return crc32c(data[start:end], seed) == crc
+    return legacy_ok and crc32c(data[start:end]) == crc
+
+
+def _magic_ok(magic: bytes, legacy_ok: bool) -> bool:
+    return magic == MAGIC or (legacy_ok and magic == LEGACY_MAGIC)
+
+
 class IngressWAL:
     def __init__(self, directory: Path, executor: Executor, *, segment_bytes: int = SEGMENT_BYTES) -> None:
         self.dir = Path(directory)
@@ -202,6 +238,15 @@ class IngressWAL:
         self._segments: list[tuple[int, Path]] = []  # (first seq, path), ascending
         self._fd = -1
         self._size = 0
+        # The loop's view of the segment the next group goes to (frames are sealed with
+        # its salt when staged): its first seq and the bytes handed to it so far.
+        self._seg_first = 1
+        self._seg_fill = 0
+        self._seg_salt = salt(1)
+        self._rotate_next = False  # the staged group starts a new segment
+        self._spares: list[tuple[int, Path]] = []  # (bound, path), kept for reuse; any thread, under the lock
+        self._spare_lock = threading.Lock()
+        self.recycled = 0  # segments that reused a spare (tests, diagnostics)
         self._staging = bytearray()
         self._staged: list[Entry] = []
         self._waiters: list[asyncio.Future[None]] = []
@@ -222,6 +267,7 @@ class IngressWAL:
         self._ckpt_fd = os.open(self.dir / "checkpoint", os.O_RDWR | os.O_CREAT, 0o600)
         raw = os.pread(self._ckpt_fd, 8, 0)
         self.checkpoint_seq = max(1, _U64.unpack(raw)[0]) if len(raw) == 8 else 1
+        self._adopt_spares()
         segs = sorted((int(p.name[:-4]), p) for p in self.dir.glob("*.wal") if p.name[:-4].isdigit())
         self._segments = segs
         last = self.checkpoint_seq - 1
@@ -229,12 +275,12 @@ class IngressWAL:
             first, path = segs[-1]
             fd = os.open(path, os.O_RDWR)
             fileio.fdatasync(fd)  # trust only what is on disk
-            good_end, last_in_seg = self._scan(fd, first)
+            good_end, last_in_seg, legacy_ok = self._scan(fd, first)
             size = os.fstat(fd).st_size
             # A frame whose header is whole but whose body runs past the end of the file is
             # a torn tail (the last write, cut by a crash): it is cut, never scanned for
             # frames inside it (its payload is a client's bytes and may hold a forged frame).
-            later = (self._last_after(fd, good_end, last_in_seg)
+            later = (self._last_after(fd, good_end, first, last_in_seg, legacy_ok)
                      if good_end < size and not self._torn_at(fd, good_end, last_in_seg + 1, size) else None)
             if later is not None:
                 # Valid frames follow the damage: not a torn tail. Those records may be
@@ -246,17 +292,24 @@ class IngressWAL:
                 os.close(fd)
                 last = max(last, later[1])
                 self._new_segment(last + 1)
+                self._set_active(last + 1, 0)
                 self.next_seq = last + 1
                 self.durable_seq = last
                 return
             if good_end < size:
-                log.warning("ingress WAL: cutting a torn tail", extra={"segment": path.name, "bytes": size - good_end})
+                if self._stale_at(fd, good_end, first):
+                    log.info("ingress WAL: cutting a recycled segment's stale frames after its tail",
+                             extra={"segment": path.name, "bytes": size - good_end})
+                else:
+                    log.warning("ingress WAL: cutting a torn tail",
+                                extra={"segment": path.name, "bytes": size - good_end})
                 fileio.ftruncate(fd, good_end)
                 fileio.fdatasync(fd)
             # Appends use the file position: start them at the end of what is kept
             # (a fresh fd is at 0, which would overwrite the segment's first frames).
             os.lseek(fd, good_end, os.SEEK_SET)
             self._fd, self._size = fd, good_end
+            self._set_active(first, good_end)
             last = max(last, last_in_seg)
             if last != last_in_seg:
                 # The checkpoint is ahead of this segment's last record (its tail
@@ -266,25 +319,44 @@ class IngressWAL:
                             extra={"segment": path.name, "last": last_in_seg, "checkpoint": self.checkpoint_seq})
                 os.close(fd)
                 self._new_segment(last + 1)
+                self._set_active(last + 1, 0)
         else:
             self._new_segment(self.checkpoint_seq)
+            self._set_active(self.checkpoint_seq, 0)
         self.next_seq = last + 1
         self.durable_seq = last
 
-    def _scan(self, fd: int, first: int) -> tuple[int, int]:
-        """(end of the last valid frame, its seq) in a segment."""
+    def _set_active(self, first: int, fill: int) -> None:
+        self._seg_first, self._seg_fill, self._seg_salt = first, fill, salt(first)
+
+    def _adopt_spares(self) -> None:
+        """At open: keep the newest spares that are safe to reuse (every seq in them
+        below the checkpoint, so below any segment still to start); remove the rest."""
+        found = sorted((int(p.name[:-6]), p) for p in self.dir.glob("*.spare") if p.name[:-6].isdigit())
+        keep = [sp for sp in found if sp[0] <= self.checkpoint_seq][-SPARE_SEGMENTS:]
+        for sp in found:
+            if sp not in keep:
+                sp[1].unlink(missing_ok=True)
+        self._spares = keep
+
+    def _scan(self, fd: int, first: int) -> tuple[int, int, bool]:
+        """(end of the last valid frame, its seq, whether the segment holds frames of an
+        earlier build) in a segment."""
         size = os.fstat(fd).st_size
         data = os.pread(fd, size, 0) if size else b""
+        legacy_ok = data[:4] == LEGACY_MAGIC
+        seed = salt(first)
         pos, want, last = 0, first, first - 1
         while pos + FRAME_HEADER <= size:
             magic, length, seq, crc = FRAME.unpack_from(data, pos)
             end = pos + FRAME_HEADER + length
-            if magic != MAGIC or length == 0 or length > MAX_RECORD or end > size or seq != want:
+            if (not _magic_ok(magic, legacy_ok) or length == 0 or length > MAX_RECORD or end > size
+                    or seq != want):
                 break
-            if crc32c(data[pos + FRAME_HEADER : end]) != crc:
+            if not _crc_ok(data, magic, pos + FRAME_HEADER, end, crc, seed, legacy_ok):
                 break
             last, want, pos = seq, seq + 1, end
-        return pos, last
+        return pos, last, legacy_ok
 
     @staticmethod
     def _torn_at(fd: int, pos: int, want: int, size: int) -> bool:
@@ -294,13 +366,26 @@ class IngressWAL:
         if len(head) < FRAME_HEADER:
             return True  # not even a whole header: torn
         magic, length, seq, _crc = FRAME.unpack_from(head, 0)
-        return magic == MAGIC and 0 < length <= MAX_RECORD and seq == want and pos + FRAME_HEADER + length > size
+        return (magic in (MAGIC, LEGACY_MAGIC) and 0 < length <= MAX_RECORD and seq == want
+                and pos + FRAME_HEADER + length > size)
 
     @staticmethod
-    def _frames_from(data: bytes, pos: int, after_seq: int) -> Iterator[tuple[int, int, int]]:
+    def _stale_at(fd: int, pos: int, first: int) -> bool:
+        """Whether the frame at ``pos`` is a whole frame of this file's earlier life (a
+        recycled segment): a seq below the segment's first (for the log only)."""
+        head = os.pread(fd, FRAME_HEADER, pos)
+        if len(head) < FRAME_HEADER:
+            return False
+        magic, length, seq, _crc = FRAME.unpack_from(head, 0)
+        return magic == MAGIC and 0 < length <= MAX_RECORD and seq < first
+
+    @staticmethod
+    def _frames_from(data: bytes, pos: int, after_seq: int, seed: int,
+                     legacy_ok: bool) -> Iterator[tuple[int, int, int]]:
         """(position, end, seq) of every frame that verifies from ``pos`` on, skipping
         damage: after a bad frame the scan resumes at the next magic whose frame
-        passes its checksum. The checksum does not cover the seq, so a frame's seq
+        passes its checksum (seeded with the segment's salt: a recycled segment's stale
+        frames never pass). The checksum does not cover the seq, so a frame's seq
         must also fit where it sits: seqs are dense within a segment, so it is the
         previous seq + 1, plus at most one per 21 bytes (the smallest frame) skipped
         since the previous good frame (a flipped seq bit is a bad frame, never a jump)."""
@@ -310,9 +395,9 @@ class IngressWAL:
         def verifies(at: int) -> tuple[int, int] | None:
             magic, length, seq, crc = FRAME.unpack_from(data, at)
             end = at + FRAME_HEADER + length
-            if (magic == MAGIC and 0 < length <= MAX_RECORD and end <= size
+            if (_magic_ok(magic, legacy_ok) and 0 < length <= MAX_RECORD and end <= size
                     and last < seq <= last + 1 + (at - last_end) // (FRAME_HEADER + 1)
-                    and crc32c(data[at + FRAME_HEADER : end]) == crc):
+                    and _crc_ok(data, magic, at + FRAME_HEADER, end, crc, seed, legacy_ok)):
                 return end, seq
             return None
 
@@ -329,28 +414,52 @@ class IngressWAL:
             # header is damaged too: resume at the next magic.
             magic, length, _seq, _crc = FRAME.unpack_from(data, pos)
             claimed = pos + FRAME_HEADER + length
-            if (magic == MAGIC and 0 < length <= MAX_RECORD and claimed + FRAME_HEADER <= size
+            if (_magic_ok(magic, legacy_ok) and 0 < length <= MAX_RECORD and claimed + FRAME_HEADER <= size
                     and verifies(claimed) is not None):
                 pos = claimed
                 continue
-            pos = data.find(MAGIC, pos + 1)
-            if pos < 0:
+            m = _ANY_MAGIC.search(data, pos + 1)
+            if m is None:
                 return
+            pos = m.start()
 
-    def _last_after(self, fd: int, pos: int, after_seq: int) -> tuple[int, int] | None:
+    def _last_after(self, fd: int, pos: int, first: int, after_seq: int,
+                    legacy_ok: bool) -> tuple[int, int] | None:
         """(first, last) seq of the valid frames after ``pos`` (damage in the middle), or None."""
         size = os.fstat(fd).st_size
         data = os.pread(fd, size, 0)
-        first = last = None
-        for _p, _e, seq in self._frames_from(data, pos, after_seq):
-            if first is None:
-                first = seq
-            last = seq
-        return None if first is None or last is None else (first, last)
+        lo = hi = None
+        for _p, _e, seq in self._frames_from(data, pos, after_seq, salt(first), legacy_ok):
+            if lo is None:
+                lo = seq
+            hi = seq
+        return None if lo is None or hi is None else (lo, hi)
+
+    def _take_spare(self, first_seq: int) -> Path | None:
+        with self._spare_lock:
+            for i, (bound, path) in enumerate(self._spares):
+                if bound <= first_seq:
+                    del self._spares[i]
+                    return path
+        return None
 
     def _new_segment(self, first_seq: int) -> None:
+        """Make the segment that starts at `first_seq` the active one (any thread):
+        a spare renamed into place when there is one, else a new file."""
         path = self.dir / _seg_name(first_seq)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        spare = self._take_spare(first_seq)
+        fd = -1
+        if spare is not None:
+            try:
+                os.rename(spare, path)
+                fd = os.open(path, os.O_RDWR)
+                self.recycled += 1
+            except OSError as e:
+                log.warning("ingress WAL: could not reuse a spare segment", extra={"err": str(e)})
+                spare.unlink(missing_ok=True)
+                fd = -1
+        if fd < 0:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             fileio.fsync_dir(self.dir)
         except OSError:
@@ -371,7 +480,7 @@ class IngressWAL:
             with open(path, "rb") as fh:
                 data = fh.read()
             want = first
-            for pos, end, seq in self._frames_from(data, 0, first - 1):
+            for pos, end, seq in self._frames_from(data, 0, first - 1, salt(first), data[:4] == LEGACY_MAGIC):
                 if seq >= nxt or seq >= self.next_seq:
                     break
                 if seq != want:
@@ -428,14 +537,22 @@ class IngressWAL:
                 raise ValueError("record too large for the WAL")
         buf = self._staging
         seq = self.next_seq
+        if not buf and self._seg_fill >= self.segment_bytes:
+            # A new group and a full segment: this group starts the next one (the frames
+            # are sealed with that segment's salt, so the choice is made here, not at write).
+            self._set_active(seq, 0)
+            self._rotate_next = True
+        seed = self._seg_salt
         pack = FRAME.pack
+        n0 = len(buf)
         for e, h in zip(entries, heads, strict=True):
             e.seq = seq
             p = e.payload
-            buf += pack(MAGIC, len(h) + len(p), seq, crc32c(p, crc32c(h)))
+            buf += pack(MAGIC, len(h) + len(p), seq, crc32c(p, crc32c(h, seed)))
             buf += h
             buf += p
             seq += 1
+        self._seg_fill += len(buf) - n0
         self.next_seq = seq
         self._staged.extend(entries)
 
@@ -447,8 +564,9 @@ class IngressWAL:
         staged, self._staged = self._staged, []
         waiters, self._waiters = self._waiters, []
         callbacks, self._callbacks = self._callbacks, []
+        rotate, self._rotate_next = self._rotate_next, False
         loop = self._get_loop()
-        self._syncer.submit(loop, self._write_sync, buf, staged[0].seq,
+        self._syncer.submit(loop, self._write_rotating if rotate else self._write_sync, buf, staged[0].seq,
                             lambda exc: self._group_done(staged, waiters, callbacks, exc))
 
     def _group_done(self, staged: list[Entry], waiters: list[asyncio.Future[None]],
@@ -489,13 +607,23 @@ class IngressWAL:
 
     def _write_sync(self, buf: bytes | bytearray, first_seq: int) -> None:
         """I/O thread: one write and one fdatasync for the whole group."""
-        if self._size >= self.segment_bytes:
-            fileio.fdatasync(self._fd)
-            old = self._fd
-            self._new_segment(first_seq)  # replaces self._fd only once it exists
-            os.close(old)
         fileio.write_all(self._fd, buf)
         self._size += len(buf)
+        fileio.fdatasync(self._fd)
+
+    def _write_rotating(self, buf: bytes | bytearray, first_seq: int) -> None:
+        """I/O thread: the group starts the next segment (chosen when it was staged)."""
+        self._leave_segment()
+        old = self._fd
+        self._new_segment(first_seq)  # replaces self._fd only once it exists
+        os.close(old)
+        self._write_sync(buf, first_seq)
+
+    def _leave_segment(self) -> None:
+        """The active segment is done: a recycled file's stale frames after the tail are
+        cut (only the active segment may have any), and it is synced."""
+        if os.fstat(self._fd).st_size > self._size:
+            fileio.ftruncate(self._fd, self._size)
         fileio.fdatasync(self._fd)
 
     def _latch(self, e: OSError, waiters: list[asyncio.Future[None]],
@@ -546,22 +674,61 @@ class IngressWAL:
         doomed = self._reclaim_plan()
         if doomed:
             # Unlinking a 64 MiB segment took 20 ms on this VM: never on the event loop.
-            gone = self._get_loop().run_in_executor(self.executor, _remove_segments, doomed, self.dir)
+            gone = self._get_loop().run_in_executor(self.executor, self._retire, doomed)
             gone.add_done_callback(_log_remove_failure)
 
     def reclaim(self) -> int:
-        """Delete segments wholly below the checkpoint; rotate a dispatched active one.
-        Returns how many files were removed (synchronous: tests and tools; the WAL's
-        own reclaim after each checkpoint sync removes the files on an I/O thread)."""
-        return _remove_segments(self._reclaim_plan(), self.dir)
+        """Retire segments wholly below the checkpoint; rotate a dispatched active one.
+        Returns how many segments went (synchronous: tests and tools; the WAL's own
+        reclaim after each checkpoint sync retires them on an I/O thread)."""
+        return self._retire(self._reclaim_plan())
 
-    def _reclaim_plan(self) -> list[Path]:
+    def _retire(self, doomed: list[tuple[int, Path]]) -> int:
+        """Any thread: each dispatched segment (bound: every seq in it is below it)
+        becomes a spare while there is room and it holds this build's frames only,
+        else it is unlinked; then the directory is synced. A segment left by a crash
+        before this is below the checkpoint at the next start and goes then."""
+        with self._spare_lock:
+            room = SPARE_SEGMENTS - len(self._spares)
+        kept: list[tuple[int, Path]] = []
+        gone: list[Path] = []
+        for bound, path in doomed:
+            if room > 0 and self._reusable(path):
+                spare = self.dir / _spare_name(bound)
+                try:
+                    os.rename(path, spare)
+                except OSError:
+                    gone.append(path)
+                    continue
+                kept.append((bound, spare))
+                room -= 1
+            else:
+                gone.append(path)
+        removed = _remove_segments(gone, self.dir) if gone else 0
+        if kept:
+            if not gone:
+                fileio.fsync_dir(self.dir)
+            with self._spare_lock:
+                self._spares.extend(kept)
+                self._spares.sort()
+        return removed + len(kept)
+
+    @staticmethod
+    def _reusable(path: Path) -> bool:
+        """A segment of this build's frames (its first frame seeded): safe to recycle."""
+        try:
+            with open(path, "rb") as fh:
+                return fh.read(4) == MAGIC
+        except OSError:
+            return False
+
+    def _reclaim_plan(self) -> list[tuple[int, Path]]:
         """The bookkeeping of a reclaim (event loop): the segments that go leave the
-        list, a dispatched active one is rotated; -> the files to remove (the caller
-        unlinks them and syncs the directory)."""
-        doomed: list[Path] = []
+        list, a dispatched active one is rotated; -> (bound, path) of the segments
+        that go (the caller retires them and syncs the directory)."""
+        doomed: list[tuple[int, Path]] = []
         while len(self._segments) > 1 and self._segments[1][0] <= self.checkpoint_seq:
-            doomed.append(self._segments.pop(0)[1])
+            doomed.append((self._segments[1][0], self._segments.pop(0)[1]))
         if (self.failed is None and not self._flushing and self.checkpoint_seq == self.next_seq
                 and self._size > ROTATE_DISPATCHED_BYTES):
             old_fd, old = self._fd, self._segments.pop()
@@ -577,7 +744,8 @@ class IngressWAL:
                 self._latch(e, [])
             else:
                 os.close(old_fd)
-                doomed.append(old[1])
+                self._set_active(self.next_seq, 0)
+                doomed.append((self.next_seq, old[1]))
         return doomed
 
     def _get_loop(self) -> asyncio.AbstractEventLoop:

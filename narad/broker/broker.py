@@ -98,6 +98,7 @@ TRUST_POLL = 0.05  # how often a starting worker looks for the node's first read
 
 COMMIT_TICK = 0.1
 SWEEP_EVERY = 1.0
+COMMIT_LANES = 4  # threads for partition commits (concurrent commits of different partitions sync in parallel)
 REAP_EVERY = 60.0
 EVICT_EVERY = 1.0  # idle logs are looked for this often (a quarter of a shorter idle setting)
 CLOSE_BATCH = 16  # partition closes run this many at a time
@@ -193,6 +194,9 @@ class Broker:
         self._cap_warned = 0.0
         self.io = ThreadPoolExecutor(max_workers=8, thread_name_prefix=f"io-w{index}",
                                      initializer=iothreads.batch_class)
+        # Partition commits (write, fdatasync, read-back) go through lanes of their own: a
+        # queue hand-off answered by call_soon_threadsafe, not run_in_executor's futures.
+        self.commit_lanes = iothreads.IOLanes(COMMIT_LANES, f"commit-w{index}")
         self.wal = IngressWAL(self.data_dir / "ingress" / f"w{index}", self.io)
         self.dispatcher = Dispatcher(self.wal, self)
         self.partitions: dict[tuple[str, int], Partition] = {}
@@ -292,6 +296,7 @@ class Broker:
             await self._close_partition(key, p, clean=True)
         await self.wal.drain()
         self.wal.close()
+        self.commit_lanes.stop()
         self.io.shutdown(wait=True)
 
     # ---- routing -------------------------------------------------------------------------
@@ -640,7 +645,7 @@ class Broker:
                               f"{self.index}; retry", code="partition_moving")
         p = await self.partition(t, partition)
         p.idem_window_ms = t.idem_window_ms  # a PATCH may have changed it
-        return await p.commit(records, self.io)
+        return await p.commit(records, self.commit_lanes)
 
     async def deliver(self, topic: str, topic_id: str, partition: int, entries: list[Entry]) -> str | Committed:
         """Dispatcher target: commit at the owner, here or one hop away. Returns the

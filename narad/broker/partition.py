@@ -95,11 +95,20 @@ from narad.errors import Unavailable
 from narad.storage import frames as FR
 from narad.storage import offsets as OFF
 from narad.storage import partition_log as PL
+from narad.storage.iothreads import IOLanes
 from narad.storage.offsets import OffsetFile
 from narad.storage.partition_log import CorruptRecord, LogClosed, NotVisible, OffsetGone, PartitionLog, Record
 
 MAX_REASON_CHARS = 256  # a nack reason is at most 256 bytes of UTF-8 (the API checks; peers' are cut here)
 log = logging.getLogger("narad.broker.partition")
+
+
+def _off_loop(loop: asyncio.AbstractEventLoop, runner: Executor | IOLanes, fn: Callable[..., Any],
+              *args: Any) -> asyncio.Future[Any]:
+    """``fn(*args)`` on an I/O thread: the broker's commit lanes, or an executor (tests)."""
+    if isinstance(runner, IOLanes):
+        return runner.run(loop, fn, *args)
+    return loop.run_in_executor(runner, fn, *args)
 MAX_COMBINED_BYTES = 16 << 20
 Committed = tuple[int, list[int]]  # first offset, indexes of the batch's duplicates (idempotent produce)
 
@@ -477,7 +486,8 @@ class Partition:
         return True
 
     # ---- commit (owner side) ------------------------------------------------------------
-    async def commit(self, batch: list[tuple[bytes | None, int, bytes]], executor: Executor) -> Committed:
+    async def commit(self, batch: list[tuple[bytes | None, int, bytes]],
+                     executor: Executor | IOLanes) -> Committed:
         """Append (key, flags, payload) records; returns (the first offset, the
         indexes in `batch` of the records dropped as duplicates of an idempotency
         key) once they are durable, read back intact and visible. Batches that
@@ -496,7 +506,7 @@ class Partition:
             self._task = loop.create_task(self._commit_cycle(executor))
         return await fut
 
-    async def _commit_cycle(self, executor: Executor) -> None:
+    async def _commit_cycle(self, executor: Executor | IOLanes) -> None:
         loop = self.loop
         try:
             while self._commit_queue and not self.closed:
@@ -549,9 +559,9 @@ class Partition:
                     continue
                 try:
                     if fresh and not self.idem_marked:  # the first keyed record here: the marker first
-                        await loop.run_in_executor(executor, idem_mark, self.log.dir)
+                        await _off_loop(loop, executor, idem_mark, self.log.dir)
                         self.idem_marked = True
-                    res = await loop.run_in_executor(executor, self.log.write_commit, envs)
+                    res = await _off_loop(loop, executor, self.log.write_commit, envs)
                 except OSError as e:
                     log.error("partition commit failed", extra={"topic": self.topic, "partition": self.index,
                                                                 "err": str(e)})

@@ -205,16 +205,24 @@ def _encode(seq: int, frontier: int, ahead: list[int], counts: Counts | None = N
     return (_HDR.pack(MAGIC, crc32c(body), len(body)) + body).ljust(SLOT, b"\0")
 
 
-def _decode_counts(body: bytes, pos: int, used: int, frontier: int) -> tuple[Counts, int] | None:
-    """-> (counts, the position after them) or None (not a valid tail)."""
+def _tail_head(body: bytes, pos: int, used: int, min_entry: int) -> tuple[int, int]:
+    """(entries, the position after the count) of the optional tail at `pos`: (0, pos)
+    when there is none (a slot written without it, or before it existed), (-1, pos)
+    when its count cannot be right (each entry takes at least `min_entry` bytes)."""
     if pos == used:
-        return {}, pos  # a slot without the tail (or written before it existed)
+        return 0, pos
     if pos + _U32.size > used:
-        return None
+        return -1, pos
     (n,) = _U32.unpack_from(body, pos)
     pos += _U32.size
-    if n > (used - pos) // 2:
-        return None  # each entry takes at least two bytes
+    return (n, pos) if n <= (used - pos) // min_entry else (-1, pos)
+
+
+def _decode_counts(body: bytes, pos: int, used: int, frontier: int) -> tuple[Counts, int] | None:
+    """-> (counts, the position after them) or None (not a valid tail)."""
+    n, pos = _tail_head(body, pos, used, 2)
+    if n < 0:
+        return None
     out: Counts = {}
     prev = frontier
     for _ in range(n):
@@ -230,14 +238,9 @@ def _decode_counts(body: bytes, pos: int, used: int, frontier: int) -> tuple[Cou
 
 
 def _decode_reasons(body: bytes, pos: int, used: int, frontier: int) -> Reasons | None:
-    if pos == used:
-        return {}  # no reasons tail
-    if pos + _U32.size > used:
+    n, pos = _tail_head(body, pos, used, 3)
+    if n < 0:
         return None
-    (n,) = _U32.unpack_from(body, pos)
-    pos += _U32.size
-    if n > (used - pos) // 3:
-        return None  # each entry takes at least three bytes
     out: Reasons = {}
     prev = frontier
     for _ in range(n):

@@ -72,7 +72,8 @@ async def append_one_by_one(w: IngressWAL, ids: range) -> None:
 
 
 def segments(d: Path) -> list[str]:
-    return sorted(p.name for p in d.glob("*.wal"))
+    """Segment names, fresh (.wal) and recycled (.rwal), in seq order."""
+    return [p.name for _, p in W._segment_files(d)]
 
 
 # ---- group commit -------------------------------------------------------------------------------
@@ -354,7 +355,7 @@ def test_failure_fails_the_batch_and_latches(tmp_path: Path, pool: ThreadPoolExe
 def test_reclaim_deletes_segments_below_the_checkpoint(tmp_path: Path, pool: ThreadPoolExecutor) -> None:
     w = opened(tmp_path, pool, segment_bytes=300)
     asyncio.run(append_one_by_one(w, range(1, 41)))
-    firsts = [int(n[:-4]) for n in segments(tmp_path)]
+    firsts = [int(n.split('.')[0]) for n in segments(tmp_path)]
     assert len(firsts) >= 5 and firsts[0] == 1
     cut = firsts[3] + 1  # inside the fourth segment
 
@@ -363,7 +364,7 @@ def test_reclaim_deletes_segments_below_the_checkpoint(tmp_path: Path, pool: Thr
 
     asyncio.run(ckpt())
     assert w.reclaim() == 3
-    assert [int(n[:-4]) for n in segments(tmp_path)] == firsts[3:]
+    assert [int(n.split('.')[0]) for n in segments(tmp_path)] == firsts[3:]
     assert w.reclaim() == 0
     w.close()
     again = opened(tmp_path, pool, segment_bytes=300)
@@ -384,7 +385,7 @@ def test_reclaim_after_checkpoint_sync(tmp_path: Path, pool: ThreadPoolExecutor,
         await asyncio.sleep(0.2)
 
     asyncio.run(main())
-    assert segments(tmp_path) == [f"{int(segments(tmp_path)[0][:-4]):020d}.wal"]
+    assert len(segments(tmp_path)) == 1
     w.close()
 
 
@@ -670,7 +671,7 @@ def test_a_segment_left_for_the_next_is_cut_to_its_tail(tmp_path: Path, pool: Th
         pos = 0
         while pos < len(data):  # every frame of a left segment is of its own life, to the end
             magic, length, seq, _crc = W.FRAME.unpack_from(data, pos)
-            assert magic == W.MAGIC and seq >= int(seg.name[:-4])
+            assert magic == W.MAGIC and seq >= int(seg.name.split('.')[0])
             pos += W.FRAME_HEADER + length
         assert pos == len(data)
 
@@ -723,11 +724,12 @@ def test_a_frame_sealed_for_another_segment_never_verifies(tmp_path: Path, pool:
     again.close()
 
 
-def test_segments_of_an_earlier_build_are_read_continued_and_not_recycled(
+def test_segments_of_an_earlier_build_are_read_continued_and_recycled_safely(
         tmp_path: Path, pool: ThreadPoolExecutor) -> None:
     """Frames of builds before recycling ('NWAL', unseeded CRC) are replayed after an
-    upgrade, the segment is continued with this build's frames, and it is unlinked,
-    never recycled (its first frame is not seeded)."""
+    upgrade and the segment is continued with this build's frames; once dispatched it
+    may be recycled, and its old frames are never read from the recycled file (a
+    recycled segment is read strictly: this build's frames, from the start)."""
     from crc32c import crc32c
 
     tmp_path.mkdir(exist_ok=True)
@@ -746,7 +748,58 @@ def test_segments_of_an_earlier_build_are_read_continued_and_not_recycled(
     asyncio.run(_ckpt(again, 40))
     again.reclaim()
     assert W._seg_name(1) not in segments(tmp_path)
-    assert all(int(n[:-6]) > 1 for n in spares(tmp_path))  # the legacy segment was unlinked
-    with open(tmp_path / spares(tmp_path)[0], "rb") as fh:
-        assert fh.read(4) == W.MAGIC
+    asyncio.run(append_one_by_one(again, range(40, 80)))  # segments renamed from the spares
+    assert again.recycled >= 1
+    again.close()
+    third = opened(tmp_path, pool, segment_bytes=1000)
+    got = list(third.replay())
+    assert [e.seq for e in got] == list(range(40, 80)) and all(same(e, entry(e.seq)) for e in got)
+    third.close()
+
+
+def test_a_torn_write_in_a_recycled_segment_is_cut_and_a_forged_frame_never_replays(
+        tmp_path: Path, pool: ThreadPoolExecutor) -> None:
+    """A torn write in a recycled segment does not run past the end of the file (stale
+    bytes follow it), so it is not told by the file's end: the segment is read strictly
+    and cut after its valid prefix. A client's payload holding a frame sealed with the
+    segment's own salt and the very next seq (the strongest forger) is never replayed."""
+    from crc32c import crc32c
+
+    w = opened(tmp_path, pool, segment_bytes=4000)
+
+    async def fill() -> None:
+        for _ in range(12):  # big records: the spares are ~4.5 KB files
+            await w.append([Entry("t", INC, 0, 1, 0, None, b"B" * 1500)])
+        w.set_checkpoint(w.next_seq)
+        w.reclaim()
+        assert spares(tmp_path)
+        while not w.recycled:  # small ones until a segment is renamed from a spare
+            await w.append([Entry("t", INC, 0, 1, 0, None, b"s" * 50)])
+
+    asyncio.run(fill())
+    assert segments(tmp_path)[-1].endswith(".rwal")
+    first = int(segments(tmp_path)[-1].split(".")[0])
+    after_ckpt = w.checkpoint_seq
+    k = w.next_seq
+    forged = Entry("victim", b"\1" * 8, 0, 1, 0, None, b"FORGED").encode()
+    frame = W.FRAME.pack(W.MAGIC, len(forged), k, crc32c(forged, W.salt(first))) + forged
+
+    async def victim() -> None:
+        await w.append([Entry("t", INC, 0, 1, 0, None, b"x" * 300 + frame + b"y" * 300)])
+
+    asyncio.run(victim())
+    w.close()
+    seg = tmp_path / segments(tmp_path)[-1]
+    live_end = w._size
+    data = bytearray(seg.read_bytes())
+    assert len(data) > live_end  # stale bytes of the file's earlier life follow the tail
+    # kill -9 mid-write: the victim record's first 500 bytes (the forged frame whole) reached the file
+    start = live_end - (W.FRAME_HEADER + len(Entry("t", INC, 0, 1, 0, None, b"x" * 300 + frame + b"y" * 300).encode()))
+    torn = data[: start + 500] + b"\0" * (live_end - start - 500)
+    seg.write_bytes(bytes(torn) + bytes(data[live_end:]))
+    again = opened(tmp_path, pool, segment_bytes=4000)
+    got = list(again.replay())
+    assert all(e.topic != "victim" for e in got)
+    assert [e.seq for e in got] == list(range(after_ckpt, k)) and again.next_seq == k
+    assert seg.stat().st_size == start
     again.close()

@@ -7,17 +7,21 @@ strictly increasing sequence numbers, and a ``checkpoint`` file (8 bytes: the
 first sequence not yet committed at its partition's owner). A frame's CRC is
 seeded with its segment's salt (a CRC of the segment's first seq), so a frame
 verifies only in the segment it was written for. Frames of earlier builds
-(``'NWAL'``, unseeded) are read in a segment that starts with one, never written.
+(``'NWAL'``, unseeded) are read in fresh segments, never written.
 
 Segment recycling: a dispatched segment is not unlinked but kept as a spare
 (``<bound>.spare``, every seq in it below ``bound``; at most ``SPARE_SEGMENTS``)
-and renamed into place as the next segment, whose frames overwrite the stale
-ones. Overwriting blocks a file already has costs a third of the CPU of
-appending (no block allocation, no fresh page-cache pages) and its fdatasync
-needs no journal commit (the file's size does not change): 2.0 against 6.8 us
-of CPU per 1.1 KB record and 0.28 against 0.87 ms per fdatasync on this VM. The
-stale frames after the tail never verify (another salt, lower seqs); the tail is
-cut when a segment is left (rotation) and at open.
+and renamed into place as the next segment, ``<first seq>.rwal``, whose frames
+overwrite the stale ones. Overwriting blocks a file already has costs less than
+appending (no block allocation, no fresh page-cache pages, no journal commit in
+the fdatasync: the file's size does not change; ``loadtest/bench_wal.py``). A
+recycled segment is read strictly: its frames from the start while each verifies
+with the next seq, nothing after the first that does not. Its stale bytes (old
+client payloads among them) are thus never searched for frames, and a torn write
+in it (which does not run past the end of the file) is cut like any torn tail;
+the price is that damage in the middle of a recycled segment (a bad sector, not
+a crash) loses the records after it. A fresh ``.wal`` segment keeps the rules
+below. The stale tail is cut when a segment is left (rotation) and at open.
 
 Group commit: every append staged while a write+fdatasync is running joins the
 next one, so concurrent produces share one write and one sync (run on the
@@ -204,8 +208,22 @@ def _log_remove_failure(fut: Any) -> None:
         log.error("ingress WAL: could not remove dispatched segments", extra={"err": str(fut.exception())})
 
 
-def _seg_name(first_seq: int) -> str:
-    return f"{first_seq:020d}.wal"
+def _seg_name(first_seq: int, recycled: bool = False) -> str:
+    return f"{first_seq:020d}.{'rwal' if recycled else 'wal'}"
+
+
+def _is_recycled(path: Path) -> bool:
+    return path.suffix == ".rwal"
+
+
+def _segment_files(d: Path) -> list[tuple[int, Path]]:
+    """(first seq, path) of every segment in `d`, fresh (.wal) and recycled (.rwal), ascending."""
+    out = []
+    for p in d.iterdir():
+        stem, dot, ext = p.name.partition(".")
+        if dot and ext in ("wal", "rwal") and stem.isdigit():
+            out.append((int(stem), p))
+    return sorted(out)
 
 
 def _spare_name(bound: int) -> str:
@@ -225,6 +243,22 @@ def _crc_ok(data: bytes, magic: bytes, start: int, end: int, crc: int, seed: int
 
 def _magic_ok(magic: bytes, legacy_ok: bool) -> bool:
     return magic == MAGIC or (legacy_ok and magic == LEGACY_MAGIC)
+
+
+def _prefix(data: bytes, first: int, legacy_ok: bool) -> Iterator[tuple[int, int, int]]:
+    """(position, end, seq) of a segment's valid prefix: frames from the start while
+    each verifies and carries the next seq; nothing after the first that does not."""
+    seed = salt(first)
+    size = len(data)
+    pos, want = 0, first
+    while pos + FRAME_HEADER <= size:
+        magic, length, seq, crc = FRAME.unpack_from(data, pos)
+        end = pos + FRAME_HEADER + length
+        if (not _magic_ok(magic, legacy_ok) or length == 0 or length > MAX_RECORD or end > size
+                or seq != want or not _crc_ok(data, magic, pos + FRAME_HEADER, end, crc, seed, legacy_ok)):
+            return
+        yield pos, end, seq
+        pos, want = end, seq + 1
 
 
 class IngressWAL:
@@ -268,20 +302,23 @@ class IngressWAL:
         raw = os.pread(self._ckpt_fd, 8, 0)
         self.checkpoint_seq = max(1, _U64.unpack(raw)[0]) if len(raw) == 8 else 1
         self._adopt_spares()
-        segs = sorted((int(p.name[:-4]), p) for p in self.dir.glob("*.wal") if p.name[:-4].isdigit())
+        segs = _segment_files(self.dir)
         self._segments = segs
         last = self.checkpoint_seq - 1
         if segs:
             first, path = segs[-1]
             fd = os.open(path, os.O_RDWR)
             fileio.fdatasync(fd)  # trust only what is on disk
-            good_end, last_in_seg, legacy_ok = self._scan(fd, first)
+            strict = _is_recycled(path)
+            good_end, last_in_seg = self._scan(fd, first, strict)
             size = os.fstat(fd).st_size
             # A frame whose header is whole but whose body runs past the end of the file is
             # a torn tail (the last write, cut by a crash): it is cut, never scanned for
             # frames inside it (its payload is a client's bytes and may hold a forged frame).
-            later = (self._last_after(fd, good_end, first, last_in_seg, legacy_ok)
-                     if good_end < size and not self._torn_at(fd, good_end, last_in_seg + 1, size) else None)
+            # A recycled segment is never scanned past its valid prefix at all.
+            later = (self._last_after(fd, good_end, first, last_in_seg)
+                     if good_end < size and not strict
+                     and not self._torn_at(fd, good_end, last_in_seg + 1, size) else None)
             if later is not None:
                 # Valid frames follow the damage: not a torn tail. Those records may be
                 # accepted (202) and not yet committed: never cut them. The damaged
@@ -297,7 +334,7 @@ class IngressWAL:
                 self.durable_seq = last
                 return
             if good_end < size:
-                if self._stale_at(fd, good_end, first):
+                if strict and self._stale_at(fd, good_end, first):
                     log.info("ingress WAL: cutting a recycled segment's stale frames after its tail",
                              extra={"segment": path.name, "bytes": size - good_end})
                 else:
@@ -339,24 +376,15 @@ class IngressWAL:
                 sp[1].unlink(missing_ok=True)
         self._spares = keep
 
-    def _scan(self, fd: int, first: int) -> tuple[int, int, bool]:
-        """(end of the last valid frame, its seq, whether the segment holds frames of an
-        earlier build) in a segment."""
+    def _scan(self, fd: int, first: int, strict: bool) -> tuple[int, int]:
+        """(end of the last valid frame, its seq) in a segment (`strict`: a recycled one,
+        this build's frames only)."""
         size = os.fstat(fd).st_size
         data = os.pread(fd, size, 0) if size else b""
-        legacy_ok = data[:4] == LEGACY_MAGIC
-        seed = salt(first)
-        pos, want, last = 0, first, first - 1
-        while pos + FRAME_HEADER <= size:
-            magic, length, seq, crc = FRAME.unpack_from(data, pos)
-            end = pos + FRAME_HEADER + length
-            if (not _magic_ok(magic, legacy_ok) or length == 0 or length > MAX_RECORD or end > size
-                    or seq != want):
-                break
-            if not _crc_ok(data, magic, pos + FRAME_HEADER, end, crc, seed, legacy_ok):
-                break
-            last, want, pos = seq, seq + 1, end
-        return pos, last, legacy_ok
+        pos, last = 0, first - 1
+        for _pos, end, seq in _prefix(data, first, not strict):
+            pos, last = end, seq
+        return pos, last
 
     @staticmethod
     def _torn_at(fd: int, pos: int, want: int, size: int) -> bool:
@@ -423,13 +451,13 @@ class IngressWAL:
                 return
             pos = m.start()
 
-    def _last_after(self, fd: int, pos: int, first: int, after_seq: int,
-                    legacy_ok: bool) -> tuple[int, int] | None:
-        """(first, last) seq of the valid frames after ``pos`` (damage in the middle), or None."""
+    def _last_after(self, fd: int, pos: int, first: int, after_seq: int) -> tuple[int, int] | None:
+        """(first, last) seq of the valid frames after ``pos`` (damage in the middle of a
+        fresh segment), or None."""
         size = os.fstat(fd).st_size
         data = os.pread(fd, size, 0)
         lo = hi = None
-        for _p, _e, seq in self._frames_from(data, pos, after_seq, salt(first), legacy_ok):
+        for _p, _e, seq in self._frames_from(data, pos, after_seq, salt(first), True):
             if lo is None:
                 lo = seq
             hi = seq
@@ -446,9 +474,9 @@ class IngressWAL:
     def _new_segment(self, first_seq: int) -> None:
         """Make the segment that starts at `first_seq` the active one (any thread):
         a spare renamed into place when there is one, else a new file."""
-        path = self.dir / _seg_name(first_seq)
         spare = self._take_spare(first_seq)
         fd = -1
+        path = self.dir / _seg_name(first_seq, recycled=True)
         if spare is not None:
             try:
                 os.rename(spare, path)
@@ -459,7 +487,11 @@ class IngressWAL:
                 spare.unlink(missing_ok=True)
                 fd = -1
         if fd < 0:
+            path = self.dir / _seg_name(first_seq)
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        # A file of the other kind with this name (left by a crash, or one a lost tail
+        # left behind) would stand for the same seqs: it goes, as O_TRUNC did before.
+        (self.dir / _seg_name(first_seq, recycled=not _is_recycled(path))).unlink(missing_ok=True)
         try:
             fileio.fsync_dir(self.dir)
         except OSError:
@@ -480,7 +512,9 @@ class IngressWAL:
             with open(path, "rb") as fh:
                 data = fh.read()
             want = first
-            for pos, end, seq in self._frames_from(data, 0, first - 1, salt(first), data[:4] == LEGACY_MAGIC):
+            frames = (_prefix(data, first, False) if _is_recycled(path)
+                      else self._frames_from(data, 0, first - 1, salt(first), True))
+            for pos, end, seq in frames:
                 if seq >= nxt or seq >= self.next_seq:
                     break
                 if seq != want:
@@ -685,15 +719,15 @@ class IngressWAL:
 
     def _retire(self, doomed: list[tuple[int, Path]]) -> int:
         """Any thread: each dispatched segment (bound: every seq in it is below it)
-        becomes a spare while there is room and it holds this build's frames only,
-        else it is unlinked; then the directory is synced. A segment left by a crash
+        becomes a spare while there is room, else it is unlinked; then the directory
+        is synced. A segment left by a crash
         before this is below the checkpoint at the next start and goes then."""
         with self._spare_lock:
             room = SPARE_SEGMENTS - len(self._spares)
         kept: list[tuple[int, Path]] = []
         gone: list[Path] = []
         for bound, path in doomed:
-            if room > 0 and self._reusable(path):
+            if room > 0:
                 spare = self.dir / _spare_name(bound)
                 try:
                     os.rename(path, spare)
@@ -712,15 +746,6 @@ class IngressWAL:
                 self._spares.extend(kept)
                 self._spares.sort()
         return removed + len(kept)
-
-    @staticmethod
-    def _reusable(path: Path) -> bool:
-        """A segment of this build's frames (its first frame seeded): safe to recycle."""
-        try:
-            with open(path, "rb") as fh:
-                return fh.read(4) == MAGIC
-        except OSError:
-            return False
 
     def _reclaim_plan(self) -> list[tuple[int, Path]]:
         """The bookkeeping of a reclaim (event loop): the segments that go leave the

@@ -116,8 +116,8 @@ class CrossRequests(B.Requests):
     partition its own node owns (no hop); a keyed one to the partition its key hashes to,
     whoever owns it, so the dispatcher's commit crosses to the owner node for 2 of 3."""
 
-    def __init__(self, port: int, auth: str, topic: str = B.TOPIC) -> None:
-        super().__init__(port, auth, topic)
+    def __init__(self, port: int, auth: str, topic: str = B.TOPIC, feature: str = "") -> None:
+        super().__init__(port, auth, topic, feature)
         head = self.produce_head.decode()
         i = head.index(" HTTP/1.1")
         self._heads = [(head[:i] + f"?key=k{k}" + head[i:]).encode() for k in range(KEYS)]

@@ -803,3 +803,32 @@ def test_a_torn_write_in_a_recycled_segment_is_cut_and_a_forged_frame_never_repl
     assert [e.seq for e in got] == list(range(after_ckpt, k)) and again.next_seq == k
     assert seg.stat().st_size == start
     again.close()
+
+
+def test_retires_at_once_keep_at_most_the_spare_limit_newest_first(tmp_path: Path, pool: ThreadPoolExecutor) -> None:
+    """Two retires running at once (I/O threads) never keep more than SPARE_SEGMENTS
+    spares; a retire keeps the newest of its segments (their pages are the warmest)."""
+    w = opened(tmp_path, pool)
+    files = []
+    for i in range(8):
+        f = tmp_path / f"doomed-{i}"
+        f.write_bytes(b"x" * 100)
+        files.append((100 + i, f))
+    barrier = threading.Barrier(2)
+
+    def retire(part: list[tuple[int, Path]]) -> int:
+        barrier.wait(5)
+        return w._retire(part)
+
+    ts = [pool.submit(retire, files[:4]), pool.submit(retire, files[4:])]
+    assert sum(t.result(10) for t in ts) == 8
+    assert len(spares(tmp_path)) == W.SPARE_SEGMENTS == len(w._spares)
+    assert not any(f.exists() for _, f in files)
+    w.close()
+    w2 = opened(tmp_path / "b", pool)
+    one = [(200 + i, tmp_path / "b" / f"d{i}") for i in range(4)]
+    for _, f in one:
+        f.write_bytes(b"y")
+    w2._retire(one)
+    assert spares(tmp_path / "b") == [W._spare_name(202), W._spare_name(203)]
+    w2.close()

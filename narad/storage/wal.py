@@ -280,6 +280,7 @@ class IngressWAL:
         self._rotate_next = False  # the staged group starts a new segment
         self._spares: list[tuple[int, Path]] = []  # (bound, path), kept for reuse; any thread, under the lock
         self._spare_lock = threading.Lock()
+        self._spares_pending = 0  # room taken by retires still renaming (under the lock)
         self.recycled = 0  # segments that reused a spare (tests, diagnostics)
         self._staging = bytearray()
         self._staged: list[Entry] = []
@@ -718,16 +719,18 @@ class IngressWAL:
         return self._retire(self._reclaim_plan())
 
     def _retire(self, doomed: list[tuple[int, Path]]) -> int:
-        """Any thread: each dispatched segment (bound: every seq in it is below it)
-        becomes a spare while there is room, else it is unlinked; then the directory
-        is synced. A segment left by a crash
-        before this is below the checkpoint at the next start and goes then."""
+        """Any thread: the newest dispatched segments (bound: every seq in one is below
+        it) become spares while there is room (reserved under the lock, so retires
+        running at once never keep more than ``SPARE_SEGMENTS``), the rest are unlinked;
+        then the directory is synced. A segment left by a crash before this is below
+        the checkpoint at the next start and goes then."""
         with self._spare_lock:
-            room = SPARE_SEGMENTS - len(self._spares)
+            room = max(0, min(len(doomed), SPARE_SEGMENTS - len(self._spares) - self._spares_pending))
+            self._spares_pending += room
         kept: list[tuple[int, Path]] = []
-        gone: list[Path] = []
-        for bound, path in doomed:
-            if room > 0:
+        gone = [path for _, path in doomed[: len(doomed) - room]]
+        try:
+            for bound, path in doomed[len(doomed) - room:]:
                 spare = self.dir / _spare_name(bound)
                 try:
                     os.rename(path, spare)
@@ -735,16 +738,14 @@ class IngressWAL:
                     gone.append(path)
                     continue
                 kept.append((bound, spare))
-                room -= 1
-            else:
-                gone.append(path)
-        removed = _remove_segments(gone, self.dir) if gone else 0
-        if kept:
-            if not gone:
-                fileio.fsync_dir(self.dir)
+        finally:
             with self._spare_lock:
+                self._spares_pending -= room
                 self._spares.extend(kept)
                 self._spares.sort()
+        removed = _remove_segments(gone, self.dir) if gone else 0
+        if kept and not gone:
+            fileio.fsync_dir(self.dir)
         return removed + len(kept)
 
     def _reclaim_plan(self) -> list[tuple[int, Path]]:

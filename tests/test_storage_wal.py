@@ -616,6 +616,16 @@ async def _ckpt(w: IngressWAL, seq: int) -> None:
     w.set_checkpoint(seq)
 
 
+def replays(d: Path, pool: ThreadPoolExecutor, seqs: range, **kw: int) -> None:
+    """A reopen of `d` replays exactly `seqs`, each the record appended as ``entry(seq)``."""
+    w = opened(d, pool, **kw)
+    try:
+        got = list(w.replay())
+        assert [e.seq for e in got] == list(seqs) and all(same(e, entry(e.seq)) for e in got)
+    finally:
+        w.close()
+
+
 def test_dispatched_segments_are_recycled_and_their_stale_frames_never_replay(
         tmp_path: Path, pool: ThreadPoolExecutor) -> None:
     """Dispatched segments become spares (at most SPARE_SEGMENTS), later segments are
@@ -641,10 +651,7 @@ def test_dispatched_segments_are_recycled_and_their_stale_frames_never_replay(
     assert [e.seq for e in got] == list(range(121, 151)) and all(same(e, entry(e.seq)) for e in got)
     asyncio.run(append_one_by_one(again, range(151, 160)))
     again.close()
-    third = opened(tmp_path, pool, segment_bytes=2000)
-    got = list(third.replay())
-    assert [e.seq for e in got] == list(range(121, 160)) and all(same(e, entry(e.seq)) for e in got)
-    third.close()
+    replays(tmp_path, pool, range(121, 160), segment_bytes=2000)
 
 
 def test_a_segment_left_for_the_next_is_cut_to_its_tail(tmp_path: Path, pool: ThreadPoolExecutor) -> None:
@@ -694,10 +701,7 @@ def test_spares_above_a_lost_checkpoint_are_not_reused(tmp_path: Path, pool: Thr
     asyncio.run(append_one_by_one(again, range(1, 12)))
     assert again.recycled == 0
     again.close()
-    third = opened(tmp_path, pool, segment_bytes=300)
-    got = list(third.replay())
-    assert [e.seq for e in got] == list(range(1, 12)) and all(same(e, entry(e.seq)) for e in got)
-    third.close()
+    replays(tmp_path, pool, range(1, 12), segment_bytes=300)
 
 
 def test_a_frame_sealed_for_another_segment_never_verifies(tmp_path: Path, pool: ThreadPoolExecutor) -> None:
@@ -751,10 +755,7 @@ def test_segments_of_an_earlier_build_are_read_continued_and_recycled_safely(
     asyncio.run(append_one_by_one(again, range(40, 80)))  # segments renamed from the spares
     assert again.recycled >= 1
     again.close()
-    third = opened(tmp_path, pool, segment_bytes=1000)
-    got = list(third.replay())
-    assert [e.seq for e in got] == list(range(40, 80)) and all(same(e, entry(e.seq)) for e in got)
-    third.close()
+    replays(tmp_path, pool, range(40, 80), segment_bytes=1000)
 
 
 def test_a_torn_write_in_a_recycled_segment_is_cut_and_a_forged_frame_never_replays(

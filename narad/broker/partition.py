@@ -102,6 +102,9 @@ from narad.storage.partition_log import CorruptRecord, LogClosed, NotVisible, Of
 MAX_REASON_CHARS = 256  # a nack reason is at most 256 bytes of UTF-8 (the API checks; peers' are cut here)
 log = logging.getLogger("narad.broker.partition")
 
+MAX_COMBINED_BYTES = 16 << 20
+Committed = tuple[int, list[int]]  # first offset, indexes of the batch's duplicates (idempotent produce)
+
 
 def _off_loop(loop: asyncio.AbstractEventLoop, runner: Executor | IOLanes, fn: Callable[..., Any],
               *args: Any) -> asyncio.Future[Any]:
@@ -109,8 +112,6 @@ def _off_loop(loop: asyncio.AbstractEventLoop, runner: Executor | IOLanes, fn: C
     if isinstance(runner, IOLanes):
         return runner.run(loop, fn, *args)
     return loop.run_in_executor(runner, fn, *args)
-MAX_COMBINED_BYTES = 16 << 20
-Committed = tuple[int, list[int]]  # first offset, indexes of the batch's duplicates (idempotent produce)
 
 
 @dataclass

@@ -409,8 +409,7 @@ class IngressWAL:
         return magic == MAGIC and 0 < length <= MAX_RECORD and seq < first
 
     @staticmethod
-    def _frames_from(data: bytes, pos: int, after_seq: int, seed: int,
-                     legacy_ok: bool) -> Iterator[tuple[int, int, int]]:
+    def _frames_from(data: bytes, pos: int, after_seq: int, seed: int) -> Iterator[tuple[int, int, int]]:
         """(position, end, seq) of every frame that verifies from ``pos`` on, skipping
         damage: after a bad frame the scan resumes at the next magic whose frame
         passes its checksum (seeded with the segment's salt: a recycled segment's stale
@@ -424,9 +423,9 @@ class IngressWAL:
         def verifies(at: int) -> tuple[int, int] | None:
             magic, length, seq, crc = FRAME.unpack_from(data, at)
             end = at + FRAME_HEADER + length
-            if (_magic_ok(magic, legacy_ok) and 0 < length <= MAX_RECORD and end <= size
+            if (_magic_ok(magic, True) and 0 < length <= MAX_RECORD and end <= size
                     and last < seq <= last + 1 + (at - last_end) // (FRAME_HEADER + 1)
-                    and _crc_ok(data, magic, at + FRAME_HEADER, end, crc, seed, legacy_ok)):
+                    and _crc_ok(data, magic, at + FRAME_HEADER, end, crc, seed, True)):
                 return end, seq
             return None
 
@@ -443,7 +442,7 @@ class IngressWAL:
             # header is damaged too: resume at the next magic.
             magic, length, _seq, _crc = FRAME.unpack_from(data, pos)
             claimed = pos + FRAME_HEADER + length
-            if (_magic_ok(magic, legacy_ok) and 0 < length <= MAX_RECORD and claimed + FRAME_HEADER <= size
+            if (_magic_ok(magic, True) and 0 < length <= MAX_RECORD and claimed + FRAME_HEADER <= size
                     and verifies(claimed) is not None):
                 pos = claimed
                 continue
@@ -458,7 +457,7 @@ class IngressWAL:
         size = os.fstat(fd).st_size
         data = os.pread(fd, size, 0)
         lo = hi = None
-        for _p, _e, seq in self._frames_from(data, pos, after_seq, salt(first), True):
+        for _p, _e, seq in self._frames_from(data, pos, after_seq, salt(first)):
             if lo is None:
                 lo = seq
             hi = seq
@@ -514,7 +513,7 @@ class IngressWAL:
                 data = fh.read()
             want = first
             frames = (_prefix(data, first, False) if _is_recycled(path)
-                      else self._frames_from(data, 0, first - 1, salt(first), True))
+                      else self._frames_from(data, 0, first - 1, salt(first)))
             for pos, end, seq in frames:
                 if seq >= nxt or seq >= self.next_seq:
                     break
@@ -743,8 +742,8 @@ class IngressWAL:
                 self._spares_pending -= room
                 self._spares.extend(kept)
                 self._spares.sort()
-        removed = _remove_segments(gone, self.dir) if gone else 0
-        if kept and not gone:
+        removed = _remove_segments(gone, self.dir) if gone else 0  # syncs the directory if it removed one
+        if kept and not removed:
             fileio.fsync_dir(self.dir)
         return removed + len(kept)
 

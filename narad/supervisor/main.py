@@ -63,6 +63,7 @@ LEADERLESS_PROBE = 15.0  # a member without a leader this long asks whether it w
 METRICS_POLL_EVERY = 10.0
 VITALS_EVERY = 5.0  # data directory size and free bytes
 LEADER_CONTACT_FRESH = 5.0
+TRANSFER_RETRY = 0.25  # a graceful stop asks for a leadership transfer again this often (pysyncobj drops a denied one)
 # Readiness only: a replica is "behind" once it has not applied the commit index
 # it saw this long ago (commit -> apply lag of ordinary writes is not behind).
 # Destructive decisions use RaftNode.caught_up(), which has no such grace.
@@ -970,10 +971,17 @@ class Supervisor:
             t_transfer = time.monotonic()
             self.raft.transfer_leadership()
             end = time.monotonic() + 2.0
+            retry_at = time.monotonic() + TRANSFER_RETRY
             connected = True
             while self.raft.is_leader() and time.monotonic() < end and connected:
                 await asyncio.sleep(0.005)
                 connected = any(self.raft.status().peers.values())  # the peers may be stopping too
+                if time.monotonic() >= retry_at:
+                    # pysyncobj sends TimeoutNow only to a follower whose log matches the
+                    # leader's at that instant, else it drops the request silently (an entry
+                    # still in flight): ask again until one is caught up.
+                    retry_at = time.monotonic() + TRANSFER_RETRY
+                    self.raft.transfer_leadership()
             outcome = ("leadership handed over" if not self.raft.is_leader() else
                        "leadership transfer timed out" if connected else
                        "leadership not handed over: every peer disconnected")

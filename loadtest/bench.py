@@ -305,6 +305,7 @@ class Scenario:
     count: int = 0  # latency mode: sequential requests
     batch: int = 100
     feature: str = ""  # --features: "" plain, or one of FEATURES
+    rate: float = 0.0  # --rate: messages/s offered over all connections (batch runs), 0 = as fast as answers come
 
 
 @dataclass
@@ -372,9 +373,19 @@ class Load:
         self.st.requests += 1
         self.st.produced += n
 
+    def pacer(self, gid: int) -> Pacer | None:
+        """--rate: this connection's share of the offered load, its first batch staggered among the others."""
+        if not self.sc.rate:
+            return None
+        interval = self.sc.batch * self.sc.procs * self.sc.conns / self.sc.rate  # seconds between its batches
+        slot = (gid // 1000) * self.sc.conns + gid % 1000  # this connection's index over all processes
+        return Pacer(self.st.t0 + interval * slot / (self.sc.procs * self.sc.conns), interval)
+
     async def produce_batch(self, c: HttpConn, gid: int) -> None:
-        seq, n = 0, self.sc.batch
+        seq, n, pace = 0, self.sc.batch, self.pacer(gid)
         while time.monotonic() < self.deadline:
+            if pace:
+                await pace.wait()
             await self._batch(c, (gid << 32) | seq, n)
             seq += n
 
@@ -416,8 +427,10 @@ class Load:
         """Batch produce, then batch consume + batch ack once; consume more while this process's backlog
         (produced - consumed, any connection's messages) exceeds one batch per connection."""
         r, st, seq, n = self.r, self.st, 0, self.sc.batch
-        limit = n * self.sc.conns
+        limit, pace = n * self.sc.conns, self.pacer(gid)
         while time.monotonic() < self.deadline:
+            if pace:
+                await pace.wait()
             first = (gid << 32) | seq
             await self._batch(c, first, n)
             st.produced_ids.extend(range(first, first + n))
@@ -431,6 +444,20 @@ class Load:
                     break
                 if self.backlog <= limit or time.monotonic() >= self.deadline:
                     break
+
+
+class Pacer:
+    """Open-loop pacing for one connection: a batch every ``interval`` seconds from ``at``. A connection
+    that fell behind sends at once and keeps its schedule (no catch-up burst beyond what it owes)."""
+
+    def __init__(self, at: float, interval: float) -> None:
+        self.at, self.interval = at, interval
+
+    async def wait(self) -> None:
+        delay = self.at - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        self.at = max(self.at + self.interval, time.monotonic() - self.interval)
 
 
 async def consume_and_ack(c: HttpConn, r: Requests, st: Stats, req: bytes) -> int:
@@ -909,11 +936,11 @@ def scenarios(args: argparse.Namespace) -> list[Scenario]:
     for w in workers:
         out.append(Scenario("produce single", "produce", w, args.procs, args.conns, s))
         out.append(Scenario(f"produce batch{args.batch}", "produce_batch", w, args.procs, args.batch_conns, s,
-                            batch=args.batch))
+                            batch=args.batch, rate=args.rate))
     for w in workers:
         out.append(Scenario("flow single", "flow", w, args.procs, args.conns, s))
         out.append(Scenario(f"flow batch{args.batch}", "flow_batch", w, args.procs, args.batch_conns, s,
-                            batch=args.batch))
+                            batch=args.batch, rate=args.rate))
     if args.only:
         out = [x for x in out if re.search(args.only, f"{x.name} w{x.workers}")]
     if args.features:
@@ -978,6 +1005,10 @@ def main() -> None:
     ap.add_argument("--features", metavar="LIST",
                     help=f"comma list of {', '.join(FEATURES)}: every selected run again with the feature on, back "
                          f"to back, and the server CPU per message each adds (issue 14)")
+    ap.add_argument("--rate", type=float, default=0.0, metavar="MSGS",
+                    help="batch runs: offer MSGS messages/s in all (each connection paced open-loop) instead of "
+                         "sending as fast as answers come; with --features, the plain and feature runs then carry "
+                         "the same load and batching, so the server CPU per message compares like with like")
     ap.add_argument("--repeat", type=int, default=1, metavar="N",
                     help="run the whole selection N times in turn (plain and feature runs interleaved); "
                          "feature costs are then printed as the median [range] of the N differences")

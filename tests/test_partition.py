@@ -8,6 +8,10 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from narad.broker.partition import Partition
 from narad.storage.offsets import OffsetFile
 from narad.storage.partition_log import PartitionLog
@@ -103,3 +107,46 @@ def test_ready_honours_the_in_flight_and_acked_ahead_caps(tmp_path: Path) -> Non
     assert p.nack(0, d[0].nonce, 101.0)
     assert p.ready(2, 1) == 1  # only the frontier record may go out
     assert [x.offset for x in p.reserve(101.0, 5, 30.0, 2, 1)] == [0]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.sampled_from(["reserve", "ack", "nack", "expire"]), st.integers(0, 7),
+                          st.integers(1, 6), st.integers(1, 6)), min_size=1, max_size=40))
+def test_reserve_hands_out_the_lowest_deliverable_offsets(tmp_path_factory: pytest.TempPathFactory,
+                                                          ops: list[tuple[str, int, int, int]]) -> None:
+    """Against a model of the lease rules (no delays, dead letters or retention): every reserve
+    hands out exactly the lowest offsets that no live lease covers and that are not acked, as many
+    as the in-flight cap leaves room for, only the frontier record while the acked-ahead cap is
+    full; whether they come from the cursor or from the redelivery heap (nacks, expiries)."""
+    n = 12
+    p = _partition(tmp_path_factory.mktemp("p"), n)
+    now = 100.0
+    live: dict[int, tuple[int, float]] = {}  # the model: offset -> (nonce, expiry)
+    acked: set[int] = set()
+    for op, arg, k, caps in ops:
+        if op == "expire":
+            now += 31.0  # every lease taken so far runs out (an ack of it is refused)
+            live.clear()
+            continue
+        if op in ("ack", "nack"):
+            if live:
+                off = sorted(live)[arg % len(live)]
+                nonce = live.pop(off)[0]
+                assert (p.ack if op == "ack" else p.nack)(off, nonce, now)
+                if op == "ack":
+                    acked.add(off)
+            continue
+        max_in_flight, max_ahead = caps, max(1, caps - 2)
+        frontier = -1
+        while frontier + 1 in acked:
+            frontier += 1
+        ahead = [a for a in acked if a > frontier]
+        free = [o for o in range(frontier + 1, n) if o not in live and o not in acked]
+        if len(ahead) >= max_ahead:
+            free = [o for o in free if o == frontier + 1]
+        want = free[:max(0, min(k, max_in_flight - len(live)))]
+        got = p.reserve(now, k, 30.0, max_in_flight, max_ahead)
+        assert [d.offset for d in got] == want
+        for d in got:
+            live[d.offset] = (d.nonce, now + 30.0)
+        now += 0.5

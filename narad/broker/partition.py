@@ -326,53 +326,64 @@ class Partition:
         self.last_used = now
         self.purge(now)
         out: list[Delivery] = []
+        # Locals for the per-record loop (the containers are mutated in place, never rebound,
+        # except by _skip_to_oldest, after which the loop re-reads them: see `continue` there).
+        leases, delayed, dead, red = self.leases, self.delayed, self.dead, self._redeliver
+        log, deliveries, expiry_heap, index = self.log, self.deliveries, self._expiry, self.index
+        md = self.max_deliveries
+        expiry = now + visibility_s
+        push = heapq.heappush
         while len(out) < max_n:
-            if len(self.leases) + len(self.delayed) + len(self.dead) >= max_in_flight:
+            if len(leases) + len(delayed) + len(dead) >= max_in_flight:
                 break  # a delayed nack (a dead-letter hold) keeps its in-flight slot until it is due (settled)
-            off = self._candidate()
-            if off is None:
-                break
-            if off < self.log.oldest:
+            off = self.cursor
+            if (red or off <= self.committed or off >= log.hwm or off in leases or off in self.acked_ahead
+                    or off in delayed or off in dead):
+                off = self._candidate()  # the cursor itself is not the next record (the common case is)
+                if off is None:
+                    break
+            if off < log.oldest:
                 self._skip_to_oldest()
+                leases, dead = self.leases, self.dead  # rebound there
                 continue
             if len(self.acked_ahead) >= max_acked_ahead and off != self.committed + 1:
                 break  # at the acked-ahead cap only the frontier message goes out
-            if self._spent(off):  # its count (restored, or a lowered maximum) is used up already
-                if self._redeliver and self._redeliver[0] == off:
-                    heapq.heappop(self._redeliver)
+            if md > 0 and deliveries.get(off, 0) >= md:  # its count (restored, or a lowered maximum) is used up
+                if red and red[0] == off:
+                    heapq.heappop(red)
                 elif off == self.cursor:
                     self.cursor = off + 1
                 self._hold_if_spent(off)
                 continue
             nonce = new_nonce()
-            expiry = now + visibility_s
-            self.leases[off] = (nonce, expiry)
-            if self._redeliver and self._redeliver[0] == off:
-                heapq.heappop(self._redeliver)
+            leases[off] = (nonce, expiry)
+            if red and red[0] == off:
+                heapq.heappop(red)
             elif off == self.cursor:
                 self.cursor = off + 1
             try:
-                rec = self.log.read(off)
+                rec = log.read(off)
             except OffsetGone:
-                del self.leases[off]
+                del leases[off]
                 self._skip_to_oldest()
+                leases, dead = self.leases, self.dead  # rebound there
                 continue
             except CorruptRecord:
-                del self.leases[off]
+                del leases[off]
                 self._settle_unreadable(off)
                 continue
             except (LogClosed, NotVisible):
                 # Closing (delete, recreate, shutdown): give the lease back, never
                 # mistake the retired log for a gap. The offset was taken off the
                 # redelivery heap (or the cursor moved past it) above: put it back.
-                del self.leases[off]
-                heapq.heappush(self._redeliver, off)
+                del leases[off]
+                push(red, off)
                 break
-            heapq.heappush(self._expiry, (expiry, off, nonce))
-            count = self.deliveries[off] = self.deliveries.get(off, 0) + 1
+            push(expiry_heap, (expiry, off, nonce))
+            count = deliveries[off] = deliveries.get(off, 0) + 1
             self.count_gen += 1
             self.dirty = True  # the count is persisted with the acks
-            item = make(self.index, off, nonce, rec)
+            item = make(index, off, nonce, rec)
             item.deliveries = count
             out.append(item)
         return out

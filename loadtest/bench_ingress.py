@@ -20,13 +20,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import gc
 import shutil
 import sys
 import tempfile
 import time
 import timeit
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -68,6 +69,13 @@ class _Store:
     def user(self, name: str) -> UserRecord | None:
         return self.u
 
+    @contextlib.contextmanager
+    def read(self) -> Iterator[_Store]:
+        yield self  # one read transaction: the produce handler's draining check reads the member record
+
+    def member(self, node_id: str) -> None:
+        return None  # not a member being drained
+
 
 class _Caps:
     def try_take(self, *a: Any) -> bool:
@@ -83,7 +91,7 @@ class _Broker:
         self.m = metrics.get()
         self.i = 0
 
-    def choose_partition(self, t: TopicRecord, key: bytes | None) -> int:
+    def choose_partition(self, t: TopicRecord, key: bytes | None, idem: str | None = None) -> int:
         self.i += 1
         return self.i % t.partitions
 

@@ -95,8 +95,9 @@ class _Broker:
         self.i += 1
         return self.i % t.partitions
 
-    async def produce(self, entries: list[Entry]) -> None:
-        await self.wal.append(entries)
+    async def produce(self, entries: list[Entry], watch: list[Entry] | None = None,
+                      timeout: float = 5.0) -> None:
+        await self.wal.append(entries)  # no idempotency keys here: nothing is watched
 
 
 class _Transport:

@@ -1021,6 +1021,8 @@ def main() -> None:
                     help="which runs --profile records: regex on '<scenario> w<workers>' (default: flow)")
     ap.add_argument("--summarise", type=Path, nargs="+", metavar="FILE", help="summarise py-spy raw files and exit")
     args = ap.parse_args()
+    if args.rate < 0:
+        ap.error("--rate must be 0 (unpaced) or a positive messages/s")
     if args.summarise:
         for f in args.summarise:
             print(summarise(f))

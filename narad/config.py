@@ -144,6 +144,11 @@ class StorageConfig:
         300000, "How often each worker lists the partition directories it owns on disk and applies retention to "
         "those not open (opened, swept once, closed) (0 = never; else >= 100; Narad's floor is 60000).",
         "NARAD_STORAGE_COLD_RETENTION_WALK_MS")
+    group_sync: bool = _s(
+        True, "Partition commits of a worker that are ready together share one syncfs of the data directory's "
+        "filesystem instead of one fdatasync each (Linux >= 5.8). Set false when the data directory shares its "
+        "filesystem with heavy writers: a syncfs waits for their dirty pages too, and their write errors fail it.",
+        "NARAD_STORAGE_GROUP_SYNC")
 
 
 @dataclass(frozen=True)

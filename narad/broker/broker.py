@@ -89,6 +89,7 @@ from narad.meta.store import MetaStore
 from narad.storage import iothreads
 from narad.storage import partition_log as PL
 from narad.storage import transfer as TR
+from narad.storage.commit_rounds import CommitRounds
 from narad.storage.offsets import OffsetFile
 from narad.storage.partition_log import OffsetGone, PartitionLog
 from narad.storage.wal import Entry, IngressWAL
@@ -98,7 +99,6 @@ TRUST_POLL = 0.05  # how often a starting worker looks for the node's first read
 
 COMMIT_TICK = 0.1
 SWEEP_EVERY = 1.0
-COMMIT_LANES = 4  # threads for partition commits (concurrent commits of different partitions sync in parallel)
 REAP_EVERY = 60.0
 EVICT_EVERY = 1.0  # idle logs are looked for this often (a quarter of a shorter idle setting)
 CLOSE_BATCH = 16  # partition closes run this many at a time
@@ -169,6 +169,7 @@ class Broker:
         confirm_epoch: Callable[[ConfirmEpochReq], Awaitable[ConfirmEpochResp]] | None = None,
         fanout: FanoutSettings | None = None,
         meta_call: Callable[[Any, Any, float], Awaitable[Any]] | None = None,
+        group_sync: bool = True,
     ) -> None:
         self.data_dir = Path(data_dir)
         self.store = store
@@ -194,9 +195,9 @@ class Broker:
         self._cap_warned = 0.0
         self.io = ThreadPoolExecutor(max_workers=8, thread_name_prefix=f"io-w{index}",
                                      initializer=iothreads.batch_class)
-        # Partition commits (write, fdatasync, read-back) go through lanes of their own: a
-        # queue hand-off answered by call_soon_threadsafe, not run_in_executor's futures.
-        self.commit_lanes = iothreads.IOLanes(COMMIT_LANES, f"commit-w{index}")
+        # Partition commits (write, sync, read-back) run in rounds on a thread of their own:
+        # the commits ready together share one sync and one hand-off back to the loop.
+        self.commit_rounds = CommitRounds(f"commit-w{index}", self.data_dir, group_sync=group_sync)
         self.wal = IngressWAL(self.data_dir / "ingress" / f"w{index}", self.io)
         self.dispatcher = Dispatcher(self.wal, self)
         self.partitions: dict[tuple[str, int], Partition] = {}
@@ -296,7 +297,7 @@ class Broker:
             await self._close_partition(key, p, clean=True)
         await self.wal.drain()
         self.wal.close()
-        self.commit_lanes.stop()
+        self.commit_rounds.stop()
         self.io.shutdown(wait=True)
 
     # ---- routing -------------------------------------------------------------------------
@@ -645,7 +646,7 @@ class Broker:
                               f"{self.index}; retry", code="partition_moving")
         p = await self.partition(t, partition)
         p.idem_window_ms = t.idem_window_ms  # a PATCH may have changed it
-        return await p.commit(records, self.commit_lanes)
+        return await p.commit(records, self.commit_rounds)
 
     async def deliver(self, topic: str, topic_id: str, partition: int, entries: list[Entry]) -> str | Committed:
         """Dispatcher target: commit at the owner, here or one hop away. Returns the

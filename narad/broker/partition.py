@@ -95,7 +95,7 @@ from narad.errors import Unavailable
 from narad.storage import frames as FR
 from narad.storage import offsets as OFF
 from narad.storage import partition_log as PL
-from narad.storage.iothreads import IOLanes
+from narad.storage.commit_rounds import CommitRounds
 from narad.storage.offsets import OffsetFile
 from narad.storage.partition_log import CorruptRecord, LogClosed, NotVisible, OffsetGone, PartitionLog, Record
 
@@ -106,10 +106,13 @@ MAX_COMBINED_BYTES = 16 << 20
 Committed = tuple[int, list[int]]  # first offset, indexes of the batch's duplicates (idempotent produce)
 
 
-def _off_loop(loop: asyncio.AbstractEventLoop, runner: Executor | IOLanes, fn: Callable[..., Any],
+Runner = Executor | CommitRounds
+
+
+def _off_loop(loop: asyncio.AbstractEventLoop, runner: Runner, fn: Callable[..., Any],
               *args: Any) -> asyncio.Future[Any]:
-    """``fn(*args)`` on an I/O thread: the broker's commit lanes, or an executor (tests)."""
-    if isinstance(runner, IOLanes):
+    """``fn(*args)`` on an I/O thread: the broker's commit rounds' thread, or an executor (tests)."""
+    if isinstance(runner, CommitRounds):
         return runner.run(loop, fn, *args)
     return loop.run_in_executor(runner, fn, *args)
 
@@ -499,7 +502,7 @@ class Partition:
 
     # ---- commit (owner side) ------------------------------------------------------------
     async def commit(self, batch: list[tuple[bytes | None, int, bytes]],
-                     executor: Executor | IOLanes) -> Committed:
+                     executor: Runner) -> Committed:
         """Append (key, flags, payload) records; returns (the first offset, the
         indexes in `batch` of the records dropped as duplicates of an idempotency
         key) once they are durable, read back intact and visible. Batches that
@@ -518,7 +521,7 @@ class Partition:
             self._task = loop.create_task(self._commit_cycle(executor))
         return await fut
 
-    async def _commit_cycle(self, executor: Executor | IOLanes) -> None:
+    async def _commit_cycle(self, executor: Runner) -> None:
         loop = self.loop
         try:
             while self._commit_queue and not self.closed:
@@ -573,7 +576,10 @@ class Partition:
                     if fresh and not self.idem_marked:  # the first keyed record here: the marker first
                         await _off_loop(loop, executor, idem_mark, self.log.dir)
                         self.idem_marked = True
-                    res = await _off_loop(loop, executor, self.log.write_commit, envs)
+                    if isinstance(executor, CommitRounds):
+                        res = await executor.commit(loop, self.log, envs)
+                    else:
+                        res = await _off_loop(loop, executor, self.log.write_commit, envs)
                 except OSError as e:
                     log.error("partition commit failed", extra={"topic": self.topic, "partition": self.index,
                                                                 "err": str(e)})

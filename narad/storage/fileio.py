@@ -9,6 +9,7 @@ code never changes these functions. Imports nothing from narad.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import os
 from collections.abc import Callable
@@ -18,6 +19,27 @@ pwrite: Callable[[int, bytes, int], int] = os.pwrite
 pread: Callable[[int, int, int], bytes] = os.pread
 fdatasync: Callable[[int], None] = os.fdatasync
 ftruncate: Callable[[int, int], None] = os.ftruncate
+
+
+def _os_syncfs(fd: int) -> None:
+    """syncfs(2) (Python 3.11's os has no binding): write back and wait for every dirty
+    page of the filesystem holding `fd`, commit its journal, flush the device. Since
+    Linux 5.8 it reports a writeback error anywhere on that filesystem that happened
+    since the last syncfs through this open file (its own cursor)."""
+    if _libc_syncfs(fd) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+try:
+    _libc_syncfs = ctypes.CDLL(None, use_errno=True).syncfs
+    _libc_syncfs.argtypes = [ctypes.c_int]
+    _libc_syncfs.restype = ctypes.c_int
+    HAVE_SYNCFS = True
+except (OSError, AttributeError):  # not glibc/Linux: callers fall back to fdatasync per file
+    HAVE_SYNCFS = False
+
+syncfs: Callable[[int], None] = _os_syncfs
 
 
 def write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
@@ -68,5 +90,6 @@ def replace_durable(path: str | os.PathLike[str], data: bytes) -> None:
 
 def reset() -> None:
     """Undo any test fault injection."""
-    global write, pwrite, pread, fdatasync, ftruncate
+    global write, pwrite, pread, fdatasync, ftruncate, syncfs
     write, pwrite, pread, fdatasync, ftruncate = os.write, os.pwrite, os.pread, os.fdatasync, os.ftruncate
+    syncfs = _os_syncfs

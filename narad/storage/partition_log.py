@@ -6,7 +6,9 @@ worker opens a partition's log (its owner).
 
 Commit (``write_commit``, run on an I/O thread; one commit at a time per
 log): write the batch as one frame at the end of the active segment,
-fdatasync, read the frame back and check its CRC. Only then does the owner
+fdatasync, read the frame back and check its CRC. The same three phases are
+public (``stage_commit``, ``sync_failed``, ``finish_commit`` under ``io_lock``)
+for narad.storage.commit_rounds, which syncs several logs at once. Only then does the owner
 ``publish`` it (event-loop thread): the high watermark advances and readers
 may see the records. A failed write, sync or read-back truncates the frame
 away (the WAL will commit the same records again, so a leftover would be a
@@ -131,6 +133,15 @@ def remove_files(paths: list[Path], directory: Path) -> None:
         fileio.fsync_dir(directory)
 
 
+class Staged:
+    """A frame written by ``stage_commit`` and not yet synced."""
+
+    __slots__ = ("base", "count", "frame", "pos", "rolled", "seg")
+
+    def __init__(self, base: int, count: int, frame: bytes, seg: Segment, pos: int, rolled: Segment | None) -> None:
+        self.base, self.count, self.frame, self.seg, self.pos, self.rolled = base, count, frame, seg, pos, rolled
+
+
 class PartitionLog:
     def __init__(self, directory: Path, *, segment_bytes: int = SEGMENT_BYTES) -> None:
         self.dir = Path(directory)
@@ -148,6 +159,7 @@ class PartitionLog:
         self._cache_bytes = 0
         self._last_committed_ms = 0
         self.last_sync_s = 0.0  # how long the last commit's fdatasync took (read by the owner after it)
+        self.dev = -1  # the filesystem the log lives on (st_dev; set at open), for commit rounds
         self.closed = False
         # write_commit, roll_idle_active and close run on I/O threads (several):
         # one at a time, so a roll or a close never lands inside a commit.
@@ -170,6 +182,7 @@ class PartitionLog:
             self.segments.append(seg)
         active = self.segments[-1]
         active.fd = os.open(active.path, os.O_RDWR)
+        self.dev = os.fstat(active.fd).st_dev
         try:
             # The tail may hold frames a crashed process wrote but never synced:
             # sync before trusting it.
@@ -236,6 +249,25 @@ class PartitionLog:
             return self._write_commit(records)
 
     def _write_commit(self, records: list[bytes]) -> tuple[int, Segment, int, int, Segment | None]:
+        st = self.stage_commit(records)
+        t_sync = time.perf_counter()
+        try:
+            fileio.fdatasync(st.seg.fd)
+        except OSError as e:
+            self.sync_failed(st, e)
+            raise
+        self.last_sync_s = time.perf_counter() - t_sync
+        return self.finish_commit(st)
+
+    # The three phases of a commit, for a caller that syncs several logs at once
+    # (narad.storage.commit_rounds): it holds ``io_lock`` from the stage to the finish.
+    @property
+    def io_lock(self) -> threading.Lock:
+        return self._io_lock
+
+    def stage_commit(self, records: list[bytes]) -> Staged:
+        """I/O thread, under ``io_lock``: write one frame with `records` at
+        next_offset (not yet synced). Raises OSError (nothing is left written)."""
         if self.poisoned is not None:
             raise LogPoisoned(self.poisoned.errno or 5, f"log poisoned by an earlier failed fsync: {self.poisoned}")
         if self.closed:
@@ -264,36 +296,41 @@ class PartitionLog:
             seg = rolled
         pos = seg.size
         try:
-            try:
-                fileio.pwrite_all(seg.fd, frame, pos)
-            except OSError:
-                self._cut(seg, pos)
-                raise
-            t_sync = time.perf_counter()
-            try:
-                fileio.fdatasync(seg.fd)
-            except OSError as e:
-                self.poisoned = e
-                self._cut(seg, pos)
-                raise
-            self.last_sync_s = time.perf_counter() - t_sync
-            try:
-                back = fileio.pread(seg.fd, len(frame), pos)
-                count, fbase, psize, crc = FR.parse_header(back, 0)
-                if len(back) != len(frame) or fbase != base or not FR.frame_crc_ok(back, 0, count, fbase, psize, crc):
-                    raise OSError(5, "frame read back with a bad checksum")
-            except (OSError, FR.FrameError, struct.error) as e:
-                self._cut(seg, pos)
-                raise OSError(5, f"commit read-back failed: {e}") from None
+            fileio.pwrite_all(seg.fd, frame, pos)
         except OSError:
+            self._cut(seg, pos)
             if rolled is not None:
                 self._drop_rolled(rolled)
             raise
+        return Staged(base, len(records), frame, seg, pos, rolled)
+
+    def sync_failed(self, st: Staged, e: OSError) -> None:
+        """The sync covering `st` failed: the log is poisoned and the frame cut away."""
+        self.poisoned = e
+        self._cut(st.seg, st.pos)
+        if st.rolled is not None:
+            self._drop_rolled(st.rolled)
+
+    def finish_commit(self, st: Staged) -> tuple[int, Segment, int, int, Segment | None]:
+        """After the sync covering `st`: read the frame back and check it. Returns
+        (base offset, segment, position, frame size, the new segment if this commit
+        rolled). Raises OSError (the frame is cut away)."""
+        seg, pos, frame, base = st.seg, st.pos, st.frame, st.base
+        try:
+            back = fileio.pread(seg.fd, len(frame), pos)
+            count, fbase, psize, crc = FR.parse_header(back, 0)
+            if len(back) != len(frame) or fbase != base or not FR.frame_crc_ok(back, 0, count, fbase, psize, crc):
+                raise OSError(5, "frame read back with a bad checksum")
+        except (OSError, FR.FrameError, struct.error) as e:
+            self._cut(seg, pos)
+            if st.rolled is not None:
+                self._drop_rolled(st.rolled)
+            raise OSError(5, f"commit read-back failed: {e}") from None
         seg.size = pos + len(frame)
         # The next commit goes after this frame even before publish() ran (a
         # hidden tail until then; an idle-segment roll must not land in it).
-        self.next_offset = base + len(records)
-        return base, seg, pos, len(frame), rolled
+        self.next_offset = base + st.count
+        return base, seg, pos, len(frame), st.rolled
 
     def _cut(self, seg: Segment, pos: int) -> None:
         try:

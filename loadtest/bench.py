@@ -610,6 +610,7 @@ class Result:
     cpu_split: dict[str, float] = field(default_factory=dict)  # supervisor / workerN / other -> CPU seconds
     thread_split: dict[str, float] = field(default_factory=dict)  # "workerN loop" / "workerN threads" -> CPU s
     hops: dict[str, float] = field(default_factory=dict)  # narad_worker_hops_total{op} during the window
+    rounds: tuple[float, float] = (0.0, 0.0)  # commit rounds and the commits they carried, during the window
     server_sys: float = 0.0  # the system (kernel) part of server_cpu
     other_cpu: float = 0.0  # everything else on the machine (other users' jobs make a run noisy)
     check: Check = field(default_factory=Check)
@@ -665,10 +666,13 @@ def _pct(values: list[float], p: float) -> float:
     return s[min(len(s) - 1, int(len(s) * p))] if s else math.nan
 
 
+NODE_ENV: dict[str, str] = {}  # --node-env: settings for every node this run starts
+
+
 def run(sc: Scenario, profile_dir: Path | None, profile_which: str = "flow", profile_rate: int = SPY_RATE) -> Result:
     res = Result(sc)
     tmp = Path(tempfile.mkdtemp(prefix="narad-bench-"))
-    node = Node(tmp / "data", workers=sc.workers)
+    node = Node(tmp / "data", workers=sc.workers, env=dict(NODE_ENV))
     spies: list[subprocess.Popen[bytes]] = []
     try:
         node.start()
@@ -696,6 +700,7 @@ def run(sc: Scenario, profile_dir: Path | None, profile_which: str = "flow", pro
             pass
         cpu0, busy0, th0 = _cpu(procs), _machine_busy(), _thread_cpu(procs)
         hops0 = _hops(node) if sc.workers > 1 else {}
+        rounds0 = _rounds(node)
         if profile_dir is not None:
             spies, res.profiles = _start_spies(node, sc, profile_dir, profile_which, profile_rate)
         stats: list[Stats] = []
@@ -706,6 +711,8 @@ def run(sc: Scenario, profile_dir: Path | None, profile_which: str = "flow", pro
         cpu1, busy1, th1 = _cpu(procs), _machine_busy(), _thread_cpu(procs)
         if sc.workers > 1:
             res.hops = {k: v - hops0.get(k, 0.0) for k, v in _hops(node).items() if v - hops0.get(k, 0.0) > 0}
+        rounds1 = _rounds(node)
+        res.rounds = (rounds1[0] - rounds0[0], rounds1[1] - rounds0[1])
         for p in children:
             p.join(10)
         for spy in spies:
@@ -779,6 +786,17 @@ def _hops(node: Node) -> dict[str, float]:
         for op, v in _HOP_LINE.findall(r.body.decode()):
             out[op] += float(v)
     return dict(out)
+
+
+_ROUND_LINE = re.compile(r'^(narad_storage_commit_round(?:s|_logs)_total) ([0-9.e+]+)$', re.M)
+
+
+def _rounds(node: Node) -> tuple[float, float]:
+    """narad_storage_commit_rounds_total and _round_logs_total (the workers count them each second)."""
+    r = node.get("/metrics")
+    got = dict(_ROUND_LINE.findall(r.body.decode())) if r.status == 200 else {}
+    return (float(got.get("narad_storage_commit_rounds_total", 0)),
+            float(got.get("narad_storage_commit_round_logs_total", 0)))
 
 
 def _tail(node: Node, lines: int = 40) -> str:
@@ -1019,10 +1037,18 @@ def main() -> None:
                     help="py-spy samples/s; native unwinding of every thread costs CPU on the same cores")
     ap.add_argument("--profile-runs", default="flow", metavar="REGEX",
                     help="which runs --profile records: regex on '<scenario> w<workers>' (default: flow)")
+    ap.add_argument("--node-env", action="append", default=[], metavar="NAME=VALUE",
+                    help="a setting for the node (its environment variable, e.g. NARAD_STORAGE_GROUP_SYNC=false); "
+                         "repeatable")
     ap.add_argument("--summarise", type=Path, nargs="+", metavar="FILE", help="summarise py-spy raw files and exit")
     args = ap.parse_args()
     if args.rate < 0:
         ap.error("--rate must be 0 (unpaced) or a positive messages/s")
+    for kv in args.node_env:
+        name, eq, value = kv.partition("=")
+        if not eq or not name.startswith("NARAD_"):
+            ap.error(f"--node-env wants NARAD_NAME=VALUE, got {kv!r}")
+        NODE_ENV[name] = value
     if args.summarise:
         for f in args.summarise:
             print(summarise(f))
@@ -1032,7 +1058,8 @@ def main() -> None:
         args.latency_count = min(args.latency_count, 500)
     todo = scenarios(args) * max(1, args.repeat)
     print(f"# narad message benchmark: {cpus} CPUs, {MSG_SIZE} B messages, topic with {PARTITIONS} partitions, "
-          f"{time.strftime('%Y-%m-%d %H:%M')}, code {code_version()}")
+          f"{time.strftime('%Y-%m-%d %H:%M')}, code {code_version()}"
+          + (f", node env {' '.join(args.node_env)}" if args.node_env else ""))
     print(f"# client: uvloop + httptools, keep-alive HTTP/1.1, {args.procs} process(es); conns = procs x conns; "
           f"batch = {args.batch} msgs/request, consume max={CONSUME_MAX} wait={CONSUME_WAIT}")
     print("# msgs = produced (produce runs) or produced+consumed+acked (flow runs); p50/p99 = produce request "
@@ -1056,6 +1083,9 @@ def main() -> None:
             if r.hops and r.msgs:
                 per = ", ".join(f"{k} {v / r.msgs:.2f}" for k, v in sorted(r.hops.items(), key=lambda x: -x[1]))
                 print(f"#   {'':<18}     worker hops per message: {per}")
+            if r.rounds[0] > 0 and r.msgs:
+                print(f"#   {'':<18}     commit rounds: {r.rounds[0] / r.msgs * 100:.1f} per 100 messages, "
+                      f"{r.rounds[1] / r.rounds[0]:.2f} partition commits each (counted each second)")
     if args.features:
         print("\n# feature cost: server µs/msg with the feature on minus the plain run just before it "
               "(and in % of it); msgs/s the same")

@@ -244,7 +244,7 @@ class _Metrics:
         self.retention_bytes_deleted = a(Counter("narad_storage_retention_bytes_deleted_total",
                                                  "segment bytes deleted by retention", [*PART, "reason"]))
         self.fsync_seconds = a(Histogram("narad_storage_fsync_duration_seconds",
-                                         "partition commit fdatasync time", PART))
+                                         "partition commit sync time (its round's fdatasync or syncfs)", PART))
         # Partition gauges: set by the owning worker's poller (every 5 s; closed partitions
         # from their files every 30 s).
         self.consumer_lag = a(Gauge("narad_consumer_lag_messages", "high watermark minus the committed frontier",

@@ -85,6 +85,7 @@ LABELLESS = [
     "narad_open_partition_logs", "narad_idle_logs_evicted_total", "narad_auth_verify_queued",
     "narad_schema_validations_in_flight", "narad_boot_duration_seconds", "narad_worker_restarts_total",
     "narad_member_heartbeat_failures", "narad_schema_validation_seconds_count",
+    "narad_storage_commit_rounds_total", "narad_storage_commit_round_logs_total",
 ]
 PER_PARTITION = [
     "narad_messages_produced_total", "narad_bytes_produced_total", "narad_messages_consumed_total",
@@ -196,6 +197,11 @@ def test_traffic_moves_the_series(node: Node) -> None:
     s = wait_for(moved, 15, 0.1, "the partition's series to follow the traffic")
     assert (val(s, "narad_topic_bytes", topic="flow") or 0) > 1000
     assert (val(s, "narad_storage_fsync_duration_seconds_count", topic="flow", partition="1") or 0) >= 1
+    # the ten commits ran in commit rounds (counted by the sweeper, every second)
+    s = wait_for(lambda: s2 if (val(s2 := scrape(node), "narad_storage_commit_rounds_total") or 0) >= 1 else None,
+                 10, 0.1, "commit rounds counted")
+    rounds = val(s, "narad_storage_commit_rounds_total") or 0
+    assert rounds <= (val(s, "narad_storage_commit_round_logs_total") or 0) <= 10 * rounds
     assert (val(s, "narad_consume_wait_seconds_count", topic="flow", outcome="hit") or 0) >= 5
     assert (val(s, "narad_metastore_write_seconds_count", op="create_topic") or 0) >= 1
     assert (val(s, "narad_http_request_bytes_in_total", route="POST /v1/topics/{topic}/produce") or 0) >= 1000

@@ -241,6 +241,11 @@ class Broker:
                                  "partition logs closed because they were idle (or least recently used at the cap)")
         self.m_cold_swept = _metric(reg, metrics.Counter, "narad_cold_retention_swept_total",
                                     "closed partitions the cold retention walk opened to delete expired segments")
+        self.m_rounds = _metric(reg, metrics.Counter, "narad_storage_commit_rounds_total",
+                                "partition commit rounds (one sync each: fdatasync for one log, syncfs for several)")
+        self.m_round_logs = _metric(reg, metrics.Counter, "narad_storage_commit_round_logs_total",
+                                    "partition commits those rounds carried (per round: the logs one sync covered)")
+        self._rounds_seen = (0, 0)
         # Fan-out cursors for the parent partitions this worker owns (off without the
         # supervisor's caught-up and confirm-epoch answers: nothing would start safely).
         self.fanout = FanoutEngine(self, fanout or FanoutSettings(), caught_up, confirm_epoch)
@@ -1687,6 +1692,11 @@ class Broker:
                     self._on_released(p)
                 self._report_dropped(p)
             self.m_open_logs.set(len(self.partitions))
+            cr = self.commit_rounds
+            rounds, logs = cr.rounds, cr.commits  # written by the round thread; read here, deltas only
+            self.m_rounds.inc(rounds - self._rounds_seen[0])
+            self.m_round_logs.inc(logs - self._rounds_seen[1])
+            self._rounds_seen = (rounds, logs)
             self.m.dispatch_backlog.set(self.wal.backlog)
             self.m.wal_pending.set(max(0, self.wal.next_seq - 1 - self.wal.durable_seq))
             failed = self.wal.failed is not None

@@ -10,9 +10,10 @@ commit does for the ingress log.
 
 The sync: one ``fdatasync`` when the round holds one log (or the logs are not all on
 the data directory's filesystem); ``syncfs`` on a descriptor of the data directory when
-it holds several. On this VM six logs take about half the kernel CPU and half the wall
-time with one ``syncfs`` than with six ``fdatasync`` calls (one journal commit and one
-device flush instead of six; docs/architecture.md, "Commit rounds").
+it holds several. On this VM a round of six logs takes less than half the wall time and
+about two thirds of the machine's CPU with one ``syncfs`` than with six ``fdatasync``
+calls (one journal commit and one device flush instead of six;
+loadtest/bench_commit_rounds.py, figures in docs/architecture.md).
 
 Why a ``syncfs`` is as strong as an ``fdatasync`` of each log here (Linux >= 5.8): it
 writes back and waits for every dirty page of the filesystem (pages already under

@@ -238,7 +238,8 @@ class _Metrics:
         self.dispatch_backlog = a(Gauge("narad_ingress_dispatch_backlog_records",
                                         "accepted records not yet confirmed at their owner"))
         self.wal_pending = a(Gauge("narad_ingress_wal_pending_records",
-                                   "produced records staged in the ingress WAL, not yet durable (produce in flight)"))
+                                   "produced records not yet durable (produce in flight): staged in the ingress "
+                                   "WAL, or in a direct commit"))
         self.retention_deleted = a(Counter("narad_storage_retention_messages_deleted_total",
                                            "messages deleted by retention", [*PART, "reason"]))
         self.retention_bytes_deleted = a(Counter("narad_storage_retention_bytes_deleted_total",

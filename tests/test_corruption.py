@@ -40,12 +40,16 @@ def payload(i: int, salt: str) -> str:
     return f"m-{i:05d}-{hashlib.sha256(f'{salt}{i}'.encode()).hexdigest()[:24]}"
 
 
-def produce_known(n: Node, topic: str, salt: str, count: int = N_MSGS, start: int = 0) -> dict[str, int]:
-    """Produce `count` distinct payloads; -> payload -> id. Waits until all are committed."""
+def produce_known(n: Node, topic: str, salt: str, count: int = N_MSGS, start: int = 0,
+                  through_wal: bool = False) -> dict[str, int]:
+    """Produce `count` distinct payloads; -> payload -> id. ``through_wal``: each names
+    its partition (round robin), so none takes a direct commit and every record is in
+    the ingress WAL."""
     sent: dict[str, int] = {}
     for i in range(start, start + count):
         p = payload(i, salt)
-        r = n.post(f"/v1/topics/{topic}/produce", p.encode(), headers={"Content-Type": "application/octet-stream"})
+        path = f"/v1/topics/{topic}/produce" + (f"?partition={i % PARTS}" if through_wal else "")
+        r = n.post(path, p.encode(), headers={"Content-Type": "application/octet-stream"})
         assert r.status == 202, r
         sent[p] = i
     return sent
@@ -193,7 +197,7 @@ def test_corrupt_wal_and_checkpoint(tmp_path: Path, seed: int) -> None:
     n = new_node(tmp_path).start()
     try:
         assert n.post("/v1/topics", {"name": "c", "partitions": PARTS}).status == 201
-        sent = produce_known(n, "c", SALT[0])
+        sent = produce_known(n, "c", SALT[0], through_wal=True)
         wait_for(lambda: committed(n, "c") == N_MSGS, 30, what="every record committed")
         stop(n, rnd)
         for w in sorted((n.data_dir / "ingress").iterdir()):
@@ -219,7 +223,7 @@ def test_corrupt_wal_mid_segment_keeps_later_records(tmp_path: Path) -> None:
         # Stop the dispatcher from committing: make the partitions' owner look absent by
         # killing the node the moment the 202s are in (the checkpoint has not moved yet
         # for most of them), then rewind the checkpoint so the WAL is what holds them.
-        sent = produce_known(n, "c", SALT[0])
+        sent = produce_known(n, "c", SALT[0], through_wal=True)
         wait_for(lambda: committed(n, "c") == N_MSGS, 30, what="every record committed")
         n.kill9()
         tdir = topic_dir(n, "c")

@@ -39,6 +39,7 @@ def test_kill9_every_process_under_produce_load_loses_nothing(tmp_path: Path) ->
         h = History(30.0)
         p = Traffic(h, "crash", lambda: [n], producers=6, consumers=0, pace_s=0).start()
         p.wait_more(400, what="400 acknowledged produces")
+        assert n.metric("narad_produced_direct_messages_total") > 0, "the kill must land on direct commits"
         with h.fault("kill -9 of every process"):
             n.kill9()  # supervisor, fork server and workers, mid-traffic
             p.finish_producing()
@@ -57,6 +58,7 @@ def test_kill9_of_one_worker_under_produce_load_loses_nothing(tmp_path: Path) ->
         h = History(30.0)
         p = Traffic(h, "wcrash", lambda: [n], producers=6, consumers=0, pace_s=0).start()
         p.wait_more(300, what="300 acknowledged produces")
+        assert n.metric("narad_produced_direct_messages_total") > 0, "the kill must land on direct commits"
         victim = next(w for w in n.status()["workers"] if w["index"] == 1)["pid"]
         with h.fault("kill -9 of worker 1"):
             os.kill(victim, signal.SIGKILL)

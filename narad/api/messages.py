@@ -37,6 +37,7 @@ import asyncio
 import base64
 import binascii
 import functools
+import logging
 import re
 import time
 import zlib
@@ -72,6 +73,8 @@ from narad.meta.validate import INT64_MAX, INT64_MIN, strict_int
 from narad.storage import frames as FR
 from narad.storage.frames import F_JSON, F_UTF8
 from narad.storage.wal import Entry, WALFailed
+
+log = logging.getLogger("narad.api.messages")
 
 MAX_MESSAGE = 1 << 20
 MAX_BATCH_MESSAGES = 1000
@@ -498,10 +501,12 @@ class MessagesAPI:
         return p
 
     async def _append(self, req: Request, t: TopicRecord, entries: list[Entry],
-                      watch: list[Entry] | None = None) -> list[bool | None]:
+                      watch: list[Entry] | None = None, direct: int | None = None) -> list[bool | None]:
         """Durable in the WAL (202 follows), else the error. ``watch``: entries with an
         idempotency key, whose owners' duplicate verdicts are returned (in order;
-        None: not known within ``IDEM_WAIT_S``)."""
+        None: not known within ``IDEM_WAIT_S``). ``direct``: the partition every entry
+        (keyless, its partition chosen here) goes to: committed there without the WAL
+        when the broker can (``Broker.commit_direct``), else through the WAL."""
         ident = None
         if self.produce_cap > 0 and self.caps is not None:
             ident = self._identity_key(req)
@@ -509,6 +514,17 @@ class MessagesAPI:
                 raise TooManyRequests(f"too many in-flight produce requests for this identity "
                                       f"(limit {self.produce_cap} per node)")
         try:
+            if direct is not None:
+                fut = self.broker.commit_direct(t, direct, [(None, e.flags, e.payload) for e in entries])
+                if fut is not None:
+                    try:
+                        await fut
+                    except Exception as e:  # nothing of it counts: the WAL takes the records
+                        log.debug("direct commit refused; through the WAL", extra={
+                            "topic": t.name, "partition": direct, "err": f"{type(e).__name__}: {e}"})
+                    else:
+                        self.m.messages_accepted.labels(t.name).inc(len(entries))
+                        return []
             w = await self.broker.produce(entries, watch, IDEM_WAIT_S)
         except WALFailed as e:
             self.m.wal_failed.set(1)
@@ -522,11 +538,12 @@ class MessagesAPI:
         return await self.broker.verdicts(w)
 
     def _append_cb(self, req: Request, t: TopicRecord, entries: list[Entry], reply: Reply,
-                   watched: bool = False) -> None:
+                   watched: bool = False, direct: int | None = None) -> None:
         """``_append`` for the synchronous entry: the WAL calls back when the group's sync
         returned and ``reply`` gets the same answer the async path gives (202, or 500).
         ``watched`` (one entry with an idempotency key): the answer waits, by callback, for
-        the owner's duplicate verdict, as the async path's does."""
+        the owner's duplicate verdict, as the async path's does. ``direct``: as ``_append``'s
+        (the direct commit's callback answers, or hands the entries to the WAL)."""
         ident = None
         n = len(entries)
         if self.produce_cap > 0 and self.caps is not None:
@@ -559,6 +576,29 @@ class MessagesAPI:
             else:
                 w.done.add_done_callback(verdict)
 
+        if direct is not None:
+            fut = self.broker.commit_direct(t, direct, [(None, e.flags, e.payload) for e in entries])
+            if fut is not None:
+                def direct_done(f: asyncio.Future[Any]) -> None:
+                    if not f.cancelled() and f.exception() is None:
+                        done(None)
+                        return
+                    if not f.cancelled():
+                        log.debug("direct commit refused; through the WAL", extra={
+                            "topic": t.name, "partition": direct, "err": repr(f.exception())})
+                    try:
+                        self.broker.wal.append_cb(entries, done)
+                    except BaseException as e:  # answered here: no request handler is left to
+                        if ident is not None and self.caps is not None:
+                            self.caps.give_back(self.ctx.worker_index, CAPS.PRODUCE, ident, n)
+                        if isinstance(e, WALFailed):
+                            self.m.wal_failed.set(1)
+                        else:
+                            log.exception("produce failed after a refused direct commit")
+                        reply(InternalError("produce failed"))
+
+                fut.add_done_callback(direct_done)
+                return
         try:
             self.broker.wal.append_cb(entries, done)
         except WALFailed as e:
@@ -610,14 +650,17 @@ class MessagesAPI:
         if req.query and IDEM_PARAM in req.query:
             raw_idem = self._single_query(req, IDEM_PARAM)
             idem = idem_key(raw_idem) if raw_idem is not None else None
+        direct = None
         if partition is None:
             partition = self.broker.choose_partition(t, key, idem)
+            if key is None and idem is None:
+                direct = partition
         flags, stored = payload_flags(body), body
         hdrs = query_headers(req.query["header"]) if req.query and "header" in req.query else None
         if hdrs or idem is not None:
             flags, stored = with_ext(flags, body, hdrs, idem)
         entry = Entry(t.name, self._incarnation(t), partition, int(time.time() * 1000), flags, key, stored)
-        self._append_cb(req, t, [entry], reply, watched=idem is not None)
+        self._append_cb(req, t, [entry], reply, watched=idem is not None, direct=direct)
         return True
 
     async def produce(self, req: Request) -> Response:
@@ -631,14 +674,17 @@ class MessagesAPI:
             if why is not None:
                 self.m.produce_rejections.labels(t.name, "schema").inc()
                 raise BadRequest(f"invalid argument: {why}")
+        direct = None
         if partition is None:
             partition = self.broker.choose_partition(t, key, idem)
+            if key is None and idem is None:
+                direct = partition
         flags = payload_flags(body)
         hdrs = query_headers(req.query["header"]) if req.query and "header" in req.query else None
         flags, stored = with_ext(flags, body, hdrs, idem)
         entry = Entry(t.name, self._incarnation(t), partition, int(time.time() * 1000), flags, key, stored)
         if idem is None:
-            await self._append(req, t, [entry])
+            await self._append(req, t, [entry], direct=direct)
             return Response(202, b"", None)
         dup = (await self._append(req, t, [entry], [entry]))[0]
         if dup is None:
@@ -755,16 +801,25 @@ class MessagesAPI:
                 raise BadRequest(f"message {bad[0]}: invalid argument: {bad[1]}")
         entries = []
         watch: list[Entry] = []
+        chosen: set[int] = set()  # keyless partitions chosen here; one alone (sticky) may commit directly
+        placed = False  # a key, an idempotency key or a partition from the client
         for payload, key, part, flags, hdrs, idem in prepared:
             if part is None:
                 part = self.broker.choose_partition(t, key, idem)
+                if key is None and idem is None:
+                    chosen.add(part)
+                else:
+                    placed = True
+            else:
+                placed = True
             fl, stored = with_ext(flags, payload, hdrs, idem)
             e = Entry(t.name, inc, part, now, fl, key, stored)
             entries.append(e)
             if idem is not None:
                 watch.append(e)
         if not watch:
-            await self._append(req, t, entries)
+            direct = next(iter(chosen)) if len(chosen) == 1 and not placed else None
+            await self._append(req, t, entries, direct=direct)
             return json_response(202, {"accepted": len(entries)})
         got = await self._append(req, t, entries, watch)
         out: dict[str, int] = {"accepted": len(entries), "duplicates": sum(1 for d in got if d)}

@@ -99,6 +99,8 @@ TRUST_POLL = 0.05  # how often a starting worker looks for the node's first read
 
 COMMIT_TICK = 0.1
 SWEEP_EVERY = 1.0
+# Test seam: every Nth direct commit fails before writing anything (its records take the WAL).
+FAIL_DIRECT_EVERY = int(os.environ.get("NARAD_FAULT_DIRECT_COMMIT_FAIL_EVERY", "0") or 0)
 REAP_EVERY = 60.0
 EVICT_EVERY = 1.0  # idle logs are looked for this often (a quarter of a shorter idle setting)
 CLOSE_BATCH = 16  # partition closes run this many at a time
@@ -209,6 +211,8 @@ class Broker:
         self._crr = RoundRobin()  # where a consume starts among this worker's partitions
         self._sticky: dict[str, tuple[int, int]] = {}  # topic -> (WAL group epoch, keyless partition)
         self._group_epoch = 0
+        self.direct_in_flight = 0  # records of direct commits not yet answered (the WAL-pending gauge adds them)
+        self._direct_tries = 0
         self._route_cache: dict[tuple[str, int], int] = {}
         self._owned_cache: dict[Any, _Placement] = {}
         self._name_slots: dict[str, int] = {}  # topic name -> its slot in the version array
@@ -246,6 +250,9 @@ class Broker:
         self.m_round_logs = _metric(reg, metrics.Counter, "narad_storage_commit_round_logs_total",
                                     "partition commits those rounds carried (per round: the logs one sync covered)")
         self._rounds_seen = (0, 0)
+        self.m_direct = _metric(reg, metrics.Counter, "narad_produced_direct_messages_total",
+                                "keyless messages committed straight into a partition this worker owns, without the "
+                                "ingress WAL (the rest go through it)")
         # Fan-out cursors for the parent partitions this worker owns (off without the
         # supervisor's caught-up and confirm-epoch answers: nothing would start safely).
         self.fanout = FanoutEngine(self, fanout or FanoutSettings(), caught_up, confirm_epoch)
@@ -652,6 +659,48 @@ class Broker:
         p = await self.partition(t, partition)
         p.idem_window_ms = t.idem_window_ms  # a PATCH may have changed it
         return await p.commit(records, self.commit_rounds)
+
+    def commit_direct(self, t: TopicRecord, partition: int, records: list[tuple[bytes | None, int, bytes]]
+                      ) -> asyncio.Future[Committed] | None:
+        """Produce without the WAL: keyless records whose partition was chosen here (so it
+        is one this worker owns) are committed straight into it, when it is open, this
+        worker owns it by the replica it trusts, and it is not frozen for a move. Returns
+        the commit's future (durable, read back, visible when it resolves: the 202 may
+        follow), or None when that is not possible now. A future that fails committed
+        nothing that counts (a failed write or sync is cut away): the caller takes the
+        WAL. Only keyless, unpinned records come here; a key's order and an idempotency
+        key's check stay with the WAL and the dispatcher (docs/architecture.md,
+        "Direct commits")."""
+        p = self.partitions.get((t.name, partition))
+        if p is None or p.topic_id != t.id or p.closed or self.wal.failed is not None or not self.routes_trusted():
+            return None  # (a latched WAL failure refuses every produce until a restart, direct ones too)
+        node, worker = self.where(t, partition)
+        if node != self.node_id or worker != self.index or p.frozen():
+            return None
+        if FAIL_DIRECT_EVERY:  # test seam: this commit fails as a failed write would (nothing written)
+            self._direct_tries += 1
+            if self._direct_tries % FAIL_DIRECT_EVERY == 0:
+                failed: asyncio.Future[Committed] = self.loop.create_future()
+                failed.set_exception(OSError(5, "direct commit failed (NARAD_FAULT_DIRECT_COMMIT_FAIL_EVERY)"))
+                return failed
+        try:
+            fut = p.submit(records, self.commit_rounds)
+        except (OSError, NaradError):
+            return None
+        n = len(records)
+        self.direct_in_flight += n
+        epoch = self._group_epoch
+        m_direct = self.m_direct
+
+        def done(f: asyncio.Future[Committed]) -> None:
+            self.direct_in_flight -= n
+            if not f.cancelled() and f.exception() is None:
+                m_direct.inc(n)
+            if self._group_epoch == epoch:  # the keyless choice moves on once a commit, as after a WAL group
+                self._group_epoch += 1
+
+        fut.add_done_callback(done)
+        return fut
 
     async def deliver(self, topic: str, topic_id: str, partition: int, entries: list[Entry]) -> str | Committed:
         """Dispatcher target: commit at the owner, here or one hop away. Returns the
@@ -1698,7 +1747,7 @@ class Broker:
             self.m_round_logs.inc(logs - self._rounds_seen[1])
             self._rounds_seen = (rounds, logs)
             self.m.dispatch_backlog.set(self.wal.backlog)
-            self.m.wal_pending.set(max(0, self.wal.next_seq - 1 - self.wal.durable_seq))
+            self.m.wal_pending.set(max(0, self.wal.next_seq - 1 - self.wal.durable_seq) + self.direct_in_flight)
             failed = self.wal.failed is not None
             if failed and not self._wal_failed_counted:
                 self._wal_failed_counted = True  # latched until a restart: counted once

@@ -508,6 +508,12 @@ class Partition:
         key) once they are durable, read back intact and visible. Batches that
         arrive while a commit runs are combined into the next one (one frame, one
         fsync)."""
+        return await self.submit(batch, executor)
+
+    def submit(self, batch: list[tuple[bytes | None, int, bytes]], executor: Runner) -> asyncio.Future[Committed]:
+        """``commit`` without the coroutine: queues the batch and returns the future of
+        its commit (raises at once when the partition is closed or frozen). A waiter
+        that cancels the future does not take the batch back: it is committed anyway."""
         if self.closed:
             raise OSError(9, "partition closed")
         self.last_used = time.monotonic()
@@ -519,7 +525,7 @@ class Partition:
         if not self._committing:
             self._committing = True
             self._task = loop.create_task(self._commit_cycle(executor))
-        return await fut
+        return fut
 
     async def _commit_cycle(self, executor: Runner) -> None:
         loop = self.loop

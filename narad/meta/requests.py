@@ -278,7 +278,7 @@ class NodeStatusReq(msgspec.Struct, tag=True, array_like=True):
 class NodeStatusView(msgspec.Struct, array_like=True):
     node: str
     draining: bool
-    produce_in_flight: int  # records staged in the ingress WALs, not yet durable
+    produce_in_flight: int  # records not yet durable: staged in the ingress WALs or in a direct commit
     dispatch_backlog: int  # accepted records not yet confirmed at their owner
     moves: list[MoveWorkerView] = []  # this node's move runners (it is their destination)
     quarantine: list[QuarantinedCopy] = []  # partition copies set aside, never deleted

@@ -146,7 +146,8 @@ class StorageConfig:
         "NARAD_STORAGE_COLD_RETENTION_WALK_MS")
     group_sync: bool = _s(
         True, "Partition commits of a worker that are ready together share one syncfs of the data directory's "
-        "filesystem instead of one fdatasync each (Linux >= 5.8). Set false when the data directory shares its "
+        "filesystem instead of one fdatasync each (only on Linux >= 5.8 with ext4, xfs or btrfs; elsewhere each log "
+        "gets its own fdatasync whatever this says). Set false when the data directory shares its "
         "filesystem with heavy writers: a syncfs waits for their dirty pages too, and their write errors fail it.",
         "NARAD_STORAGE_GROUP_SYNC")
 

@@ -89,12 +89,13 @@ def test_commits_queued_together_share_one_round_and_one_syncfs(tmp_path: Path) 
         first = await one_round(rounds, plogs, "a")
         assert [e for _, e in first] == [None] * 4
         seg_fds = {p.segments[-1].fd for p in plogs}
-        assert len(syncfs_calls) == 1 and not (set(fdatasyncs) & seg_fds), "one syncfs, no log fdatasync"
+        # one syncfs at the thread's start (moving its error cursor past older errors), one for the round
+        assert len(syncfs_calls) == 2 and not (set(fdatasyncs) & seg_fds), "one syncfs, no log fdatasync"
         assert (rounds.rounds, rounds.commits, rounds.group_syncs) == (1, 4, 1)
         # a round of one log syncs that log alone
         alone = await one_round(rounds, plogs[:1], "b")
         assert alone[0][1] is None
-        assert plogs[0].segments[-1].fd in fdatasyncs and len(syncfs_calls) == 1
+        assert plogs[0].segments[-1].fd in fdatasyncs and len(syncfs_calls) == 2
     asyncio.run(main())
     rounds.stop()
     assert [p.hwm for p in plogs] == [6, 3, 3, 3]
@@ -211,3 +212,79 @@ def test_plain_jobs_answer_on_the_loop_from_a_batch_thread(tmp_path: Path) -> No
     assert [t.name for t in threading.enumerate() if t.name == "t-rounds"] == ["t-rounds"]
     rounds.stop()
     assert not [t for t in threading.enumerate() if t.name == "t-rounds"]
+
+
+def test_an_unexpected_error_in_a_round_answers_everyone_and_the_thread_lives(tmp_path: Path) -> None:
+    plogs = logs(tmp_path, 3)
+    rounds = CommitRounds("t-bug", tmp_path)
+
+    def bug(fd: int) -> None:
+        raise ValueError("not an OSError")
+
+    async def main() -> None:
+        assert await rounds.run(asyncio.get_running_loop(), os.getpid) == os.getpid()  # started, cursor moved
+        fileio.syncfs = bug  # type: ignore[assignment]
+        out = await asyncio.wait_for(one_round(rounds, plogs[:2], "bug"), 10)
+        assert all(res is None and isinstance(e, OSError) for res, e in out), out
+        fileio.reset()
+        for p in plogs[:2]:
+            assert p.poisoned is not None
+            assert os.path.getsize(p.segments[-1].path) == 0, "the failed round's frame was cut"
+            assert p.io_lock.acquire(timeout=1), "a lock left held"
+            p.io_lock.release()
+        # the thread lives on: another log still commits
+        again = await asyncio.wait_for(one_round(rounds, plogs[2:], "ok"), 10)
+        assert again[0][1] is None
+    asyncio.run(main())
+    rounds.stop()
+    assert reopened(plogs[2]) == [b"ok-0", b"ok-1", b"ok-2"]
+
+
+def test_two_commits_of_one_log_never_share_a_round(tmp_path: Path) -> None:
+    (plog,) = logs(tmp_path, 1)
+    rounds = CommitRounds("t-twice", tmp_path)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        gate = threading.Event()
+        held = rounds.run(loop, gate.wait, 10)
+        (e1, d1), (e2, d2) = batch(plog, "one"), batch(plog, "two")
+        f1, f2 = rounds.commit(loop, plog, e1), rounds.commit(loop, plog, e2)
+        gate.set()
+        await held
+        r1 = await asyncio.wait_for(f1, 10)
+        plog.publish(*r1, d1)
+        r2 = await asyncio.wait_for(f2, 10)
+        plog.publish(*r2, d2)
+    asyncio.run(main())
+    rounds.stop()
+    assert rounds.rounds == 2
+    assert reopened(plog) == [b"one-0", b"one-1", b"one-2", b"two-0", b"two-1", b"two-2"]
+
+
+def test_a_failed_fdatasync_moves_the_syncfs_cursor(tmp_path: Path) -> None:
+    plogs = logs(tmp_path, 1)
+    rounds = CommitRounds("t-cursor", tmp_path)
+    calls: list[int] = []
+    real_syncfs = fileio.syncfs
+    fileio.syncfs = lambda fd: (calls.append(fd), real_syncfs(fd))[1]  # type: ignore[assignment]
+
+    def eio(fd: int) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    async def main() -> None:
+        assert [e for _, e in await one_round(rounds, plogs, "ok")] == [None]
+        assert len(calls) == 1  # at start
+        fileio.fdatasync = eio  # type: ignore[assignment]
+        out = await one_round(rounds, plogs, "x")
+        assert isinstance(out[0][1], OSError)
+        assert len(calls) == 2, "the failed fdatasync's error (the superblock's too) was stepped over"
+    asyncio.run(main())
+    rounds.stop()
+
+
+def test_syncfs_is_trusted_only_where_it_reports_write_errors(tmp_path: Path) -> None:
+    ok, why = fileio.syncfs_reports_errors("/proc")
+    assert not ok and "proc" in why
+    ok, why = fileio.syncfs_reports_errors(tmp_path)
+    assert ok == any(fs in why for fs in fileio.SYNCFS_FILESYSTEMS), why

@@ -5,8 +5,10 @@ frontier that falls behind retention."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -150,3 +152,35 @@ def test_reserve_hands_out_the_lowest_deliverable_offsets(tmp_path_factory: pyte
         for d in got:
             live[d.offset] = (d.nonce, now + 30.0)
         now += 0.5
+
+
+def test_a_commit_that_fails_unexpectedly_answers_its_waiter_and_commits_the_rest_once(tmp_path: Path) -> None:
+    """A non-OSError out of a commit (a bug) answers that batch's waiters with an error;
+    the batches queued behind it commit and are answered; nothing is committed twice."""
+    p = _partition(tmp_path, 0)
+    real = p.log.write_commit
+    gate = threading.Event()
+    calls: list[int] = []
+
+    def flaky(envs: list[bytes]) -> Any:
+        calls.append(len(envs))
+        if len(calls) == 1:
+            gate.wait(5)
+            raise ValueError("not an OSError")
+        return real(envs)
+    p.log.write_commit = flaky  # type: ignore[method-assign]
+
+    async def main() -> None:
+        p.loop = asyncio.get_running_loop()
+        with ThreadPoolExecutor(2) as ex:
+            fa = p.submit([(None, 0, b"A")], ex)
+            await asyncio.sleep(0)  # A's cycle starts; B queues behind it
+            fb = p.submit([(None, 0, b"B")], ex)
+            gate.set()
+            with pytest.raises(OSError, match="partition commit failed"):
+                await asyncio.wait_for(fa, 10)
+            assert (await asyncio.wait_for(fb, 10))[0] == 0
+            assert (await asyncio.wait_for(p.submit([(None, 0, b"C")], ex), 10))[0] == 1
+    asyncio.run(main())
+    assert [p.log.read(o)[3] for o in range(p.log.hwm)] == [b"B", b"C"]
+    assert not p._commit_queue

@@ -51,6 +51,7 @@ from narad.api.router import Reply, Request, Response, Router, empty, json_respo
 from narad.broker import caps as CAPS
 from narad.broker.broker import ACK, EXTEND, NACK
 from narad.broker.dispatcher import Watch
+from narad.broker.partition import FrameDurable
 from narad.broker.peers import Item
 from narad.broker.validation import ValidationCapacity
 from narad.errors import (
@@ -517,8 +518,11 @@ class MessagesAPI:
             if direct is not None:
                 fut = self.broker.commit_direct(t, direct, [(None, e.flags, e.payload) for e in entries])
                 if fut is not None:
-                    try:
-                        await fut
+                    try:  # shielded: a hang-up does not cancel the commit under the other waiters
+                        await asyncio.shield(fut)
+                    except FrameDurable:
+                        self.m.messages_accepted.labels(t.name).inc(len(entries))
+                        return []
                     except Exception as e:  # nothing of it counts: the WAL takes the records
                         log.debug("direct commit refused; through the WAL", extra={
                             "topic": t.name, "partition": direct, "err": f"{type(e).__name__}: {e}"})
@@ -577,15 +581,25 @@ class MessagesAPI:
                 w.done.add_done_callback(verdict)
 
         if direct is not None:
-            fut = self.broker.commit_direct(t, direct, [(None, e.flags, e.payload) for e in entries])
+            try:
+                fut = self.broker.commit_direct(t, direct, [(None, e.flags, e.payload) for e in entries])
+            except BaseException:
+                if ident is not None and self.caps is not None:
+                    self.caps.give_back(self.ctx.worker_index, CAPS.PRODUCE, ident, n)
+                raise
             if fut is not None:
                 def direct_done(f: asyncio.Future[Any]) -> None:
-                    if not f.cancelled() and f.exception() is None:
+                    if f.cancelled():  # nobody cancels it; if something did, the batch may still commit
+                        if ident is not None and self.caps is not None:
+                            self.caps.give_back(self.ctx.worker_index, CAPS.PRODUCE, ident, n)
+                        reply(InternalError("produce failed"))
+                        return
+                    exc = f.exception()
+                    if exc is None or isinstance(exc, FrameDurable):
                         done(None)
                         return
-                    if not f.cancelled():
-                        log.debug("direct commit refused; through the WAL", extra={
-                            "topic": t.name, "partition": direct, "err": repr(f.exception())})
+                    log.debug("direct commit refused; through the WAL", extra={
+                        "topic": t.name, "partition": direct, "err": repr(exc)})
                     try:
                         self.broker.wal.append_cb(entries, done)
                     except BaseException as e:  # answered here: no request handler is left to

@@ -79,7 +79,15 @@ from narad.broker.deadletter import DeadLetterDriver
 from narad.broker.dispatcher import Dispatcher, Watch
 from narad.broker.fanout import FanoutEngine, FanoutSettings
 from narad.broker.moves import MoveRunner, MoveSource
-from narad.broker.partition import MAX_REASON_CHARS, Committed, Partition, finish_stats, rfc3339_ms, stats_from_disk
+from narad.broker.partition import (
+    MAX_REASON_CHARS,
+    Committed,
+    FrameDurable,
+    Partition,
+    finish_stats,
+    rfc3339_ms,
+    stats_from_disk,
+)
 from narad.broker.routing import RoundRobin, key_partition, owner_worker
 from narad.errors import BadGateway, Conflict, NaradError, NotFound, Unavailable
 from narad.meta import versions as V
@@ -666,11 +674,13 @@ class Broker:
         is one this worker owns) are committed straight into it, when it is open, this
         worker owns it by the replica it trusts, and it is not frozen for a move. Returns
         the commit's future (durable, read back, visible when it resolves: the 202 may
-        follow), or None when that is not possible now. A future that fails committed
-        nothing that counts (a failed write or sync is cut away): the caller takes the
-        WAL. Only keyless, unpinned records come here; a key's order and an idempotency
-        key's check stay with the WAL and the dispatcher (docs/architecture.md,
-        "Direct commits")."""
+        follow), or None when that is not possible now. A future that fails with
+        ``FrameDurable`` committed the records (202); any other failure left no frame
+        (a failed write or sync is cut away; if the cut fails the log is poisoned and
+        the frame may come back after a restart, a duplicate): the caller takes the WAL.
+        Only keyless, unpinned records come here; a key's order and an idempotency key's
+        check stay with the WAL and the dispatcher (docs/architecture.md, "Direct
+        commits")."""
         p = self.partitions.get((t.name, partition))
         if p is None or p.topic_id != t.id or p.closed or self.wal.failed is not None or not self.routes_trusted():
             return None  # (a latched WAL failure refuses every produce until a restart, direct ones too)
@@ -694,7 +704,7 @@ class Broker:
 
         def done(f: asyncio.Future[Committed]) -> None:
             self.direct_in_flight -= n
-            if not f.cancelled() and f.exception() is None:
+            if not f.cancelled() and (f.exception() is None or isinstance(f.exception(), FrameDurable)):
                 m_direct.inc(n)
             if self._group_epoch == epoch:  # the keyless choice moves on once a commit, as after a WAL group
                 self._group_epoch += 1

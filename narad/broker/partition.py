@@ -103,6 +103,12 @@ MAX_REASON_CHARS = 256  # a nack reason is at most 256 bytes of UTF-8 (the API c
 log = logging.getLogger("narad.broker.partition")
 
 MAX_COMBINED_BYTES = 16 << 20
+
+
+class FrameDurable(OSError):
+    """A commit whose frame is durable (synced and read back) but could not be made
+    visible (the partition closed itself): the records count as produced, they are
+    there after a reopen. A direct produce answers 202 on it; nothing commits them again."""
 Committed = tuple[int, list[int]]  # first offset, indexes of the batch's duplicates (idempotent produce)
 
 
@@ -595,6 +601,17 @@ class Partition:
                         if not f.done():
                             f.set_exception(OSError(e.errno or 5, f"partition commit failed: {e}"))
                     continue
+                except BaseException as e:  # a bug or a cancellation: every waiter of the batch is answered
+                    if not isinstance(e, asyncio.CancelledError):
+                        log.exception("partition commit failed", extra={"topic": self.topic,
+                                                                        "partition": self.index})
+                        metrics.get().errors.labels("storage", "commit_failed").inc()
+                    for _, f in queue:
+                        if not f.done():
+                            f.set_exception(OSError(5, f"partition commit failed: {e!r}"))
+                    if isinstance(e, asyncio.CancelledError):
+                        raise
+                    continue
                 base, seg, pos, fsize, rolled = res
                 if fresh:
                     before = table.evicted
@@ -611,7 +628,7 @@ class Partition:
                     self.closed = True
                     for _, f in queue:
                         if not f.done():
-                            f.set_exception(OSError(5, f"partition publish failed: {e}"))
+                            f.set_exception(FrameDurable(5, f"partition publish failed: {e}"))
                     break
                 if self.m_produced is not None:
                     self.m_produced.value += len(decoded)
@@ -627,12 +644,13 @@ class Partition:
                 if self.on_visible is not None:
                     self.on_visible(self, len(decoded))
         finally:
+            # Whatever is still queued (closed, frozen or a cancellation) is refused and
+            # dropped: its waiters take another way, and a later cycle never commits it.
             self._committing = False
             for _, f in self._commit_queue:
                 if not f.done():
                     f.set_exception(OSError(9, "partition closed"))
-            if self.closed:
-                self._commit_queue.clear()
+            self._commit_queue.clear()
 
     async def quiesce(self) -> None:
         """Stop taking commits and wait for the one in flight (before closing)."""

@@ -15,17 +15,26 @@ about two thirds of the machine's CPU with one ``syncfs`` than with six ``fdatas
 calls (one journal commit and one device flush instead of six;
 loadtest/bench_commit_rounds.py, figures in docs/architecture.md).
 
-Why a ``syncfs`` is as strong as an ``fdatasync`` of each log here (Linux >= 5.8): it
-writes back and waits for every dirty page of the filesystem (pages already under
-writeback included), commits the journal and flushes the device; and it reports any
-writeback error recorded on the filesystem since the last ``syncfs`` through the same
-open file. Rounds run one at a time on one thread with one such descriptor, so every
-error after the previous round's check is reported to the next round: a page of this
-round was written after that check, so its failure cannot have been taken by an
-earlier round. What it costs: an error on any file of that filesystem fails the round,
-and every log in it is poisoned until reopened, as after a failed ``fdatasync`` (put
-the data directory on its own filesystem); a round waits for every dirty page of the
-filesystem, another program's included.
+Why a ``syncfs`` is as strong as an ``fdatasync`` of each log here: it writes back and
+waits for every dirty page of the filesystem (pages already under writeback included),
+commits the journal and flushes the device; and on Linux >= 5.8, on ext4, xfs or btrfs
+(``fileio.syncfs_reports_errors``; not overlayfs, whose syncfs misses the upper
+filesystem's errors), it reports any writeback error recorded on the filesystem since
+the last ``syncfs`` through the same open file. Anywhere else the rounds use one
+``fdatasync`` per log. Rounds run one at a time on one thread with one such
+descriptor, so every error after the previous round's check is reported to the next
+round: a page of this round was written after that check, so its failure cannot have
+been taken by an earlier round. The descriptor's cursor is moved past older errors at
+start and after a round whose ``fdatasync`` failed (that error is the superblock's too),
+so an error already dealt with does not fail a later round. What it costs: a new error
+on any file of that filesystem fails the round, and every log in it is poisoned until
+reopened, as after a failed ``fdatasync`` (put the data directory on its own
+filesystem); a round waits for every dirty page of the filesystem, another program's
+included.
+
+Whatever goes wrong in a round, every lock it took is released, every commit and job
+is answered, and a commit answered with an error left no frame behind (its frame is
+cut; if the cut fails, the log is poisoned); the thread does not die.
 
 Plain jobs (``run``) execute on the same thread between rounds.
 
@@ -35,6 +44,7 @@ Imports narad.storage.{fileio,iothreads,partition_log}.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import threading
@@ -109,11 +119,16 @@ class CommitRounds:
             raise RuntimeError(f"{self.name}: closed")
         if self._thread is None:
             if self.group_sync:
-                try:
-                    self._sync_fd = os.open(self.sync_dir, os.O_RDONLY | os.O_DIRECTORY)
-                    self._sync_dev = os.fstat(self._sync_fd).st_dev
-                except OSError:
-                    self._sync_fd, self._sync_dev = -1, -1
+                ok, why = fileio.syncfs_reports_errors(self.sync_dir)
+                if ok:
+                    try:
+                        self._sync_fd = os.open(self.sync_dir, os.O_RDONLY | os.O_DIRECTORY)
+                        self._sync_dev = os.fstat(self._sync_fd).st_dev
+                    except OSError as e:
+                        self._sync_fd, self._sync_dev, ok, why = -1, -1, False, str(e)
+                if not ok:
+                    self.group_sync = False
+                    log.info("commit rounds sync each log with fdatasync", extra={"why": why})
             self._thread = threading.Thread(target=self._serve, name=self.name, daemon=True)
             self._thread.start()
 
@@ -130,32 +145,51 @@ class CommitRounds:
             self._sync_fd = -1
 
     # ---- the round thread -------------------------------------------------------------
+    def _advance_cursor(self, why: str) -> None:
+        """A syncfs whose result is set aside: moves this descriptor's error cursor past
+        errors already dealt with (at start: errors nobody saw yet; after a round whose
+        fdatasync failed: that error, which the superblock records too), so they do not
+        fail a later round of innocent logs. Rounds are serial: no frame of a later round
+        is written yet."""
+        if self._sync_fd < 0:
+            return
+        try:
+            fileio.syncfs(self._sync_fd)
+        except OSError as e:
+            log.warning("syncfs reported an earlier write error on the data directory's filesystem",
+                        extra={"when": why, "err": str(e)})
+
     def _serve(self) -> None:
         batch_class()
+        self._advance_cursor("start")
         cond = self._cond
+        carry: list[Commit] = []  # commits put off to the next round (a second one for a log)
         while True:
             with cond:
-                while not self._commits and not self._jobs and not self.closed:
+                while not self._commits and not self._jobs and not carry and not self.closed:
                     cond.wait()
-                commits, self._commits = self._commits, []
+                commits, self._commits = carry + self._commits, []
                 jobs, self._jobs = self._jobs, []
                 if not commits and not jobs:
                     return  # closed and drained
+            carry = []
             done: dict[asyncio.AbstractEventLoop, list[Done]] = {}
-            for loop, fut, fn, args in jobs:
-                try:
-                    done.setdefault(loop, []).append((fut, fn(*args), None))
-                except BaseException as e:  # answered on the loop
-                    done.setdefault(loop, []).append((fut, None, e))
-            if commits:
-                try:
-                    self._round(commits, done)
-                except BaseException as e:  # a bug: never leave a commit unanswered
-                    log.exception("commit round failed", extra={"thread": self.name})
-                    answered = {id(f) for answers in done.values() for f, _, _ in answers}
-                    for loop, fut, _, _ in commits:
-                        if id(fut) not in answered:
-                            done.setdefault(loop, []).append((fut, None, e))
+            try:
+                for loop, fut, fn, args in jobs:
+                    try:
+                        done.setdefault(loop, []).append((fut, fn(*args), None))
+                    except BaseException as e:  # answered on the loop
+                        done.setdefault(loop, []).append((fut, None, e))
+                if commits:
+                    carry = self._round(commits, done)
+            except BaseException as e:  # a bug: never leave a commit or a job unanswered
+                log.exception("commit round failed", extra={"rounds": self.name})
+                answered = {id(f) for answers in done.values() for f, _, _ in answers}
+                err = OSError(5, f"commit round failed: {e!r}")
+                for loop, fut, *_ in [*commits, *jobs]:
+                    if id(fut) not in answered:
+                        done.setdefault(loop, []).append((fut, None, err))
+                carry = []
             for loop, answers in done.items():
                 try:
                     loop.call_soon_threadsafe(_answer, answers)
@@ -163,47 +197,78 @@ class CommitRounds:
                     pass
             del commits, jobs, done
 
-    def _round(self, commits: list[Commit], done: dict[asyncio.AbstractEventLoop, list[Done]]) -> None:
+    def _round(self, commits: list[Commit], done: dict[asyncio.AbstractEventLoop, list[Done]]) -> list[Commit]:
+        """One round: stage, sync, finish. Returns the commits put off to the next round
+        (a second commit for a log already in this one: never two in a round, since its
+        lock is not reentrant). Every lock taken is released, whatever happens."""
         staged: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[Any], PartitionLog, Staged]] = []
-        for loop, fut, plog, records in commits:
-            plog.io_lock.acquire()
-            try:
-                st = plog.stage_commit(records)
-            except BaseException as e:
-                plog.io_lock.release()
-                done.setdefault(loop, []).append((fut, None, e))
-                continue
-            staged.append((loop, fut, plog, st))
-        if not staged:
-            return
-        self.rounds += 1
-        self.commits += len(staged)
-        t0 = time.perf_counter()
-        errs: list[OSError | None]
-        if len(staged) > 1 and self._sync_fd >= 0 and all(p.dev == self._sync_dev for _, _, p, _ in staged):
-            self.group_syncs += 1
-            try:
-                fileio.syncfs(self._sync_fd)
-                errs = [None] * len(staged)
-            except OSError as e:
-                errs = [e] * len(staged)
-        else:
-            errs = []
-            for _, _, _, st in staged:
+        later: list[Commit] = []
+        held: list[PartitionLog] = []
+        seen: set[int] = set()
+        failed_io = False
+        try:
+            for c in commits:
+                loop, fut, plog, records = c
+                if id(plog) in seen:
+                    later.append(c)
+                    continue
+                seen.add(id(plog))
+                plog.io_lock.acquire()
+                held.append(plog)
                 try:
-                    fileio.fdatasync(st.seg.fd)
-                    errs.append(None)
-                except OSError as e:
-                    errs.append(e)
-        took = time.perf_counter() - t0
-        for (loop, fut, plog, st), err in zip(staged, errs, strict=True):
-            try:
-                if err is not None:
-                    plog.sync_failed(st, err)
-                    raise OSError(err.errno or 5, err.strerror or str(err))
-                plog.last_sync_s = took
-                done.setdefault(loop, []).append((fut, plog.finish_commit(st), None))
-            except BaseException as e:
-                done.setdefault(loop, []).append((fut, None, e))
-            finally:
+                    st = plog.stage_commit(records)
+                except BaseException as e:  # nothing of it stays written
+                    held.pop()
+                    plog.io_lock.release()
+                    failed_io = True  # (an fdatasync of its hwm file may have failed: the superblock's too)
+                    done.setdefault(loop, []).append((fut, None, e if isinstance(e, OSError) else
+                                                      OSError(5, f"commit failed: {e!r}")))
+                    continue
+                staged.append((loop, fut, plog, st))
+            if not staged:
+                if failed_io:
+                    self._advance_cursor("after a failed commit")
+                return later
+            self.rounds += 1
+            self.commits += len(staged)
+            t0 = time.perf_counter()
+            errs: list[OSError | None]
+            if len(staged) > 1 and self._sync_fd >= 0 and all(p.dev == self._sync_dev for _, _, p, _ in staged):
+                self.group_syncs += 1
+                try:
+                    fileio.syncfs(self._sync_fd)
+                    errs = [None] * len(staged)
+                except BaseException as e:  # whatever it was, nothing of the round is known durable
+                    err = e if isinstance(e, OSError) else OSError(5, f"syncfs failed: {e!r}")
+                    errs = [err] * len(staged)
+            else:
+                errs = []
+                for _, _, _, st in staged:
+                    try:
+                        fileio.fdatasync(st.seg.fd)
+                        errs.append(None)
+                    except BaseException as e:
+                        errs.append(e if isinstance(e, OSError) else OSError(5, f"fdatasync failed: {e!r}"))
+                        failed_io = True
+            took = time.perf_counter() - t0
+            for (loop, fut, plog, st), err in zip(staged, errs, strict=True):
+                try:
+                    if err is not None:
+                        plog.sync_failed(st, err)
+                        raise OSError(err.errno or 5, err.strerror or str(err))
+                    plog.last_sync_s = took
+                    done.setdefault(loop, []).append((fut, plog.finish_commit(st), None))
+                except BaseException as e:
+                    done.setdefault(loop, []).append((fut, None, e if isinstance(e, OSError) else
+                                                      OSError(5, f"commit failed: {e!r}")))
+                finally:
+                    held.remove(plog)
+                    plog.io_lock.release()
+            if failed_io:
+                self._advance_cursor("after a failed commit")
+            return later
+        finally:
+            for plog in held:  # only on an unexpected exception: the frames are cut, the logs poisoned
+                with contextlib.suppress(BaseException):
+                    plog.sync_failed(next(st for _, _, p, st in staged if p is plog), OSError(5, "commit round failed"))
                 plog.io_lock.release()

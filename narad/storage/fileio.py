@@ -41,6 +41,42 @@ except (OSError, AttributeError):  # not glibc/Linux: callers fall back to fdata
 
 syncfs: Callable[[int], None] = _os_syncfs
 
+# Filesystems whose syncfs reports data writeback errors through the superblock's error
+# counter (Linux >= 5.8). Not overlayfs: its syncfs checks the overlay's own counter,
+# and errors writing the upper files land on the upper filesystem's.
+SYNCFS_FILESYSTEMS = frozenset({"ext4", "xfs", "btrfs"})
+
+
+def syncfs_reports_errors(path: str | os.PathLike[str]) -> tuple[bool, str]:
+    """Whether a syncfs through a descriptor of `path` reports every writeback error
+    of its filesystem (Linux >= 5.8, and a filesystem in SYNCFS_FILESYSTEMS found for
+    the path's device in /proc/self/mountinfo); and why not."""
+    if not HAVE_SYNCFS:
+        return False, "no syncfs(2) in this C library"
+    rel = os.uname().release
+    try:
+        major, minor = (int(x) for x in rel.split("-", 1)[0].split(".")[:2])
+    except ValueError:
+        return False, f"kernel release {rel!r} not understood"
+    if (major, minor) < (5, 8):
+        return False, f"kernel {rel} is older than 5.8 (syncfs does not report data write errors)"
+    st = os.stat(path)
+    dev = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+    fstype = None
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) > 2 and fields[2] == dev and " - " in line:
+                    fstype = line.split(" - ", 1)[1].split()[0]
+    except OSError as e:
+        return False, f"/proc/self/mountinfo unreadable: {e}"
+    if fstype is None:
+        return False, f"no mount found for device {dev}"
+    if fstype not in SYNCFS_FILESYSTEMS:
+        return False, f"filesystem {fstype} (group sync is used on {', '.join(sorted(SYNCFS_FILESYSTEMS))})"
+    return True, f"{fstype} on kernel {rel}"
+
 
 def write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
     view = memoryview(data)

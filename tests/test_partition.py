@@ -184,3 +184,30 @@ def test_a_commit_that_fails_unexpectedly_answers_its_waiter_and_commits_the_res
     asyncio.run(main())
     assert [p.log.read(o)[3] for o in range(p.log.hwm)] == [b"B", b"C"]
     assert not p._commit_queue
+
+
+def test_a_frame_that_cannot_be_published_fails_and_stays_hidden(tmp_path: Path) -> None:
+    """The frame is synced and read back but publishing it fails: the waiter gets an
+    error (a direct produce then gives its records to the WAL), the partition closes,
+    and after its clean close the frame stays hidden behind the high watermark, so the
+    records are not there twice. (A 202 on such a frame would lose them: the clean
+    close hides it.)"""
+    p = _partition(tmp_path, 0)
+
+    def broken(*_a: Any) -> None:
+        raise RuntimeError("publish broke")
+    p.log.publish = broken  # type: ignore[method-assign]
+
+    async def main() -> None:
+        p.loop = asyncio.get_running_loop()
+        with ThreadPoolExecutor(1) as ex, pytest.raises(OSError, match="publish failed"):
+            await asyncio.wait_for(p.submit([(None, 0, b"hidden")], ex), 10)
+    asyncio.run(main())
+    assert p.closed
+    p.log.close()
+    again = PartitionLog(tmp_path)
+    again.open()
+    try:
+        assert again.hwm == 0
+    finally:
+        again.close()

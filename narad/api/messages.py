@@ -51,7 +51,6 @@ from narad.api.router import Reply, Request, Response, Router, empty, json_respo
 from narad.broker import caps as CAPS
 from narad.broker.broker import ACK, EXTEND, NACK
 from narad.broker.dispatcher import Watch
-from narad.broker.partition import FrameDurable
 from narad.broker.peers import Item
 from narad.broker.validation import ValidationCapacity
 from narad.errors import (
@@ -516,13 +515,10 @@ class MessagesAPI:
                                       f"(limit {self.produce_cap} per node)")
         try:
             if direct is not None:
-                fut = self.broker.commit_direct(t, direct, [(None, e.flags, e.payload) for e in entries])
+                fut = self.broker.commit_direct(t, direct, entries)
                 if fut is not None:
                     try:  # shielded: a hang-up does not cancel the commit under the other waiters
                         await asyncio.shield(fut)
-                    except FrameDurable:
-                        self.m.messages_accepted.labels(t.name).inc(len(entries))
-                        return []
                     except Exception as e:  # nothing of it counts: the WAL takes the records
                         log.debug("direct commit refused; through the WAL", extra={
                             "topic": t.name, "partition": direct, "err": f"{type(e).__name__}: {e}"})
@@ -557,6 +553,10 @@ class MessagesAPI:
                                       f"(limit {self.produce_cap} per node)")
         w: Watch | None = None
 
+        def give_back() -> None:
+            if ident is not None and self.caps is not None:
+                self.caps.give_back(self.ctx.worker_index, CAPS.PRODUCE, ident, n)
+
         def verdict(_: object = None) -> None:
             assert w is not None
             self.broker.unwatch(w)
@@ -564,8 +564,7 @@ class MessagesAPI:
             reply(json_response(202, {"duplicate": None, "pending": True} if dup is None else {"duplicate": dup}))
 
         def done(err: OSError | None) -> None:
-            if ident is not None and self.caps is not None:
-                self.caps.give_back(self.ctx.worker_index, CAPS.PRODUCE, ident, n)
+            give_back()
             if err is not None:
                 if w is not None:
                     self.broker.unwatch(w)
@@ -582,20 +581,18 @@ class MessagesAPI:
 
         if direct is not None:
             try:
-                fut = self.broker.commit_direct(t, direct, [(None, e.flags, e.payload) for e in entries])
+                fut = self.broker.commit_direct(t, direct, entries)
             except BaseException:
-                if ident is not None and self.caps is not None:
-                    self.caps.give_back(self.ctx.worker_index, CAPS.PRODUCE, ident, n)
+                give_back()
                 raise
             if fut is not None:
                 def direct_done(f: asyncio.Future[Any]) -> None:
                     if f.cancelled():  # nobody cancels it; if something did, the batch may still commit
-                        if ident is not None and self.caps is not None:
-                            self.caps.give_back(self.ctx.worker_index, CAPS.PRODUCE, ident, n)
+                        give_back()
                         reply(InternalError("produce failed"))
                         return
                     exc = f.exception()
-                    if exc is None or isinstance(exc, FrameDurable):
+                    if exc is None:
                         done(None)
                         return
                     log.debug("direct commit refused; through the WAL", extra={
@@ -603,8 +600,7 @@ class MessagesAPI:
                     try:
                         self.broker.wal.append_cb(entries, done)
                     except BaseException as e:  # answered here: no request handler is left to
-                        if ident is not None and self.caps is not None:
-                            self.caps.give_back(self.ctx.worker_index, CAPS.PRODUCE, ident, n)
+                        give_back()
                         if isinstance(e, WALFailed):
                             self.m.wal_failed.set(1)
                         else:
@@ -616,13 +612,11 @@ class MessagesAPI:
         try:
             self.broker.wal.append_cb(entries, done)
         except WALFailed as e:
-            if ident is not None and self.caps is not None:
-                self.caps.give_back(self.ctx.worker_index, CAPS.PRODUCE, ident, n)
+            give_back()
             self.m.wal_failed.set(1)
             raise InternalError("produce failed") from e
         except BaseException:
-            if ident is not None and self.caps is not None:
-                self.caps.give_back(self.ctx.worker_index, CAPS.PRODUCE, ident, n)
+            give_back()
             raise
         if watched:  # the seqs are assigned; done() runs only after the sync this waits for
             w = self.broker.watch(entries, IDEM_WAIT_S)

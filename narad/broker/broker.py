@@ -82,7 +82,6 @@ from narad.broker.moves import MoveRunner, MoveSource
 from narad.broker.partition import (
     MAX_REASON_CHARS,
     Committed,
-    FrameDurable,
     Partition,
     finish_stats,
     rfc3339_ms,
@@ -668,16 +667,16 @@ class Broker:
         p.idem_window_ms = t.idem_window_ms  # a PATCH may have changed it
         return await p.commit(records, self.commit_rounds)
 
-    def commit_direct(self, t: TopicRecord, partition: int, records: list[tuple[bytes | None, int, bytes]]
-                      ) -> asyncio.Future[Committed] | None:
+    def commit_direct(self, t: TopicRecord, partition: int, entries: list[Entry]) -> asyncio.Future[Committed] | None:
         """Produce without the WAL: keyless records whose partition was chosen here (so it
         is one this worker owns) are committed straight into it, when it is open, this
         worker owns it by the replica it trusts, and it is not frozen for a move. Returns
         the commit's future (durable, read back, visible when it resolves: the 202 may
-        follow), or None when that is not possible now. A future that fails with
-        ``FrameDurable`` committed the records (202); any other failure left no frame
-        (a failed write or sync is cut away; if the cut fails the log is poisoned and
-        the frame may come back after a restart, a duplicate): the caller takes the WAL.
+        follow), or None when that is not possible now. A future that fails left no
+        visible frame (a failed write or sync is cut away; a frame that could not be
+        published stays hidden behind the high watermark): the caller takes the WAL. Only
+        a crash can bring such a frame back (a failed cut, or a kill before the close that
+        hides an unpublished one): a duplicate, never a loss.
         Only keyless, unpinned records come here; a key's order and an idempotency key's
         check stay with the WAL and the dispatcher (docs/architecture.md, "Direct
         commits")."""
@@ -694,17 +693,17 @@ class Broker:
                 failed.set_exception(OSError(5, "direct commit failed (NARAD_FAULT_DIRECT_COMMIT_FAIL_EVERY)"))
                 return failed
         try:
-            fut = p.submit(records, self.commit_rounds)
+            fut = p.submit([(None, e.flags, e.payload) for e in entries], self.commit_rounds)
         except (OSError, NaradError):
             return None
-        n = len(records)
+        n = len(entries)
         self.direct_in_flight += n
         epoch = self._group_epoch
         m_direct = self.m_direct
 
         def done(f: asyncio.Future[Committed]) -> None:
             self.direct_in_flight -= n
-            if not f.cancelled() and (f.exception() is None or isinstance(f.exception(), FrameDurable)):
+            if not f.cancelled() and f.exception() is None:
                 m_direct.inc(n)
             if self._group_epoch == epoch:  # the keyless choice moves on once a commit, as after a WAL group
                 self._group_epoch += 1

@@ -104,11 +104,6 @@ log = logging.getLogger("narad.broker.partition")
 
 MAX_COMBINED_BYTES = 16 << 20
 
-
-class FrameDurable(OSError):
-    """A commit whose frame is durable (synced and read back) but could not be made
-    visible (the partition closed itself): the records count as produced, they are
-    there after a reopen. A direct produce answers 202 on it; nothing commits them again."""
 Committed = tuple[int, list[int]]  # first offset, indexes of the batch's duplicates (idempotent produce)
 
 
@@ -626,9 +621,12 @@ class Partition:
                                   extra={"topic": self.topic, "partition": self.index})
                     metrics.get().errors.labels("storage", "commit_failed").inc()
                     self.closed = True
+                    # Failed, not committed: a clean close writes the high watermark below the
+                    # frame, which stays hidden; the waiters' records take another way (the
+                    # WAL). Only a crash before that close can show the frame too: a duplicate.
                     for _, f in queue:
                         if not f.done():
-                            f.set_exception(FrameDurable(5, f"partition publish failed: {e}"))
+                            f.set_exception(OSError(5, f"partition publish failed: {e}"))
                     break
                 if self.m_produced is not None:
                     self.m_produced.value += len(decoded)

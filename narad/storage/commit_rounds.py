@@ -81,7 +81,7 @@ class CommitRounds:
     def __init__(self, name: str, sync_dir: str | os.PathLike[str], *, group_sync: bool = True) -> None:
         self.name = name
         self.sync_dir = Path(sync_dir)
-        self.group_sync = group_sync and fileio.HAVE_SYNCFS
+        self.group_sync = group_sync  # and, at start, where syncfs reports write errors (``_admit``)
         self._sync_fd = -1
         self._sync_dev = -1
         self._cond = threading.Condition(threading.Lock())

@@ -6,11 +6,11 @@ worker opens a partition's log (its owner).
 
 Commit (``write_commit``, run on an I/O thread; one commit at a time per
 log): write the batch as one frame at the end of the active segment,
-fdatasync, read the frame back and check its CRC. The same three phases are
-public (``stage_commit``, ``sync_failed``, ``finish_commit`` under ``io_lock``)
-for narad.storage.commit_rounds, which syncs several logs at once. Only then does the owner
+fdatasync, read the frame back and check its CRC. Only then does the owner
 ``publish`` it (event-loop thread): the high watermark advances and readers
-may see the records. A failed write, sync or read-back truncates the frame
+may see the records. The three phases are public too (``stage_commit``,
+``sync_failed``, ``finish_commit``, under ``io_lock``) for
+narad.storage.commit_rounds, which syncs several logs at once. A failed write, sync or read-back truncates the frame
 away (the WAL will commit the same records again, so a leftover would be a
 permanent duplicate); a failed fdatasync poisons the log until it is reopened
 (a later successful fsync proves nothing about the lost pages).

@@ -246,6 +246,22 @@ def test_kill9_leader_just_before_a_flip(tmp_path: Path) -> None:
     scale_with_fault(tmp_path, {"NARAD_FAULT_MOVE_HOLD_FLIP_MS": "3000"}, fault, "kill -9 leader before a flip")
 
 
+def test_kill9_source_just_before_a_flip(tmp_path: Path) -> None:
+    """The source dies after the fence, while the destination holds its flip for 4 s, and
+    restarts at once: it must open the partition still frozen (its freeze is durable),
+    so nothing it takes meanwhile lands in the copy the flip leaves behind (the traffic's
+    keyless records at the source would: every one answered 202 must be delivered)."""
+    def fault(c: Cluster, h: History) -> None:
+        n4 = c["n4"]
+        wait_for(lambda: _log_has(n4, "move held before its flip (test seam)"), 60, 0.05, "a move before its flip")
+        src = next(m["from"] for m in moves(n4) if m["to"] == "n4")
+        victim = c[src]
+        victim.kill9()
+        victim.start()
+
+    scale_with_fault(tmp_path, {"NARAD_FAULT_MOVE_HOLD_FLIP_MS": "4000"}, fault, "kill -9 source before a flip")
+
+
 def test_abort_a_frozen_move_lifts_the_freeze_and_keeps_the_owner(tmp_path: Path) -> None:
     """A move held in its frozen phase is aborted: 202 with the move, the target is
     cleared at once, the runner abandons it and thaws the source; the planner may

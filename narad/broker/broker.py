@@ -503,6 +503,13 @@ class Broker:
         frontier, ahead = offs.load(max_frontier=plog.hwm - 1)  # a frontier past the log is damage
         p = Partition(topic.name, topic.id, index, plog, offs)
         p.restore(frontier, ahead, offs.counts, offs.reasons)
+        frozen = TR.read_freeze(d)  # a move's freeze made before a restart holds for the rest of its TTL
+        if frozen is not None:
+            left_s = (frozen[1] - time.time() * 1000) / 1000
+            if left_s > 0:
+                p.freeze_token, p.freeze_until = frozen[0], time.monotonic() + left_s
+                log.info("partition opened frozen for a move (a freeze made before a restart)", extra={
+                    "topic": topic.name, "partition": index, "ttl_left_s": round(left_s, 1)})
         p.max_deliveries = topic.max_deliveries if topic.dead_letter_topic else 0
         # Idempotent produce: the keys committed within the window, from the log itself.
         p.idem_window_ms = topic.idem_window_ms

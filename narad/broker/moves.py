@@ -12,6 +12,9 @@ Destination (``MoveRunner``, one task per partition whose target is this node):
 2. freeze the source (``MoveFreezeReq``): it refuses new commits (the dispatchers
    retry; the records land here after the flip) and new leases; acks of existing
    leases still work. The freeze token is re-armed every TTL/4 on its own timer;
+   the source makes each freeze and renewal durable (``freeze.marker``) before it
+   answers, so a source restarted within the TTL opens the partition frozen (the
+   flip may commit while it is down or starting: nothing may land behind the copy);
 3. finalize: copy until two passes in a row copy nothing at the same high
    watermark; make the copy durable and verify that it recovers to exactly that
    high watermark (else discard it and copy again; twice: blocked);
@@ -213,11 +216,16 @@ class MoveSource:
         p = await self.b.partition(t, m.partition)
         ttl = max(1.0, min(m.ttl_ms, 120_000) / 1000.0)
         now = time.monotonic()
+        d = partition_dir(self.b.data_dir, t.name, t.id, m.partition)
+        loop = self.b.loop
         if m.token:
             if p.freeze_token != m.token or now >= p.freeze_until:
                 raise Conflict(f"the freeze of partition {m.partition} of {t.name} lapsed (or the source "
                                "restarted): commits may have landed behind the copy", code="freeze_lapsed")
             p.freeze_until = now + ttl
+            # Durable before it is answered: a restart of this node keeps the partition frozen
+            # for the rest of the TTL (the flip this renewal covers may commit meanwhile).
+            await loop.run_in_executor(self.b.io, TR.write_freeze, d, m.token, int(time.time() * 1000 + ttl * 1000))
             if m.renew_only:
                 return P.MoveFreezeResp(m.token)
         else:
@@ -226,6 +234,8 @@ class MoveSource:
                                                                               "partition": m.partition})
             p.freeze_token = secrets.token_hex(8)
             p.freeze_until = now + ttl
+            await loop.run_in_executor(self.b.io, TR.write_freeze, d, p.freeze_token,
+                                       int(time.time() * 1000 + ttl * 1000))
             metrics.get().move_freezes.inc()
             log.info("partition frozen for a move", extra={"topic": t.name, "partition": m.partition,
                                                           "ttl_s": ttl})
@@ -238,8 +248,6 @@ class MoveSource:
         frontier, ahead = p.snapshot_offsets()
         counts = sorted(p.snapshot_counts().items())  # delivery counts move with the positions
         reasons = sorted(p.snapshot_reasons().items())  # and the last nack reasons
-        d = partition_dir(self.b.data_dir, t.name, t.id, m.partition)
-        loop = self.b.loop
         cursors = await loop.run_in_executor(self.b.io, read_cursors, d)
         hwm, segs = await loop.run_in_executor(self.b.io, TR.list_open, p.log)
         return P.MoveFreezeResp(p.freeze_token or "", hwm, frontier, ahead, cursors,
@@ -248,10 +256,16 @@ class MoveSource:
 
     async def thaw(self, m: P.MoveThawReq) -> P.MoveFreezeResp:
         p = self.b.partitions.get((m.topic, m.partition))
+        d = partition_dir(self.b.data_dir, m.topic, m.topic_id, m.partition)
         if p is not None and p.topic_id == m.topic_id and p.freeze_token == m.token:
             p.freeze_token = None
             p.freeze_until = 0.0
+            await self.b.loop.run_in_executor(self.b.io, TR.clear_freeze, d)
             log.info("move freeze lifted", extra={"topic": m.topic, "partition": m.partition})
+        elif p is None and m.token:  # not open (restarted since): its marker alone holds the freeze
+            held = await self.b.loop.run_in_executor(self.b.io, TR.read_freeze, d)
+            if held is not None and held[0] == m.token:
+                await self.b.loop.run_in_executor(self.b.io, TR.clear_freeze, d)
         return P.MoveFreezeResp("")
 
 

@@ -22,6 +22,10 @@ and the sizes the last ``durable`` synced; after a reboot (power loss may
 have left unsynced bytes as garbage) each file is cut back to its synced
 size and fetched again from there.
 
+Freeze: ``freeze.marker`` in a source partition directory holds its move freeze
+(token, until wall-clock ms), written durably before the freeze is answered and
+read at the partition's open (``write_freeze`` / ``read_freeze``).
+
 Quarantine: ``<partition dir>.quarantine-<kind>-<n>`` (kinds: stale_copy,
 install_conflict, unverifiable), never deleted here; ``moved_aside`` renames
 a source's directory after the flip to ``<partition dir>.moved-<token>``.
@@ -57,6 +61,7 @@ MAX_SEGMENT_BYTES = max(PL.SEGMENT_BYTES, FR.HEADER_SIZE + FR.MAX_FRAME_BYTES)
 FUTURE_SLACK_MS = 3600 * 1000  # a source segment time further ahead than this is not believed
 STATE_FILE = "staging.state"
 MARKER_FILE = "move.marker"
+FREEZE_FILE = "freeze.marker"  # a source's move freeze: {"token", "until_ms"} (wall clock), durable
 _SEG_RE = re.compile(r"^(\d{20})\.log$")
 _KIND_RE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
 _TOKEN_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -626,6 +631,33 @@ def read_marker(d: Path) -> dict[str, object] | None:
     except (OSError, ValueError):
         return None
     return doc if isinstance(doc, dict) else None
+
+
+def write_freeze(d: Path, token: str, until_ms: int) -> None:
+    """Make a source partition's move freeze durable in `d` (before it is answered): a
+    restart within its TTL keeps the partition frozen, so nothing lands behind a copy
+    whose flip may still commit (``read_freeze`` at open)."""
+    fileio.replace_durable(Path(d) / FREEZE_FILE, json.dumps({"token": token, "until_ms": until_ms}).encode())
+    fileio.fsync_dir(os.fspath(d))
+
+
+def read_freeze(d: Path) -> tuple[str, int] | None:
+    """The freeze ``write_freeze`` left in `d`: (token, until wall-clock ms), or None."""
+    try:
+        doc = json.loads((Path(d) / FREEZE_FILE).read_bytes())
+        token, until = doc["token"], doc["until_ms"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(token, str) or not isinstance(until, int) or not _TOKEN_RE.match(token):
+        return None
+    return token, until
+
+
+def clear_freeze(d: Path) -> None:
+    """The freeze was lifted: its marker goes (a leftover only delays commits until its TTL)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(Path(d) / FREEZE_FILE)
+        fileio.fsync_dir(os.fspath(d))
 
 
 def moved_aside(d: Path, token: str) -> Path:

@@ -33,7 +33,8 @@ PART = ("topic", "partition")  # the labels of a partition's series
 # narad_errors_total{component,kind}: every pair some process counts, present at zero
 ERROR_KINDS = (("storage", "commit_failed"), ("storage", "fsync_poisoned"), ("storage", "offset_write_failed"),
                ("wal", "write_failed"), ("http", "internal"), ("metastore", "snapshot_failed"),
-               ("metastore", "fail_stop"), ("metrics", "poll_failed"), ("broker", "housekeeping_failed"))
+               ("metastore", "fail_stop"), ("metrics", "poll_failed"), ("broker", "housekeeping_failed"),
+               ("broker", "direct_hop_unknown"))
 SCHEMA_REJECTION_REASONS = ("depth", "malformed", "invalid", "busy", "canceled")
 AUTH_FAILURE_REASONS = ("bad_password",)
 

@@ -43,8 +43,8 @@ def payload(i: int, salt: str) -> str:
 def produce_known(n: Node, topic: str, salt: str, count: int = N_MSGS, start: int = 0,
                   through_wal: bool = False) -> dict[str, int]:
     """Produce `count` distinct payloads; -> payload -> id. ``through_wal``: each names
-    its partition (round robin), so none takes a direct commit and every record is in
-    the ingress WAL."""
+    its partition (round robin; on a node made by ``new_node(through_wal=True)`` every
+    record is then in the ingress WAL)."""
     sent: dict[str, int] = {}
     for i in range(start, start + count):
         p = payload(i, salt)
@@ -152,8 +152,13 @@ def check_delivery(got: list[dict[str, Any]], sent: dict[str, int], must: set[st
 SALT = ["s"]
 
 
-def new_node(tmp_path: Path, workers: int = 1) -> Node:
-    return Node(tmp_path / "data", workers=workers, env={"NARAD_PIN_WORKERS": "false"})
+def new_node(tmp_path: Path, workers: int = 1, through_wal: bool = False) -> Node:
+    """``through_wal``: every direct commit fails (a test seam), so every record produced
+    is in the ingress WAL."""
+    env = {"NARAD_PIN_WORKERS": "false"}
+    if through_wal:
+        env["NARAD_FAULT_DIRECT_COMMIT_FAIL_EVERY"] = "1"
+    return Node(tmp_path / "data", workers=workers, env=env)
 
 
 # ---- partition segments -----------------------------------------------------------------------------
@@ -194,7 +199,7 @@ def test_corrupt_partition_segments(tmp_path: Path, seed: int) -> None:
 def test_corrupt_wal_and_checkpoint(tmp_path: Path, seed: int) -> None:
     rnd = random.Random(seed)
     SALT[0] = f"wal{seed}"
-    n = new_node(tmp_path).start()
+    n = new_node(tmp_path, through_wal=True).start()
     try:
         assert n.post("/v1/topics", {"name": "c", "partitions": PARTS}).status == 201
         sent = produce_known(n, "c", SALT[0], through_wal=True)
@@ -217,7 +222,7 @@ def test_corrupt_wal_mid_segment_keeps_later_records(tmp_path: Path) -> None:
     frame in the middle of the WAL must cost that record only, not every record
     after it."""
     SALT[0] = "walmid"
-    n = new_node(tmp_path).start()
+    n = new_node(tmp_path, through_wal=True).start()
     try:
         assert n.post("/v1/topics", {"name": "c", "partitions": PARTS}).status == 201
         # Stop the dispatcher from committing: make the partitions' owner look absent by

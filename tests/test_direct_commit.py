@@ -1,10 +1,13 @@
 """Direct commits: a keyless produce whose partition the receiving worker chose (one it
 owns, open) is committed straight into that partition, without the ingress WAL, and
 answered 202 after that commit's sync and read-back. On a real node with forked
-workers: ordinary keyless produce takes it (single, the synchronous entry, and batch);
-a direct commit that fails (``NARAD_FAULT_DIRECT_COMMIT_FAIL_EVERY``) hands its records
-to the WAL, and every message answered 202 is delivered exactly once; keyed and
-idempotent produce never take it. Kill -9 under direct produce is in tests/test_crash.py."""
+workers: ordinary keyless produce takes it (single, the synchronous entry, and batch),
+and so does idempotent produce, at this worker or one hop away, with the same duplicate
+verdicts (keyed produce without idempotency keys keeps the WAL); a direct commit that
+fails (``NARAD_FAULT_DIRECT_COMMIT_FAIL_EVERY``) hands its records to the WAL, and every
+message answered 202 is delivered exactly once; a key keeps its order when its records
+change paths (the WAL's commits held back by ``NARAD_FAULT_DISPATCH_DELAY_MS``). Kill -9
+under direct produce is in tests/test_crash.py."""
 
 from __future__ import annotations
 
@@ -52,7 +55,7 @@ def produce_all(node: Node, topic: str, singles: int, batches: int) -> list[str]
     return sent
 
 
-def test_keyless_produce_commits_directly_and_keyed_produce_does_not(tmp_path: Any) -> None:
+def test_keyless_keyed_and_idempotent_produce_commit_directly(tmp_path: Any) -> None:
     n = Node(tmp_path / "data", workers=2).start()
     try:
         assert n.post("/v1/topics", {"name": "direct", "partitions": 4}).status == 201
@@ -61,18 +64,110 @@ def test_keyless_produce_commits_directly_and_keyed_produce_does_not(tmp_path: A
         assert 0 < direct <= len(sent)
         assert sorted(drain(n, "direct", len(sent))) == sorted(sent)
 
-        # Keyed and idempotent messages keep the WAL (a key's order, an idempotency key's check).
+        # Idempotent messages go straight to their partition too, at this worker or one hop away (the
+        # other worker owns some of the 4 partitions), once it is open and the link is up; keyed ones
+        # without an idempotency key keep the WAL (one fsync answers them sooner than rounds syncing
+        # every partition their keys hash to).
         assert n.post("/v1/topics", {"name": "keyed", "partitions": 4}).status == 201
-        before = n.metric(DIRECT)  # counted before each 202, so exact here
+        for p in range(4):  # opens every partition (a first record takes the WAL) and dials the links
+            assert n.request("POST", f"/v1/topics/keyed/produce?partition={p}", f"w-{p}".encode(),
+                             headers=OCTET).status == 202
+        drain(n, "keyed", 4)
+        before = n.metric(DIRECT)
         for i in range(30):
             r = n.request("POST", f"/v1/topics/keyed/produce?key=k{i}", f"k-{i}".encode(), headers=OCTET)
             assert r.status == 202, r
+        assert n.metric(DIRECT) == before, "a keyed record without an idempotency key committed directly"
+        for i in range(30):
             r = n.request("POST", f"/v1/topics/keyed/produce?idempotency_key=i{i}", f"i-{i}".encode(),
                           headers=OCTET)
-            assert r.status == 202, r
-        got = drain(n, "keyed", 60)
-        assert sorted(got) == sorted([f"k-{i}" for i in range(30)] + [f"i-{i}" for i in range(30)])
-        assert n.metric(DIRECT) == before, "keyed or idempotent records took a direct commit"
+            assert r.status == 202 and r.json() == {"duplicate": False}, r
+        for i in range(0, 30, 3):  # repeats: answered as such, stored nothing
+            r = n.request("POST", f"/v1/topics/keyed/produce?idempotency_key=i{i}", b"again", headers=OCTET)
+            assert r.status == 202 and r.json() == {"duplicate": True}, r
+        msgs = [{"payload": f"b-{j}", "idempotency_key": f"b{j}"} for j in range(20)]
+        msgs += [{"payload": "again", "idempotency_key": f"b{j}"} for j in range(5)]  # repeats within the batch
+        msgs += [{"payload": "again", "idempotency_key": f"i{j}"} for j in range(5)]  # repeats of earlier ones
+        r = n.post("/v1/topics/keyed/produce/batch", {"messages": msgs})
+        assert r.status == 202 and r.json() == {"accepted": 30, "duplicates": 10}, r
+        # counted before each 202: every idempotent record above (repeats included) was committed directly
+        assert n.metric(DIRECT) - before >= 30 + 10 + 30 - 10, "idempotent produce took the WAL"
+        mid = n.metric(DIRECT)
+        r = n.post("/v1/topics/keyed/produce/batch",
+                   {"messages": [{"payload": f"ko-{j}", "key": "same"} for j in range(10)]})
+        assert r.status == 202 and r.json() == {"accepted": 10}, r
+        r = n.post("/v1/topics/keyed/produce/batch",
+                   {"messages": [{"payload": f"kb-{j}", "key": f"q{j % 7}"} for j in range(20)]})
+        assert r.status == 202 and r.json() == {"accepted": 20}, r
+        assert n.metric(DIRECT) == mid, "a keyed batch without idempotency keys committed directly"
+        got = drain(n, "keyed", 110)
+        assert sorted(got) == sorted([f"k-{i}" for i in range(30)] + [f"i-{i}" for i in range(30)]
+                                     + [f"b-{j}" for j in range(20)] + [f"kb-{j}" for j in range(20)]
+                                     + [f"ko-{j}" for j in range(10)])
+    finally:
+        n.close()
+
+
+def replay_all(node: Node, topic: str, partition: int) -> list[str]:
+    """Partition `partition` of `topic` in offset order."""
+    hwm = node.get(f"/v1/topics/{topic}?partition={partition}").json()["partition_stats"][0]["high_watermark"]
+    out = []
+    for off in range(hwm):
+        r = node.get(f"/v1/topics/{topic}/consume?partition={partition}&offset={off}")
+        assert r.status == 200, r
+        out.append(r.json()["payload"])
+    return out
+
+
+def test_a_key_keeps_its_order_when_its_records_change_paths(tmp_path: Any) -> None:
+    """Keyed records with idempotency keys (which take direct commits): every third direct
+    commit fails and takes the WAL, whose commits start 400 ms late, so its answer comes
+    with its verdict pending (after 100 ms, a test seam): a record of the same key
+    produced through the same worker after that answer must not overtake it by committing
+    directly, here or one hop away (it waits behind the WAL's records for its partition).
+    One keep-alive connection: one worker."""
+    env = {"NARAD_FAULT_DIRECT_COMMIT_FAIL_EVERY": "3", "NARAD_FAULT_DISPATCH_DELAY_MS": "400",
+           "NARAD_FAULT_IDEM_WAIT_MS": "100"}
+    n = Node(tmp_path / "data", workers=2, env=env).start()
+    try:
+        assert n.post("/v1/topics", {"name": "ordered", "partitions": 3}).status == 201
+        for p in range(3):
+            assert n.request("POST", f"/v1/topics/ordered/produce?partition={p}", b"open",
+                             headers=OCTET).status == 202
+        wait_for(lambda: all(n.get(f"/v1/topics/ordered?partition={p}").json()["partition_stats"][0]
+                             ["high_watermark"] == 1 for p in range(3)), 10, 0.02, "every partition open")
+        before = n.metric(DIRECT)
+        keys = ["a", "b", "c", "d", "e", "f"]
+        rounds = 14
+        pending = 0
+        c = n.worker_connection(0)
+        for i in range(rounds):
+            for k in keys:
+                r = n.request("POST", f"/v1/topics/ordered/produce?key={k}&idempotency_key={k}{i}",
+                              f"{k}-{i}".encode(), headers=OCTET, conn=c)
+                assert r.status == 202 and r.json().get("duplicate") in (False, None), r
+                pending += r.json().get("pending", False)
+        r = n.post("/v1/topics/ordered/produce/batch",
+                   {"messages": [{"payload": f"{k}-{rounds}", "key": k, "idempotency_key": f"{k}{rounds}"}
+                                 for k in keys]}, conn=c)
+        assert r.status == 202, r
+        c.close()
+        assert n.metric(DIRECT) > before, "no record took a direct commit"
+        assert pending > 0, "no answer came before its WAL commit (the case this test is about)"
+
+        def all_in() -> bool:
+            return sum(n.get(f"/v1/topics/ordered?partition={p}").json()["partition_stats"][0]
+                       ["high_watermark"] for p in range(3)) == 3 + (rounds + 1) * len(keys)
+
+        wait_for(all_in, 30, 0.05, "every record committed")
+        for p in range(3):
+            seen: dict[str, list[int]] = {}
+            for m in replay_all(n, "ordered", p):
+                if m != "open":
+                    k, i = m.split("-")
+                    seen.setdefault(k, []).append(int(i))
+            for k, order in seen.items():
+                assert order == list(range(rounds + 1)), f"key {k} out of order in partition {p}: {order}"
     finally:
         n.close()
 

@@ -38,6 +38,7 @@ import base64
 import binascii
 import functools
 import logging
+import os
 import re
 import time
 import zlib
@@ -49,7 +50,7 @@ from narad.api.context import NESTED_TOO_DEEP, ApiContext, parse_int
 from narad.api.hangup import cancel_on_hangup
 from narad.api.router import Reply, Request, Response, Router, empty, json_response
 from narad.broker import caps as CAPS
-from narad.broker.broker import ACK, EXTEND, NACK
+from narad.broker.broker import ACK, EXTEND, NACK, DirectBatch
 from narad.broker.dispatcher import Watch
 from narad.broker.peers import Item
 from narad.broker.validation import ValidationCapacity
@@ -93,7 +94,14 @@ _UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, 
 _MSG_IDX = re.compile(r"\$\.messages\[(\d+)\]")
 IDEM_PARAM = "idempotency_key"
 MAX_IDEM_KEY = 128  # bytes of UTF-8
-IDEM_WAIT_S = 5.0  # how long a produce with idempotency keys waits for the owners' verdicts
+# How long a produce with idempotency keys waits for the owners' verdicts (the env: a test seam).
+IDEM_WAIT_S = float(os.environ.get("NARAD_FAULT_IDEM_WAIT_MS", "5000") or 5000) / 1000
+
+
+def _retrieve(f: asyncio.Future[Any]) -> None:
+    """Read a future's outcome nobody waits for any more (no "never retrieved" warning)."""
+    if not f.cancelled():
+        f.exception()
 
 
 def idem_key(raw: str, where: str = "") -> str:
@@ -501,12 +509,19 @@ class MessagesAPI:
         return p
 
     async def _append(self, req: Request, t: TopicRecord, entries: list[Entry],
-                      watch: list[Entry] | None = None, direct: int | None = None) -> list[bool | None]:
-        """Durable in the WAL (202 follows), else the error. ``watch``: entries with an
-        idempotency key, whose owners' duplicate verdicts are returned (in order;
-        None: not known within ``IDEM_WAIT_S``). ``direct``: the partition every entry
-        (keyless, its partition chosen here) goes to: committed there without the WAL
-        when the broker can (``Broker.commit_direct``), else through the WAL."""
+                      watch: list[Entry] | None = None, direct: int | None = None,
+                      spread: bool = False) -> list[bool | None]:
+        """Durable (202 follows), else the error. ``watch``: entries with an idempotency
+        key; returns the verdict of every entry (True: dropped as a repeat of its key;
+        False: stored, or no key; None: not known within ``IDEM_WAIT_S``), or [] without
+        ``watch``. ``direct``: the partition every entry (keyless, its partition chosen
+        here) goes to: committed there without the WAL when the broker can
+        (``Broker.commit_direct``). ``spread``: a produce with idempotency keys (its
+        answer waits for the partitions' commits anyway): the entries whose partition is
+        on this node are committed there without the WAL when they can
+        (``Broker.direct``). Everything else takes the WAL: keyed records without an
+        idempotency key do (one WAL fsync answers them sooner than rounds syncing each
+        partition they hash to: measured)."""
         ident = None
         if self.produce_cap > 0 and self.caps is not None:
             ident = self._identity_key(req)
@@ -525,6 +540,12 @@ class MessagesAPI:
                     else:
                         self.m.messages_accepted.labels(t.name).inc(len(entries))
                         return []
+            elif spread:
+                plan = self.broker.direct(t, entries)
+                if plan is not None:
+                    got = await self._append_plan(entries, watch, plan)
+                    self.m.messages_accepted.labels(t.name).inc(len(entries))
+                    return got
             w = await self.broker.produce(entries, watch, IDEM_WAIT_S)
         except WALFailed as e:
             self.m.wal_failed.set(1)
@@ -535,15 +556,61 @@ class MessagesAPI:
         self.m.messages_accepted.labels(t.name).inc(len(entries))
         if w is None:
             return []
-        return await self.broker.verdicts(w)
+        got = await self.broker.verdicts(w)
+        out: list[bool | None] = [False] * len(entries)
+        at = {id(e): i for i, e in enumerate(entries)}
+        for e, d in zip(watch or (), got, strict=True):
+            out[at[id(e)]] = d
+        return out
+
+    async def _append_plan(self, entries: list[Entry], watch: list[Entry] | None,
+                           plan: DirectBatch) -> list[bool | None]:
+        """``_append`` once ``Broker.direct`` took some entries: the rest go to the WAL at
+        once, and those whose direct commit failed after it; durable when this returns,
+        with every entry's verdict as ``_append`` gives it."""
+        wanted = {id(e) for e in watch} if watch else None
+        waits: list[tuple[asyncio.Future[None], Watch | None, list[int]]] = []
+
+        def to_wal(idx: list[int]) -> None:
+            es = [entries[i] for i in idx]
+            fut, w = self.broker.stage(es, [e for e in es if id(e) in wanted] if wanted else None, IDEM_WAIT_S)
+            waits.append((fut, w, idx))
+
+        out: list[bool | None] = []
+        try:
+            if plan.rest:
+                to_wal(plan.rest)
+            await asyncio.shield(plan.done)  # a hang-up does not cancel the commits under the other waiters
+            if wanted:
+                out = [bool(d) for d in plan.dup]  # (the direct commits' verdicts; the WAL's below)
+            if plan.failed:
+                to_wal(plan.failed)
+            for fut, _w, _idx in waits:
+                await fut
+            for _fut, w, idx in waits:
+                if w is None:
+                    continue
+                got = iter(await self.broker.verdicts(w))
+                for i in idx:
+                    if id(entries[i]) in wanted:  # type: ignore[operator]
+                        v = next(got)  # (in order: one per watched entry of this append)
+                        out[i] = None if i in plan.unknown else v
+        finally:
+            for fut, w, _idx in waits:
+                if w is not None:
+                    self.broker.unwatch(w)
+                if not fut.done():  # given up on (a hang-up): its failure is nobody's to read
+                    fut.add_done_callback(_retrieve)
+        return out
 
     def _append_cb(self, req: Request, t: TopicRecord, entries: list[Entry], reply: Reply,
-                   watched: bool = False, direct: int | None = None) -> None:
+                   watched: bool = False, direct: int | None = None, spread: bool = False) -> None:
         """``_append`` for the synchronous entry: the WAL calls back when the group's sync
         returned and ``reply`` gets the same answer the async path gives (202, or 500).
         ``watched`` (one entry with an idempotency key): the answer waits, by callback, for
-        the owner's duplicate verdict, as the async path's does. ``direct``: as ``_append``'s
-        (the direct commit's callback answers, or hands the entries to the WAL)."""
+        the owner's duplicate verdict, as the async path's does. ``direct`` and ``spread``:
+        as ``_append``'s (a direct commit's callback answers, or hands the entries to the
+        WAL)."""
         ident = None
         n = len(entries)
         if self.produce_cap > 0 and self.caps is not None:
@@ -552,6 +619,8 @@ class MessagesAPI:
                 raise TooManyRequests(f"too many in-flight produce requests for this identity "
                                       f"(limit {self.produce_cap} per node)")
         w: Watch | None = None
+        plan: DirectBatch | None = None
+        unknown = False  # a hop that may have committed it was given up: its verdict is not known
 
         def give_back() -> None:
             if ident is not None and self.caps is not None:
@@ -573,44 +642,67 @@ class MessagesAPI:
                 return
             self.m.messages_accepted.labels(t.name).inc(n)
             if w is None:
-                reply(Response(202, b"", None) if n == 1 else json_response(202, {"accepted": n}))
+                if watched:  # the verdict of a given-up hop: not known
+                    reply(json_response(202, {"duplicate": None, "pending": True}))
+                else:
+                    reply(Response(202, b"", None) if n == 1 else json_response(202, {"accepted": n}))
             elif w.done.done():
                 verdict()
             else:
                 w.done.add_done_callback(verdict)
 
-        if direct is not None:
+        def to_wal() -> None:  # after a refused direct commit: answered here, no handler is left
+            nonlocal w
             try:
-                fut = self.broker.commit_direct(t, direct, entries)
+                self.broker.append_cb(entries, done)
+            except BaseException as e:
+                give_back()
+                if isinstance(e, WALFailed):
+                    self.m.wal_failed.set(1)
+                else:
+                    log.exception("produce failed after a refused direct commit")
+                reply(InternalError("produce failed"))
+                return
+            if watched and not unknown:
+                w = self.broker.watch(entries, IDEM_WAIT_S)
+
+        if direct is not None or spread:
+            try:
+                if direct is not None:
+                    fut: asyncio.Future[Any] | None = self.broker.commit_direct(t, direct, entries)
+                else:
+                    plan = self.broker.direct(t, entries)
+                    fut = plan.done if plan is not None and not plan.rest else None
             except BaseException:
                 give_back()
                 raise
             if fut is not None:
                 def direct_done(f: asyncio.Future[Any]) -> None:
+                    nonlocal unknown
                     if f.cancelled():  # nobody cancels it; if something did, the batch may still commit
                         give_back()
                         reply(InternalError("produce failed"))
                         return
                     exc = f.exception()
-                    if exc is None:
-                        done(None)
-                        return
-                    log.debug("direct commit refused; through the WAL", extra={
-                        "topic": t.name, "partition": direct, "err": repr(exc)})
-                    try:
-                        self.broker.wal.append_cb(entries, done)
-                    except BaseException as e:  # answered here: no request handler is left to
-                        give_back()
-                        if isinstance(e, WALFailed):
-                            self.m.wal_failed.set(1)
+                    if exc is None and (plan is None or not plan.failed):
+                        if plan is not None and watched:
+                            give_back()
+                            self.m.messages_accepted.labels(t.name).inc(n)
+                            reply(json_response(202, {"duplicate": plan.dup[0]}))
                         else:
-                            log.exception("produce failed after a refused direct commit")
-                        reply(InternalError("produce failed"))
+                            done(None)
+                        return
+                    if exc is not None:
+                        log.debug("direct commit refused; through the WAL", extra={
+                            "topic": t.name, "partition": entries[0].partition, "err": repr(exc)})
+                    elif plan is not None:
+                        unknown = bool(plan.unknown)
+                    to_wal()
 
                 fut.add_done_callback(direct_done)
                 return
         try:
-            self.broker.wal.append_cb(entries, done)
+            self.broker.append_cb(entries, done)
         except WALFailed as e:
             give_back()
             self.m.wal_failed.set(1)
@@ -668,7 +760,7 @@ class MessagesAPI:
         if hdrs or idem is not None:
             flags, stored = with_ext(flags, body, hdrs, idem)
         entry = Entry(t.name, self._incarnation(t), partition, int(time.time() * 1000), flags, key, stored)
-        self._append_cb(req, t, [entry], reply, watched=idem is not None, direct=direct)
+        self._append_cb(req, t, [entry], reply, watched=idem is not None, direct=direct, spread=idem is not None)
         return True
 
     async def produce(self, req: Request) -> Response:
@@ -694,7 +786,7 @@ class MessagesAPI:
         if idem is None:
             await self._append(req, t, [entry], direct=direct)
             return Response(202, b"", None)
-        dup = (await self._append(req, t, [entry], [entry]))[0]
+        dup = (await self._append(req, t, [entry], [entry], spread=True))[0]
         if dup is None:
             return json_response(202, {"duplicate": None, "pending": True})
         return json_response(202, {"duplicate": dup})
@@ -829,7 +921,7 @@ class MessagesAPI:
             direct = next(iter(chosen)) if len(chosen) == 1 and not placed else None
             await self._append(req, t, entries, direct=direct)
             return json_response(202, {"accepted": len(entries)})
-        got = await self._append(req, t, entries, watch)
+        got = await self._append(req, t, entries, watch, spread=True)
         out: dict[str, int] = {"accepted": len(entries), "duplicates": sum(1 for d in got if d)}
         pending = sum(1 for d in got if d is None)
         if pending:

@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import resource
@@ -88,7 +89,8 @@ from narad.broker.partition import (
     stats_from_disk,
 )
 from narad.broker.routing import RoundRobin, key_partition, owner_worker
-from narad.errors import BadGateway, Conflict, NaradError, NotFound, Unavailable
+from narad.errors import BadGateway, Conflict, GatewayTimeout, NaradError, NotFound, Unavailable
+from narad.ipc.rpc import ConnectionLost
 from narad.meta import versions as V
 from narad.meta.records import TopicRecord
 from narad.meta.requests import ConfirmEpochReq, ConfirmEpochResp, QuarantinedCopy
@@ -108,6 +110,12 @@ COMMIT_TICK = 0.1
 SWEEP_EVERY = 1.0
 # Test seam: every Nth direct commit fails before writing anything (its records take the WAL).
 FAIL_DIRECT_EVERY = int(os.environ.get("NARAD_FAULT_DIRECT_COMMIT_FAIL_EVERY", "0") or 0)
+# Test seam: the dispatcher's commits of WAL records start this many ms late (records stay on their way).
+DISPATCH_DELAY_S = int(os.environ.get("NARAD_FAULT_DISPATCH_DELAY_MS", "0") or 0) / 1000
+# A direct commit at another worker of this node not answered by then is given up: the WAL takes it.
+DIRECT_HOP_TIMEOUT = 5.0
+# A keyed direct commit waits this long at most for its key's records still in the WAL, then joins them.
+ORDER_WAIT_S = 1.0
 REAP_EVERY = 60.0
 EVICT_EVERY = 1.0  # idle logs are looked for this often (a quarter of a shorter idle setting)
 CLOSE_BATCH = 16  # partition closes run this many at a time
@@ -137,6 +145,40 @@ GIVE_BACK = 3
 
 class Gone(Exception):
     pass
+
+
+def _chain(proxy: asyncio.Future[Any], f: asyncio.Future[Any]) -> None:
+    """Hand `f`'s outcome to `proxy`."""
+    if proxy.done():
+        return
+    if f.cancelled():
+        proxy.cancel()
+    elif f.exception() is not None:
+        proxy.set_exception(f.exception())  # type: ignore[arg-type]
+    else:
+        proxy.set_result(f.result())
+
+
+class DirectBatch:
+    """A produce's direct commits (``Broker.direct``): its records grouped by partition,
+    each group committed straight into its partition on this node (here, or at another
+    worker one hop away) without the ingress WAL. ``done`` resolves (never fails) when
+    every group is answered; then ``failed`` (batch order) are the entries whose commit
+    failed, which the caller hands to the WAL, and ``unknown`` those of them a hop may
+    have committed after all (given up, or its link lost: their duplicate verdict is not
+    known). ``rest`` (batch order) are the entries no direct commit could take: the WAL's
+    from the start. ``dup[i]``: entry i was dropped by its commit as a repeat of an
+    idempotency key."""
+
+    __slots__ = ("done", "dup", "failed", "left", "rest", "unknown")
+
+    def __init__(self, done: asyncio.Future[None], n: int) -> None:
+        self.done = done
+        self.dup: list[bool] = [False] * n
+        self.rest: list[int] = []
+        self.failed: list[int] = []
+        self.unknown: set[int] = set()
+        self.left = 0
 
 
 class _Placement:
@@ -220,6 +262,12 @@ class Broker:
         self._group_epoch = 0
         self.direct_in_flight = 0  # records of direct commits not yet answered (the WAL-pending gauge adds them)
         self._direct_tries = 0
+        # Per-destination order (``_order_clear``): (topic, incarnation, partition) -> the last WAL seq
+        # staged for it; ``_fed_seq``: the last seq handed to the dispatcher (groups go in seq order).
+        self._staged_last: dict[tuple[str, bytes, int], int] = {}
+        self._fed_seq = -1
+        self._order_waits: dict[tuple[str, bytes, int], deque[Callable[[bool], None]]] = {}  # _order_wait
+        self._incs: dict[str, bytes] = {}  # topic id -> its bytes (entries carry the incarnation so)
         self._route_cache: dict[tuple[str, int], int] = {}
         self._owned_cache: dict[Any, _Placement] = {}
         self._name_slots: dict[str, int] = {}  # topic name -> its slot in the version array
@@ -258,8 +306,8 @@ class Broker:
                                     "partition commits those rounds carried (per round: the logs one sync covered)")
         self._rounds_seen = (0, 0)
         self.m_direct = _metric(reg, metrics.Counter, "narad_produced_direct_messages_total",
-                                "keyless messages committed straight into a partition this worker owns, without the "
-                                "ingress WAL (the rest go through it)")
+                                "messages committed straight into their partition on this node (owned by this worker, "
+                                "or by another one a hop away), without the ingress WAL (the rest go through it)")
         # Fan-out cursors for the parent partitions this worker owns (off without the
         # supervisor's caught-up and confirm-epoch answers: nothing would start safely).
         self.fanout = FanoutEngine(self, fanout or FanoutSettings(), caught_up, confirm_epoch)
@@ -277,6 +325,7 @@ class Broker:
         self.loop = asyncio.get_running_loop()
         await self.loop.run_in_executor(self.io, self.wal.open)
         self.wal.on_durable = self._durable
+        self.dispatcher.on_drained = self._on_drained
         replayed = 0
         batch: list[Entry] = []
         for e in self.wal.replay():
@@ -405,7 +454,35 @@ class Broker:
     def _durable(self, entries: list[Entry]) -> None:
         """A WAL group became durable: to the dispatcher; keyless choices move on."""
         self._group_epoch += 1
+        if entries:
+            self._fed_seq = fed = entries[-1].seq
+            if len(self._staged_last) > 4096:  # what was fed is the dispatcher's to tell
+                self._staged_last = {k: v for k, v in self._staged_last.items() if v > fed}
         self.dispatcher.feed(entries)
+
+    def _track_staged(self, entries: list[Entry]) -> None:
+        """Note the WAL seqs just staged per destination (``_order_clear``)."""
+        st = self._staged_last
+        last: tuple[str, bytes, int] | None = None
+        for e in entries:
+            if last is None or e.partition != last[2] or e.topic != last[0] or e.incarnation != last[1]:
+                last = (e.topic, e.incarnation, e.partition)
+            st[last] = e.seq
+
+    def stage(self, entries: list[Entry], watch: list[Entry] | None = None,
+              timeout: float = 5.0) -> tuple[asyncio.Future[None], Watch | None]:
+        """``produce`` without the coroutine: stages `entries` in the WAL and returns the
+        future of their sync, and the dispatcher's Watch on ``watch`` (the caller
+        ``unwatch``es it, ``verdicts`` does). Raises WALFailed if latched."""
+        fut = self.wal.append(entries)
+        self._track_staged(entries)
+        w = self.dispatcher.watch(watch, timeout) if watch else None
+        return fut, w
+
+    def append_cb(self, entries: list[Entry], done: Callable[[OSError | None], None]) -> None:
+        """The WAL's ``append_cb`` (the synchronous produce path), its seqs noted."""
+        self.wal.append_cb(entries, done)
+        self._track_staged(entries)
 
     # ---- produce ------------------------------------------------------------------------------
     async def produce(self, entries: list[Entry], watch: list[Entry] | None = None,
@@ -416,8 +493,7 @@ class Broker:
         (entries of ``entries``, those with an idempotency key): returns the
         dispatcher's Watch on their commit, given up `timeout` after staging
         (``verdicts`` waits for it and unwatches)."""
-        fut = self.wal.append(entries)
-        w = self.dispatcher.watch(watch, timeout) if watch else None
+        fut, w = self.stage(entries, watch, timeout)
         try:
             await fut
         except BaseException:
@@ -684,9 +760,9 @@ class Broker:
         published stays hidden behind the high watermark): the caller takes the WAL. Only
         a crash can bring such a frame back (a failed cut, or a kill before the close that
         hides an unpublished one): a duplicate, never a loss.
-        Only keyless, unpinned records come here; a key's order and an idempotency key's
-        check stay with the WAL and the dispatcher (docs/architecture.md, "Direct
-        commits")."""
+        Only keyless records whose partition was chosen here come here (no order to keep,
+        no key to check); a produce with idempotency keys takes ``direct``
+        (docs/architecture.md, "Direct commits")."""
         p = self.partitions.get((t.name, partition))
         if p is None or p.topic_id != t.id or p.closed or self.wal.failed is not None or not self.routes_trusted():
             return None  # (a latched WAL failure refuses every produce until a restart, direct ones too)
@@ -718,9 +794,210 @@ class Broker:
         fut.add_done_callback(done)
         return fut
 
+    def direct(self, t: TopicRecord, entries: list[Entry]) -> DirectBatch | None:
+        """Produce without the WAL for a produce with idempotency keys (its records may
+        also carry message keys or partitions, and span partitions; its answer waits for
+        their commits anyway): each partition's
+        records are committed straight into it when its owner is on this node (this
+        worker: the partition open, not frozen; another worker: its link up, a
+        ``CommitReq`` one hop away, given up after ``DIRECT_HOP_TIMEOUT``). Everything
+        else is left in ``rest`` for the WAL. Returns None when no record can go directly
+        (the caller takes the WAL for all of them).
+
+        A key's order: a group holding a message key waits until no record this worker
+        took through its WAL for that partition is still on its way there
+        (``_order_clear``; at most ``ORDER_WAIT_S``, then it takes the WAL, behind them),
+        so it lands after every record produced here before it was answered, as through
+        the WAL. The idempotency keys are checked at the commit, as through the WAL
+        (whichever copy of a key is committed first is kept, and the other answered as
+        its duplicate); a commit that failed left nothing visible (see ``commit_direct``),
+        except a hop given up or cut off, which may have committed: its records are in
+        ``unknown`` and are sent again through the WAL (an idempotent record is then
+        found as a repeat of itself, and its answer says the verdict is pending; any
+        other may be stored twice, as after a crash: counted in
+        ``narad_errors_total{component="broker", kind="direct_hop_unknown"}`` and logged)."""
+        if not entries or self.wal.failed is not None or not self.routes_trusted():
+            return None
+        groups: dict[int, list[int]] = {}
+        for i, e in enumerate(entries):
+            g = groups.get(e.partition)
+            if g is None:
+                groups[e.partition] = [i]
+            else:
+                g.append(i)
+        plan: DirectBatch | None = None
+        rest: list[int] = []
+        inc = entries[0].incarnation
+        for part, idx in groups.items():
+            es = [entries[i] for i in idx]
+            fut = self._direct_group(t, part, inc, es)
+            if fut is None:
+                rest.extend(idx)
+                continue
+            if plan is None:
+                plan = DirectBatch(self.loop.create_future(), len(entries))
+            plan.left += 1
+            self.direct_in_flight += len(idx)
+            fut.add_done_callback(self._direct_settled(plan, idx))
+        if plan is None:
+            return None
+        rest.sort()
+        plan.rest = rest
+        return plan
+
+    def _direct_target(self, t: TopicRecord, part: int) -> Partition | int | None:
+        """Where a direct commit of partition `part` goes now: the open Partition (this
+        worker), another worker's index (its link up), or None (the WAL's)."""
+        node, worker = self.where(t, part)
+        if node != self.node_id or worker is None:
+            return None
+        if worker == self.index:
+            p = self.partitions.get((t.name, part))
+            if p is None or p.topic_id != t.id or p.closed or p.frozen():
+                return None
+            return p
+        return worker if self.links.connected(worker) else None
+
+    def _direct_group(self, t: TopicRecord, part: int, inc: bytes, es: list[Entry]
+                      ) -> asyncio.Future[Committed] | None:
+        """One partition's records of ``direct``: the future of their commit, or None
+        (the WAL takes them)."""
+        if not 0 <= part < t.partitions or inc != self._inc_of(t) or self._direct_target(t, part) is None:
+            return None
+        records = [(e.key, e.flags, e.payload) for e in es]
+        key = (t.name, inc, part)
+        if any(r[0] for r in records) and not self._order_clear(key):
+            # A key's records still on their way through this worker's WAL: this group waits
+            # for them (a later group of the partition waits behind it: _order_clear says no).
+            proxy: asyncio.Future[Committed] = self.loop.create_future()
+
+            def go(clear: bool) -> None:
+                if proxy.done():
+                    return
+                try:
+                    f = self._direct_submit(t, part, records) if clear else None
+                except Exception as e:  # never left unanswered: the WAL takes the records
+                    log.exception("direct commit failed to start")
+                    proxy.set_exception(OSError(5, f"direct commit failed to start: {e!r}"))
+                    return
+                if f is None:
+                    proxy.set_exception(OSError(11, "a key's earlier records are still on their way (the WAL "
+                                                    "takes this one)" if not clear else "direct commit not possible"))
+                    return
+                f.add_done_callback(functools.partial(_chain, proxy))
+
+            self._order_wait(key, go)
+            return proxy
+        return self._direct_submit(t, part, records)
+
+    def _direct_submit(self, t: TopicRecord, part: int, records: list[tuple[bytes | None, int, bytes]]
+                       ) -> asyncio.Future[Committed] | None:
+        target = self._direct_target(t, part)
+        if target is None:
+            return None
+        if FAIL_DIRECT_EVERY:  # test seam: this commit fails as a failed write would (nothing written)
+            self._direct_tries += 1
+            if self._direct_tries % FAIL_DIRECT_EVERY == 0:
+                failed: asyncio.Future[Committed] = self.loop.create_future()
+                failed.set_exception(OSError(5, "direct commit failed (NARAD_FAULT_DIRECT_COMMIT_FAIL_EVERY)"))
+                return failed
+        if isinstance(target, Partition):
+            target.idem_window_ms = t.idem_window_ms  # a PATCH may have changed it (as commit_local does)
+            try:
+                return target.submit(records, self.commit_rounds)
+            except (OSError, NaradError):
+                return None
+        return self.loop.create_task(self._hop_commit(target, P.CommitReq(t.name, t.id, part, records)))
+
+    async def _hop_commit(self, worker: int, req: P.CommitReq) -> Committed:
+        r = await self.links.call(worker, req, P.CommitResp, timeout=DIRECT_HOP_TIMEOUT)
+        return r.base, r.dups
+
+    def _order_clear(self, key: tuple[str, bytes, int]) -> bool:
+        """No record this worker took through its WAL for destination `key` is still on
+        its way there (staged, queued at the dispatcher or in flight), and no direct
+        commit of a key waits for them: a record committed there directly now lands
+        after every record produced here before it was answered."""
+        if key in self._order_waits:
+            return False
+        last = self._staged_last.get(key)
+        if last is not None:
+            if last > self._fed_seq:
+                return False
+            del self._staged_last[key]  # fed: the dispatcher says from here on
+        return not self.dispatcher.busy(key)
+
+    def _order_wait(self, key: tuple[str, bytes, int], go: Callable[[bool], None]) -> None:
+        """Call ``go(True)`` once `key` is clear (``_on_drained``), in arrival order, or
+        ``go(False)`` after ``ORDER_WAIT_S``."""
+        waits = self._order_waits.get(key)
+        if waits is None:
+            waits = self._order_waits[key] = deque()
+        waits.append(go)
+
+        def expire() -> None:
+            q = self._order_waits.get(key)
+            if q is not None and go in q:
+                q.remove(go)
+                if not q:
+                    del self._order_waits[key]
+                go(False)
+                self._on_drained(key)  # the ones behind it may be clear by now
+
+        self.loop.call_later(ORDER_WAIT_S, expire)
+
+    def _on_drained(self, key: tuple[str, bytes, int]) -> None:
+        """The dispatcher has nothing more for `key` (or a wait expired): the direct
+        commits waiting for it go, in order, when nothing else is on its way."""
+        waits = self._order_waits.get(key)
+        if not waits:
+            return
+        del self._order_waits[key]
+        if not self._order_clear(key):
+            self._order_waits[key] = waits  # a WAL record of it is on its way again: still waiting
+            return
+        for go in waits:
+            try:
+                go(True)
+            except Exception:  # (go answers its own failures; this is a last guard for the ones behind it)
+                log.exception("direct commit waiter failed")
+
+    def _inc_of(self, t: TopicRecord) -> bytes:
+        inc = self._incs.get(t.id)
+        if inc is None:
+            if len(self._incs) > 10_000:
+                self._incs.clear()
+            inc = self._incs[t.id] = bytes.fromhex(t.id)
+        return inc
+
+    def _direct_settled(self, plan: DirectBatch, idx: list[int]) -> Callable[[asyncio.Future[Committed]], None]:
+        def settled(f: asyncio.Future[Committed]) -> None:
+            self.direct_in_flight -= len(idx)
+            exc: BaseException | None = asyncio.CancelledError() if f.cancelled() else f.exception()
+            if exc is None:
+                for j in f.result()[1]:
+                    plan.dup[idx[j]] = True
+                self.m_direct.inc(len(idx))
+            else:
+                log.debug("direct commit failed; through the WAL", extra={
+                    "records": len(idx), "err": f"{type(exc).__name__}: {exc}"})
+                plan.failed.extend(idx)
+                if isinstance(exc, (GatewayTimeout, ConnectionLost, asyncio.CancelledError)):
+                    plan.unknown.update(idx)  # a hop given up or cut off: it may have committed them
+                    log.warning("direct commit at another worker given up; its records go through the WAL "
+                                "(they may be stored twice)", extra={"records": len(idx), "err": str(exc)})
+                    metrics.get().errors.labels("broker", "direct_hop_unknown").inc()
+            plan.left -= 1
+            if plan.left == 0 and not plan.done.done():
+                plan.failed.sort()
+                plan.done.set_result(None)
+        return settled
+
     async def deliver(self, topic: str, topic_id: str, partition: int, entries: list[Entry]) -> str | Committed:
         """Dispatcher target: commit at the owner, here or one hop away. Returns the
         owner's (first offset, duplicate indexes), or "gone"."""
+        if DISPATCH_DELAY_S:
+            await asyncio.sleep(DISPATCH_DELAY_S)
         t = self.store.topic(topic)
         if t is None or t.id != topic_id:
             # Never discard on local absence alone: the replica may be behind.

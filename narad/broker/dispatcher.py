@@ -35,6 +35,7 @@ import itertools
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Protocol
 
 from narad.storage import frames as FR
@@ -136,6 +137,8 @@ class Dispatcher:
         # Watch deadlines, in order (one timeout for all): one timer for them all, not one each.
         self._deadlines: deque[Watch] = deque()
         self._watch_timer: asyncio.TimerHandle | None = None
+        # Called with a destination once nothing is queued or in flight for it (after a commit).
+        self.on_drained: Callable[[tuple[str, bytes, int]], None] | None = None
 
     def watch(self, entries: list[Entry], timeout: float) -> Watch:
         """Follow these staged entries (their seqs are assigned) to their commit;
@@ -222,6 +225,11 @@ class Dispatcher:
                 d.groups.extend(itertools.repeat(g, j - i))
             i = j
         self._pump()
+
+    def busy(self, key: tuple[str, bytes, int]) -> bool:
+        """Records for this destination are queued here or in flight to it."""
+        d = self._dests.get(key)
+        return d is not None and (d.inflight or bool(d.entries))
 
     @property
     def backlog(self) -> int:
@@ -311,6 +319,11 @@ class Dispatcher:
             for g in groups:
                 g.remaining -= 1
             self._advance()
+            if not d.entries and self.on_drained is not None:
+                try:
+                    self.on_drained(key)
+                except Exception:
+                    log.exception("dispatcher drain callback failed")
         else:
             # Keep order: the batch goes back in front of whatever queued since.
             d.kept, d.probe_kept = 0, False

@@ -338,6 +338,11 @@ class PeerLinks:
         finally:
             self._connecting.pop(i, None)
 
+    def connected(self, i: int) -> bool:
+        """A link to worker `i` is open now (a call would not have to dial)."""
+        c = self._conns.get(i)
+        return c is not None and not c.closed
+
     async def call(self, i: int, msg: Any, resp_type: type[T], timeout: float = 5.0) -> T:
         self._count(msg)
         c = await self.conn(i)

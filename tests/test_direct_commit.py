@@ -12,6 +12,7 @@ under direct produce is in tests/test_crash.py."""
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 from tests.harness import Node, wait_for
@@ -182,5 +183,43 @@ def test_a_failed_direct_commit_hands_its_records_to_the_wal(tmp_path: Any) -> N
         direct = n.metric(DIRECT)  # counted before each 202
         # every third direct attempt failed and went through the WAL: at most two thirds committed directly
         assert 0 < direct <= len(sent) * 2 / 3 + 10
+    finally:
+        n.close()
+
+
+def test_an_idempotent_produce_frees_its_in_flight_share_once_durable(tmp_path: Any) -> None:
+    """The per-identity produce cap counts a produce until it is durable, not while it
+    waits for its WAL records' verdicts: a batch with one record committed directly and
+    one through the WAL (its partition not open yet; the WAL's commits start 1.5 s late)
+    is durable at once, so a second produce that fits the cap only without it is taken."""
+    from narad.broker.routing import key_partition
+
+    env = {"NARAD_FAULT_DISPATCH_DELAY_MS": "1500", "NARAD_HTTP_MAX_PRODUCE_IN_FLIGHT_PER_IDENTITY": "20"}
+    n = Node(tmp_path / "data", workers=1, env=env).start()
+    try:
+        assert n.post("/v1/topics", {"name": "capped", "partitions": 3}).status == 201
+        assert n.request("POST", "/v1/topics/capped/produce?partition=0", b"open", headers=OCTET).status == 202
+        wait_for(lambda: n.get("/v1/topics/capped?partition=0").json()["partition_stats"][0]["high_watermark"] == 1,
+                 10, 0.02, "partition 0 open")
+        k0 = next(f"a{i}" for i in range(1000) if key_partition(f"a{i}".encode(), 3) == 0)
+        k1 = next(f"b{i}" for i in range(1000) if key_partition(f"b{i}".encode(), 3) == 1)
+        first: list[Any] = []
+
+        def produce_first() -> None:
+            first.append(n.post("/v1/topics/capped/produce/batch",
+                                {"messages": [{"payload": "x0", "idempotency_key": k0},
+                                              {"payload": "x1", "idempotency_key": k1}]}))
+
+        import threading
+        th = threading.Thread(target=produce_first)
+        t0 = time.monotonic()
+        th.start()
+        time.sleep(0.4)  # the first is durable by now and waits for partition 1's verdict (1.5 s)
+        assert not first, "the first produce was answered before its WAL record's verdict"
+        r = n.post("/v1/topics/capped/produce/batch", {"messages": [{"payload": f"y{i}"} for i in range(19)]})
+        assert r.status == 202, f"a durable produce waiting for its verdicts still held its share: {r}"
+        th.join(10)
+        assert first and first[0].status == 202 and first[0].json() == {"accepted": 2, "duplicates": 0}, first
+        assert time.monotonic() - t0 >= 1.0, "the verdict came without waiting for the delayed commit"
     finally:
         n.close()

@@ -42,6 +42,7 @@ import os
 import re
 import time
 import zlib
+from collections.abc import Callable
 from typing import Annotated, Any
 
 import msgspec
@@ -528,6 +529,13 @@ class MessagesAPI:
             if not self.caps.try_take(self.ctx.worker_index, CAPS.PRODUCE, ident, len(entries), self.produce_cap):
                 raise TooManyRequests(f"too many in-flight produce requests for this identity "
                                       f"(limit {self.produce_cap} per node)")
+        held = [ident is not None and self.caps is not None]
+
+        def release() -> None:  # once: when durable (a verdict wait does not hold the cap), or on failure
+            if held[0] and self.caps is not None:
+                held[0] = False
+                self.caps.give_back(self.ctx.worker_index, CAPS.PRODUCE, ident, len(entries))
+
         try:
             if direct is not None:
                 fut = self.broker.commit_direct(t, direct, entries)
@@ -543,16 +551,17 @@ class MessagesAPI:
             elif spread:
                 plan = self.broker.direct(t, entries)
                 if plan is not None:
-                    got = await self._append_plan(entries, watch, plan)
-                    self.m.messages_accepted.labels(t.name).inc(len(entries))
-                    return got
+                    def durable() -> None:
+                        release()
+                        self.m.messages_accepted.labels(t.name).inc(len(entries))
+
+                    return await self._append_plan(entries, watch, plan, durable)
             w = await self.broker.produce(entries, watch, IDEM_WAIT_S)
         except WALFailed as e:
             self.m.wal_failed.set(1)
             raise InternalError("produce failed") from e
         finally:
-            if ident is not None and self.caps is not None:
-                self.caps.give_back(self.ctx.worker_index, CAPS.PRODUCE, ident, len(entries))
+            release()
         self.m.messages_accepted.labels(t.name).inc(len(entries))
         if w is None:
             return []
@@ -564,10 +573,11 @@ class MessagesAPI:
         return out
 
     async def _append_plan(self, entries: list[Entry], watch: list[Entry] | None,
-                           plan: DirectBatch) -> list[bool | None]:
+                           plan: DirectBatch, durable: Callable[[], None]) -> list[bool | None]:
         """``_append`` once ``Broker.direct`` took some entries: the rest go to the WAL at
-        once, and those whose direct commit failed after it; durable when this returns,
-        with every entry's verdict as ``_append`` gives it."""
+        once, and those whose direct commit failed after it; ``durable()`` is called once
+        every entry is (before the WAL's verdicts are waited for), and this returns every
+        entry's verdict as ``_append`` gives it."""
         wanted = {id(e) for e in watch} if watch else None
         waits: list[tuple[asyncio.Future[None], Watch | None, list[int]]] = []
 
@@ -587,6 +597,7 @@ class MessagesAPI:
                 to_wal(plan.failed)
             for fut, _w, _idx in waits:
                 await fut
+            durable()
             for _fut, w, idx in waits:
                 if w is None:
                     continue

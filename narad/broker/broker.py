@@ -267,7 +267,6 @@ class Broker:
         self._staged_last: dict[tuple[str, bytes, int], int] = {}
         self._fed_seq = -1
         self._order_waits: dict[tuple[str, bytes, int], deque[Callable[[bool], None]]] = {}  # _order_wait
-        self._incs: dict[str, bytes] = {}  # topic id -> its bytes (entries carry the incarnation so)
         self._route_cache: dict[tuple[str, int], int] = {}
         self._owned_cache: dict[Any, _Placement] = {}
         self._name_slots: dict[str, int] = {}  # topic name -> its slot in the version array
@@ -763,18 +762,14 @@ class Broker:
         Only keyless records whose partition was chosen here come here (no order to keep,
         no key to check); a produce with idempotency keys takes ``direct``
         (docs/architecture.md, "Direct commits")."""
-        p = self.partitions.get((t.name, partition))
-        if p is None or p.topic_id != t.id or p.closed or self.wal.failed is not None or not self.routes_trusted():
+        if self.wal.failed is not None or not self.routes_trusted():
             return None  # (a latched WAL failure refuses every produce until a restart, direct ones too)
-        node, worker = self.where(t, partition)
-        if node != self.node_id or worker != self.index or p.frozen():
+        p = self._direct_target(t, partition)
+        if not isinstance(p, Partition):
             return None
-        if FAIL_DIRECT_EVERY:  # test seam: this commit fails as a failed write would (nothing written)
-            self._direct_tries += 1
-            if self._direct_tries % FAIL_DIRECT_EVERY == 0:
-                failed: asyncio.Future[Committed] = self.loop.create_future()
-                failed.set_exception(OSError(5, "direct commit failed (NARAD_FAULT_DIRECT_COMMIT_FAIL_EVERY)"))
-                return failed
+        failed = self._seam_failure()
+        if failed is not None:
+            return failed
         try:
             fut = p.submit([(None, e.flags, e.payload) for e in entries], self.commit_rounds)
         except (OSError, NaradError):
@@ -862,7 +857,7 @@ class Broker:
                       ) -> asyncio.Future[Committed] | None:
         """One partition's records of ``direct``: the future of their commit, or None
         (the WAL takes them)."""
-        if not 0 <= part < t.partitions or inc != self._inc_of(t) or self._direct_target(t, part) is None:
+        if not 0 <= part < t.partitions or inc.hex() != t.id or self._direct_target(t, part) is None:
             return None
         records = [(e.key, e.flags, e.payload) for e in es]
         key = (t.name, inc, part)
@@ -895,12 +890,9 @@ class Broker:
         target = self._direct_target(t, part)
         if target is None:
             return None
-        if FAIL_DIRECT_EVERY:  # test seam: this commit fails as a failed write would (nothing written)
-            self._direct_tries += 1
-            if self._direct_tries % FAIL_DIRECT_EVERY == 0:
-                failed: asyncio.Future[Committed] = self.loop.create_future()
-                failed.set_exception(OSError(5, "direct commit failed (NARAD_FAULT_DIRECT_COMMIT_FAIL_EVERY)"))
-                return failed
+        failed = self._seam_failure()
+        if failed is not None:
+            return failed
         if isinstance(target, Partition):
             target.idem_window_ms = t.idem_window_ms  # a PATCH may have changed it (as commit_local does)
             try:
@@ -962,13 +954,17 @@ class Broker:
             except Exception:  # (go answers its own failures; this is a last guard for the ones behind it)
                 log.exception("direct commit waiter failed")
 
-    def _inc_of(self, t: TopicRecord) -> bytes:
-        inc = self._incs.get(t.id)
-        if inc is None:
-            if len(self._incs) > 10_000:
-                self._incs.clear()
-            inc = self._incs[t.id] = bytes.fromhex(t.id)
-        return inc
+    def _seam_failure(self) -> asyncio.Future[Committed] | None:
+        """Test seam (``NARAD_FAULT_DIRECT_COMMIT_FAIL_EVERY``): every Nth direct commit
+        fails as a failed write would (nothing written)."""
+        if not FAIL_DIRECT_EVERY:
+            return None
+        self._direct_tries += 1
+        if self._direct_tries % FAIL_DIRECT_EVERY:
+            return None
+        failed: asyncio.Future[Committed] = self.loop.create_future()
+        failed.set_exception(OSError(5, "direct commit failed (NARAD_FAULT_DIRECT_COMMIT_FAIL_EVERY)"))
+        return failed
 
     def _direct_settled(self, plan: DirectBatch, idx: list[int]) -> Callable[[asyncio.Future[Committed]], None]:
         def settled(f: asyncio.Future[Committed]) -> None:

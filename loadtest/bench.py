@@ -859,7 +859,7 @@ def _file(frame: str) -> str:
 
 
 def _state(frames: list[str]) -> str:
-    """What a sampled thread was doing: idle, waiting for the GIL, in fdatasync/fsync, or running (CPU)."""
+    """What a sampled thread was doing: idle, waiting for the GIL, in fdatasync/fsync/syncfs, or running (CPU)."""
     names = [f.split(" (", 1)[0] for f in frames[-4:]]
     leaf = names[-1]
     if "epoll_wait" in names or ("uv__io_poll" in names and leaf.startswith(("0x", "epoll"))):
@@ -870,8 +870,8 @@ def _state(frames: list[str]) -> str:
         # CPython 3.11 waits for the GIL in take_gil -> pthread_cond_timedwait; a thread with no Python
         # frame at all (a C library's own thread) waiting on a condition variable is just idle
         return "gil wait" if any(_is_py(f) for f in frames) else "idle"
-    if leaf in ("fdatasync", "fsync") or "os_fdatasync" in names[-2:] or "os_fsync" in names[-2:]:
-        return "fsync"
+    if leaf in ("fdatasync", "fsync", "syncfs") or "os_fdatasync" in names[-2:] or "os_fsync" in names[-2:]:
+        return "fsync"  # syncfs: a commit round of several logs (narad.storage.commit_rounds)
     if "PyThread_acquire_lock_timed" in names or "sem_clockwait" in names or "sem_timedwait" in names:
         return "lock wait"
     return "cpu"

@@ -14,7 +14,7 @@ from urllib.parse import quote
 import pytest
 
 from narad.broker.routing import owner_worker
-from tests.harness import Node, Response, wait_for
+from tests.harness import Node, Response, basic, wait_for
 
 OCTET = {"Content-Type": "application/octet-stream"}
 BATCH = {"X-Narad-Client": "tests"}
@@ -628,3 +628,71 @@ def test_cluster_dead_letter_owner_down_holds_then_delivers(tmp_path: Any) -> No
         assert metric(c[s_owner], "narad_dead_lettered_total", src) == 1
     finally:
         c.close()
+
+
+def test_naming_a_dead_letter_topic_needs_a_produce_grant_there(node: Node) -> None:
+    """Dead-lettered records are written into the dead-letter topic with no further
+    check: a user who may not produce there may not name it (create or PATCH: 403),
+    and a redrive sends records back only to origins the caller may produce to."""
+    victim = mk(node, "victim-")
+    r = node.post("/v1/users", {"username": "mallory", "password": "m-pw", "grants": [
+        {"action": "create", "patterns": ["mal-*"]}, {"action": "produce", "patterns": ["mal-*"]},
+        {"action": "consume", "patterns": ["mal-*"]}]})
+    assert r.status == 201, r
+    mal = basic("mallory", "m-pw")
+    assert node.post(f"/v1/topics/{victim}/produce", b"x", headers=OCTET, auth=mal).status == 403
+    r = node.post("/v1/topics", {"name": "mal-src", "partitions": PARTS, "max_deliveries": 1,
+                                 "dead_letter_topic": victim}, auth=mal)
+    assert r.status == 403 and "dead_letter_topic" in r.json()["error"], r
+    assert node.get("/v1/topics/mal-src").status == 404  # nothing was created
+    assert node.post("/v1/topics", {"name": "mal-src", "partitions": PARTS}, auth=mal).status == 201
+    r = node.request("PATCH", "/v1/topics/mal-src", {"max_deliveries": 1, "dead_letter_topic": victim}, auth=mal)
+    assert r.status == 403 and "dead_letter_topic" in r.json()["error"], r
+    assert "dead_letter_topic" not in node.get("/v1/topics/mal-src").json()
+    # A topic the user may produce to (by grant) is fine; so is one the admin names.
+    assert node.post("/v1/topics", {"name": "mal-dlt", "partitions": PARTS}, auth=mal).status == 201
+    r = node.request("PATCH", "/v1/topics/mal-src", {"max_deliveries": 1, "dead_letter_topic": "mal-dlt"}, auth=mal)
+    assert r.status == 200 and r.json()["dead_letter_topic"] == "mal-dlt", r
+    # Redrive: the records of an origin the caller may not produce to are left (skipped).
+    src = mk(node, "adm-src-", max_deliveries=1, dead_letter_topic="mal-dlt")
+    produce(node, src, b"admin's")
+    m = take(node, src)
+    assert nack(node, src, m["receipt_handle"]).status == 204
+    wait_for(lambda: metric(node, "narad_dead_lettered_total", src) == 1, 10, 0.05, "dead-lettered")
+    r = node.post("/v1/topics/mal-dlt/redrive", auth=mal)
+    assert r.status == 200 and r.json() == {"redriven": 0, "skipped": 1}, r
+    assert consume(node, src).status == 204  # not sent back
+    r = node.post("/v1/topics/mal-dlt/redrive")  # the admin may
+    assert r.status == 200 and r.json() == {"redriven": 1, "skipped": 0}, r
+    assert take(node, src)["payload"] == "admin's"
+
+
+def test_lifting_max_deliveries_during_a_dead_letter_commit_never_leaves_the_record_live_in_both(
+        tmp_path: Any) -> None:
+    """A PATCH that lifts max_deliveries releases the held records, but not one whose
+    dead-letter commit is on its way (the seam holds the driver between the commit and
+    the source settle): it is settled in the source once the commit lands, and is in
+    the dead-letter topic only. A held record not yet on its way is delivered again."""
+    n = Node(tmp_path / "data", workers=2, env={"NARAD_FAULT_DLQ_HOLD_SETTLE_MS": "3000"}).start()
+    try:
+        dlt = mk(n, "rl-dlt-")
+        name = mk(n, "rl-", max_deliveries=1, dead_letter_topic=dlt)
+        produce(n, name, b"poison")
+        m = take(n, name)
+        assert nack(n, name, m["receipt_handle"], "&reason=x").status == 204
+        wait_for(lambda: "holding the source settle (test seam)" in n.log(), 15, 0.05, "the dead-letter commit")
+        r = n.request("PATCH", f"/v1/topics/{name}", {"max_deliveries": 0})
+        assert r.status == 200 and r.json().get("max_deliveries", 0) == 0, r
+        # the hold lasts 3 s; the record must never come out of the source meanwhile or after
+        deadline = time.monotonic() + 6
+        while time.monotonic() < deadline:
+            r = consume(n, name, "wait=500ms")
+            assert r.status == 204, f"delivered again from its source after its dead-letter commit: {r}"
+        wait_for(lambda: all(x["lag"] == 0 for x in n.get(f"/v1/topics/{name}").json()["partition_stats"]), 10,
+                 0.05, "settled in the source")
+        got = take(n, dlt)
+        assert got["payload"] == "poison" and got["dead_letter"]["offset"] == m["offset"]
+        ack(n, dlt, got["receipt_handle"])
+        assert consume(n, dlt).status == 204  # one copy
+    finally:
+        n.close()

@@ -150,6 +150,18 @@ def test_bad_batch_headers_are_400_naming_the_message_and_store_nothing(node: No
     assert r.status == 204, r
 
 
+@pytest.mark.parametrize("query", ["header=a:b", "idempotency_key=k1", "idempotency_key=", "header="])
+def test_single_produce_extensions_in_a_batch_query_are_400_not_dropped(node: Node, query: str) -> None:
+    """Headers and idempotency keys go in each message of a batch: given in the query
+    (single produce's form) they would be dropped silently (no dedup, no headers)."""
+    name = f"hd-bq-{abs(hash(query)) % 10**8}"
+    mk(node, name)
+    r = node.post(f"/v1/topics/{name}/produce/batch?{query}", {"messages": [{"payload": 1}]})
+    assert r.status == 400 and "each message of a batch" in r.json()["error"], r
+    r = node.request("GET", f"/v1/topics/{name}/consume?max=10", headers=CLIENT)
+    assert r.status == 204, r
+
+
 def test_a_child_gets_the_headers_with_the_record(node: Node) -> None:
     mk(node, "hd-parent")
     r = node.post("/v1/topics", {"name": "hd-child", "parent": "hd-parent"})

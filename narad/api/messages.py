@@ -825,6 +825,10 @@ class MessagesAPI:
         self._refuse_if_draining(t)
         if req.query.get("key") or req.query.get("partition"):
             raise BadRequest("invalid argument: key and partition go in each message of a batch, not the query")
+        for name, field in (("idempotency_key", "idempotency_key"), ("header", "headers")):
+            if name in req.query:  # (taken by single produce only: never silently dropped here)
+                raise BadRequest(f'invalid argument: {name} goes in each message of a batch (field "{field}"), '
+                                 f"not the query")
         body = req.body
         enc = (req.headers.get("content-encoding") or "").strip().lower()
         if enc in ("gzip", "x-gzip"):
@@ -1133,11 +1137,13 @@ class MessagesAPI:
         each is leased here (the consume path, no wait), produced to its origin (the
         WAL: durable before the ack) and only then acked in the dead-letter topic (at
         least once: a crash in between leaves a duplicate, never a loss). Records
-        without an origin, whose origin is gone, or whose body the origin's current
+        without an origin, whose origin is gone, whose origin the caller may not
+        produce to (no produce grant there), or whose body the origin's current
         schema refuses, are nacked back and counted as skipped."""
         t = self._topic(req)
         who: G.Identity = req.identity
-        if not who.unrestricted and not G.can_manage_topic(self.ctx.store.user(who.name or ""), t):
+        user = None if who.unrestricted else self.ctx.store.user(who.name or "")
+        if not who.unrestricted and not G.can_manage_topic(user, t):
             raise Forbidden("redrive needs the admin role or management of this topic")
         raw_max = self._single_query(req, "max")
         limit = REDRIVE_DEFAULT
@@ -1165,6 +1171,9 @@ class MessagesAPI:
                         continue
                     e, body = got
                     origin = store.topic(e.topic)
+                    if not who.unrestricted and not G.has_grant(user, "produce", e.topic):
+                        skipped.append(it)  # sent back only where the caller may produce: left here
+                        continue
                     v = await self._validator(origin) if origin is not None else None
                     if v is not None and await self._validation.check(v, body) is not None:
                         skipped.append(it)  # the origin's schema (as it is now) refuses it: left here

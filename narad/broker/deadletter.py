@@ -171,7 +171,8 @@ class DeadLetterDriver:
             return
         # only holds whose count is in the offset file already (a kill -9 after the
         # dead-letter commit must not find a lower count and deliver the record again)
-        offs = heapq.nsmallest(BATCH, (o for o, g in p.dead.items() if g <= p.written_gen))
+        flight = p.dead_flight
+        offs = heapq.nsmallest(BATCH, (o for o, g in p.dead.items() if g <= p.written_gen and o not in flight))
         groups: dict[int, list[tuple[int, tuple[bytes | None, int, bytes]]]] = {}
         for off in offs:
             try:
@@ -193,18 +194,24 @@ class DeadLetterDriver:
             return
 
         async def one(dp: int, recs: list[tuple[int, tuple[bytes | None, int, bytes]]]) -> None:
+            # In flight from here to the settle: a release meanwhile (max_deliveries lifted)
+            # leaves these held (``Partition.release_dead``), whatever the commit's outcome.
+            flight.update(off for off, _ in recs)
             try:
-                await b.commit_to(dlt, dp, [r for _, r in recs])
-            except Exception as e:
-                self._failed(t.name, len(recs), str(e) or type(e).__name__)
-                return
-            if HOLD_SETTLE:
-                log.info("dead-letter commit done; holding the source settle (test seam)",
-                         extra={"topic": t.name, "partition": p.index, "records": len(recs)})
-                await asyncio.sleep(HOLD_SETTLE)
-            if p.closed or b.partitions.get((p.topic, p.index)) is not p:
-                return  # closed meanwhile: its count is on disk, the next owner dead-letters it again
-            n = sum(1 for off, _ in recs if p.settle_dead(off))
-            self.m_dead.labels(t.name).inc(n)
+                try:
+                    await b.commit_to(dlt, dp, [r for _, r in recs])
+                except Exception as e:
+                    self._failed(t.name, len(recs), str(e) or type(e).__name__)
+                    return
+                if HOLD_SETTLE:
+                    log.info("dead-letter commit done; holding the source settle (test seam)",
+                             extra={"topic": t.name, "partition": p.index, "records": len(recs)})
+                    await asyncio.sleep(HOLD_SETTLE)
+                if p.closed or b.partitions.get((p.topic, p.index)) is not p:
+                    return  # closed meanwhile: its count is on disk, the next owner dead-letters it again
+                n = sum(1 for off, _ in recs if p.settle_dead(off))
+                self.m_dead.labels(t.name).inc(n)
+            finally:
+                flight.difference_update(off for off, _ in recs)
 
         await asyncio.gather(*(one(dp, recs) for dp, recs in groups.items()))

@@ -65,16 +65,14 @@ def mark(d: Path) -> None:
 
 def key_of(flags: int, payload: bytes) -> str | None:
     """The record's idempotency key (None: none, or an unreadable block)."""
-    if not flags & FR.F_EXT:
-        return None
+    if not flags & FR.F_EXT or not FR.has_idem(payload):
+        return None  # (a block whose first key is not "i": headers alone, the common case, or malformed)
     ks, ke = FR.idem_span(payload)
     if ks >= 0:  # a key alone, read in place (bytes that are not UTF-8: decoded below, refused)
         try:
             return payload[ks:ke].decode()
         except UnicodeDecodeError:
             pass
-    elif not FR.has_idem(payload):
-        return None
     try:
         return FR.read_ext(payload).i
     except FR.FrameError:

@@ -192,6 +192,7 @@ class Partition:
         self.deliveries: dict[int, int] = {}  # offset above the frontier, not acked -> times leased
         self.reasons: dict[int, str] = {}  # offset -> its last nack's reason (in the offset file, room allowing)
         self.dead: dict[int, int] = {}  # held for the dead-letter driver (not deliverable) -> count_gen at the hold
+        self.dead_flight: set[int] = set()  # held offsets whose dead-letter commit is on its way (the driver's)
         self.count_gen = 0  # bumped by every count change
         self.written_gen = 0  # the count_gen the offset file's last window write holds (the committer sets it)
         self.max_deliveries = 0  # the topic's (0: unlimited); the broker keeps it current
@@ -299,10 +300,14 @@ class Partition:
 
     def release_dead(self) -> None:
         """max_deliveries was lowered to 0 (or the topic lost its dead-letter topic):
-        what was held goes out again."""
-        for off in self.dead:
+        what was held goes out again, except offsets whose dead-letter commit is on its
+        way (``dead_flight``): the dead-letter topic may hold them already, so they stay
+        held until that commit settles them (or, failed, the driver's next pass releases
+        them). Never live in both."""
+        flight = self.dead_flight
+        for off in [o for o in self.dead if o not in flight]:
             heapq.heappush(self._redeliver, off)
-        self.dead.clear()
+            del self.dead[off]
 
     def _deliverable(self, off: int) -> bool:
         return (off > self.committed and off not in self.leases and off not in self.acked_ahead

@@ -368,7 +368,7 @@ class MetaService:
                 return self._read_topic(name)  # this very request created it before a leader change
             self._name_free(name)
             if dlt is not None:
-                _check_dead_letter_topic(self.store.topic(dlt), dlt)
+                _check_dead_letter_topic(self.store.topic(dlt), dlt, req.who, user)
             rec = TopicRecord(
                 name=name, id=secrets.token_hex(8), partitions=parts, retention_ms=retention,
                 visibility_timeout_ms=vis, max_in_flight_per_partition=inflight,
@@ -762,7 +762,8 @@ class MetaService:
             if (req.max_deliveries, req.dead_letter_topic, req.idempotency_window_ms) != (None, None, None):
                 self._require_type(C.EntryType.SET_DELIVERY, "changing delivery settings")
                 if req.dead_letter_topic:
-                    _check_dead_letter_topic(self.store.topic(req.dead_letter_topic), req.dead_letter_topic)
+                    _check_dead_letter_topic(self.store.topic(req.dead_letter_topic), req.dead_letter_topic,
+                                             req.who, user)
 
                 def set_delivery(t: TopicRecord) -> msgspec.Struct:
                     may_manage(t)
@@ -1332,10 +1333,16 @@ def public_user(u: UserRecord) -> UserRecord:
 __all__ = ["Grant", "MetaService", "public_user"]
 
 
-def _check_dead_letter_topic(rec: TopicRecord | None, name: str) -> None:
-    """A dead-letter topic exists and is no fan-out child (only its parent feeds a child)."""
+def _check_dead_letter_topic(rec: TopicRecord | None, name: str, who: G.Identity, user: UserRecord | None) -> None:
+    """A dead-letter topic exists, is no fan-out child (only its parent feeds a child),
+    and the caller may write there: records dead-lettered from its topic are committed
+    into it with no further check, so naming it needs a produce grant on it (or its
+    ownership, or admin) as producing there directly would."""
     if rec is None:
         raise BadRequest(f'invalid argument: dead-letter topic "{name}" not found (create it first)')
     if rec.parent is not None:
         raise BadRequest(f'invalid argument: dead-letter topic "{name}" is a fan-out child of "{rec.parent}"; '
                          f"name a topic that takes produce")
+    if not who.unrestricted and not (G.has_grant(user, "produce", name) or G.can_manage_topic(user, rec)):
+        raise Forbidden(f'produce not allowed on topic "{name}": naming it as dead_letter_topic needs a produce '
+                        f"grant on it (dead-lettered records are written there)")

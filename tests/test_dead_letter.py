@@ -696,3 +696,73 @@ def test_lifting_max_deliveries_during_a_dead_letter_commit_never_leaves_the_rec
         assert consume(n, dlt).status == 204  # one copy
     finally:
         n.close()
+
+
+def test_dead_lettering_writes_on_the_source_owners_behalf(node: Node) -> None:
+    """The driver checks at every pass that the source topic's owner may still produce
+    to the dead-letter topic: a grant taken away, or the name deleted and created again
+    by another user, holds the records (counted) instead of writing them there; the
+    grant given back lets them through. An admin naming a dead-letter topic for a
+    user's topic needs that user to be able to write there (403)."""
+    dlt = mk(node, "adm-own-dlt-")  # the admin's (outside olive's own-* grants)
+    grants = [{"action": "create", "patterns": ["own-*"]}, {"action": "produce", "patterns": ["own-*"]},
+              {"action": "consume", "patterns": ["own-*"]}]
+    assert node.post("/v1/users", {"username": "olive", "password": "o-pw",
+                                   "grants": [*grants, {"action": "produce", "patterns": [dlt]}]}).status == 201
+    olive = basic("olive", "o-pw")
+    src = w1_topic("own-src-")
+    r = node.post("/v1/topics", {"name": src, "partitions": PARTS, "max_deliveries": 1, "dead_letter_topic": dlt},
+                  auth=olive)
+    assert r.status == 201, r
+    other = w1_topic("own-other-")
+    assert node.post("/v1/topics", {"name": other, "partitions": PARTS}, auth=olive).status == 201
+    assert node.request("PUT", "/v1/users/olive/grants", {"grants": grants}).status == 200  # the grant taken away
+    # an admin cannot name, for olive's topic, a dead-letter topic olive may not write to
+    r = node.request("PATCH", f"/v1/topics/{other}", {"max_deliveries": 1, "dead_letter_topic": dlt})
+    assert r.status == 403 and "olive" in r.json()["error"], r
+    before = metric(node, "narad_dead_letter_failures_total", src)
+    r = node.post(f"/v1/topics/{src}/produce?partition={W1_PART[src]}", b"olive's", headers=OCTET, auth=olive)
+    assert r.status == 202, r
+    m = take(node, src)
+    assert nack(node, src, m["receipt_handle"]).status == 204
+    wait_for(lambda: metric(node, "narad_dead_letter_failures_total", src) >= before + 2, 15, 0.1, "held, counted")
+    assert consume(node, dlt).status == 204  # nothing written there
+    assert consume(node, src).status == 204  # and not delivered again: held
+    assert "may not produce to its dead-letter topic" in node.log()
+    assert node.request("PUT", "/v1/users/olive/grants", {
+        "grants": [*grants, {"action": "produce", "patterns": [dlt]}]}).status == 200  # given back
+    got = take(node, dlt, timeout=15)
+    assert got["payload"] == "olive's" and got["dead_letter"]["topic"] == src
+    ack(node, dlt, got["receipt_handle"])
+
+
+def test_a_dead_letter_topic_deleted_and_created_again_by_another_user_gets_nothing(node: Node) -> None:
+    """Pia's dead-letter topic is hers by ownership, not by a produce grant: deleted
+    and created again by quin, it is not hers any more, so her records are held (a
+    user who may produce to the new topic anyway would still reach it: the setting
+    names a topic, not an incarnation)."""
+    for u in ("pia", "quin"):
+        grants = [{"action": "create", "patterns": ["shr-*"]}, {"action": "consume", "patterns": ["shr-*"]},
+                  {"action": "produce", "patterns": ["shr-src-*" if u == "pia" else "shr-*"]}]
+        assert node.post("/v1/users", {"username": u, "password": "pw", "grants": grants}).status == 201
+    pia, quin = basic("pia", "pw"), basic("quin", "pw")
+    assert node.post("/v1/topics", {"name": "shr-dlq", "partitions": PARTS}, auth=pia).status == 201
+    src = w1_topic("shr-src-")
+    r = node.post("/v1/topics", {"name": src, "partitions": PARTS, "max_deliveries": 1,
+                                 "dead_letter_topic": "shr-dlq"}, auth=pia)
+    assert r.status == 201, r
+    assert node.request("DELETE", "/v1/topics/shr-dlq", auth=pia).status == 204
+    assert node.post("/v1/topics", {"name": "shr-dlq", "partitions": PARTS}, auth=quin).status == 201  # quin's now
+    before = metric(node, "narad_dead_letter_failures_total", src)
+    r = node.post(f"/v1/topics/{src}/produce?partition={W1_PART[src]}", b"pia's", headers=OCTET, auth=pia)
+    assert r.status == 202, r
+    m = take(node, src)
+    assert nack(node, src, m["receipt_handle"]).status == 204
+    wait_for(lambda: metric(node, "narad_dead_letter_failures_total", src) >= before + 2, 15, 0.1, "held, counted")
+    assert node.request("GET", "/v1/topics/shr-dlq/consume", auth=quin, headers=BATCH).status == 204
+    # pia points it at a topic of hers: delivered there
+    assert node.post("/v1/topics", {"name": "shr-dlq2", "partitions": PARTS}, auth=pia).status == 201
+    r = node.request("PATCH", f"/v1/topics/{src}", {"dead_letter_topic": "shr-dlq2"}, auth=pia)
+    assert r.status == 200, r
+    got = take(node, "shr-dlq2", timeout=15)
+    assert got["payload"] == "pia's"

@@ -182,6 +182,18 @@ def test_auth_grants_and_the_415_guard(node: Node) -> None:
     assert node.request("PUT", "/v1/topics", b"{}").status == 405
 
 
+def test_a_password_change_for_another_user_is_403_whether_or_not_the_user_exists(node: Node) -> None:
+    """No user-name oracle: the self-or-admin check comes before the lookup."""
+    assert node.post("/v1/users", {"username": "uma", "password": "uma-pw"}).status == 201
+    assert node.post("/v1/users", {"username": "vic", "password": "vic-pw"}).status == 201
+    uma = basic("uma", "uma-pw")
+    a = node.request("PUT", "/v1/users/vic/password", {"new_password": "x1"}, auth=uma)
+    b = node.request("PUT", "/v1/users/no-such-user/password", {"new_password": "x1"}, auth=uma)
+    assert (a.status, a.json()) == (b.status, b.json()) == (403, {"error": "only admins may change another user's "
+                                                                           "password"}), (a, b)
+    assert node.request("PUT", "/v1/users/no-such-user/password", {"new_password": "x1"}).status == 404  # admin
+
+
 def test_user_rules_and_anti_escalation(node: Node) -> None:
     assert node.post("/v1/users", {"username": "bob", "password": "bob-pw",
                                    "grants": [{"action": "admin"}]}).status == 201

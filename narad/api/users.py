@@ -146,6 +146,10 @@ class UsersAPI:
         caller = self._caller(req)
         body = decode_json(req, PasswordBody)
         new_pw = VAL.password(body.new_password, "new_password")
+        if not who.unrestricted and not G.is_admin(caller) and (
+                caller is None or caller.username != req.params["username"]):
+            # before the lookup: a 404 here would tell anyone which user names exist
+            raise Forbidden("only admins may change another user's password")
         target = self._target(req.params["username"])
         verified = False
         if not who.unrestricted:

@@ -221,8 +221,10 @@ class Broker:
         fanout: FanoutSettings | None = None,
         meta_call: Callable[[Any, Any, float], Awaitable[Any]] | None = None,
         group_sync: bool = True,
+        security: bool = True,
     ) -> None:
         self.data_dir = Path(data_dir)
+        self.security = security  # grants are enforced (the dead-letter driver's owner check)
         self.store = store
         self.versions = versions
         self._routes_trusted = False  # routes_trusted(): latched at the node's first readiness

@@ -28,8 +28,13 @@ move and the destination holds the records again. Lowering ``max_deliveries`` to
 
 Test seam: NARAD_FAULT_DLQ_HOLD_SETTLE_MS (a pause between the commit and the settle).
 
+Records of a topic with an owner are written on that owner's behalf: while the
+owner may not produce to the dead-letter topic (a grant taken away, or the name
+deleted and created again by someone else), they are held (counted, logged).
+
 Imports narad.storage.frames, narad.storage.partition_log (errors), narad.metrics,
-narad.broker.{partition,routing}; the broker hands itself in (no import of broker.py).
+narad.meta.grants, narad.broker.{partition,routing}; the broker hands itself in (no
+import of broker.py).
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ import time
 from typing import Any
 
 from narad import metrics
+from narad.meta import grants as G
 from narad.storage import frames as FR
 from narad.storage.partition_log import CorruptRecord, LogClosed, NotVisible, OffsetGone
 
@@ -168,6 +174,11 @@ class DeadLetterDriver:
         dlt = b.store.topic(t.dead_letter_topic)
         if dlt is None:
             self._failed(t.name, len(p.dead), f'dead-letter topic "{t.dead_letter_topic}" does not exist')
+            return
+        if b.security and not G.may_dead_letter(b.store.user(t.owner) if t.owner else None, t.owner, dlt):
+            # written on the owner's behalf: a grant taken away (or the name now another's topic) holds them
+            self._failed(t.name, len(p.dead), f'the owner of "{t.name}" ("{t.owner}") may not produce to its '
+                                              f'dead-letter topic "{dlt.name}" (no produce grant there)')
             return
         # only holds whose count is in the offset file already (a kill -9 after the
         # dead-letter commit must not find a lower count and deliver the record again)

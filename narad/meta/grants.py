@@ -61,3 +61,20 @@ def can_manage_topic(user: UserRecord | None, topic: TopicRecord) -> bool:
     if user is None:
         return False
     return is_admin(user) or (topic.owner is not None and topic.owner == user.username)
+
+
+def may_write_to(user: UserRecord | None, topic: TopicRecord) -> bool:
+    """A produce grant on `topic`, its ownership, or admin."""
+    return has_grant(user, "produce", topic.name) or can_manage_topic(user, topic)
+
+
+def may_dead_letter(owner: UserRecord | None, owner_name: str | None, dlt: TopicRecord) -> bool:
+    """Whether records of a topic owned by `owner_name` (its user record `owner`, None
+    when that user is gone) may be dead-lettered into `dlt` now: the dead-letter driver
+    writes on the owner's behalf, so a topic with an owner needs that owner's right to
+    write there at every pass (a grant taken away, or a dead-letter topic deleted and
+    created again by someone else, stops it: the records are held). A topic without
+    an owner (made by an admin, the operator, or with security off) is unchecked."""
+    if owner_name is None:
+        return True
+    return may_write_to(owner, dlt)

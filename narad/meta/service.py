@@ -762,8 +762,9 @@ class MetaService:
             if (req.max_deliveries, req.dead_letter_topic, req.idempotency_window_ms) != (None, None, None):
                 self._require_type(C.EntryType.SET_DELIVERY, "changing delivery settings")
                 if req.dead_letter_topic:
+                    owner = self.store.user(current.owner) if current.owner else None
                     _check_dead_letter_topic(self.store.topic(req.dead_letter_topic), req.dead_letter_topic,
-                                             req.who, user)
+                                             req.who, user, owner)
 
                 def set_delivery(t: TopicRecord) -> msgspec.Struct:
                     may_manage(t)
@@ -909,6 +910,8 @@ class MetaService:
 
     async def set_password(self, req: Q.SetPasswordReq) -> None:
         caller = self._require_known(req.who)
+        if caller is not None and not G.is_admin(caller) and caller.username != req.username:
+            raise Forbidden("only admins may change another user's password")  # before the lookup (no 404 oracle)
         target = self._read_user(req.username)
         if caller is not None:
             self_change = caller.username == target.username
@@ -1333,16 +1336,23 @@ def public_user(u: UserRecord) -> UserRecord:
 __all__ = ["Grant", "MetaService", "public_user"]
 
 
-def _check_dead_letter_topic(rec: TopicRecord | None, name: str, who: G.Identity, user: UserRecord | None) -> None:
+def _check_dead_letter_topic(rec: TopicRecord | None, name: str, who: G.Identity, user: UserRecord | None,
+                             owner: UserRecord | None = None) -> None:
     """A dead-letter topic exists, is no fan-out child (only its parent feeds a child),
     and the caller may write there: records dead-lettered from its topic are committed
     into it with no further check, so naming it needs a produce grant on it (or its
-    ownership, or admin) as producing there directly would."""
+    ownership, or admin) as producing there directly would. ``owner``: the source
+    topic's owner (a known user), who must be able to write there too: the dead-letter
+    driver writes on the owner's behalf and checks that again at every pass
+    (``G.may_dead_letter``)."""
     if rec is None:
         raise BadRequest(f'invalid argument: dead-letter topic "{name}" not found (create it first)')
     if rec.parent is not None:
         raise BadRequest(f'invalid argument: dead-letter topic "{name}" is a fan-out child of "{rec.parent}"; '
                          f"name a topic that takes produce")
-    if not who.unrestricted and not (G.has_grant(user, "produce", name) or G.can_manage_topic(user, rec)):
+    if not who.unrestricted and not G.may_write_to(user, rec):
         raise Forbidden(f'produce not allowed on topic "{name}": naming it as dead_letter_topic needs a produce '
                         f"grant on it (dead-lettered records are written there)")
+    if owner is not None and not G.may_write_to(owner, rec):
+        raise Forbidden(f'the owner of this topic ("{owner.username}") has no produce grant on "{name}": dead-'
+                        f"lettered records are written there on the owner's behalf; grant it first")

@@ -84,7 +84,8 @@ class HttpConfig:
                                "NARAD_HTTP_MAX_CONSUME_WAIT", "duration")
     max_header_bytes: int = _s(65536, "Largest request header block; larger gets 431.",
                                "NARAD_HTTP_MAX_HEADER_BYTES")
-    max_connections: int = _s(4096, "Open client connections per node (0 = unlimited).",
+    max_connections: int = _s(4096, "Open client connections per node and transport (HTTP/1.1 and HTTP/3 each; "
+                              "QUIC handshakes under way count; 0 = unlimited).",
                               "NARAD_HTTP_MAX_CONNECTIONS")
     max_consume_in_flight_per_identity: int = _s(
         1024, "Concurrent consumes per identity per node (0 = unlimited); over it: 429.",

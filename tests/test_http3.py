@@ -344,6 +344,104 @@ def test_client_giving_up_and_malformed_requests(certs: Certs) -> None:
     run(main())
 
 
+def test_streams_reset_by_the_client_alone_give_their_slot_back(certs: Certs) -> None:
+    """A client that resets only its sending side of a half-sent request (no
+    STOP_SENDING): the server drops the stream and resets its own side, so the stream
+    completes and the client's stream limit gets the slot back. 130 such streams on
+    one connection (more than the 128 the server allows open at once), then a request
+    on the same connection is answered."""
+    async def main() -> None:
+        app = EchoApp()
+        async with serving(app, certs) as (srv, port), client(port) as c:
+            for _ in range(130):
+                await raw_request(c, "POST", "/echo/abandoned", [b"part"], fin=False)
+                sid = max(c._proto.pending)
+                c._proto.pending.pop(sid)
+                c._proto._quic.reset_stream(sid, 0x10C)  # H3_REQUEST_CANCELLED, our side only
+                c._proto.transmit()
+                await asyncio.sleep(0.002)
+            await wait_until(lambda: srv.active_requests == 0, what="abandoned streams dropped")
+            status, _, _ = await c.request("GET", "/echo/after", timeout=5)
+            assert status == 200
+            # a request the client cannot encode (a header value QPACK refuses) fails alone
+            with pytest.raises(ValueError):
+                await c.request("GET", "/echo/big", headers={"x-big": "a" * 70_000}, timeout=5)
+            assert (await c.request("GET", "/echo/after-big", timeout=5))[0] == 200
+            # and a :path that is not origin form is a 400, the connection still serving
+            fut = await raw_request(c, "GET", "healthz", [])
+            status, _, body = await asyncio.wait_for(fut, 5)
+            assert (status, json.loads(body)) == (400, {"error": ':path must start with "/"'})
+            assert (await c.request("GET", "/echo/ok"))[0] == 200
+
+    run(main(), timeout=60)
+
+
+def test_connections_over_the_cap_are_refused(certs: Certs) -> None:
+    async def main() -> None:
+        app = EchoApp()
+        async with serving(app, certs, Http3Limits(max_connections=2)) as (srv, port), \
+                client(port) as a, client(port) as b:
+            assert srv.connections == 2
+            with pytest.raises((ConnectionError, TimeoutError)):
+                extra = await H3Client.connect("127.0.0.1", port, timeout=2)
+                await extra.close()
+            assert (await a.request("GET", "/echo/a"))[0] == 200  # the ones held keep serving
+            await b.close()
+            await wait_until(lambda: srv.connections < 2, what="a slot given back")
+            async with client(port) as c:
+                assert (await c.request("GET", "/echo/c"))[0] == 200
+
+    run(main(), timeout=30)
+
+
+def test_a_peer_that_takes_no_answer_bytes_is_cut_off(certs: Certs) -> None:
+    """A client that grants no flow-control credit (tiny windows, never raised) but
+    keeps its connection alive with pings: its answers would sit in the server's
+    memory for as long as it pings. After idle_timeout without progress the server
+    closes the connection; other clients are served meanwhile."""
+    import ssl
+
+    from aioquic.asyncio.client import connect
+    from aioquic.h3.connection import H3_ALPN
+    from aioquic.quic.configuration import QuicConfiguration
+
+    from narad.client.h3 import _ClientProtocol
+
+    async def main() -> None:
+        app = EchoApp()
+        async with serving(app, certs, Http3Limits(idle_timeout=2.0)) as (srv, port):
+            cfg = QuicConfiguration(is_client=True, alpn_protocols=H3_ALPN, verify_mode=ssl.CERT_NONE,
+                                    server_name="localhost", max_data=2000, max_stream_data=1000)
+            async with connect("127.0.0.1", port, configuration=cfg, create_protocol=_ClientProtocol,
+                               wait_connected=True) as proto:
+                q = proto._quic
+                q._write_connection_limits = lambda *a, **k: None  # never grant more credit
+                q._write_stream_limits = lambda *a, **k: None
+                for _ in range(8):
+                    sid = q.get_next_available_stream_id()
+                    proto.h3.send_headers(sid, [(b":method", b"POST"), (b":scheme", b"https"),
+                                                (b":authority", b"x"), (b":path", b"/echo/big")], end_stream=False)
+                    proto.h3.send_data(sid, b"y" * 50_000, end_stream=True)  # echoed back: 50 KB answers
+                proto.transmit()
+                await wait_until(lambda: srv.connections == 1 and app.handled == 8, what="requests handled")
+
+                async def ping() -> None:
+                    while True:
+                        q.send_ping(1)
+                        proto.transmit()
+                        await asyncio.sleep(0.5)
+
+                pinger = asyncio.create_task(ping())
+                try:
+                    async with client(port) as other:  # served meanwhile
+                        assert (await other.request("GET", "/echo/other"))[0] == 200
+                    await wait_until(lambda: srv.connections == 0, timeout=10, what="stalled connection closed")
+                finally:
+                    pinger.cancel()
+
+    run(main(), timeout=40)
+
+
 def test_garbage_datagrams_do_not_hurt(certs: Certs) -> None:
     async def main() -> None:
         async with serving(EchoApp(), certs) as (_, port):

@@ -69,9 +69,13 @@ __all__ = ["Http3Limits", "Http3Server"]
 
 @dataclass(frozen=True)
 class Http3Limits:
-    idle_timeout: float = 60.0
+    idle_timeout: float = 60.0  # also the write-stall deadline: an answer that makes no progress this long
     max_header_bytes: int = 65536  # RFC 9114 field section size: name + value + 32 per field
     read_timeout: float = 10.0  # a request stream must deliver its whole body within this
+    max_connections: int = 0  # connections held at once, half-open ones included; 0 = unlimited (beyond: refused)
+
+
+_SEND_CHECK = 1.0  # how often a connection with answers still being sent checks their progress
 
 
 # request stream phases
@@ -143,6 +147,11 @@ class _H3Protocol(QuicConnectionProtocol):
         self._goaway_id: int | None = None  # set while draining: streams at or above it are refused
         self._dead = False
         self._flush_pending = False
+        # Answers handed to aioquic and not all sent yet: stream id -> [bytes sent, when that last moved].
+        # A peer that grants no flow-control credit for idle_timeout is cut off (as HTTP/1 does with a
+        # client that stops reading), else its answers would sit in memory for as long as it pings.
+        self._sending: dict[int, list[float]] = {}
+        self._send_timer: asyncio.TimerHandle | None = None
         server._conns.add(self)
 
     # -- input -------------------------------------------------------------------------------
@@ -293,6 +302,9 @@ class _H3Protocol(QuicConnectionProtocol):
         if not method or not target:
             self._answer_early(st, self._srv._error(BadRequest("missing :method or :path")))
             return
+        if target[:1] != b"/":  # origin form only (RFC 9114 4.3.1; no "*": there is no OPTIONS route)
+            self._answer_early(st, self._srv._error(BadRequest(':path must start with "/"')))
+            return
         raw_path, _, raw_query = target.partition(b"?")
         raw_query = raw_query.partition(b"#")[0]
         raw_path = raw_path.partition(b"#")[0]
@@ -405,7 +417,42 @@ class _H3Protocol(QuicConnectionProtocol):
             self._flush_soon()
             return False
         self._flush_soon()
+        if body:
+            self._sending[st.sid] = [-1.0, self._loop.time()]
+            if self._send_timer is None:
+                self._send_timer = self._loop.call_later(_SEND_CHECK, self._check_sends)
         return True
+
+    def _check_sends(self) -> None:
+        """Answers still being sent: one whose sent bytes have not moved for
+        ``idle_timeout`` (the peer grants no flow-control credit) closes the connection.
+        Reads aioquic internals (the stream's sender); without them, nothing is watched."""
+        self._send_timer = None
+        if self._dead:
+            self._sending.clear()
+            return
+        now = self._loop.time()
+        stall = self._srv.limits.idle_timeout
+        try:
+            streams = self._quic._streams  # aioquic internal
+            for sid, mark in list(self._sending.items()):
+                sender = getattr(streams.get(sid), "sender", None)
+                if sender is None or sender.is_finished or sender._reset_error_code is not None \
+                        or sender.highest_offset >= (sender._buffer_fin or 0):
+                    del self._sending[sid]  # sent whole (the peer's acks are the idle timeout's), or gone
+                elif sender.highest_offset != mark[0]:
+                    mark[0], mark[1] = sender.highest_offset, now
+                elif now - mark[1] >= stall:
+                    log.warning("http3: peer %s took no answer bytes for %.0f s (no flow-control credit); "
+                                "closing the connection", _peer_ip(self._addr), stall)
+                    self._abort(ErrorCode.H3_EXCESSIVE_LOAD, "answers not read")
+                    return
+        except Exception:  # a future aioquic without these internals: degrade, never crash the worker
+            log.debug("http3: could not check answer progress", exc_info=True)
+            self._sending.clear()
+            return
+        if self._sending:
+            self._send_timer = self._loop.call_later(_SEND_CHECK, self._check_sends)
 
     # -- early answers, refusals ------------------------------------------------------------
 
@@ -460,9 +507,18 @@ class _H3Protocol(QuicConnectionProtocol):
             log.exception("http3: failed to time out stream %d", st.sid)
 
     def _forget(self, st: _Stream) -> None:
+        """Drop a stream that will get no answer. Its sending side is reset (H3 request
+        cancelled), else the stream would never complete and the client's stream limit
+        would never get its slot back (a client that reset only its own side)."""
         if st.timer is not None:
             st.timer.cancel()
             st.timer = None
+        if st.phase != _DONE:
+            try:
+                self._quic.reset_stream(st.sid, ErrorCode.H3_REQUEST_CANCELLED)  # (no-op once finished)
+                self._flush_soon()
+            except Exception:  # an aioquic refusal must not take the connection's other streams down
+                log.debug("http3: could not reset stream %d", st.sid, exc_info=True)
         st.phase = _DONE
         if self._streams.get(st.sid) is st:
             del self._streams[st.sid]
@@ -495,6 +551,10 @@ class _H3Protocol(QuicConnectionProtocol):
     def _teardown(self) -> None:
         self._dead = True
         self._srv._conns.discard(self)
+        self._sending.clear()
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
         streams = list(self._streams.values())
         self._streams.clear()
         for st in streams:
@@ -560,8 +620,8 @@ def _refused_close(version: int, source_cid: bytes, destination_cid: bytes) -> b
 
 
 class _QuicServer(QuicServer):
-    """aioquic's QuicServer, refusing new connections while draining and never
-    letting one bad datagram raise into the event loop."""
+    """aioquic's QuicServer, refusing new connections while draining or at the
+    connection cap, and never letting one bad datagram raise into the event loop."""
 
     def __init__(self, *, owner: Http3Server, **kw: Any) -> None:
         super().__init__(**kw)
@@ -569,8 +629,8 @@ class _QuicServer(QuicServer):
 
     def datagram_received(self, data: bytes | str, addr: NetworkAddress) -> None:
         try:
-            if self._owner._draining and self._refuse(cast(bytes, data), addr):
-                return
+            if (self._owner._draining or self._owner._full()) and self._refuse(cast(bytes, data), addr):
+                return  # (a packet of a connection already held always passes)
             super().datagram_received(data, addr)
         except Exception:
             log.exception("http3: failed to process a datagram from %s", _peer_ip(addr))
@@ -609,6 +669,11 @@ class Http3Server:
     @property
     def connections(self) -> int:
         return len(self._conns)
+
+    def _full(self) -> bool:
+        """At ``max_connections``: a new connection is refused (CONNECTION_REFUSED)."""
+        cap = self.limits.max_connections
+        return cap > 0 and len(self._conns) >= cap
 
     @property
     def active_requests(self) -> int:

@@ -11,6 +11,7 @@ object is garbage-collected the connection closes. Imports the stdlib and aioqui
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ssl
 from contextlib import AbstractAsyncContextManager
 from typing import Any
@@ -191,6 +192,11 @@ class H3Client:
                 proto.h3.send_data(sid, body, end_stream=True)
         except Exception:
             proto.pending.pop(sid, None)
+            # aioquic's HTTP/3 layer may have marked the stream used (a header QPACK refused):
+            # the stream id is spent here (reset) so the next request takes a fresh one.
+            with contextlib.suppress(Exception):
+                proto._quic.reset_stream(sid, ErrorCode.H3_REQUEST_CANCELLED)
+                proto.flush_soon()
             raise
         proto.flush_soon()
         try:

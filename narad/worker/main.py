@@ -249,6 +249,7 @@ async def _main(spec: WorkerSpec, index: int, core: int | None) -> int:
             idle_timeout=cfg.seconds("http", "idle_timeout"),
             max_header_bytes=cfg.http.max_header_bytes,
             read_timeout=cfg.seconds("http", "read_timeout"),
+            max_connections=(cfg.http.max_connections // max(1, spec.workers)) if cfg.http.max_connections else 0,
         ))
         await h3.start()
     # Everything allocated so far lives as long as the worker: keep it out of

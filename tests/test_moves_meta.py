@@ -531,6 +531,12 @@ def test_a_draining_leader_hands_over_and_leaves_the_raft_voters(tmp_path: Path)
                 assert (await metas[first].write(C.RegisterMember(MemberRecord(
                     ids[i], addrs[i], newest_entry_type=42, entry_types=EVERY)))).ok
             await metas[first].decommission(Q.DecommissionReq(OPERATOR, ids[first]))
+            # A second voter while the first drains: both would leave 2 voters, so it is refused.
+            second = (first + 1) % 4
+            with pytest.raises(Conflict) as e2:
+                await metas[first].decommission(Q.DecommissionReq(OPERATOR, ids[second]))
+            assert [r["code"] for r in e2.value.extra["reasons"]] == ["below_min_voters"]  # type: ignore[union-attr]
+            assert "already draining" in e2.value.extra["reasons"][0]["message"]  # type: ignore[index]
             seen: set[str] = set()
             deadline = time.monotonic() + 60
             while True:

@@ -12,7 +12,11 @@ A client that goes away mid-request (resets the request stream, stops reading
 the answer, or closes the connection) cancels the handler when it opted in
 (``narad.api.hangup``: the long-poll consume), so a parked consume gives back
 what it reserved at once; an answer that can no longer be sent is dropped
-through ``Response.on_dropped`` (a consume nacks its leases).
+through ``Response.on_dropped`` (a consume nacks its leases). A reset of a
+request side that already ended (a GET's, sent with FIN) is not seen: QUIC
+discards it (aioquic drops RESET_STREAM on a finished receive side), so such a
+request is cancelled by STOP_SENDING (what ``narad.client.h3`` sends with its
+reset) or by closing the connection; otherwise its answer is still sent.
 
 Imports narad.api.router, narad.api.hangup, narad.errors, the stdlib and aioquic only. It works on
 its own dup of the caller's socket, so the caller's socket is never closed here.

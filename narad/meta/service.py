@@ -1132,9 +1132,13 @@ class MetaService:
         voters = set(self.raft.voters())
         voter = m.raft_addr in voters
         reasons: list[Q.Reason] = []
-        if voter and len(voters) - 1 < MIN_VOTERS:
-            reasons.append(Q.Reason("below_min_voters", f"{node_id} is a Raft voter: removing it leaves "
-                                                        f"{len(voters) - 1} voters, fewer than {MIN_VOTERS}"))
+        # Voters already draining (decommissions under way) are leaving too: they do not count.
+        leaving = {x.raft_addr for x in members.values() if x.draining and x.id != node_id} & voters
+        staying = len(voters) - 1 - len(leaving)
+        if voter and staying < MIN_VOTERS:
+            also = f" (besides {len(leaving)} already draining)" if leaving else ""
+            reasons.append(Q.Reason("below_min_voters", f"{node_id} is a Raft voter: removing it{also} leaves "
+                                                        f"{staying} voters, fewer than {MIN_VOTERS}"))
         if voter:
             rest = voters - {m.raft_addr}
             alive = {x.raft_addr for x in members.values() if x.status == "alive"} & rest

@@ -70,6 +70,17 @@ def ack(node: Node, name: str, handle: str) -> None:
     assert node.post(f"/v1/topics/{name}/ack?receipt_handle={handle}").status == 204
 
 
+def nacked_past_the_maximum(n: Node, prefix: str, body: bytes, reason: str) -> tuple[str, str, dict[str, Any]]:
+    """A dead-letter topic, a topic with max_deliveries 1 pointing at it, one record
+    produced, taken and nacked with `reason`: (dead-letter topic, topic, the delivery)."""
+    dlt = mk(n, f"{prefix}dlt-")
+    name = mk(n, prefix, max_deliveries=1, dead_letter_topic=dlt)
+    produce(n, name, body)
+    m = take(n, name)
+    assert nack(n, name, m["receipt_handle"], f"&reason={reason}").status == 204
+    return dlt, name, m
+
+
 def metric(node: Node, name: str, topic: str) -> float:
     total = 0.0
     for line in node.get("/metrics").body.decode().splitlines():
@@ -554,11 +565,7 @@ def test_a_kill9_between_the_dead_letter_commit_and_the_settle_gives_a_duplicate
     none live in the source: at least once, never lost, never in both."""
     n = Node(tmp_path / "data", workers=2, env={"NARAD_FAULT_DLQ_HOLD_SETTLE_MS": "30000"}).start()
     try:
-        dlt = mk(n, "kw-dlt-")
-        name = mk(n, "kw-", max_deliveries=1, dead_letter_topic=dlt)
-        produce(n, name, b"once")
-        m = take(n, name)
-        assert nack(n, name, m["receipt_handle"], "&reason=r1").status == 204
+        dlt, name, m = nacked_past_the_maximum(n, "kw-", b"once", "r1")
 
         def dlt_records() -> int:
             return sum(x["high_watermark"] for x in n.get(f"/v1/topics/{dlt}").json()["partition_stats"])
@@ -672,14 +679,10 @@ def test_lifting_max_deliveries_during_a_dead_letter_commit_never_leaves_the_rec
     """A PATCH that lifts max_deliveries releases the held records, but not one whose
     dead-letter commit is on its way (the seam holds the driver between the commit and
     the source settle): it is settled in the source once the commit lands, and is in
-    the dead-letter topic only. A held record not yet on its way is delivered again."""
+    the dead-letter topic only."""
     n = Node(tmp_path / "data", workers=2, env={"NARAD_FAULT_DLQ_HOLD_SETTLE_MS": "3000"}).start()
     try:
-        dlt = mk(n, "rl-dlt-")
-        name = mk(n, "rl-", max_deliveries=1, dead_letter_topic=dlt)
-        produce(n, name, b"poison")
-        m = take(n, name)
-        assert nack(n, name, m["receipt_handle"], "&reason=x").status == 204
+        dlt, name, m = nacked_past_the_maximum(n, "rl-", b"poison", "x")
         wait_for(lambda: "holding the source settle (test seam)" in n.log(), 15, 0.05, "the dead-letter commit")
         r = n.request("PATCH", f"/v1/topics/{name}", {"max_deliveries": 0})
         assert r.status == 200 and r.json().get("max_deliveries", 0) == 0, r
@@ -696,6 +699,17 @@ def test_lifting_max_deliveries_during_a_dead_letter_commit_never_leaves_the_rec
         assert consume(n, dlt).status == 204  # one copy
     finally:
         n.close()
+
+
+def held_by_the_owner_check(node: Node, src: str, body: bytes, auth: str) -> None:
+    """`body` produced to `src` as `auth`, taken and nacked past max_deliveries 1: the
+    driver's owner check refuses it at least twice (counted), so it is held."""
+    before = metric(node, "narad_dead_letter_failures_total", src)
+    r = node.post(f"/v1/topics/{src}/produce?partition={W1_PART[src]}", body, headers=OCTET, auth=auth)
+    assert r.status == 202, r
+    m = take(node, src)
+    assert nack(node, src, m["receipt_handle"]).status == 204
+    wait_for(lambda: metric(node, "narad_dead_letter_failures_total", src) >= before + 2, 15, 0.1, "held, counted")
 
 
 def test_dead_lettering_writes_on_the_source_owners_behalf(node: Node) -> None:
@@ -720,12 +734,7 @@ def test_dead_lettering_writes_on_the_source_owners_behalf(node: Node) -> None:
     # an admin cannot name, for olive's topic, a dead-letter topic olive may not write to
     r = node.request("PATCH", f"/v1/topics/{other}", {"max_deliveries": 1, "dead_letter_topic": dlt})
     assert r.status == 403 and "olive" in r.json()["error"], r
-    before = metric(node, "narad_dead_letter_failures_total", src)
-    r = node.post(f"/v1/topics/{src}/produce?partition={W1_PART[src]}", b"olive's", headers=OCTET, auth=olive)
-    assert r.status == 202, r
-    m = take(node, src)
-    assert nack(node, src, m["receipt_handle"]).status == 204
-    wait_for(lambda: metric(node, "narad_dead_letter_failures_total", src) >= before + 2, 15, 0.1, "held, counted")
+    held_by_the_owner_check(node, src, b"olive's", olive)
     assert consume(node, dlt).status == 204  # nothing written there
     assert consume(node, src).status == 204  # and not delivered again: held
     assert "may not produce to its dead-letter topic" in node.log()
@@ -753,12 +762,7 @@ def test_a_dead_letter_topic_deleted_and_created_again_by_another_user_gets_noth
     assert r.status == 201, r
     assert node.request("DELETE", "/v1/topics/shr-dlq", auth=pia).status == 204
     assert node.post("/v1/topics", {"name": "shr-dlq", "partitions": PARTS}, auth=quin).status == 201  # quin's now
-    before = metric(node, "narad_dead_letter_failures_total", src)
-    r = node.post(f"/v1/topics/{src}/produce?partition={W1_PART[src]}", b"pia's", headers=OCTET, auth=pia)
-    assert r.status == 202, r
-    m = take(node, src)
-    assert nack(node, src, m["receipt_handle"]).status == 204
-    wait_for(lambda: metric(node, "narad_dead_letter_failures_total", src) >= before + 2, 15, 0.1, "held, counted")
+    held_by_the_owner_check(node, src, b"pia's", pia)
     assert node.request("GET", "/v1/topics/shr-dlq/consume", auth=quin, headers=BATCH).status == 204
     # pia points it at a topic of hers: delivered there
     assert node.post("/v1/topics", {"name": "shr-dlq2", "partitions": PARTS}, auth=pia).status == 201

@@ -27,6 +27,7 @@ from narad.client import (
     BadRequest,
     BatchMessage,
     Client,
+    ClientClosed,
     Conflict,
     ConnectError,
     ConnectionLost,
@@ -211,6 +212,38 @@ def test_http3_and_the_sync_client(node: Node) -> None:
             sc.describe_topic("sdk-h3")
 
 
+def test_http3_client_recovers_soon_after_a_node_is_killed_and_restarted(tmp_path: Path) -> None:
+    """A node killed (-9) and restarted on the same port: QUIC on the client's side
+    only notices after its idle timeout (60 s); the SDK drops a connection whose
+    request timed out, so a new one is opened and produces succeed again within
+    seconds (the produce carries an idempotency key: sending it again after a timeout
+    is safe)."""
+    n = Node(tmp_path / "data", workers=1).start()
+    try:
+        async def go() -> float:
+            async with client(n, http3=True, verify=False, timeout=1.0,
+                              retry=RetryPolicy(max_attempts=1, deadline=2)) as c:
+                await c.create_topic("sdk-h3r")
+                await c.produce("sdk-h3r", {"before": 1})
+                await asyncio.to_thread(n.kill9)
+                await asyncio.to_thread(n.start)
+                t0 = time.monotonic()
+                while True:
+                    try:
+                        await c.produce("sdk-h3r", {"after": 1}, idempotency_key="after-1")
+                        return time.monotonic() - t0
+                    except (ConnectionLost, ConnectError) as e:
+                        assert time.monotonic() - t0 < 20, f"still failing after 20 s: {e!r}"
+                    except Exception as e:  # a timeout (uncertain): keyed, so sending again is safe
+                        assert time.monotonic() - t0 < 20, f"still failing after 20 s: {e!r}"
+                    await asyncio.sleep(0.2)
+
+        took = run(go())
+        assert took < 20
+    finally:
+        n.close()
+
+
 def test_go_envelope_interop(node: Node) -> None:
     # Exactly what narad-go's WithEnvelope writes (field order, omitted empties, UUIDv7 id).
     go_bytes = (b'{"_narad":1,"id":"0190f1a2-7b3c-7def-8123-456789abcdef","body":{"order":7},'
@@ -305,10 +338,11 @@ def _collect(consumer: Any, n: int, timeout: float) -> Callable[[], Any]:
         out: list[Outcome] = []
 
         async def loop() -> None:
-            async for o in consumer:
-                out.append(o)
-                if len(out) >= n:
-                    break
+            async with contextlib.aclosing(aiter(consumer)) as outcomes:  # closed at the break: drained
+                async for o in outcomes:
+                    out.append(o)
+                    if len(out) >= n:
+                        break
 
         await asyncio.wait_for(loop(), timeout)
         return out
@@ -337,6 +371,62 @@ def test_consumer_renews_the_lease_past_the_visibility_timeout(node: Node) -> No
             assert sum(s.high_watermark for s in d.partition_stats) == 1
             assert sum(s.in_flight for s in d.partition_stats) == 0
             assert sum(s.lag for s in d.partition_stats) == 0
+
+    run(go())
+
+
+def test_consumer_visibility_timeout_is_each_leases_length(node: Node) -> None:
+    """``visibility_timeout`` is sent as each consume's and extend's lease length: with
+    the topic's 1 s and the pool's 6 s, a 3 s handler keeps its message (another
+    consumer polling meanwhile never gets it), renewed at 3 s, then acked."""
+    calls: list[bytes] = []
+
+    async def handler(m: Any) -> None:
+        calls.append(m.payload)
+        await asyncio.sleep(3)
+
+    async def go() -> None:
+        async with client(node) as c:
+            await c.create_topic("sdk-vis", visibility_timeout_ms=1000)
+            await c.produce("sdk-vis", {"v": 1})
+            cons = c.consume_forever("sdk-vis", handler, concurrency=1, wait=1, visibility_timeout=6)
+            task = asyncio.ensure_future(_collect(cons, 1, 20)())
+            deadline = time.monotonic() + 10
+            while not calls:  # the pool has it: from here on another consumer must not get it
+                assert time.monotonic() < deadline, "the pool never got the message"
+                await asyncio.sleep(0.02)
+            stolen: list[Any] = []
+            end = time.monotonic() + 3.2
+            while time.monotonic() < end:
+                m = await c.consume("sdk-vis", wait=0.5)
+                if m is not None:
+                    stolen.append(m)
+            outs = await task
+            assert stolen == [] and [o.result for o in outs] == ["acked"] and calls == [b'{"v":1}']
+
+    run(go())
+
+
+def test_consumer_ends_when_its_client_closes_and_stop_returns_after_a_cancel(node: Node) -> None:
+    async def handler(m: Any) -> None:
+        await asyncio.sleep(0.3)
+
+    async def go() -> None:
+        c = client(node)
+        await c.create_topic("sdk-close")
+        cons = c.consume_forever("sdk-close", handler, wait=1)
+        task = asyncio.ensure_future(cons)
+        await c.produce("sdk-close", {"x": 1})
+        await asyncio.sleep(0.5)
+        await c.close()
+        with pytest.raises(ClientClosed):  # fatal: not retried for ever
+            await asyncio.wait_for(task, 15)
+        async with client(node) as c2:
+            cons2 = c2.consume_forever("sdk-close", handler, wait=1)
+            task2 = asyncio.ensure_future(cons2)
+            await asyncio.sleep(0.3)
+            task2.cancel()
+            await asyncio.wait_for(cons2.stop(), 15)  # returns: the cancelled pool has drained
 
     run(go())
 
@@ -593,6 +683,42 @@ def test_reads_and_batch_acks_retry_what_is_safe() -> None:
                 await c.replay("t", 0, 1)
             with pytest.raises(Misdirected):
                 await c.consume("t")
+
+    run(go())
+
+
+def test_limits_retry_after_scope_redrive_and_short_answers() -> None:
+    """Against the scripted server: a produce over the node's limits is refused before
+    anything is sent; a 429's Retry-After holds only its own call (a 503's the node);
+    a redrive's 5xx is never sent again (it may have moved some records); a batch ack
+    answer short of rows sends the missing handles again."""
+    async def go() -> None:
+        async with Scripted([(202, {}, b"")] * 3) as s, AsyncClient(f"127.0.0.1:{s.port}", retry=FAST) as c:
+            with pytest.raises(PayloadTooLarge) as e1:
+                await c.produce("t", b"x" * (9 << 20))
+            with pytest.raises(PayloadTooLarge):
+                await c.produce_batch("t", [b"x" * 1_000_000] * 20)
+            with pytest.raises(BadRequest):
+                await c.produce_batch("t", [1] * 1001)
+            assert "nothing was sent" in str(e1.value) and s.seen == []
+        async with Scripted([(429, {"Retry-After": "30", **ERR}, b'{"error":"too many consumes"}'),
+                             (204, {}, b"")]) as s, AsyncClient(f"127.0.0.1:{s.port}", retry=FAST) as c:
+            with pytest.raises(TooManyRequests):
+                await c.list_topics()
+            await c.ack("t", "0:1:1")  # not held by the other call's 429
+            assert [m for m, _t, _b in s.seen] == ["GET", "POST"]
+        async with Scripted([(503, ERR, b'{"error":"origin topic went away during the redrive; retry"}'),
+                             (200, ERR, b'{"redriven":1,"skipped":0}')]) as s, \
+                AsyncClient(f"127.0.0.1:{s.port}", retry=FAST) as c:
+            with pytest.raises(Unavailable) as e2:
+                await c.redrive("dlq")
+            assert e2.value.uncertain and len(s.seen) == 1
+        async with Scripted([(200, ERR, b'{"results":[{"status":204}]}'),
+                             (200, ERR, b'{"results":[{"status":204}]}')]) as s, \
+                AsyncClient(f"127.0.0.1:{s.port}", retry=FAST) as c:
+            res = await c.ack_batch("t", ["0:1:1", "0:2:2"])
+            assert [r.status for r in res] == [204, 204]
+            assert [json.loads(b)["receipt_handles"] for _m, _t, b in s.seen] == [["0:1:1", "0:2:2"], ["0:2:2"]]
 
     run(go())
 

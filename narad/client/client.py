@@ -71,6 +71,12 @@ Kind = Literal["produce", "write", "ack", "consume", "read", "produce_idem"]
 _EXTEND = {"ack": None, "extend": "true", "nack": "0"}
 _enc = msgspec.json.Encoder()
 MAX_BATCH_ACK = 100
+# The node's limits (narad.api.messages), checked here before anything is sent: a body far over
+# them is cut off by the node mid-upload (it reads a few MiB at most after its 413), which the
+# client could only report as a lost connection whose outcome is unknown.
+MAX_MESSAGE = 1 << 20
+MAX_BATCH_MESSAGES = 1000
+MAX_BATCH_BODY = 16 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,9 +237,11 @@ class AsyncClient:
         last: E.NaradError | None = None
         uncertain = False
         loop_op = op or kind
+        held = 0.0  # a 429's Retry-After: this call's own (a cap of one identity and kind, not the node's)
         for attempt in range(max(1, pol.max_attempts)):
             now = time.monotonic()
             i, wait = self._pick(now)
+            wait = max(wait, held - now)
             if attempt > 0:
                 # full jitter, never before the node said (Retry-After / cooldown)
                 wait = max(wait, random.uniform(0, min(pol.cap, pol.base * (2 ** (attempt - 1)))))
@@ -241,6 +249,8 @@ class AsyncClient:
                 break
             if wait > 0:
                 await asyncio.sleep(wait)
+            if self._closed:  # closed while this call waited to try again
+                raise E.ClientClosed("client closed")
             remaining = end - time.monotonic()
             node = self.nodes[i]
             try:
@@ -260,7 +270,10 @@ class AsyncClient:
                 if kind == "ack" and status in (502, 503):
                     err2.retryable = True
                 if err2.retry_after is not None:
-                    self._not_before[i] = time.monotonic() + err2.retry_after
+                    if status == 429:  # this identity's in-flight cap for this kind of call: not the node's
+                        held = time.monotonic() + err2.retry_after
+                    else:  # the node (draining, busy): every call waits
+                        self._not_before[i] = time.monotonic() + err2.retry_after
                 last = err2
             uncertain = uncertain or last.uncertain
             if not self._may_retry(kind, last):
@@ -279,7 +292,10 @@ class AsyncClient:
         status, _h, data = await self._call(kind, method, path, body=body, content_type=ct, **kw)
         if status == 204 or not data:
             return None
-        return msgspec.json.decode(data)
+        try:
+            return msgspec.json.decode(data)
+        except msgspec.DecodeError:  # not a node's answer (a proxy's page?)
+            raise E.ServerError(f"HTTP {status} answer is not JSON: {data[:80]!r}", status=status) from None
 
     # ---- health ------------------------------------------------------------------------
     async def ready(self, node: str | None = None) -> bool:
@@ -349,6 +365,8 @@ class AsyncClient:
                            partition: int | None, deadline: float | None = None,
                            idempotency_key: str | None = None,
                            record_headers: dict[str, str] | None = None) -> ProduceResult:
+        if len(body) > MAX_MESSAGE:
+            raise E.PayloadTooLarge(f"message too large: {len(body)} bytes, over 1 MiB (nothing was sent)")
         query: list[tuple[str, str | bytes]] = []
         if key:
             query.append(("key", key))
@@ -406,9 +424,18 @@ class AsyncClient:
             out.append(row)
         if not out:
             raise ValueError("a batch needs at least one message")
-        ans = await self._json("produce_idem" if keyed == len(out) else "produce", "POST",
-                               f"/v1/topics/{_seg(topic)}/produce/batch", {"messages": out}, deadline=deadline,
-                               op="produce")
+        if len(out) > MAX_BATCH_MESSAGES:
+            raise E.BadRequest(f"too many messages: {len(out)}, more than {MAX_BATCH_MESSAGES} (nothing was sent)")
+        body = _enc.encode({"messages": out})
+        if len(body) > MAX_BATCH_BODY:
+            raise E.PayloadTooLarge(f"batch body too large: {len(body)} bytes, over 16 MiB (nothing was sent)")
+        status, _h, data = await self._call("produce_idem" if keyed == len(out) else "produce", "POST",
+                                            f"/v1/topics/{_seg(topic)}/produce/batch", body=body,
+                                            content_type="application/json", deadline=deadline, op="produce")
+        try:
+            ans = msgspec.json.decode(data) if status != 204 and data else None
+        except msgspec.DecodeError:  # accepted (2xx) with an answer that is not a node's: the count is ours
+            ans = None
         ans = ans if isinstance(ans, dict) else {}
         dups = ans.get("duplicates")
         return BatchResult(int(ans.get("accepted", len(out))), dups if isinstance(dups, int) else 0,
@@ -557,6 +584,8 @@ class AsyncClient:
                 rows = (ans or {}).get("results", [])
                 for i, row in zip(chunk, rows, strict=False):
                     results[i] = AckResult(hs[i], int(row.get("status", 0)), row.get("error"))
+                for i in chunk[len(rows):]:  # a short answer (not a node's): those are unknown, sent again
+                    results[i] = AckResult(hs[i], 503, "no result for this handle in the answer")
             pending = [i for i in pending if results[i].status in (502, 503)]
             attempt += 1
             if not pending or attempt >= pol.max_attempts:

@@ -54,16 +54,17 @@ class ClientLike(Protocol):
 
     async def visibility_timeout(self, topic: str) -> float: ...
 
-    async def consume(self, topic: str, *, wait: float = ...) -> Message | None: ...
+    async def consume(self, topic: str, *, wait: float = ..., visibility: float | None = ...) -> Message | None: ...
 
-    async def consume_batch(self, topic: str, max: int, *, wait: float = ...) -> list[Message]: ...
+    async def consume_batch(self, topic: str, max: int, *, wait: float = ...,
+                            visibility: float | None = ...) -> list[Message]: ...
 
     async def ack(self, topic: str, handle: str | Message) -> None: ...
 
     async def nack(self, topic: str, handle: str | Message, *, delay: float | None = ...) -> None: ...
 
     async def ack_batch(self, topic: str, handles: Sequence[str | Message], *, mode: Any = ...,
-                        deadline: float | None = ...) -> list[AckResult]: ...
+                        deadline: float | None = ..., visibility: float | None = ...) -> list[AckResult]: ...
 
 __all__ = ["Consumer", "Handler", "Outcome"]
 
@@ -71,7 +72,7 @@ log = logging.getLogger("narad.client")
 
 Handler = Callable[[Message], Awaitable[Any]] | Callable[[Message], Any]
 Result = Literal["acked", "nacked", "lapsed", "lease_lost", "ack_failed", "abandoned"]
-FATAL = (E.Unauthorized, E.Forbidden, E.NotFound, E.BadRequest)
+FATAL = (E.Unauthorized, E.Forbidden, E.NotFound, E.BadRequest, E.ClientClosed)
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +118,8 @@ class Consumer:
             raise ValueError('on_failure is "nack" or "lapse"')
         if retry_delay is not None and not (0 <= retry_delay <= 43200 and on_failure == "nack"):
             raise ValueError('retry_delay is 0 to 43200 seconds, with on_failure="nack"')
+        if visibility_timeout is not None and not 1 <= visibility_timeout <= 43200:
+            raise ValueError("visibility_timeout is 1 to 43200 seconds")
         self.client = client
         self.topic = topic
         self.handler = handler
@@ -154,9 +157,18 @@ class Consumer:
         if drain_timeout is not None:
             self.drain_timeout = drain_timeout
         self.request_stop()
-        if self._run_task is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.shield(self._run_task)
+        t = self._run_task
+        if t is not None:
+            # the loop's own errors are its runner's to see, and a loop whose task was
+            # cancelled has drained: either way stop() returns (a cancel of stop() itself
+            # still propagates)
+            try:
+                await asyncio.shield(t)
+            except asyncio.CancelledError:
+                if not t.cancelled():
+                    raise
+            except Exception:
+                pass
 
     def __await__(self) -> Generator[Any, None, None]:
         return self._start().__await__()
@@ -212,10 +224,13 @@ class Consumer:
                 await self._slot.wait()
                 continue
             k = min(self._free, self.batch)
+            # visibility_timeout given: each lease is that long (the per-consume extension), not the topic's
             if self.batch == 1:
-                fetch: asyncio.Future[Any] = asyncio.ensure_future(self.client.consume(self.topic, wait=self.wait))
+                fetch: asyncio.Future[Any] = asyncio.ensure_future(
+                    self.client.consume(self.topic, wait=self.wait, visibility=self._vt))
             else:
-                fetch = asyncio.ensure_future(self.client.consume_batch(self.topic, k, wait=self.wait))
+                fetch = asyncio.ensure_future(
+                    self.client.consume_batch(self.topic, k, wait=self.wait, visibility=self._vt))
             stopper = asyncio.ensure_future(self._stop.wait())
             try:
                 await asyncio.wait([fetch, stopper], return_when=asyncio.FIRST_COMPLETED)
@@ -285,7 +300,7 @@ class Consumer:
         soonest = min(le.expires for le in due)
         try:
             results = await self.client.ack_batch(self.topic, [le.msg for le in due], mode="extend",
-                                                  deadline=max(0.1, soonest - sent))
+                                                  deadline=max(0.1, soonest - sent), visibility=self._vt)
         except E.NaradError as e:
             log.warning("extending %d leases on %s failed: %s", len(due), self.topic, e)
             results = None

@@ -297,7 +297,12 @@ def error_from_response(
         cls = _BY_STATUS.get(status) or (ServerError if status >= 500 else ApiError)
     retry_after = parse_retry_after(headers.get("retry-after"))
     err = cls(message, status=status, node=node, retry_after=retry_after, code=code, body=parsed)
-    if status >= 500 and op in ("produce", "write"):
+    if status >= 500 and op == "redrive":
+        # a redrive may have moved part of its records before failing: never sent again by
+        # itself (another call moves what is left; the counts of this one are unknown)
+        err.uncertain = True
+        err.retryable = False
+    elif status >= 500 and op in ("produce", "write"):
         # Narad: a 503 that carries Retry-After on a produce stored nothing; a metadata
         # write's 503 says when it may have landed. Everything else is ambiguous.
         safe = status == 503 and retry_after is not None and "may have landed" not in message

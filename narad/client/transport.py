@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from narad.client.errors import ConnectError, ConnectionLost, RequestTimeout
+from narad.client.errors import ClientClosed, ConnectError, ConnectionLost, RequestTimeout
 from narad.client.h3 import H3Client, H3StreamError
 
 __all__ = ["H1Transport", "H3Transport", "NodeAddr", "Transport", "parse_node"]
@@ -93,6 +93,10 @@ class H1Transport:
             raise RequestTimeout(f"no answer from {where} within {timeout:g}s", node=where) from e
         except (httpx.TransportError, OSError) as e:
             raise ConnectionLost(f"connection to {where} lost: {e or type(e).__name__}", node=where) from e
+        except RuntimeError as e:  # httpx: "the client has been closed" (the SDK's client closed meanwhile)
+            if self._client.is_closed:
+                raise ClientClosed("client closed") from e
+            raise
         return r.status_code, {k.lower(): v for k, v in r.headers.items()}, r.content
 
     async def aclose(self) -> None:
@@ -110,6 +114,7 @@ class H3Transport:
         self._connect_timeout = connect_timeout
         self._conns: dict[NodeAddr, H3Client] = {}
         self._locks: dict[NodeAddr, asyncio.Lock] = {}
+        self._closing: set[asyncio.Future[None]] = set()  # connections dropped after a timeout, closing
 
     async def _conn(self, node: NodeAddr) -> H3Client:
         c = self._conns.get(node)
@@ -137,6 +142,14 @@ class H3Transport:
         try:
             return await c.request(method, target, headers=headers, body=body, timeout=timeout)
         except TimeoutError as e:
+            # The connection may be dead (a node killed and restarted on the same port: QUIC only
+            # notices after its idle timeout): it is not reused; the next request opens a new one,
+            # as an HTTP/1.1 client drops a connection whose read timed out.
+            if self._conns.get(node) is c:
+                del self._conns[node]
+                task = asyncio.ensure_future(c.close())
+                self._closing.add(task)
+                task.add_done_callback(self._closing.discard)
             raise RequestTimeout(f"no answer from {where} within {timeout:g}s", node=where) from e
         except H3StreamError as e:
             if e.error_code == self.H3_REQUEST_REJECTED:
@@ -149,3 +162,5 @@ class H3Transport:
         conns, self._conns = self._conns, {}
         for c in conns.values():
             await c.close()
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)

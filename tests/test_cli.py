@@ -230,16 +230,14 @@ def test_password_prompt_and_stdin(node: Node, cfg: Path) -> None:
     assert "HTTP 401" in err
 
 
-def test_password_prompt_at_a_terminal(node: Node, cfg: Path) -> None:
-    """A real pseudo-terminal: the prompt hides what is typed."""
-    narad(node, cfg, "topic", "add", "tty")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NARAD_")}
-    env.update({"NARAD_CONFIG_DIR": str(cfg), "NARAD_ADDR": f"127.0.0.1:{node.port}"})
+def at_a_terminal(argv: list[str], env: dict[str, str], answers: list[tuple[bytes, bytes]]) -> tuple[str, int]:
+    """Run `argv` on a real pseudo-terminal, typing each answer when its prompt shows:
+    (everything the terminal showed, exit code)."""
     pid, fd = pty.fork()
     if pid == 0:  # the child: exec at once
-        os.execve(sys.executable, [sys.executable, "-m", "narad.cli.main", "-u", "admin", "topic", "ls"], env)
+        os.execve(argv[0], argv, env)
     out = b""
-    sent = False
+    todo = list(answers)
     end = time.monotonic() + 30
     try:
         while time.monotonic() < end:
@@ -253,17 +251,39 @@ def test_password_prompt_at_a_terminal(node: Node, cfg: Path) -> None:
             if not chunk:
                 break
             out += chunk
-            if not sent and b"Password for admin:" in out:
-                os.write(fd, ADMIN_PASSWORD.encode() + b"\n")
-                sent = True
-        _, status = os.waitpid(pid, 0)
+            if todo and todo[0][0] in out:
+                os.write(fd, todo.pop(0)[1] + b"\n")
+                out = out.replace(b"\r\n", b"\n")
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if not done:  # still waiting for something never typed: the deadline ends it
+            time.sleep(0.5)
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if not done:
+                os.kill(pid, signal.SIGKILL)
+                _, status = os.waitpid(pid, 0)
     finally:
         os.close(fd)
     text = out.decode(errors="replace")
-    assert sent, text
-    assert os.waitstatus_to_exitcode(status) == 0, text
+    assert not todo, f"prompts never shown: {todo}; terminal: {text}"
+    return text, os.waitstatus_to_exitcode(status)
+
+
+def test_password_prompt_at_a_terminal(node: Node, cfg: Path) -> None:
+    """A real pseudo-terminal: the prompt hides what is typed (the narad CLI's login
+    and naradctl users add's new password, asked twice)."""
+    narad(node, cfg, "topic", "add", "tty")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NARAD_")}
+    env.update({"NARAD_CONFIG_DIR": str(cfg), "NARAD_ADDR": f"127.0.0.1:{node.port}"})
+    text, code = at_a_terminal([sys.executable, "-m", "narad.cli.main", "-u", "admin", "topic", "ls"], env,
+                               [(b"Password for admin:", ADMIN_PASSWORD.encode())])
+    assert code == 0, text
     assert ADMIN_PASSWORD not in text  # not echoed
     assert re.search(r"^tty\s+3\s", text, re.M), text
+    sock = str(node.runtime_dir / "narad.sock")
+    text, code = at_a_terminal([sys.executable, "-m", "narad.ctl.main", "--socket", sock, "users", "add", "ttyu"],
+                               env, [(b"New password:", b"tty-secret-1"), (b"Repeat it:", b"tty-secret-1")])
+    assert code == 0 and "tty-secret-1" not in text, text
+    assert node.get("/v1/topics", auth=basic("ttyu", "tty-secret-1")).status == 200
 
 
 def test_user_add_grant_passwd(node: Node, cfg: Path) -> None:

@@ -316,7 +316,10 @@ def main(argv: list[str] | None = None) -> int:
         if ns.action == "ls":
             fmt = _fmt_users
         elif ns.action == "add":
-            pw = ns.password if ns.password is not None else sys.stdin.readline().rstrip("\n")
+            pw = _new_password(ns.password)  # at a terminal: asked twice, not echoed (as passwd)
+            if pw is None:
+                print("naradctl: the two passwords differ", file=sys.stderr)
+                return 2
             args = {"username": ns.username, "password": pw, "grants": _parse_grants(ns.grant)}
         elif ns.action == "passwd":
             new_pw = _new_password(ns.password)

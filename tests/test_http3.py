@@ -442,6 +442,23 @@ def test_a_peer_that_takes_no_answer_bytes_is_cut_off(certs: Certs) -> None:
     run(main(), timeout=40)
 
 
+def test_the_client_checks_the_certificate_against_a_given_ca_file(certs: Certs) -> None:
+    """``verify`` a path: the server's certificate is checked against that PEM file (here
+    the self-signed certificate itself); True (the default CAs) refuses it."""
+    async def main() -> None:
+        async with serving(EchoApp(), certs) as (_srv, port):
+            c = await H3Client.connect("127.0.0.1", port, verify=certs[0], server_name="localhost", timeout=5)
+            try:
+                assert (await c.request("GET", "/echo/ca"))[0] == 200
+            finally:
+                await c.close()
+            with pytest.raises((ConnectionError, TimeoutError)):
+                bad = await H3Client.connect("127.0.0.1", port, verify=True, server_name="localhost", timeout=3)
+                await bad.close()
+
+    run(main(), timeout=30)
+
+
 def test_garbage_datagrams_do_not_hurt(certs: Certs) -> None:
     async def main() -> None:
         async with serving(EchoApp(), certs) as (_, port):

@@ -155,7 +155,9 @@ class AsyncClient:
         if transport is not None:
             self._transport: Transport = transport
         elif http3:
-            self._transport = H3Transport(verify=bool(verify), connect_timeout=connect_timeout)
+            if isinstance(verify, ssl.SSLContext):  # aioquic takes no SSLContext: a silent fallback would hide it
+                raise ValueError("http3=True takes verify as True, False or the path of a CA file, not an SSLContext")
+            self._transport = H3Transport(verify=verify, connect_timeout=connect_timeout)
         else:
             self._transport = H1Transport(max_connections=max_connections, max_keepalive=max_connections,
                                           connect_timeout=connect_timeout, verify=verify)

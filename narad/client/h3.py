@@ -136,14 +136,19 @@ class H3Client:
 
     @classmethod
     async def connect(
-        cls, host: str, port: int, *, verify: bool = False, server_name: str | None = None, timeout: float = 5.0
+        cls, host: str, port: int, *, verify: bool | str = False, server_name: str | None = None,
+        timeout: float = 5.0
     ) -> H3Client:
+        """``verify``: False accepts any certificate (a node's self-signed one), True checks it
+        against the default CAs, a path checks it against the CA certificates in that PEM file."""
         cfg = QuicConfiguration(
             is_client=True,
             alpn_protocols=H3_ALPN,
             server_name=server_name or host,
             verify_mode=ssl.CERT_REQUIRED if verify else ssl.CERT_NONE,
         )
+        if isinstance(verify, str):
+            cfg.load_verify_locations(cafile=verify)
         cm = connect(host, port, configuration=cfg, create_protocol=_ClientProtocol, wait_connected=True)
         proto = await asyncio.wait_for(cm.__aenter__(), timeout)
         authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

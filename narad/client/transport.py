@@ -109,8 +109,8 @@ class H3Transport:
 
     H3_REQUEST_REJECTED = 0x10B  # the server did not process the stream: safe to retry
 
-    def __init__(self, *, verify: bool = True, connect_timeout: float = 3.0) -> None:
-        self._verify = verify
+    def __init__(self, *, verify: bool | str = True, connect_timeout: float = 3.0) -> None:
+        self._verify = verify  # a str: a PEM file of CA certificates
         self._connect_timeout = connect_timeout
         self._conns: dict[NodeAddr, H3Client] = {}
         self._locks: dict[NodeAddr, asyncio.Lock] = {}

@@ -407,6 +407,30 @@ def test_consumer_visibility_timeout_is_each_leases_length(node: Node) -> None:
     run(go())
 
 
+def test_a_handler_that_settles_its_own_message_is_not_acked_again(node: Node) -> None:
+    """retry_later (or an explicit ack) in the handler settles the message: the loop
+    does not ack it again (that would get 410 and report a lost lease)."""
+    async def go() -> None:
+        async with client(node) as c:
+            await c.create_topic("sdk-own")
+            await c.create_topic("sdk-own-parked")
+            await c.produce("sdk-own", {"n": 1}, envelope=True)
+            await c.produce("sdk-own", {"n": 2})
+
+            async def handler(m: Any) -> None:
+                if m.envelope() is not None:
+                    await c.retry_later(m, "parked", "sdk-own-parked")
+                else:
+                    await c.ack("sdk-own", m)
+
+            outs = await _collect(c.consume_forever("sdk-own", handler, wait=1), 2, 20)()
+            assert [o.result for o in outs] == ["acked", "acked"], outs
+            parked = await c.consume("sdk-own-parked", wait=2)
+            assert parked is not None and parked.envelope() is not None
+
+    run(go())
+
+
 def test_consumer_ends_when_its_client_closes_and_stop_returns_after_a_cancel(node: Node) -> None:
     async def handler(m: Any) -> None:
         await asyncio.sleep(0.3)

@@ -165,6 +165,7 @@ class AsyncClient:
         self._not_before = [0.0] * len(self.nodes)
         self._closed = False
         self._vt_cache: dict[str, float] = {}
+        self._settled: dict[str, AckMode] = {}  # handles acked / nacked here, oldest first (bounded)
 
     # ---- lifecycle ---------------------------------------------------------------------
     async def __aenter__(self) -> AsyncClient:
@@ -516,6 +517,21 @@ class AsyncClient:
             query.append(("extend", ext))
         query += extra or []
         await self._call("ack", "POST", f"/v1/topics/{_seg(topic)}/ack", query=query, op="ack")
+        if mode != "extend":
+            self._note_settled(h, mode)
+
+    def _note_settled(self, handle: str, mode: AckMode) -> None:
+        """Handles this client acked or nacked (the last 10,000): a consumer loop asks
+        (``settled_here``) so that a handler that settled its own message (``retry_later``,
+        an explicit ack) is not acked again (a 410, reported as a lost lease)."""
+        done = self._settled
+        done[handle] = mode
+        if len(done) > 10_000:
+            del done[next(iter(done))]
+
+    def settled_here(self, handle: str) -> AckMode | None:
+        """"ack" / "nack" when this client settled `handle` (see ``_note_settled``)."""
+        return self._settled.get(handle)
 
     async def ack(self, topic: str, handle: str | Message) -> None:
         """Settle: the message is never delivered again. LeaseGone (410) if the lease
@@ -596,6 +612,10 @@ class AsyncClient:
             if time.monotonic() + pause >= end:
                 break
             await asyncio.sleep(pause)
+        if mode != "extend":
+            for i, r in results.items():
+                if r.status == 204:
+                    self._note_settled(hs[i], mode)
         return [results[i] for i in range(len(hs))]
 
     async def redrive(self, topic: str, *, max: int | None = None) -> RedriveResult:

@@ -63,6 +63,8 @@ class ClientLike(Protocol):
 
     async def nack(self, topic: str, handle: str | Message, *, delay: float | None = ...) -> None: ...
 
+    def settled_here(self, handle: str) -> Any: ...
+
     async def ack_batch(self, topic: str, handles: Sequence[str | Message], *, mode: Any = ...,
                         deadline: float | None = ..., visibility: float | None = ...) -> list[AckResult]: ...
 
@@ -373,7 +375,10 @@ class Consumer:
                         outcome = Outcome(msg, "lapsed", err, le.extends)
             else:
                 le.settling = True
-                if le.lost:
+                own = self.client.settled_here(handle)  # the handler settled it itself (retry_later, ack, nack)
+                if own is not None:
+                    outcome = Outcome(msg, "acked" if own == "ack" else "nacked", None, le.extends)
+                elif le.lost:
                     outcome = Outcome(msg, "lease_lost", None, le.extends)
                 else:
                     try:

@@ -49,7 +49,16 @@ async def one_round(rounds: CommitRounds, plogs: list[PartitionLog], tag: str = 
     one round; returns (result, exception) per log, each published on success."""
     loop = asyncio.get_running_loop()
     gate = threading.Event()
-    held = rounds.run(loop, gate.wait, 10)
+    started = threading.Event()
+
+    def hold(timeout: float) -> bool:
+        started.set()
+        return gate.wait(timeout)
+
+    held = rounds.run(loop, hold, 10)
+    # The thread must be inside the job before the commits are queued: had it woken for the job
+    # only after the first commit was queued, it would take that commit with the job (a round alone).
+    assert await asyncio.to_thread(started.wait, 10), "the round thread never took the holding job"
     batches = [batch(p, tag) for p in plogs]
     futs = [rounds.commit(loop, p, envs) for p, (envs, _) in zip(plogs, batches, strict=True)]
     gate.set()

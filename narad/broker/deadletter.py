@@ -175,7 +175,7 @@ class DeadLetterDriver:
         if dlt is None:
             self._failed(t.name, len(p.dead), f'dead-letter topic "{t.dead_letter_topic}" does not exist')
             return
-        if b.security and not G.may_dead_letter(b.store.user(t.owner) if t.owner else None, t.owner, dlt):
+        if b.security and not G.may_dead_letter(b.store.user, t, dlt):
             # written on the owner's behalf: a grant taken away (or the name now another's topic) holds them
             self._failed(t.name, len(p.dead), f'the owner of "{t.name}" ("{t.owner}") may not produce to its '
                                               f'dead-letter topic "{dlt.name}" (no produce grant there)')

@@ -9,6 +9,8 @@ control socket, which has root's rights).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import msgspec
 
 from narad.meta.records import TopicRecord, UserRecord
@@ -68,13 +70,13 @@ def may_write_to(user: UserRecord | None, topic: TopicRecord) -> bool:
     return has_grant(user, "produce", topic.name) or can_manage_topic(user, topic)
 
 
-def may_dead_letter(owner: UserRecord | None, owner_name: str | None, dlt: TopicRecord) -> bool:
-    """Whether records of a topic owned by `owner_name` (its user record `owner`, None
-    when that user is gone) may be dead-lettered into `dlt` now: the dead-letter driver
-    writes on the owner's behalf, so a topic with an owner needs that owner's right to
-    write there at every pass (a grant taken away, or a dead-letter topic deleted and
-    created again by someone else, stops it: the records are held). A topic without
-    an owner (made by an admin, the operator, or with security off) is unchecked."""
-    if owner_name is None:
+def may_dead_letter(user_of: Callable[[str], UserRecord | None], source: TopicRecord, dlt: TopicRecord) -> bool:
+    """Whether records of `source` may be dead-lettered into `dlt` now: they are written
+    on the source owner's behalf, so a topic with an owner needs that owner (looked up
+    with `user_of`; a deleted user may not) to be able to write to `dlt`, at every pass
+    of the driver and when the setting is made (a grant taken away, or a dead-letter
+    topic deleted and created again by someone else, holds the records). A topic
+    without an owner (made by the operator, or with security off) is unchecked."""
+    if source.owner is None:
         return True
-    return may_write_to(owner, dlt)
+    return may_write_to(user_of(source.owner), dlt)

@@ -762,9 +762,8 @@ class MetaService:
             if (req.max_deliveries, req.dead_letter_topic, req.idempotency_window_ms) != (None, None, None):
                 self._require_type(C.EntryType.SET_DELIVERY, "changing delivery settings")
                 if req.dead_letter_topic:
-                    owner = self.store.user(current.owner) if current.owner else None
                     _check_dead_letter_topic(self.store.topic(req.dead_letter_topic), req.dead_letter_topic,
-                                             req.who, user, owner)
+                                             req.who, user, current, self.store.user)
 
                 def set_delivery(t: TopicRecord) -> msgspec.Struct:
                     may_manage(t)
@@ -1341,13 +1340,14 @@ __all__ = ["Grant", "MetaService", "public_user"]
 
 
 def _check_dead_letter_topic(rec: TopicRecord | None, name: str, who: G.Identity, user: UserRecord | None,
-                             owner: UserRecord | None = None) -> None:
+                             source: TopicRecord | None = None,
+                             user_of: Callable[[str], UserRecord | None] | None = None) -> None:
     """A dead-letter topic exists, is no fan-out child (only its parent feeds a child),
     and the caller may write there: records dead-lettered from its topic are committed
     into it with no further check, so naming it needs a produce grant on it (or its
-    ownership, or admin) as producing there directly would. ``owner``: the source
-    topic's owner (a known user), who must be able to write there too: the dead-letter
-    driver writes on the owner's behalf and checks that again at every pass
+    ownership, or admin) as producing there directly would. ``source`` (with its
+    owner looked up by ``user_of``): the topic being changed, whose owner must be able
+    to write there too, by the rule the dead-letter driver applies at every pass
     (``G.may_dead_letter``)."""
     if rec is None:
         raise BadRequest(f'invalid argument: dead-letter topic "{name}" not found (create it first)')
@@ -1357,6 +1357,6 @@ def _check_dead_letter_topic(rec: TopicRecord | None, name: str, who: G.Identity
     if not who.unrestricted and not G.may_write_to(user, rec):
         raise Forbidden(f'produce not allowed on topic "{name}": naming it as dead_letter_topic needs a produce '
                         f"grant on it (dead-lettered records are written there)")
-    if owner is not None and not G.may_write_to(owner, rec):
-        raise Forbidden(f'the owner of this topic ("{owner.username}") has no produce grant on "{name}": dead-'
+    if source is not None and user_of is not None and not G.may_dead_letter(user_of, source, rec):
+        raise Forbidden(f'the owner of this topic ("{source.owner}") has no produce grant on "{name}": dead-'
                         f"lettered records are written there on the owner's behalf; grant it first")

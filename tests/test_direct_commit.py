@@ -223,3 +223,79 @@ def test_an_idempotent_produce_frees_its_in_flight_share_once_durable(tmp_path: 
         assert time.monotonic() - t0 >= 1.0, "the verdict came without waiting for the delayed commit"
     finally:
         n.close()
+
+
+def test_direct_commits_for_another_worker_share_one_hop(tmp_path: Any) -> None:
+    """An idempotent batch whose keys hash to several partitions of the other worker sends
+    them in one hop (``CommitManyReq``), not one ``CommitReq`` per partition, with the same
+    verdicts; and the receiving worker answers each part of such a hop on its own: a part
+    for a stale incarnation is refused (409) while the others commit, and a part for a
+    partition the receiver does not own is passed on to its owner."""
+    import asyncio
+
+    from narad.broker import peers as P
+    from narad.broker.routing import key_partition, owner_worker
+    from narad.ipc import rpc
+    from narad.storage.frames import F_UTF8
+
+    hops = "narad_worker_hops_total"
+    n = Node(tmp_path / "data", workers=2).start()
+    try:
+        assert n.post("/v1/topics", {"name": "spread", "partitions": 8}).status == 201
+        theirs = [p for p in range(8) if owner_worker("spread", p, 2) == 1]
+        mine = [p for p in range(8) if owner_worker("spread", p, 2) == 0]
+        assert len(theirs) >= 2 and mine, (theirs, mine)
+        for p in range(8):  # opens every partition and dials the links
+            assert n.request("POST", f"/v1/topics/spread/produce?partition={p}", f"w-{p}".encode(),
+                             headers=OCTET).status == 202
+        assert len(drain(n, "spread", 8)) == 8
+        keys = [f"id-{i}" for i in range(200)]
+        spanned = {key_partition(k.encode(), 8) for k in keys}
+        assert set(theirs) <= spanned
+        c = n.worker_connection(0)  # the batch lands on worker 0: worker 1's partitions are one hop away
+
+        def batch(payload: str) -> dict[str, Any]:
+            body = json.dumps({"messages": [{"payload": f"{payload}-{k}", "idempotency_key": k} for k in keys]})
+            c.request("POST", "/v1/topics/spread/produce/batch", body,
+                      {"Content-Type": "application/json", "Authorization": n.auth})
+            r = c.getresponse()
+            out = json.loads(r.read())
+            assert r.status == 202, out
+            return out  # type: ignore[no-any-return]
+
+        def hop_count(op: str) -> float:
+            for line in n.get("/metrics").body.decode().splitlines():
+                if line.startswith(f'{hops}{{op="{op}"}} '):
+                    return float(line.rsplit(" ", 1)[1])
+            return 0.0
+
+        many0, one0 = hop_count("CommitManyReq"), hop_count("CommitReq")
+        assert batch("first") == {"accepted": 200, "duplicates": 0}
+        assert batch("again") == {"accepted": 200, "duplicates": 200}
+        assert hop_count("CommitManyReq") - many0 == 2  # one hop per batch for worker 1's partitions
+        assert hop_count("CommitReq") == one0
+        got = drain(n, "spread", 200)
+        assert sorted(got) == sorted(f"first-{k}" for k in keys)
+
+        topic_id = n.get("/v1/topics/spread").json()["id"]
+
+        async def parts() -> P.CommitManyResp:
+            conn = await rpc.connect_unix(str(n.runtime_dir / "w1.sock"))
+            try:
+                req = P.CommitManyReq([
+                    P.CommitReq("spread", topic_id, theirs[0], [(None, F_UTF8, b"part-ok")]),
+                    P.CommitReq("spread", "00" * 16, theirs[1], [(None, F_UTF8, b"part-stale")]),
+                    P.CommitReq("spread", topic_id, mine[0], [(None, F_UTF8, b"part-passed-on")]),
+                ])
+                return await conn.call(req, P.CommitManyResp, timeout=15.0)
+            finally:
+                conn.close()
+
+        resp = asyncio.run(parts())
+        ok, stale, passed = resp.parts
+        assert ok.status == 0 and ok.base >= 1, ok
+        assert stale.status == 409 and stale.code == "incarnation_mismatch", stale
+        assert passed.status == 0 and passed.base >= 1, passed
+        assert sorted(drain(n, "spread", 2)) == ["part-ok", "part-passed-on"]
+    finally:
+        n.close()

@@ -139,6 +139,26 @@ def test_bad_single_headers_are_400(node: Node, query: str, why: str) -> None:
     assert node.get(f"/v1/topics/{name}").json().get("partitions") == 3
 
 
+def test_the_headers_byte_bound_counts_names_and_values_not_their_json_text(node: Node) -> None:
+    """8192 bytes of UTF-8 in names and values together: quotes the stored JSON text
+    escapes (twice as long) do not count, a two-byte character counts twice."""
+    mk(node, "hd-bound")
+    quotes = {"q": '"' * 8000}  # JSON text of over 16,000 bytes, 8,001 bytes of headers
+    wide_ok = {"w": "\u00e9" * 4095}  # 1 + 8,190 bytes
+    wide_bad = {"w": "\u00e9" * 4096}  # 1 + 8,192 bytes
+    r = node.post("/v1/topics/hd-bound/produce/batch", {"messages": [{"payload": 1, "headers": quotes},
+                                                                       {"payload": 2, "headers": wide_ok}]})
+    assert r.status == 202, r
+    r = node.post("/v1/topics/hd-bound/produce/batch", {"messages": [{"payload": 3, "headers": wide_bad}]})
+    assert "message 0: invalid argument: headers larger than 8192 bytes" in err(r)
+    r = node.post(f"/v1/topics/hd-bound/produce?header={quote('q:' + chr(34) * 8000)}", b"4", headers=OCTET)
+    assert r.status == 202, r
+    r = node.post("/v1/topics/hd-bound/produce?header=bad:%ED%A0%80", b"5", headers=OCTET)  # a lone surrogate
+    assert r.status == 400, r
+    got = sorted(take_all(node, "hd-bound", 3), key=lambda m: str(m["payload"]))
+    assert [m["headers"] for m in got] == [quotes, wide_ok, quotes], [m["headers"] for m in got]
+
+
 def test_bad_batch_headers_are_400_naming_the_message_and_store_nothing(node: Node) -> None:
     mk(node, "hd-badbatch")
     r = node.post("/v1/topics/hd-badbatch/produce/batch", {"messages": [

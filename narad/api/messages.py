@@ -315,8 +315,12 @@ _HEADER_NAME = re.compile(r"[A-Za-z0-9._-]+")
 _GOOD_NAMES: set[str] = set()  # header names already checked (clients repeat a few): one set lookup each
 
 
-def check_headers(h: dict[str, str], where: str = "") -> dict[str, str]:
-    """The message's headers within their bounds (400 naming what to fix)."""
+def headers_text(h: dict[str, str], where: str = "") -> bytes:
+    """The message's headers checked within their bounds (400 naming what to fix),
+    as the JSON text they are stored and returned as (``FR.headers_json``). The
+    byte bound is read off that text in the common case: it holds every name and
+    value's UTF-8 and more (quotes, colons, commas, escapes), so a text within the
+    bound means headers within it; only a longer one is counted exactly."""
     if len(h) > MAX_HEADERS:
         raise BadRequest(f"{where}invalid argument: at most {MAX_HEADERS} headers per message, got {len(h)}")
     if not _GOOD_NAMES.issuperset(h):  # the common case (names seen before) is one C call
@@ -327,23 +331,28 @@ def check_headers(h: dict[str, str], where: str = "") -> dict[str, str]:
         if len(_GOOD_NAMES) >= 4096:
             _GOOD_NAMES.clear()
         _GOOD_NAMES.update(h)
-    total = 0
-    for name, value in h.items():  # names are ASCII (checked above)
-        if value.isascii():
-            total += len(name) + len(value)
-        else:
-            try:
-                total += len(name) + len(value.encode())
-            except UnicodeEncodeError:  # a lone surrogate (a JSON "\ud800" escape)
-                raise BadRequest(f"{where}invalid argument: header {name!r} is not valid UTF-8") from None
-    if total > MAX_HEADERS_BYTES:
+    try:
+        text = FR.headers_json(h)
+    except UnicodeEncodeError:  # a lone surrogate (a query's value; a JSON body's is refused when decoded)
+        bad = next((n for n, v in h.items() if not _utf8_ok(v)), "?")
+        raise BadRequest(f"{where}invalid argument: header {bad!r} is not valid UTF-8") from None
+    if len(text) > MAX_HEADERS_BYTES and sum(len(n) + len(v.encode()) for n, v in h.items()) > MAX_HEADERS_BYTES:
         raise BadRequest(f"{where}invalid argument: headers larger than {MAX_HEADERS_BYTES} bytes in all")
-    return h
+    return text
 
 
-def query_headers(vals: list[str]) -> dict[str, str]:
-    """``?header=name:value`` (repeatable; the first ``:`` splits) as a dict; a name
-    given twice is a 400 (which one was meant is unknowable)."""
+def _utf8_ok(v: str) -> bool:
+    try:
+        v.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def query_headers(vals: list[str]) -> bytes:
+    """``?header=name:value`` (repeatable; the first ``:`` splits) as the stored JSON
+    text (``headers_text``); a name given twice is a 400 (which one was meant is
+    unknowable)."""
     out: dict[str, str] = {}
     for v in vals:
         name, sep, value = v.partition(":")
@@ -352,19 +361,20 @@ def query_headers(vals: list[str]) -> dict[str, str]:
         if name in out:
             raise BadRequest(f"invalid argument: header {name[:40]!r} given twice")
         out[name] = value
-    return check_headers(out)
+    return headers_text(out)
 
 
-def with_ext(flags: int, body: bytes, headers: dict[str, str] | None, idem: str | None = None) -> tuple[int, bytes]:
+def with_ext(flags: int, body: bytes, headers: bytes | None, idem: str | None = None) -> tuple[int, bytes]:
     """The stored (flags, payload) of a message: with an extension block when it has
-    headers or an idempotency key (F_JSON / F_UTF8 still describe the body)."""
+    headers (their checked JSON text, ``headers_text``) or an idempotency key
+    (F_JSON / F_UTF8 still describe the body)."""
     if idem is None:
-        if not headers:
+        if headers is None:
             return flags, body
-        return flags | FR.F_EXT, FR.pack_headers(FR.headers_json(headers), body)
-    if not headers:
+        return flags | FR.F_EXT, FR.pack_headers(headers, body)
+    if headers is None:
         return flags | FR.F_EXT, FR.pack_idem(idem.encode(), body)
-    return flags | FR.F_EXT, FR.pack_ext(FR.Ext(i=idem, h=FR.headers_json(headers) if headers else None), body)
+    return flags | FR.F_EXT, FR.pack_ext(FR.Ext(i=idem, h=headers), body)
 
 
 class BatchBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -768,7 +778,7 @@ class MessagesAPI:
                 direct = partition
         flags, stored = payload_flags(body), body
         hdrs = query_headers(req.query["header"]) if req.query and "header" in req.query else None
-        if hdrs or idem is not None:
+        if hdrs is not None or idem is not None:
             flags, stored = with_ext(flags, body, hdrs, idem)
         entry = Entry(t.name, self._incarnation(t), partition, int(time.time() * 1000), flags, key, stored)
         self._append_cb(req, t, [entry], reply, watched=idem is not None, direct=direct, spread=idem is not None)
@@ -864,7 +874,7 @@ class MessagesAPI:
             raise BadRequest(f"too many messages: more than {MAX_BATCH_MESSAGES}")
         now = int(time.time() * 1000)
         inc = bytes.fromhex(t.id)
-        prepared: list[tuple[bytes, bytes | None, int | None, int, dict[str, str] | None, str | None]] = []
+        prepared: list[tuple[bytes, bytes | None, int | None, int, bytes | None, str | None]] = []
         # Pass 1: the format of every message.
         for i, m in enumerate(msgs):
             if m.payload is msgspec.UNSET:
@@ -900,10 +910,9 @@ class MessagesAPI:
                 key = key or None
             if m.partition is not None and m.partition < 0:
                 raise BadRequest(f"message {i}: invalid argument: partition out of range")
-            if m.headers:
-                check_headers(m.headers, f"message {i}: ")
+            hdrs = headers_text(m.headers, f"message {i}: ") if m.headers else None
             idem = idem_key(m.idempotency_key, f"message {i}: ") if m.idempotency_key is not None else None
-            prepared.append((payload, key, m.partition, flags, m.headers, idem))
+            prepared.append((payload, key, m.partition, flags, hdrs, idem))
         # Pass 2: partition range and schema.
         for i, (_payload, _key, part, _flags, _h, _idem) in enumerate(prepared):
             if part is not None and part >= t.partitions:

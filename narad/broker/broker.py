@@ -89,7 +89,7 @@ from narad.broker.partition import (
     stats_from_disk,
 )
 from narad.broker.routing import RoundRobin, key_partition, owner_worker
-from narad.errors import BadGateway, Conflict, GatewayTimeout, NaradError, NotFound, Unavailable
+from narad.errors import BadGateway, Conflict, GatewayTimeout, NaradError, NotFound, Unavailable, error_for_status
 from narad.ipc.rpc import ConnectionLost
 from narad.meta import versions as V
 from narad.meta.records import TopicRecord
@@ -269,6 +269,8 @@ class Broker:
         self._staged_last: dict[tuple[str, bytes, int], int] = {}
         self._fed_seq = -1
         self._order_waits: dict[tuple[str, bytes, int], deque[Callable[[bool], None]]] = {}  # _order_wait
+        # Direct commits for another worker queued in this loop pass (``_hop_commit``): one hop each pass.
+        self._hops: dict[int, list[tuple[P.CommitReq, asyncio.Future[Committed]]]] = {}
         self._route_cache: dict[tuple[str, int], int] = {}
         self._owned_cache: dict[Any, _Placement] = {}
         self._name_slots: dict[str, int] = {}  # topic name -> its slot in the version array
@@ -901,11 +903,58 @@ class Broker:
                 return target.submit(records, self.commit_rounds)
             except (OSError, NaradError):
                 return None
-        return self.loop.create_task(self._hop_commit(target, P.CommitReq(t.name, t.id, part, records)))
+        return self._hop_commit(target, P.CommitReq(t.name, t.id, part, records))
 
-    async def _hop_commit(self, worker: int, req: P.CommitReq) -> Committed:
-        r = await self.links.call(worker, req, P.CommitResp, timeout=DIRECT_HOP_TIMEOUT)
-        return r.base, r.dups
+    def _hop_commit(self, worker: int, req: P.CommitReq) -> asyncio.Future[Committed]:
+        """A direct commit at another worker: the future of its (base, dups). The ones
+        queued for a worker in one loop pass leave together at its end, in one hop (an
+        idempotent batch spans partitions, several of them that worker's): one
+        ``CommitReq`` alone, or one ``CommitManyReq`` whose parts are answered each on
+        its own. The hop is given up after ``DIRECT_HOP_TIMEOUT``, or cut off with its
+        link: every part of it fails with that error (its records may have been
+        committed: ``_direct_settled``)."""
+        fut: asyncio.Future[Committed] = self.loop.create_future()
+        q = self._hops.get(worker)
+        if q is None:
+            q = self._hops[worker] = []
+            self.loop.call_soon(self._send_hops, worker)
+        q.append((req, fut))
+        return fut
+
+    def _send_hops(self, worker: int) -> None:
+        q = self._hops.pop(worker, None)
+        if q:
+            self.loop.create_task(self._hop(worker, q))
+
+    async def _hop(self, worker: int, q: list[tuple[P.CommitReq, asyncio.Future[Committed]]]) -> None:
+        try:
+            if len(q) == 1:
+                r = await self.links.call(worker, q[0][0], P.CommitResp, timeout=DIRECT_HOP_TIMEOUT)
+                answers: list[Committed | BaseException] = [(r.base, r.dups)]
+            else:
+                many = await self.links.call(worker, P.CommitManyReq([req for req, _f in q]), P.CommitManyResp,
+                                             timeout=DIRECT_HOP_TIMEOUT)
+                if len(many.parts) != len(q):
+                    raise BadGateway(f"worker {worker} answered {len(many.parts)} parts of {len(q)}")
+                answers = [(a.base, a.dups) if not a.status else error_for_status(a.status, a.message, a.code)
+                           for a in many.parts]
+        except BaseException as e:  # the hop failed as a whole (given up, cut off, cancelled): every part
+            for _req, f in q:
+                if not f.done():
+                    if isinstance(e, asyncio.CancelledError):
+                        f.cancel()
+                    else:
+                        f.set_exception(e)
+            if isinstance(e, asyncio.CancelledError):
+                raise
+            return
+        for (_req, f), a in zip(q, answers, strict=True):
+            if f.done():
+                continue
+            if isinstance(a, BaseException):
+                f.set_exception(a)
+            else:
+                f.set_result(a)
 
     def _order_clear(self, key: tuple[str, bytes, int]) -> bool:
         """No record this worker took through its WAL for destination `key` is still on
@@ -1833,6 +1882,20 @@ class Broker:
             base, dups = await self.commit_local(m.topic, m.topic_id, m.partition, m.records)
             return P.CommitResp(base, dups)
 
+        async def commit_part(m: P.CommitReq) -> P.CommitPart:
+            try:
+                r = await commit(m, None)
+            except NaradError as e:
+                return P.CommitPart(status=e.status, message=e.message, code=e.code)
+            except Exception as e:  # as the link answers a single CommitReq that failed so
+                log.exception("commit of a CommitManyReq part failed")
+                return P.CommitPart(status=500, message=f"internal error: {e}")
+            return P.CommitPart(r.base, r.dups)
+
+        async def commit_many(m: P.CommitManyReq, _c: Any) -> P.CommitManyResp:
+            # Every part starts in this pass (one commit round takes them together) and is answered on its own.
+            return P.CommitManyResp(list(await asyncio.gather(*(commit_part(x) for x in m.parts))))
+
         async def consume(m: P.ConsumeReq, _c: Any) -> P.ConsumeResp:
             t = self._topic_for(m.topic, m.topic_id)
             items = await self.reserve_owned(t, m.max, m.partition, m.vis_ms)  # gives back its own if cancelled
@@ -1984,7 +2047,8 @@ class Broker:
                         (P.MoveVouchReq, at_owner(src.vouch, P.MoveVouchResp)),
                         (P.MoveStatusReq, move_status)):
             s.register(typ, fn)  # type: ignore[arg-type]
-        for typ, fn in ((P.CommitReq, commit), (P.ConsumeReq, consume), (P.AckReq, ack), (P.ReplayReq, replay),
+        for typ, fn in ((P.CommitReq, commit), (P.CommitManyReq, commit_many), (P.ConsumeReq, consume),
+                        (P.AckReq, ack), (P.ReplayReq, replay),
                         (P.StatsReq, stats), (P.WatchNote, watch), (P.UnwatchNote, unwatch), (P.ReadyNote, ready),
                         (P.FanoutLagReq, fanout_lag)):
             s.register(typ, fn)  # type: ignore[arg-type]

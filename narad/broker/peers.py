@@ -46,6 +46,31 @@ class CommitResp(msgspec.Struct, array_like=True):
     dups: list[int] = []
 
 
+class CommitManyReq(msgspec.Struct, tag=True, array_like=True):
+    """Several ``CommitReq`` for one worker in one hop: the direct commits of a loop
+    pass (``Broker._hop_commit``; an idempotent batch spans partitions, and a worker
+    owns several of them). Each part is committed as its own ``CommitReq`` would be and
+    answered on its own (``CommitManyResp``); the parts of one hop go to the same
+    commit round at the receiver when they can. Sent between workers of one node only."""
+
+    parts: list[CommitReq]
+
+
+class CommitPart(msgspec.Struct, array_like=True):
+    """One part's answer: ``status`` 0 and the commit's (base, dups), or the error the
+    part's own ``CommitReq`` would have raised (status, message, code)."""
+
+    base: int = 0
+    dups: list[int] = []
+    status: int = 0
+    message: str = ""
+    code: str | None = None
+
+
+class CommitManyResp(msgspec.Struct, array_like=True):
+    parts: list[CommitPart]
+
+
 class Item(msgspec.Struct, array_like=True):
     """A delivered (or replayed) record."""
 

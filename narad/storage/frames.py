@@ -200,6 +200,7 @@ _ext_dec = msgspec.msgpack.Decoder(Ext)
 _hdr_enc = msgspec.json.Encoder()
 _IDEM_KEY = b"\xa1i"  # MessagePack fixstr "i": the first key of a map that has an idempotency key
 _HDR_KEY = b"\xa1h"  # fixstr "h": the headers' key
+_HDR_BIN8 = b"\x81\xa1h\xc4"  # a one-entry map {"h": bin8}: headers alone, their text under 256 bytes
 
 
 def headers_json(h: dict[str, str]) -> bytes:
@@ -294,6 +295,11 @@ def plain_block(stored: bytes) -> tuple[int, int, int]:
         return NOT_PLAIN
     blen = stored[0]
     if blen < 0x80:
+        # The commonest block first: headers alone, their JSON text under 256 bytes
+        # (bin8), the block's length in one byte.
+        if stored[1:5] == _HDR_BIN8 and len(stored) > 5:
+            end = blen + 1
+            return (6, end, end) if 6 + stored[5] == end and end <= len(stored) else NOT_PLAIN
         pos = 1
     else:
         blen, pos = read_uvarint(stored, 0)

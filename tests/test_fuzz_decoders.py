@@ -816,6 +816,31 @@ def test_headers_block_fast_path_agrees_with_the_decoder_under_mutation(h: bytes
 
 
 @FAST
+@given(st.binary(min_size=1, max_size=140), st.binary(max_size=40), st.integers(0, 400), st.integers(0, 255))
+def test_key_only_block_fast_path_agrees_with_the_decoder_under_mutation(key: bytes, body: bytes, at: int,
+                                                                          byte: int) -> None:
+    """A key-only block read in place by a consume (``plain_block``: the key is skipped)
+    gives the body start the full decoder gives, for the block as written (fixstr and
+    str8 keys) and with one byte changed."""
+    stored = FR.pack_idem(key, body)
+    hs, he, pos = FR.plain_block(stored)
+    assert (hs, he) == (0, 0) and stored[pos:] == body
+    mutated = bytearray(stored)
+    mutated[at % len(stored)] = byte
+    m = bytes(mutated)
+    hs, he, pos = FR.plain_block(m)
+    if pos < 0:
+        return
+    try:
+        ext, end = FR.ext_at(m)
+    except FR.FrameError:  # a key whose bytes are not UTF-8 (never shown by a consume)
+        assert hs == he == 0
+        return
+    assert end == pos
+    assert (ext.h, ext.d) == ((m[hs:he] if hs else None), None)
+
+
+@FAST
 @given(st.text(min_size=0, max_size=140), st.binary(max_size=40), st.integers(0, 400), st.integers(0, 255))
 def test_idempotency_key_fast_paths_agree_with_msgspec_under_mutation(key: str, body: bytes, at: int,
                                                                       byte: int) -> None:

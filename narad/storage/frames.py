@@ -200,6 +200,7 @@ _ext_dec = msgspec.msgpack.Decoder(Ext)
 _hdr_enc = msgspec.json.Encoder()
 _IDEM_KEY = b"\xa1i"  # MessagePack fixstr "i": the first key of a map that has an idempotency key
 _HDR_KEY = b"\xa1h"  # fixstr "h": the headers' key
+_IDEM_FIXMAP = b"\x81\xa1i"  # a one-entry map {"i": ...}: an idempotency key alone
 _HDR_BIN8 = b"\x81\xa1h\xc4"  # a one-entry map {"h": bin8}: headers alone, their text under 256 bytes
 
 
@@ -297,9 +298,14 @@ def plain_block(stored: bytes) -> tuple[int, int, int]:
     if blen < 0x80:
         # The commonest block first: headers alone, their JSON text under 256 bytes
         # (bin8), the block's length in one byte.
-        if stored[1:5] == _HDR_BIN8 and len(stored) > 5:
+        head = stored[1:5]
+        if head == _HDR_BIN8 and len(stored) > 5:
             end = blen + 1
             return (6, end, end) if 6 + stored[5] == end and end <= len(stored) else NOT_PLAIN
+        if head[:3] == _IDEM_FIXMAP and len(head) == 4 and 0xA0 <= head[3] <= 0xBF:
+            # An idempotency key alone, under 32 bytes (a fixstr); a longer one is read below.
+            end = blen + 1
+            return (0, 0, end) if 5 + (head[3] & 0x1F) == end <= len(stored) else NOT_PLAIN
         pos = 1
     else:
         blen, pos = read_uvarint(stored, 0)

@@ -40,7 +40,9 @@ from narad.client import (
     OffsetGone,
     Outcome,
     PayloadTooLarge,
+    PoolTimeout,
     RawJSON,
+    RequestTimeout,
     RetryPolicy,
     TooManyRequests,
     Unauthorized,
@@ -772,3 +774,67 @@ def test_retry_tier_through_a_delay_child_with_the_sync_loop(node: Node) -> None
         assert sc.consume("sdk-tier", wait=0.5) is None  # the loop acked it before it returned
         for t in ("sdk-tier", "sdk-tier-in", "sdk-tier-main"):
             sc.delete_topic(t)
+
+
+class Held:
+    """A node that reads each request and answers 200 only once ``release`` is set (or never)."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.seen = 0
+        self._server: asyncio.Server | None = None
+        self.port = 0
+
+    async def __aenter__(self) -> Held:
+        self._server = await asyncio.start_server(self._conn, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+
+    async def _conn(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(Exception):
+            while True:
+                await r.readuntil(b"\r\n\r\n")
+                self.seen += 1
+                await self.release.wait()
+                body = b'{"topics":[],"next_page_token":""}'
+                w.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+                        + str(len(body)).encode() + b"\r\n\r\n" + body)
+                await w.drain()
+        w.close()
+
+
+def test_an_attempt_never_runs_past_the_calls_deadline_and_a_full_pool_is_not_the_nodes_fault() -> None:
+    """The request timeout of an attempt is cut to what is left of the call's deadline
+    (it could run a second past it). A call that finds every connection of the client's
+    own pool busy fails with PoolTimeout (nothing sent: a ConnectError, not uncertain)
+    and does not put the node in cooldown: the next call goes to it at once."""
+    async def go() -> None:
+        async with Held() as s:
+            async with AsyncClient(f"127.0.0.1:{s.port}", timeout=10,
+                                   retry=RetryPolicy(max_attempts=1, deadline=0.5)) as c:
+                t0 = time.monotonic()
+                with pytest.raises(RequestTimeout):
+                    await c.list_topics()
+                assert time.monotonic() - t0 < 0.5 + 0.45  # (it was 1.5 s: the timeout ran 1 s past)
+            s.release.set()
+        async with Held() as s:
+            pol = RetryPolicy(max_attempts=1, deadline=5, node_cooldown=60)
+            async with AsyncClient(f"127.0.0.1:{s.port}", retry=pol, max_connections=1) as c:
+                first = asyncio.ensure_future(c.list_topics())
+                end = time.monotonic() + 10
+                while s.seen < 1:  # the first call holds the pool's one connection
+                    assert time.monotonic() < end, "the first request never arrived"
+                    await asyncio.sleep(0.01)
+                with pytest.raises(PoolTimeout) as ei:
+                    await c.produce("t", "x", deadline=0.3)
+                assert isinstance(ei.value, ConnectError) and not ei.value.uncertain
+                s.release.set()
+                assert (await first).topics == []
+                assert (await c.list_topics()).topics == []  # no cooldown (60 s) in the way
+            assert s.seen == 2
+
+    run(go())

@@ -257,10 +257,11 @@ class AsyncClient:
             remaining = end - time.monotonic()
             node = self.nodes[i]
             try:
+                # An attempt never runs past the call's deadline (at most 50 ms, its floor).
                 status, hdrs, data = await self._transport.request(node, method, target, headers, body,
-                                                                   max(0.05, min(per, remaining + 1.0)))
+                                                                   max(0.05, min(per, remaining)))
             except E.TransportError as err:
-                if isinstance(err, E.ConnectError):
+                if isinstance(err, E.ConnectError) and not isinstance(err, E.PoolTimeout):  # full pool: not the node
                     self._not_before[i] = time.monotonic() + pol.node_cooldown
                 if kind in ("consume", "read"):
                     err.uncertain = False  # asking again changed nothing

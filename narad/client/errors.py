@@ -209,6 +209,12 @@ class ConnectError(TransportError):
     retryable = True
 
 
+class PoolTimeout(ConnectError):
+    """No connection of this client's own pool became free in time (every one of
+    ``max_connections`` busy, e.g. with long polls): nothing was sent, and the node is
+    not at fault (it is not put in cooldown)."""
+
+
 class RequestTimeout(TransportError):
     """The request was sent (perhaps partly) and no answer came in time: the outcome is unknown."""
 

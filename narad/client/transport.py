@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from narad.client.errors import ClientClosed, ConnectError, ConnectionLost, RequestTimeout
+from narad.client.errors import ClientClosed, ConnectError, ConnectionLost, PoolTimeout, RequestTimeout
 from narad.client.h3 import H3Client, H3StreamError
 
 __all__ = ["H1Transport", "H3Transport", "NodeAddr", "Transport", "parse_node"]
@@ -87,7 +87,10 @@ class H1Transport:
         try:
             r = await self._client.request(method, node.base + target, headers=headers,
                                            content=body if body else None, timeout=to)
-        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as e:
+        except httpx.PoolTimeout as e:
+            raise PoolTimeout(f"no free connection in this client's pool for {where} within {timeout:g}s "
+                              f"(raise max_connections)", node=where) from e
+        except (httpx.ConnectError, httpx.ConnectTimeout) as e:
             raise ConnectError(f"could not connect to {where}: {e or type(e).__name__}", node=where) from e
         except httpx.TimeoutException as e:
             raise RequestTimeout(f"no answer from {where} within {timeout:g}s", node=where) from e

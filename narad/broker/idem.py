@@ -63,6 +63,7 @@ def mark(d: Path) -> None:
         fileio.fsync_dir(os.fspath(d))
 
 
+_HDR_KEY = b"\xa1h"  # a block whose first key is "h" (headers): no idempotency key
 _FIXSTR_HEAD = b"\x81\xa1i"  # a one-entry map {"i": ...}: with a fixstr next, the commonest block
 
 
@@ -78,6 +79,8 @@ def key_of(flags: int, payload: bytes) -> str | None:
                 return payload[5 : 5 + n].decode()
             except UnicodeDecodeError:
                 return None  # (as the decoder below finds it: not a key)
+    elif payload[2:4] == _HDR_KEY and payload[0] < 0x80:
+        return None  # headers first: no key (``FR.has_idem`` says the same)
     if not FR.has_idem(payload):
         return None  # (a block whose first key is not "i": headers alone, the common case, or malformed)
     ks, ke = FR.idem_span(payload)

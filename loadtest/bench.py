@@ -88,6 +88,7 @@ CONSUME_MAX = 100
 CONSUME_CAP = 1024  # the node's default http.max_consume_in_flight_per_identity (a batch consume counts as max)
 DRAIN_TIMEOUT = 20.0
 SPY_RATE = 50  # py-spy samples/s per process (--profile-rate); every thread is sampled each time
+SPY_LIGHT = False  # --profile-light: py-spy --nonblocking, Python frames of busy threads only (far less distortion)
 
 # A message is one JSON object of exactly MSG_SIZE bytes whose first field is a
 # 16-hex-digit id: (client global index << 32) | sequence number.
@@ -822,6 +823,39 @@ _BOILERPLATE = ("_run_module_as_main (", "_run_code (", "<module> (narad/supervi
                 "Thread.run (threading.py", "_worker (concurrent/futures/thread.py", "_WorkItem.run (concurrent/")
 
 
+def profile_diff(a: Path, b: Path, top: int = 30) -> str:
+    """Sample counts by Python function, inclusive and self, of raw py-spy file `b`
+    minus file `a`: where a variant's extra CPU goes, when both runs carried the same
+    messages (paced with --rate, same --seconds) and were sampled at the same rate
+    (best with --profile-light)."""
+    def load(p: Path) -> tuple[int, Counter[str], Counter[str]]:
+        incl: Counter[str] = Counter()
+        own: Counter[str] = Counter()
+        total = 0
+        for line in p.read_text().splitlines():
+            stack, _, n = line.rpartition(" ")
+            if not stack or not n.isdigit():
+                continue
+            k = int(n)
+            total += k
+            names = [re.sub(r":\d+\)$", ")", f) for f in stack.split(";")]
+            for nm in set(names):
+                incl[nm] += k
+            own[names[-1]] += k
+        return total, incl, own
+
+    t0, i0, s0 = load(a)
+    t1, i1, s1 = load(b)
+    out = [f"samples {t0} -> {t1} ({t1 - t0:+d}); {b.name} minus {a.name}", "  inclusive:"]
+    for k, d in sorted(((k, i1[k] - i0[k]) for k in set(i0) | set(i1)), key=lambda x: -x[1])[:top]:
+        if not k.startswith(_BOILERPLATE):
+            out.append(f"    {d:+6d}  {i0[k]:6d} -> {i1[k]:6d}  {k}")
+    out.append("  self:")
+    for k, d in sorted(((k, s1[k] - s0[k]) for k in set(s0) | set(s1)), key=lambda x: -x[1])[:top]:
+        out.append(f"    {d:+6d}  {s0[k]:6d} -> {s1[k]:6d}  {k}")
+    return "\n".join(out)
+
+
 def _start_spies(node: Node, sc: Scenario, out: Path, which: str,
                  rate: int) -> tuple[list[subprocess.Popen[bytes]], list[Path]]:
     """py-spy every worker of the node for the timed window: raw collapsed stacks of every thread, idle ones
@@ -835,7 +869,8 @@ def _start_spies(node: Node, sc: Scenario, out: Path, which: str,
         f = out / f"{sc.name.replace(' ', '_')}-w{sc.workers}-worker{idx}.txt"
         f.with_suffix(".json").write_text(json.dumps({"scenario": sc.name, "node_workers": sc.workers, "worker": idx,
                                                       "pid": pid, "rate": rate, "duration": duration}))
-        cmd = [_py_spy(), "record", "--format", "raw", "--threads", "--idle", "--native", "--rate", str(rate),
+        mode = ["--nonblocking"] if SPY_LIGHT else ["--threads", "--idle", "--native"]
+        cmd = [_py_spy(), "record", "--format", "raw", *mode, "--rate", str(rate),
                "--duration", str(duration), "--pid", str(pid), "--output", str(f)]
         spies.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         files.append(f)
@@ -1040,7 +1075,12 @@ def main() -> None:
     ap.add_argument("--node-env", action="append", default=[], metavar="NAME=VALUE",
                     help="a setting for the node (its environment variable, e.g. NARAD_STORAGE_GROUP_SYNC=false); "
                          "repeatable")
+    ap.add_argument("--profile-light", action="store_true",
+                    help="py-spy --nonblocking without native frames or idle threads: Python-level only, and far "
+                         "less distortion of the node (use with --profile-diff)")
     ap.add_argument("--summarise", type=Path, nargs="+", metavar="FILE", help="summarise py-spy raw files and exit")
+    ap.add_argument("--profile-diff", type=Path, nargs=2, metavar=("A", "B"),
+                    help="print B's samples by function minus A's (two raw py-spy files of paced runs) and exit")
     args = ap.parse_args()
     if args.rate < 0:
         ap.error("--rate must be 0 (unpaced) or a positive messages/s")
@@ -1049,6 +1089,11 @@ def main() -> None:
         if not eq or not name.startswith("NARAD_"):
             ap.error(f"--node-env wants NARAD_NAME=VALUE, got {kv!r}")
         NODE_ENV[name] = value
+    if args.profile_diff:
+        print(profile_diff(*args.profile_diff))
+        return
+    global SPY_LIGHT
+    SPY_LIGHT = args.profile_light
     if args.summarise:
         for f in args.summarise:
             print(summarise(f))

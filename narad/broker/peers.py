@@ -2,7 +2,8 @@
 
 A request that lands on a worker which does not own the partition reaches
 the owner in one local hop over a Unix socket (``<runtime>/w<i>.sock``):
-commit a batch (dispatcher -> owner), reserve for a consumer (probe), ack /
+commit a batch (dispatcher -> owner; a direct commit's batches for several
+partitions of one worker in one hop: ``CommitManyReq``), reserve for a consumer (probe), ack /
 extend / nack, replay, partition stats, fan-out lag, and the watch / unwatch / data-ready
 notes that wake a long-poll parked on another worker. Links reconnect on demand (a
 restarted peer comes back on the same path).

@@ -271,6 +271,7 @@ class Broker:
         self._order_waits: dict[tuple[str, bytes, int], deque[Callable[[bool], None]]] = {}  # _order_wait
         # Direct commits for another worker queued in this loop pass (``_hop_commit``): one hop each pass.
         self._hops: dict[int, list[tuple[P.CommitReq, asyncio.Future[Committed]]]] = {}
+        self._hop_tasks: set[asyncio.Task[None]] = set()
         self._route_cache: dict[tuple[str, int], int] = {}
         self._owned_cache: dict[Any, _Placement] = {}
         self._name_slots: dict[str, int] = {}  # topic name -> its slot in the version array
@@ -924,7 +925,9 @@ class Broker:
     def _send_hops(self, worker: int) -> None:
         q = self._hops.pop(worker, None)
         if q:
-            self.loop.create_task(self._hop(worker, q))
+            task = self.loop.create_task(self._hop(worker, q))
+            self._hop_tasks.add(task)  # (held until done: the loop keeps only a weak reference)
+            task.add_done_callback(self._hop_tasks.discard)
 
     async def _hop(self, worker: int, q: list[tuple[P.CommitReq, asyncio.Future[Committed]]]) -> None:
         try:

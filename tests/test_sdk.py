@@ -593,10 +593,13 @@ def test_failover_to_another_node_of_the_cluster(tmp_path: Path) -> None:
 # ---- retry rules, against a scripted server ---------------------------------------------------------
 class Scripted:
     """An HTTP/1.1 server that answers each request with the next scripted reply
-    (status, headers, body) or None (close the connection without answering)."""
+    (status, headers, body) or None (close the connection without answering); with a
+    ``gate``, only once the gate is set (never, if it is not)."""
 
-    def __init__(self, replies: list[tuple[int, dict[str, str], bytes] | None]) -> None:
+    def __init__(self, replies: list[tuple[int, dict[str, str], bytes] | None],
+                 gate: asyncio.Event | None = None) -> None:
         self.replies = replies
+        self.gate = gate
         self.seen: list[tuple[str, str, bytes]] = []
         self.port = 0
         self._server: asyncio.Server | None = None
@@ -619,6 +622,8 @@ class Scripted:
                 hdrs = {k.lower(): v.strip() for k, v in (x.split(":", 1) for x in lines[1:] if ":" in x)}
                 body = await r.readexactly(int(hdrs.get("content-length", "0")))
                 self.seen.append((method, target, body))
+                if self.gate is not None:
+                    await self.gate.wait()
                 reply = self.replies.pop(0) if self.replies else (500, {}, b'{"error":"script ran out"}')
                 if reply is None:
                     w.close()
@@ -776,65 +781,35 @@ def test_retry_tier_through_a_delay_child_with_the_sync_loop(node: Node) -> None
             sc.delete_topic(t)
 
 
-class Held:
-    """A node that reads each request and answers 200 only once ``release`` is set (or never)."""
-
-    def __init__(self) -> None:
-        self.release = asyncio.Event()
-        self.seen = 0
-        self._server: asyncio.Server | None = None
-        self.port = 0
-
-    async def __aenter__(self) -> Held:
-        self._server = await asyncio.start_server(self._conn, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self._server is not None
-        self._server.close()
-
-    async def _conn(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        with contextlib.suppress(Exception):
-            while True:
-                await r.readuntil(b"\r\n\r\n")
-                self.seen += 1
-                await self.release.wait()
-                body = b'{"topics":[],"next_page_token":""}'
-                w.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
-                        + str(len(body)).encode() + b"\r\n\r\n" + body)
-                await w.drain()
-        w.close()
-
-
 def test_an_attempt_never_runs_past_the_calls_deadline_and_a_full_pool_is_not_the_nodes_fault() -> None:
     """The request timeout of an attempt is cut to what is left of the call's deadline
     (it could run a second past it). A call that finds every connection of the client's
     own pool busy fails with PoolTimeout (nothing sent: a ConnectError, not uncertain)
     and does not put the node in cooldown: the next call goes to it at once."""
     async def go() -> None:
-        async with Held() as s:
-            async with AsyncClient(f"127.0.0.1:{s.port}", timeout=10,
-                                   retry=RetryPolicy(max_attempts=1, deadline=0.5)) as c:
-                t0 = time.monotonic()
-                with pytest.raises(RequestTimeout):
-                    await c.list_topics()
-                assert time.monotonic() - t0 < 0.5 + 0.45  # (it was 1.5 s: the timeout ran 1 s past)
-            s.release.set()
-        async with Held() as s:
+        ok = (200, ERR, b'{"topics":[],"next_page_token":""}')
+        pol = RetryPolicy(max_attempts=1, deadline=0.5)
+        async with Scripted([ok], gate=asyncio.Event()) as s, \
+                AsyncClient(f"127.0.0.1:{s.port}", timeout=10, retry=pol) as c:
+            t0 = time.monotonic()
+            with pytest.raises(RequestTimeout):
+                await c.list_topics()
+            assert time.monotonic() - t0 < 0.5 + 0.45  # (it was 1.5 s: the timeout ran 1 s past)
+        gate = asyncio.Event()
+        async with Scripted([ok, ok], gate=gate) as s:
             pol = RetryPolicy(max_attempts=1, deadline=5, node_cooldown=60)
             async with AsyncClient(f"127.0.0.1:{s.port}", retry=pol, max_connections=1) as c:
                 first = asyncio.ensure_future(c.list_topics())
                 end = time.monotonic() + 10
-                while s.seen < 1:  # the first call holds the pool's one connection
+                while not s.seen:  # the first call holds the pool's one connection
                     assert time.monotonic() < end, "the first request never arrived"
                     await asyncio.sleep(0.01)
                 with pytest.raises(PoolTimeout) as ei:
                     await c.produce("t", "x", deadline=0.3)
                 assert isinstance(ei.value, ConnectError) and not ei.value.uncertain
-                s.release.set()
+                gate.set()
                 assert (await first).topics == []
                 assert (await c.list_topics()).topics == []  # no cooldown (60 s) in the way
-            assert s.seen == 2
+            assert [m for m, _t, _b in s.seen] == ["GET", "GET"]
 
     run(go())

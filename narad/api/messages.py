@@ -266,9 +266,6 @@ class _LeasedKey(msgspec.Struct, omit_defaults=True):
     headers: msgspec.Raw | None = None
 
 
-_HDR_BIN8 = b"\x81\xa1h\xc4"  # a one-entry map {"h": bin8}: headers alone (as ``FR.plain_block`` reads it)
-
-
 def render_leased(topic: str, it: Item) -> MessageOut | _Leased | _LeasedKey:
     """``render(topic, it, True)``, encoding to the same bytes, for a consume: the
     common records (a JSON or UTF-8 body, a UTF-8 key or none, no extension block or
@@ -277,13 +274,6 @@ def render_leased(topic: str, it: Item) -> MessageOut | _Leased | _LeasedKey:
     f = it.flags
     body = it.payload
     hdr = None
-    if f & FR.F_EXT and body[1:5] == _HDR_BIN8 and body[0] < 0x80 and len(body) > 6:
-        # Headers alone, their text under 256 bytes (``FR.plain_block``'s first case, inline).
-        end = body[0] + 1
-        if 6 + body[5] == end <= len(body) and body[6] == 0x7B and body[end - 1] == 0x7D:
-            hdr = msgspec.Raw(body[6:end])
-            body = body[end:]
-            f &= ~FR.F_EXT
     if f & FR.F_EXT:
         hs, he, pos = FR.plain_block(body)
         if pos < 0 or (he > hs and (body[hs] != 0x7B or body[he - 1] != 0x7D)):

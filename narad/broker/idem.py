@@ -63,32 +63,18 @@ def mark(d: Path) -> None:
         fileio.fsync_dir(os.fspath(d))
 
 
-_HDR_KEY = b"\xa1h"  # a block whose first key is "h" (headers): no idempotency key
-_FIXSTR_HEAD = b"\x81\xa1i"  # a one-entry map {"i": ...}: with a fixstr next, the commonest block
-
-
 def key_of(flags: int, payload: bytes) -> str | None:
     """The record's idempotency key (None: none, or an unreadable block)."""
     if not flags & FR.F_EXT:
         return None
-    if payload[1:4] == _FIXSTR_HEAD and len(payload) > 4:
-        # A key alone, under 32 bytes (a fixstr), the block's length in one byte: read in place.
-        n = payload[4] - 0xA0
-        if 0 <= n < 32 and payload[0] == 4 + n and len(payload) >= 5 + n:
-            try:
-                return payload[5 : 5 + n].decode()
-            except UnicodeDecodeError:
-                return None  # (as the decoder below finds it: not a key)
-    elif payload[2:4] == _HDR_KEY and payload[0] < 0x80:
-        return None  # headers first: no key (``FR.has_idem`` says the same)
-    if not FR.has_idem(payload):
-        return None  # (a block whose first key is not "i": headers alone, the common case, or malformed)
     ks, ke = FR.idem_span(payload)
-    if ks >= 0:  # a key alone, read in place (bytes that are not UTF-8: decoded below, refused)
+    if ks >= 0:  # a key alone, read in place (the common block)
         try:
             return payload[ks:ke].decode()
         except UnicodeDecodeError:
-            pass
+            return None  # (the decoder refuses it too: not a key)
+    if not FR.has_idem(payload):
+        return None  # (a block whose first key is not "i": headers alone, the common case, or malformed)
     try:
         return FR.read_ext(payload).i
     except FR.FrameError:

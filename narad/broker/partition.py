@@ -557,8 +557,8 @@ class Partition:
                 decoded: list[Record] = []
                 dups: list[list[int]] = []
                 fresh: dict[str, int] | None = None  # idempotency keys this frame commits
-                seen: dict[str, int] = {}  # the table's keys (once it is expired, at the first key)
                 table = self.idem
+                seen = table.keys  # (expired in place at the first key)
                 ext = FR.F_EXT
                 for batch, _ in queue:
                     dl: list[int] = []
@@ -569,7 +569,6 @@ class Partition:
                                 if fresh is None:
                                     table.expire(ts - self.idem_window_ms)
                                     fresh = {}
-                                    seen = table.keys
                                 if k in fresh or k in seen:
                                     dl.append(j)
                                     payload_bytes -= len(payload)

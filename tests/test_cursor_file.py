@@ -185,3 +185,24 @@ def test_read_batch_reports_aged_out_offsets_and_skips_corrupt_frames(tmp_path: 
         assert all(r[3].startswith(b"rec-") for r in b.records) and len(b.records) + b.corrupt == plog.hwm - n
     finally:
         plog.close()
+
+
+def test_the_delay_gate_never_opens_inside_the_commit_stamps_millisecond(tmp_path: Path) -> None:
+    """A commit stamped C ms happened somewhere in [C, C+1): with delay D it may be
+    copied at now = C+D+1 ms, never at C+D (up to 1 ms before its commit + D, which a
+    fan-out chaos run caught as a delivery 0 ms before due)."""
+    from narad.broker.fanout import delay_bound, due_in_ms
+
+    plog = PartitionLog(tmp_path / "p00000")
+    plog.open()
+    try:
+        _commit(plog, [(None, 2000, b"a")])
+        delay = 500
+        b = plog.read_batch(0, 10, 1 << 20, max_committed_ms=delay_bound(2500, delay))
+        assert b.records == [] and b.not_due_ms == 2000
+        assert due_in_ms(2000, delay, 2500) == 1  # the cursor sleeps one more ms, not zero
+        b = plog.read_batch(0, 10, 1 << 20, max_committed_ms=delay_bound(2501, delay))
+        assert [r[3] for r in b.records] == [b"a"] and b.not_due_ms is None
+        assert due_in_ms(2000, delay, 2501) == 0
+    finally:
+        plog.close()

@@ -37,8 +37,9 @@ Runs in every worker, for the parent partitions that worker owns
   file advance (in place). A failed bucket is kept (only its records), retried
   after 1 s under the current child record (same epoch, else the cursor stops);
   a dead child owner stalls its bucket, never rerouted.
-* **Delay child**: only records with committed-at <= now - delay (this
-  owner's wall clock, never stepping back within the process); the read stops
+* **Delay child**: only records with committed-at < now - delay, both in
+  whole ms (this owner's wall clock, never stepping back within the process;
+  strict, so a commit stamp rounded down never opens early); the read stops
   at the first record not due and the cursor sleeps until it is due (at most
   30 s): an idle delay cursor costs O(1) whatever its backlog.
 * **Drop-behind**: a cursor below the parent's oldest retained offset skips to
@@ -413,6 +414,20 @@ class FanoutEngine:
         return out
 
 
+def delay_bound(now_ms: int, delay_ms: int) -> int:
+    """The latest committed-at (ms) a delay child may copy at `now_ms`.
+
+    Commit stamps are whole milliseconds rounded down, so a record stamped C was
+    committed somewhere in [C, C+1) ms: it is due only once `now_ms` reaches
+    C + delay + 1, never up to a millisecond before its commit + delay."""
+    return now_ms - delay_ms - 1
+
+
+def due_in_ms(committed_ms: int, delay_ms: int, now_ms: int) -> int:
+    """Milliseconds until a record stamped `committed_ms` passes ``delay_bound``."""
+    return committed_ms + delay_ms + 1 - now_ms
+
+
 class Cursor:
     """Copies one parent partition into one child, under one attach epoch."""
 
@@ -627,12 +642,12 @@ class Cursor:
             self._waiter = None
 
     async def _sleep_until_due(self, committed_ms: int) -> None:
-        due_in = (committed_ms + self.spec.delay_ms - self._now_ms()) / 1000.0
+        due_in = due_in_ms(committed_ms, self.spec.delay_ms, self._now_ms()) / 1000.0
         self._set_due(0.0)
         await asyncio.sleep(min(DUE_WAKE_CAP, max(0.001, due_in)))
 
     def _bound(self) -> int | None:
-        return self._now_ms() - self.spec.delay_ms if self.spec.delay_ms > 0 else None
+        return delay_bound(self._now_ms(), self.spec.delay_ms) if self.spec.delay_ms > 0 else None
 
     async def _read(self, p: Partition) -> BatchRead | None:
         """One slab from `next`: what is committed (and due), topped up for linger_ms.

@@ -1062,6 +1062,9 @@ def main() -> None:
                     help="batch runs: offer MSGS messages/s in all (each connection paced open-loop) instead of "
                          "sending as fast as answers come; with --features, the plain and feature runs then carry "
                          "the same load and batching, so the server CPU per message compares like with like")
+    ap.add_argument("--quiet-other", type=float, default=15.0, metavar="PCT",
+                    help="with --repeat: also the feature costs over the pairs whose runs both had at most PCT %% "
+                         "of other load on the machine (default 15)")
     ap.add_argument("--repeat", type=int, default=1, metavar="N",
                     help="run the whole selection N times in turn (plain and feature runs interleaved); "
                          "feature costs are then printed as the median [range] of the N differences")
@@ -1136,6 +1139,7 @@ def main() -> None:
               "(and in % of it); msgs/s the same")
         plain: Result | None = None
         deltas: dict[tuple[str, int], list[tuple[float, float]]] = {}
+        quiet: dict[tuple[str, int], list[tuple[float, float]]] = {}  # pairs with little other load
         for r in results:
             if not r.sc.feature:
                 plain = r
@@ -1146,8 +1150,12 @@ def main() -> None:
             us, us0 = r.server_cpu / r.msgs * 1e6, plain.server_cpu / plain.msgs * 1e6
             rate, rate0 = r.msgs / r.wall, plain.msgs / plain.wall
             deltas.setdefault((r.sc.name, r.sc.workers), []).append((us - us0, (us - us0) / us0 * 100))
+            other = max(r.other_cpu / r.wall, plain.other_cpu / plain.wall) * 100
+            if other <= args.quiet_other:
+                quiet.setdefault((r.sc.name, r.sc.workers), []).append((us - us0, (us - us0) / us0 * 100))
             print(f"#   {r.sc.name:<28} w{r.sc.workers}: {us - us0:+.1f} µs/msg ({(us - us0) / us0 * 100:+.0f}%), "
-                  f"{rate:,.0f} vs {rate0:,.0f} msgs/s ({(rate - rate0) / rate0 * 100:+.0f}%)")
+                  f"{rate:,.0f} vs {rate0:,.0f} msgs/s ({(rate - rate0) / rate0 * 100:+.0f}%); "
+                  f"other load up to {other:.0f}%")
         if args.repeat > 1:
             print(f"# feature cost over the {args.repeat} repetitions, median [min, max]:")
             for (name, wk), ds in deltas.items():
@@ -1155,6 +1163,17 @@ def main() -> None:
                 pct = sorted(p for _, p in ds)
                 print(f"#   {name:<28} w{wk}: {statistics.median(us_d):+.1f} µs/msg [{us_d[0]:+.1f}, {us_d[-1]:+.1f}], "
                       f"{statistics.median(pct):+.0f}% [{pct[0]:+.0f}, {pct[-1]:+.0f}] of the plain run (n={len(ds)})")
+            print(f"# the same over the quiet pairs only (other load at most {args.quiet_other:.0f}% in both runs: "
+                  f"contention on 2 cores inflates both, unevenly):")
+            for (name, wk), ds in deltas.items():
+                qs = quiet.get((name, wk), [])
+                if not qs:
+                    print(f"#   {name:<28} w{wk}: no quiet pair")
+                    continue
+                us_d, pct = sorted(d for d, _ in qs), sorted(p for _, p in qs)
+                print(f"#   {name:<28} w{wk}: {statistics.median(us_d):+.1f} µs/msg [{us_d[0]:+.1f}, {us_d[-1]:+.1f}], "
+                      f"{statistics.median(pct):+.0f}% [{pct[0]:+.0f}, {pct[-1]:+.0f}] of the plain run "
+                      f"(n={len(qs)} of {len(ds)})")
         against_key: dict[tuple[str, int], list[tuple[float, float]]] = {}
         for i, r in enumerate(results):  # the deduplication alone: idem against the nearest keyed run
             if r.sc.feature != "idem" or r.failure or not r.msgs:

@@ -802,6 +802,8 @@ def test_plain_block_fast_path_agrees_with_the_decoder_under_mutation(kind: str,
     else:
         x = x[:128] or b"k"  # a key: 1 to 128 bytes
         stored = FR.pack_idem(x, body)
+    from narad.broker import idem as IDEM
+
     hs, he, pos = FR.plain_block(stored)
     assert (stored[hs:he], stored[pos:]) == ((x if kind == "headers" else b""), body)
     if kind == "key":
@@ -809,6 +811,9 @@ def test_plain_block_fast_path_agrees_with_the_decoder_under_mutation(kind: str,
     mutated = bytearray(stored)
     mutated[at % len(stored)] = byte
     m = bytes(mutated)
+    for s in (stored, m):  # the commit skips key_of for a block that starts as headers alone
+        if s[1:4] == FR.HEADERS_ALONE:
+            assert IDEM.key_of(FR.F_EXT, s) is None
     hs, he, pos = FR.plain_block(m)
     if pos < 0:
         return
@@ -882,3 +887,23 @@ def test_the_consume_paths_template_renders_what_render_does(flags: int, ext: bo
             return "raised", b""
 
     assert enc(lambda: M.render_leased("topic-1", it)) == enc(lambda: M.render("topic-1", it, True))
+
+
+def test_a_block_that_starts_as_headers_alone_never_carries_an_idempotency_key() -> None:
+    """The commit skips ``key_of`` when ``stored[1:4]`` is ``HEADERS_ALONE``: that is only
+    sound if ``key_of`` answers None for every such payload (as written, a key-only block
+    whose "i" became "h", a two-entry map with "i" second, a block with a runaway length)."""
+    from narad.broker import idem as IDEM
+
+    body = b'{"a":1}'
+    keyed = FR.pack_idem(b"order-1", body)
+    cases = [
+        FR.pack_headers(b'{"t":"x"}', body),
+        keyed[:3] + b"h" + keyed[4:],
+        FR.pack_ext(FR.Ext(i="k", h=b'{"t":"x"}'), body)[:1] + b"\x81\xa1h" + b"\xc4\x00\xa1i\xa1k" + body,
+        b"\xff\x81\xa1h\x00\x00\xa1i\xa1k" + body,
+    ]
+    for s in cases:
+        assert s[1:4] == FR.HEADERS_ALONE
+        assert IDEM.key_of(FR.F_EXT, s) is None, s
+    assert IDEM.key_of(FR.F_EXT, keyed) == "order-1" and keyed[1:4] != FR.HEADERS_ALONE

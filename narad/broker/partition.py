@@ -560,10 +560,11 @@ class Partition:
                 table = self.idem
                 seen = table.keys  # (expired in place at the first key)
                 ext = FR.F_EXT
+                hdr_alone = FR.HEADERS_ALONE
                 for batch, _ in queue:
                     dl: list[int] = []
                     for j, (key, flags, payload) in enumerate(batch):
-                        if flags & ext:
+                        if flags & ext and payload[1:4] != hdr_alone:  # (headers alone: no key to check)
                             k = key_of(flags, payload)
                             if k is not None:
                                 if fresh is None:

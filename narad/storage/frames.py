@@ -202,6 +202,10 @@ _IDEM_KEY = b"\xa1i"  # MessagePack fixstr "i": the first key of a map that has 
 _HDR_KEY = b"\xa1h"  # fixstr "h": the headers' key
 _IDEM_FIXMAP = b"\x81\xa1i"  # a one-entry map {"i": ...}: an idempotency key alone
 _HDR_BIN8 = b"\x81\xa1h\xc4"  # a one-entry map {"h": bin8}: headers alone, their text under 256 bytes
+# ``stored[1:4]`` of a block holding headers alone (a one-byte length, a one-entry map
+# whose key is "h"): it has no idempotency key, and ``idem.key_of`` answers None for
+# every payload that starts so (a malformed one too), so a commit need not ask it.
+HEADERS_ALONE = b"\x81\xa1h"
 
 
 def headers_json(h: dict[str, str]) -> bytes:

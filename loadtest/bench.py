@@ -52,6 +52,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import itertools
 import json
 import math
 import multiprocessing as mp
@@ -193,7 +194,10 @@ def expect(status: int, want: int, req: bytes, body: bytes) -> None:
 # --features (issue 14): what each variant adds to every message (or to the topic).
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 FEATURE_HEADERS = {"traceparent": TRACEPARENT, "tenant": "acme"}
-FEATURES = ("headers", "dlq", "idem", "key")  # "key": the placement an idempotency key implies, without it
+# "key": the placement an idempotency key implies, without it; "same": nothing changed, the plain run
+# again (an A/A control: the cost that the order of the runs and the noise alone make up); "bytes":
+# each batched message's payload longer by what "headers" adds to its JSON (a control for size).
+FEATURES = ("headers", "dlq", "idem", "key", "same", "bytes")
 DLQ_TOPIC = "bench-dlq"
 
 
@@ -211,7 +215,8 @@ class Requests:
     "idem" (an idempotency key per message: its id), "key" (a message key per message,
     its id: each message goes to the partition its key hashes to, as a keyed one with an
     idempotency key does, but nothing is deduplicated), "dlq" (no change to requests:
-    the topic has max_deliveries and a dead-letter topic)."""
+    the topic has max_deliveries and a dead-letter topic), "same" (no change at all),
+    "bytes" (batched payloads longer by what "headers" adds; single produces unchanged)."""
 
     def __init__(self, port: int, auth: str, topic: str = TOPIC, feature: str = "") -> None:
         common = f"Host: 127.0.0.1:{port}\r\nAuthorization: {auth}\r\nX-Narad-Client: narad-bench\r\n"
@@ -223,6 +228,8 @@ class Requests:
         self._extra = b""
         if feature == "headers":
             self._extra = b',"headers":' + msgspec.json.encode(FEATURE_HEADERS)
+        hdr_len = len(b',"headers":' + msgspec.json.encode(FEATURE_HEADERS))
+        self._pad_more = b"y" * hdr_len if feature == "bytes" else b""
         self._idem_head = (f"POST {base}/produce?{'key' if feature == 'key' else 'idempotency_key'}=").encode()
         self._idem_tail = (f" HTTP/1.1\r\n{common}Content-Type: application/json\r\n"
                            f"Content-Length: {MSG_SIZE}\r\n\r\n").encode()
@@ -250,6 +257,9 @@ class Requests:
             field = b"idempotency_key" if self.feature == "idem" else b"key"
             rows = [b'{"payload":' + payload(first + i) + b',"' + field + b'":"%016x"}' % (first + i)
                     for i in range(n)]
+        elif self._pad_more:
+            more = self._pad_more
+            rows = [b'{"payload":' + payload(first + i)[:-2] + more + b'"}}' for i in range(n)]
         else:
             extra = self._extra
             rows = [b'{"payload":' + payload(first + i) + extra + b"}" for i in range(n)]
@@ -617,6 +627,7 @@ class Result:
     check: Check = field(default_factory=Check)
     failure: str = ""
     profiles: list[Path] = field(default_factory=list)
+    cprofile: str = ""  # --cprofile: the prefix of the workers' cProfile files of this run
 
 
 def _node_procs(node: Node) -> list[psutil.Process]:
@@ -668,12 +679,18 @@ def _pct(values: list[float], p: float) -> float:
 
 
 NODE_ENV: dict[str, str] = {}  # --node-env: settings for every node this run starts
+CPROFILE_DIR: Path | None = None  # --cprofile: every worker runs under cProfile, its stats written here
+_cprofile_runs = itertools.count()
 
 
 def run(sc: Scenario, profile_dir: Path | None, profile_which: str = "flow", profile_rate: int = SPY_RATE) -> Result:
     res = Result(sc)
     tmp = Path(tempfile.mkdtemp(prefix="narad-bench-"))
-    node = Node(tmp / "data", workers=sc.workers, env=dict(NODE_ENV))
+    env = dict(NODE_ENV)
+    if CPROFILE_DIR is not None:
+        res.cprofile = str(CPROFILE_DIR / f"{sc.name.replace(' ', '_')}-w{sc.workers}-{next(_cprofile_runs)}")
+        env["NARAD_WORKER_CPROFILE"] = res.cprofile
+    node = Node(tmp / "data", workers=sc.workers, env=env)
     spies: list[subprocess.Popen[bytes]] = []
     try:
         node.start()
@@ -821,6 +838,40 @@ _BOILERPLATE = ("_run_module_as_main (", "_run_code (", "<module> (narad/supervi
                 "Supervisor.boot_process", "ForkServer.start (", "_serve (narad/supervisor/forkserver.py",
                 "run (narad/worker/main.py", "run (uvloop/", "Runner.run (asyncio/", "Thread._bootstrap",
                 "Thread.run (threading.py", "_worker (concurrent/futures/thread.py", "_WorkItem.run (concurrent/")
+
+
+def cprofile_diff(plain: Result, feat: Result, top: int = 25) -> str:
+    """Where run `feat`'s extra CPU goes, by function, per message: the workers' cProfile
+    self times (``tottime``, all workers together) of `feat` minus those of `plain`. cProfile
+    charges every Python call (about twice the CPU in all), so read the ranking and the
+    call counts, not the microseconds as such."""
+    import pstats
+
+    def load(r: Result) -> dict[tuple[str, int, str], tuple[int, float]]:
+        files = sorted(str(f) for f in Path(r.cprofile).parent.glob(Path(r.cprofile).name + ".*"))
+        if not files:
+            return {}
+        st = pstats.Stats(*files).stats  # type: ignore[attr-defined]
+        return {k: (v[1], v[2]) for k, v in st.items()}
+
+    a, b = load(plain), load(feat)
+    if not a or not b or not plain.msgs or not feat.msgs:
+        return f"#   {feat.sc.name} w{feat.sc.workers}: no cProfile files (a worker did not stop cleanly?)"
+    na, nb = plain.msgs, feat.msgs
+    rows = []
+    for k in set(a) | set(b):
+        ca, ta = a.get(k, (0, 0.0))
+        cb, tb = b.get(k, (0, 0.0))
+        rows.append((tb / nb - ta / na, ta / na, tb / nb, ca / na, cb / nb, k))
+    rows.sort(key=lambda r: -r[0])
+    tot_a = sum(t for _, t in a.values()) / na * 1e6
+    tot_b = sum(t for _, t in b.values()) / nb * 1e6
+    out = [f"#   {feat.sc.name} w{feat.sc.workers} against {plain.sc.name}: cProfile self time {tot_a:.1f} -> "
+           f"{tot_b:.1f} µs/msg ({tot_b - tot_a:+.1f}); by function, µs/msg (calls/msg):"]
+    for d, ta, tb, ca, cb, (fn, line, name) in rows[:top]:
+        where = f"{fn.replace(str(ROOT) + '/', '')}:{line}({name})" if line else name
+        out.append(f"#     {d * 1e6:+6.2f}  {ta * 1e6:6.2f} -> {tb * 1e6:6.2f}  ({ca:.2f} -> {cb:.2f})  {where[-80:]}")
+    return "\n".join(out)
 
 
 def profile_diff(a: Path, b: Path, top: int = 30) -> str:
@@ -1078,6 +1129,10 @@ def main() -> None:
     ap.add_argument("--node-env", action="append", default=[], metavar="NAME=VALUE",
                     help="a setting for the node (its environment variable, e.g. NARAD_STORAGE_GROUP_SYNC=false); "
                          "repeatable")
+    ap.add_argument("--cprofile", type=Path, metavar="DIR",
+                    help="run every worker under cProfile (deterministic; about twice the CPU, so pace with "
+                         "--rate well below the plain run's); with --features, print where each feature run's "
+                         "extra CPU goes, by function, per message")
     ap.add_argument("--profile-light", action="store_true",
                     help="py-spy --nonblocking without native frames or idle threads: Python-level only, and far "
                          "less distortion of the node (use with --profile-diff)")
@@ -1095,6 +1150,10 @@ def main() -> None:
     if args.profile_diff:
         print(profile_diff(*args.profile_diff))
         return
+    if args.cprofile is not None:
+        global CPROFILE_DIR
+        args.cprofile.mkdir(parents=True, exist_ok=True)
+        CPROFILE_DIR = args.cprofile.resolve()
     global SPY_LIGHT
     SPY_LIGHT = args.profile_light
     if args.summarise:
@@ -1156,6 +1215,14 @@ def main() -> None:
             print(f"#   {r.sc.name:<28} w{r.sc.workers}: {us - us0:+.1f} µs/msg ({(us - us0) / us0 * 100:+.0f}%), "
                   f"{rate:,.0f} vs {rate0:,.0f} msgs/s ({(rate - rate0) / rate0 * 100:+.0f}%); "
                   f"other load up to {other:.0f}%")
+        if CPROFILE_DIR is not None:
+            print("\n# --cprofile: where each feature run's extra CPU goes (against the plain run just before it)")
+            plain = None
+            for r in results:
+                if not r.sc.feature:
+                    plain = r
+                elif plain is not None and not r.failure and not plain.failure:
+                    print(cprofile_diff(plain, r))
         if args.repeat > 1:
             print(f"# feature cost over the {args.repeat} repetitions, median [min, max]:")
             for (name, wk), ds in deltas.items():

@@ -405,3 +405,25 @@ def test_dev_mode_has_no_auth(tmp_path: Path) -> None:
 
 
 __all__ = ["ADMIN_PASSWORD"]
+
+
+def test_the_worker_profile_hook_writes_a_cprofile_file_at_a_clean_stop(tmp_path: Path) -> None:
+    """NARAD_WORKER_CPROFILE (loadtest/bench.py --cprofile) runs each worker under
+    cProfile and writes <prefix>.<index>.<pid> when it stops cleanly; the file loads in
+    pstats and holds the request handling it saw."""
+    import pstats
+
+    prefix = tmp_path / "prof" / "w"
+    prefix.parent.mkdir()
+    n = Node(tmp_path / "data", workers=1, env={"NARAD_WORKER_CPROFILE": str(prefix)})
+    n.start()
+    try:
+        assert n.post("/v1/topics", {"name": "cp", "partitions": 3}).status == 201
+        assert n.post("/v1/topics/cp/produce", b'{"a":1}').status == 202
+        assert n.stop() == 0
+    finally:
+        n.close()
+    files = sorted(prefix.parent.glob("w.0.*"))
+    assert len(files) == 1, files
+    names = {k[2] for k in pstats.Stats(str(files[0])).stats}  # type: ignore[attr-defined]
+    assert {"produce", "produce_fast"} & names, sorted(n for n in names if "produce" in n)

@@ -262,7 +262,23 @@ async def _main(spec: WorkerSpec, index: int, core: int | None) -> int:
     log.info("worker serving", extra={"index": index, "core": core, "port": cfg.http.port,
                                       "startup_seconds": round(time.monotonic() - t_start, 3)})
     sup.notify(WorkerServing(index, os.getpid()))
+    # A diagnostic for loadtest/bench.py --cprofile: NARAD_WORKER_CPROFILE=<prefix> runs the
+    # worker under cProfile (deterministic, about twice the CPU) and writes <prefix>.<index>.<pid>
+    # at a clean stop. Unset (always, in production): nothing.
+    prof_prefix = os.environ.get("NARAD_WORKER_CPROFILE")
+    prof = None
+    if prof_prefix:
+        import cProfile
+
+        prof = cProfile.Profile()
+        prof.enable()
     await stop.wait()
+    if prof is not None:
+        prof.disable()
+        try:
+            prof.dump_stats(f"{prof_prefix}.{index}.{os.getpid()}")
+        except OSError as e:
+            log.warning("could not write the worker's profile", extra={"err": str(e)})
     t0 = time.monotonic()
     grace = cfg.seconds("http", "shutdown_grace")
     if not sup.closed:

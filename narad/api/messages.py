@@ -105,15 +105,15 @@ def _retrieve(f: asyncio.Future[Any]) -> None:
         f.exception()
 
 
-def idem_key(raw: str, where: str = "") -> str:
-    """An idempotency key as given (1 to 128 bytes of UTF-8), else 400."""
+def idem_key(raw: str) -> bytes:
+    """An idempotency key's UTF-8 (1 to 128 bytes), else 400."""
     try:
-        n = len(raw.encode())
+        b = raw.encode()
     except UnicodeEncodeError:  # non-UTF-8 bytes in the query (kept as surrogates) or a lone surrogate
-        raise BadRequest(f"{where}invalid argument: idempotency_key must be UTF-8") from None
-    if not 1 <= n <= MAX_IDEM_KEY:
-        raise BadRequest(f"{where}invalid argument: idempotency_key must be 1 to {MAX_IDEM_KEY} bytes, got {n}")
-    return raw
+        raise BadRequest("invalid argument: idempotency_key must be UTF-8") from None
+    if not 1 <= len(b) <= MAX_IDEM_KEY:
+        raise BadRequest(f"invalid argument: idempotency_key must be 1 to {MAX_IDEM_KEY} bytes, got {len(b)}")
+    return b
 
 
 def parse_go_duration(text: str) -> float:
@@ -315,18 +315,18 @@ _HEADER_NAME = re.compile(r"[A-Za-z0-9._-]+")
 _GOOD_NAMES: set[str] = set()  # header names already checked (clients repeat a few): one set lookup each
 
 
-def headers_text(h: dict[str, str], where: str = "") -> bytes:
+def headers_text(h: dict[str, str]) -> bytes:
     """The message's headers checked within their bounds (400 naming what to fix),
     as the JSON text they are stored and returned as (``FR.headers_json``). The
     byte bound is read off that text in the common case: it holds every name and
     value's UTF-8 and more (quotes, colons, commas, escapes), so a text within the
     bound means headers within it; only a longer one is counted exactly."""
     if len(h) > MAX_HEADERS:
-        raise BadRequest(f"{where}invalid argument: at most {MAX_HEADERS} headers per message, got {len(h)}")
+        raise BadRequest(f"invalid argument: at most {MAX_HEADERS} headers per message, got {len(h)}")
     if not _GOOD_NAMES.issuperset(h):  # the common case (names seen before) is one C call
         for name in h:
             if not name or len(name) > MAX_HEADER_NAME or not _HEADER_NAME.fullmatch(name):
-                raise BadRequest(f"{where}invalid argument: header name {name[:40]!r} must be 1 to "
+                raise BadRequest(f"invalid argument: header name {name[:40]!r} must be 1 to "
                                  f"{MAX_HEADER_NAME} characters of A-Z a-z 0-9 . _ -")
         if len(_GOOD_NAMES) >= 4096:
             _GOOD_NAMES.clear()
@@ -335,9 +335,9 @@ def headers_text(h: dict[str, str], where: str = "") -> bytes:
         text = FR.headers_json(h)
     except UnicodeEncodeError:  # a lone surrogate (a query's value; a JSON body's is refused when decoded)
         bad = next((n for n, v in h.items() if not _utf8_ok(v)), "?")
-        raise BadRequest(f"{where}invalid argument: header {bad!r} is not valid UTF-8") from None
+        raise BadRequest(f"invalid argument: header {bad!r} is not valid UTF-8") from None
     if len(text) > MAX_HEADERS_BYTES and sum(len(n) + len(v.encode()) for n, v in h.items()) > MAX_HEADERS_BYTES:
-        raise BadRequest(f"{where}invalid argument: headers larger than {MAX_HEADERS_BYTES} bytes in all")
+        raise BadRequest(f"invalid argument: headers larger than {MAX_HEADERS_BYTES} bytes in all")
     return text
 
 
@@ -364,17 +364,17 @@ def query_headers(vals: list[str]) -> bytes:
     return headers_text(out)
 
 
-def with_ext(flags: int, body: bytes, headers: bytes | None, idem: str | None = None) -> tuple[int, bytes]:
+def with_ext(flags: int, body: bytes, headers: bytes | None, idem: bytes | None = None) -> tuple[int, bytes]:
     """The stored (flags, payload) of a message: with an extension block when it has
-    headers (their checked JSON text, ``headers_text``) or an idempotency key
-    (F_JSON / F_UTF8 still describe the body)."""
+    headers (their checked JSON text, ``headers_text``) or an idempotency key (its
+    UTF-8, ``idem_key``) (F_JSON / F_UTF8 still describe the body)."""
     if idem is None:
         if headers is None:
             return flags, body
         return flags | FR.F_EXT, FR.pack_headers(headers, body)
     if headers is None:
-        return flags | FR.F_EXT, FR.pack_idem(idem.encode(), body)
-    return flags | FR.F_EXT, FR.pack_ext(FR.Ext(i=idem, h=headers), body)
+        return flags | FR.F_EXT, FR.pack_idem(idem, body)
+    return flags | FR.F_EXT, FR.pack_ext(FR.Ext(i=idem.decode(), h=headers), body)
 
 
 class BatchBody(msgspec.Struct, forbid_unknown_fields=True):
@@ -874,7 +874,7 @@ class MessagesAPI:
             raise BadRequest(f"too many messages: more than {MAX_BATCH_MESSAGES}")
         now = int(time.time() * 1000)
         inc = bytes.fromhex(t.id)
-        prepared: list[tuple[bytes, bytes | None, int | None, int, bytes | None, str | None]] = []
+        prepared: list[tuple[bytes, bytes | None, int | None, int, bytes | None, bytes | None]] = []
         # Pass 1: the format of every message.
         for i, m in enumerate(msgs):
             if m.payload is msgspec.UNSET:
@@ -910,8 +910,11 @@ class MessagesAPI:
                 key = key or None
             if m.partition is not None and m.partition < 0:
                 raise BadRequest(f"message {i}: invalid argument: partition out of range")
-            hdrs = headers_text(m.headers, f"message {i}: ") if m.headers else None
-            idem = idem_key(m.idempotency_key, f"message {i}: ") if m.idempotency_key is not None else None
+            try:  # (the message's index is named only in an answer: no prefix built a message)
+                hdrs = headers_text(m.headers) if m.headers else None
+                idem = idem_key(m.idempotency_key) if m.idempotency_key is not None else None
+            except BadRequest as e:
+                raise BadRequest(f"message {i}: {e.message}") from None
             prepared.append((payload, key, m.partition, flags, hdrs, idem))
         # Pass 2: partition range and schema.
         for i, (_payload, _key, part, _flags, _h, _idem) in enumerate(prepared):
@@ -940,8 +943,11 @@ class MessagesAPI:
                     placed = True
             else:
                 placed = True
-            if hdrs is None and idem is None:
-                fl, stored = flags, payload
+            # (with_ext's cases, a call less a message)
+            if idem is None:
+                fl, stored = (flags, payload) if hdrs is None else (flags | FR.F_EXT, FR.pack_headers(hdrs, payload))
+            elif hdrs is None:
+                fl, stored = flags | FR.F_EXT, FR.pack_idem(idem, payload)
             else:
                 fl, stored = with_ext(flags, payload, hdrs, idem)
             e = Entry(t.name, inc, part, now, fl, key, stored)

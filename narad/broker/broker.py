@@ -431,19 +431,19 @@ class Broker:
             return [w], []
         return [], ([node] if node is not None else [])
 
-    def choose_partition(self, topic: TopicRecord, key: bytes | None, idem: str | None = None) -> int:
+    def choose_partition(self, topic: TopicRecord, key: bytes | None, idem: bytes | None = None) -> int:
         """A key hashes to its partition (order per key). A keyless message may go
         to any partition: it rotates over the partitions this worker owns, so it
         is committed here without a hop; over all of them when this worker owns none.
         The rotation moves on once per WAL group commit (sticky): the keyless records
         of one group go to one partition, one commit there, instead of a commit at
         every partition each carrying a record or two. A keyless record with an
-        idempotency key hashes by that key (a retry lands on the same partition from
-        any node, where the key is checked)."""
+        idempotency key (its UTF-8) hashes by that key (a retry lands on the same
+        partition from any node, where the key is checked)."""
         if key:
             return key_partition(key, topic.partitions)
         if idem is not None:
-            return key_partition(idem.encode(), topic.partitions)
+            return key_partition(idem, topic.partitions)
         pl = self._placement(topic)
         st = self._sticky.get(topic.name)
         if st is not None and st[0] == self._group_epoch and st[1] < topic.partitions and (

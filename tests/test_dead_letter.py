@@ -13,7 +13,7 @@ from urllib.parse import quote
 
 import pytest
 
-from narad.broker.routing import owner_worker
+from narad.broker.routing import key_partition, owner_worker
 from tests.harness import Node, Response, basic, wait_for
 
 OCTET = {"Content-Type": "application/octet-stream"}
@@ -87,6 +87,40 @@ def metric(node: Node, name: str, topic: str) -> float:
         if line.startswith(name + "{") and f'topic="{topic}"' in line:
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+def keyed_on(prefix: str, worker: int) -> str:
+    """A topic name whose partition for the message key ``k`` is `worker`'s."""
+    kp = key_partition(b"k", PARTS)
+    return next(f"{prefix}{i}" for i in range(1000) if owner_worker(f"{prefix}{i}", kp, 2) == worker)
+
+
+def test_large_records_are_dead_lettered_in_bounded_commits_across_workers(node: Node) -> None:
+    """70 records of 1 MiB spent at once, their dead-letter partition on the other worker:
+    one commit of them all would be over the worker link's 64 MiB frame (the receiver
+    cut the link, and the driver sent the same batch every second for ever). They are
+    sent in commits of at most a few MiB; the link stays up."""
+    dlt, src = keyed_on("bigdlt", 0), keyed_on("bigsrc", 1)
+    assert node.post("/v1/topics", {"name": dlt, "partitions": PARTS}).status == 201
+    r = node.post("/v1/topics", {"name": src, "partitions": PARTS, "max_deliveries": 1, "dead_letter_topic": dlt,
+                                 "visibility_timeout_ms": 600_000})
+    assert r.status == 201, r
+    n = 70
+    body = b"x" * ((1 << 20) - 64)
+    for _ in range(n):
+        produce(node, src, body, key="k")
+    handles = [take(node, src, timeout=20)["receipt_handle"] for _ in range(n)]
+    r = node.post(f"/v1/topics/{src}/ack?extend=0", {"receipt_handles": handles})  # one batch nack: all spent at once
+    assert r.status == 200 and all(x["status"] == 204 for x in r.json()["results"]), r
+
+    def held_in_dlt() -> int:
+        return sum(p.get("high_watermark", 0) for p in node.get(f"/v1/topics/{dlt}").json()["partition_stats"])
+
+    wait_for(lambda: held_in_dlt() >= n, 60, 0.2, f"{n} records in the dead-letter topic")
+    assert held_in_dlt() == n
+    wait_for(lambda: metric(node, "narad_dead_lettered_total", src) == n, 10, 0.1, "the dead-lettered count")
+    assert consume(node, src).status == 204  # settled in the source: never delivered again
+    assert "ipc frame too large" not in node.log()
 
 
 def test_delivery_count_rises_across_nacks_and_expiries(node: Node) -> None:

@@ -80,6 +80,25 @@ def test_slot_tail_round_trip_and_old_slots(tmp_path: Path) -> None:
     assert len(_encode(1, 0, [], {i: 2 for i in range(1, 5000)})) == SLOT
 
 
+def test_a_full_slot_keeps_held_records_counts_first_and_says_what_it_left_out() -> None:
+    """More counts than the slot has room for: the held records' (``first``) go in before
+    any higher count, and the ones left out are reported (the dead-letter driver does not
+    move a record whose count a kill -9 would lose)."""
+    counts = {i: 2 for i in range(1, 5000)}
+    counts[10] = 9  # a higher count, not held
+    held = {4990, 4995}
+    dropped: set[int] = set()
+    got = _decode_full(_encode(1, 0, [], counts, None, dropped, held))[3]
+    assert held <= got.keys() and 10 in got and got[4990] == 2
+    assert dropped and dropped.isdisjoint(got) and dropped | got.keys() == counts.keys()
+    plain: set[int] = set()
+    got = _decode_full(_encode(1, 0, [], counts, None, plain))[3]
+    assert held <= plain and held.isdisjoint(got)  # without them first: left out (the highest offsets)
+    none: set[int] = set()
+    _encode(1, 0, [3], {1: 2, 2: 5}, None, none, held)
+    assert none == set()  # everything fits: nothing left out
+
+
 def test_reasons_tail_round_trip_old_readers_and_bounds() -> None:
     raw = _encode(5, 10, [12, 15], {11: 3, 13: 1}, {11: "bad json", 13: "é timeout", 20: "no count"})
     assert _decode_all(raw) == (5, 10, [12, 15], {11: 3, 13: 1}, {11: "bad json", 13: "é timeout", 20: "no count"})

@@ -187,6 +187,24 @@ def test_the_window_passes_and_the_key_is_accepted_again(node: Node) -> None:
     assert stored(node, name) == 2
 
 
+def test_a_fanout_child_gets_every_record_its_parent_accepted(node: Node) -> None:
+    """The child's own idempotency window (longer than the parent's) must not drop a
+    copy: a key the parent accepted again after its window is in the child twice.
+    Copies carry no idempotency key (headers are kept)."""
+    parent = mk(node, "idem-fo-parent", idempotency_window_ms=1000)
+    child = mk(node, "idem-fo-child", idempotency_window_ms=3_600_000)
+    r = node.post(f"/v1/topics/{parent}/children", {"child": child})
+    assert r.status in (200, 201), r
+    assert single(node, parent, b"first", "K", "header=trace:t1").json() == {"duplicate": False}
+    wait_for(lambda: single(node, parent, b"second", "K").json() == {"duplicate": False}, 15, 0.1,
+             "the key accepted again by the parent after its 1 s window")
+    assert stored(node, parent) == 2
+    wait_for(lambda: stored(node, child) == 2, 15, 0.05, "both copies in the child")
+    got = drain(node, child)
+    assert sorted(m["payload"] for m in got) == ["first", "second"], got  # (UTF-8 bodies come back as text)
+    assert [m.get("headers") for m in got if m["payload"] == "first"] == [{"trace": "t1"}]
+
+
 def test_sdk_produce_idempotency_key_and_batch_field(node: Node) -> None:
     from narad.client import BatchMessage, Client
     from tests.harness import ADMIN_PASSWORD
@@ -430,3 +448,18 @@ def test_the_hand_packed_key_block_is_msgspecs_at_every_length() -> None:
     assert IDEM.key_of(FR.F_JSON, FR.pack_idem(b"k", b"x")) is None  # no F_EXT: a plain payload
     bad_utf8 = b"\x06\x81\xa1i\xa2\xff\xfe" + b"x"
     assert FR.idem_span(bad_utf8) == (5, 7) and IDEM.key_of(FR.F_EXT, bad_utf8) is None
+
+
+def test_without_idem_takes_the_key_out_and_keeps_the_rest() -> None:
+    """What a fan-out copy carries: the record without its idempotency key."""
+    body = b'{"a":1}'
+    flags = FR.F_EXT | FR.F_JSON
+    assert FR.without_idem(flags, FR.pack_idem(b"k1", body)) == (FR.F_JSON, body)  # the key alone: no block left
+    both = FR.pack_ext(FR.Ext(i="k1", h=b'{"x":"y"}'), body)
+    f2, s2 = FR.without_idem(flags, both)
+    assert f2 == flags and FR.split_ext(f2, s2) == (FR.Ext(h=b'{"x":"y"}'), body) and IDEM.key_of(f2, s2) is None
+    hdr = FR.pack_headers(b'{"x":"y"}', body)
+    assert FR.without_idem(flags, hdr) == (flags, hdr)  # nothing to take out: the same bytes
+    assert FR.without_idem(FR.F_JSON, body) == (FR.F_JSON, body)
+    bad = b"\x05\x81\xa1i\xc1\x00" + body  # a malformed block that starts like a key: left as it is
+    assert FR.without_idem(flags, bad) == (flags, bad)

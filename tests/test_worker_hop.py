@@ -24,6 +24,7 @@ import uvloop
 
 from narad.api.messages import _handle_fields, _parse_handle
 from narad.broker.routing import key_partition, owner_worker
+from narad.errors import InternalError, PayloadTooLarge
 from narad.ipc import rpc
 from tests.harness import Node, wait_for
 
@@ -232,6 +233,39 @@ def test_frames_written_in_one_pass_arrive_whole_in_order_and_close_sends_them()
         c.close()
         await asyncio.wait_for(done, 10)
         assert got == [*range(2000), -1]
+        server.close()
+        Path(path).unlink(missing_ok=True)
+
+    uvloop.run(main())
+
+
+def test_a_call_over_the_frame_limit_fails_alone_and_the_link_stays_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The receiver closes a link on a frame over ``MAX_FRAME`` (every call in flight on it
+    fails): the sender refuses such a call itself (413, not sent), and an answer over it
+    goes back as an error, so the link and the other calls live on."""
+    monkeypatch.setattr(rpc, "MAX_FRAME", 4096)
+
+    async def main() -> None:
+        svc = rpc.Service()
+
+        async def echo(m: Echo, _c: rpc.Connection) -> Echo | Note:
+            return Note(m.n, b"y" * 8000) if m.n < 0 else Echo(m.n * 2)
+
+        async def note(m: Note, _c: rpc.Connection) -> Echo:
+            return Echo(len(m.pad))
+
+        svc.register(Echo, echo)  # type: ignore[arg-type]
+        svc.register(Note, note)  # type: ignore[arg-type]
+        path = os.path.join(tempfile.mkdtemp(), "t.sock")
+        server = await rpc.serve_unix(path, lambda: svc)
+        c = await rpc.connect_unix(path)
+        with pytest.raises(PayloadTooLarge, match="frame limit"):
+            await c.call(Note(1, b"x" * 8000), Echo, timeout=5)
+        assert (await c.call(Note(1, b"x" * 100), Echo, timeout=5)).n == 100
+        with pytest.raises(InternalError, match="frame limit"):
+            await c.call(Echo(-1), Note, timeout=5)
+        assert (await c.call(Echo(21), Echo, timeout=5)).n == 42 and not c.closed
+        c.close()
         server.close()
         Path(path).unlink(missing_ok=True)
 

@@ -2073,8 +2073,9 @@ class Broker:
                     frontier, ahead = p.snapshot_offsets()
                     gen = p.count_gen
                     try:
-                        p.offsets.write_window(frontier, ahead, p.snapshot_counts(), p.snapshot_reasons())
-                        p.written_gen = gen  # these counts survive a process crash now
+                        p.counts_unwritten = p.offsets.write_window(frontier, ahead, p.snapshot_counts(),
+                                                                    p.snapshot_reasons(), p.dead)
+                        p.written_gen = gen  # these counts survive a process crash now (but counts_unwritten)
                     except OSError as e:
                         log.error("consumer offset write failed", extra={"topic": p.topic, "err": str(e)})
                         self.m.errors.labels("storage", "offset_write_failed").inc()

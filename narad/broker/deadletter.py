@@ -57,11 +57,14 @@ from .partition import Partition
 log = logging.getLogger("narad.broker.deadletter")
 
 BATCH = 1000  # held offsets of one partition moved per pass
+PASS_BYTES = 32 << 20  # ... and at most about this many bytes of them (the records are read into memory)
+COMMIT_BYTES = 4 << 20  # one dead-letter commit at most (well under a worker hop's and a node RPC's frame)
 RETRY = 1.0  # a failed commit (or a missing dead-letter topic) is tried again this often
 LOG_EVERY = 60.0  # failures of one topic are logged at most this often
 # Test seam (never set in production): hold this long between a dead-letter commit and the
 # source settle (the kill window of the at-least-once test).
 HOLD_SETTLE = float(os.environ.get("NARAD_FAULT_DLQ_HOLD_SETTLE_MS", "0")) / 1000.0
+UNWRITTEN_GRACE = 10.0  # a held record whose count the slot had no room for waits this long for room
 UNWRITTEN_RECHECK = 0.12  # a hold whose count is not in the offset file yet: looked at again after this
 
 
@@ -90,6 +93,8 @@ class DeadLetterDriver:
         self._task: asyncio.Task[None] | None = None
         self._logged: dict[str, float] = {}  # topic -> when its last failure was logged
         self._held_topics: set[str] = set()  # topics whose held gauge this worker set above zero
+        # (topic, partition) -> held offset -> when it was first found with its count left out
+        self._unwritten: dict[tuple[str, int], dict[int, float]] = {}
         m = metrics.get()
         self.m_dead = m.dead_lettered
         self.m_fail = m.dead_letter_failures
@@ -133,6 +138,7 @@ class DeadLetterDriver:
             if not p.dead or p.closed or self.b.partitions.get(key) is not p:
                 if self.pending.get(key) is p:
                     del self.pending[key]
+                    self._unwritten.pop(key, None)
                 continue
             live.append(p)
         res = await asyncio.gather(*(self._drain(p) for p in live if not p.frozen()), return_exceptions=True)
@@ -146,6 +152,7 @@ class DeadLetterDriver:
                 held[p.topic] = held.get(p.topic, 0) + len(p.dead)
             elif self.pending.get(key) is p:
                 del self.pending[key]
+                self._unwritten.pop(key, None)
         for topic in self._held_topics - held.keys():
             self.m_held.labels(topic).set(0)
         for topic, n in held.items():
@@ -183,9 +190,35 @@ class DeadLetterDriver:
         # only holds whose count is in the offset file already (a kill -9 after the
         # dead-letter commit must not find a lower count and deliver the record again)
         flight = p.dead_flight
-        offs = heapq.nsmallest(BATCH, (o for o, g in p.dead.items() if g <= p.written_gen and o not in flight))
-        groups: dict[int, list[tuple[int, tuple[bytes | None, int, bytes]]]] = {}
+        # (nor, for UNWRITTEN_GRACE, one whose count did not fit in the offset file's slot:
+        # held records' counts are the last left out, so that takes more held records than
+        # the slot has room for after its acks; past the grace it goes, logged, rather
+        # than hold the partition for good)
+        unwritten = p.counts_unwritten
+        waiting = self._unwritten.setdefault((p.topic, p.index), {})
+        now = time.monotonic()
+        for o in [o for o in waiting if o not in unwritten or o not in p.dead]:
+            del waiting[o]
+        late = 0
+        for o in unwritten:
+            if o in p.dead:
+                since = waiting.setdefault(o, now)
+                late += now - since >= UNWRITTEN_GRACE
+        if late and now - self._logged.get(f"{t.name}\0unwritten", -LOG_EVERY) >= LOG_EVERY:
+            self._logged[f"{t.name}\0unwritten"] = now
+            log.warning("dead-lettering records whose delivery count is not in the offset file (its slot is "
+                        "full): a kill -9 before their settle is written can deliver them again from the source",
+                        extra={"topic": t.name, "partition": p.index, "records": late})
+        offs = heapq.nsmallest(BATCH, (o for o, g in p.dead.items()
+                                       if g <= p.written_gen and o not in flight
+                                       and (o not in unwritten or now - waiting.get(o, now) >= UNWRITTEN_GRACE)))
+        groups: dict[int, list[list[tuple[int, tuple[bytes | None, int, bytes]]]]] = {}
+        sizes: dict[int, int] = {}  # the bytes of each partition's last chunk
+        total = 0
         for off in offs:
+            if total >= PASS_BYTES:
+                self._wake.set()  # the rest at once, in the next pass
+                break
             try:
                 rec = p.log.read(off)
             except OffsetGone:
@@ -200,7 +233,14 @@ class DeadLetterDriver:
                 return
             out = dead_letter_record(p.topic, p.index, off, p.deliveries.get(off, 0), p.reasons.get(off), rec)
             dp = b.choose_partition(dlt, out[0])
-            groups.setdefault(dp, []).append((off, out))
+            n = len(out[2]) + len(out[0] or b"") + 64
+            total += n
+            chunks = groups.setdefault(dp, [])
+            if not chunks or (chunks[-1] and sizes[dp] + n > COMMIT_BYTES):
+                chunks.append([])  # (a record over the bound goes alone)
+                sizes[dp] = 0
+            chunks[-1].append((off, out))
+            sizes[dp] += n
         if not groups:
             return
 
@@ -225,4 +265,4 @@ class DeadLetterDriver:
             finally:
                 flight.difference_update(off for off, _ in recs)
 
-        await asyncio.gather(*(one(dp, recs) for dp, recs in groups.items()))
+        await asyncio.gather(*(one(dp, recs) for dp, chunks in groups.items() for recs in chunks))

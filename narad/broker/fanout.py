@@ -68,7 +68,7 @@ from narad.meta import versions as V
 from narad.meta.records import TopicRecord
 from narad.meta.requests import ConfirmEpochReq, ConfirmEpochResp
 from narad.storage import cursor_file as CF
-from narad.storage.frames import F_EXT
+from narad.storage.frames import F_EXT, without_idem
 from narad.storage.partition_log import BatchRead, LogClosed, OffsetGone
 
 if TYPE_CHECKING:
@@ -117,6 +117,14 @@ READ_STEP_RECORDS = 512
 READ_STEP_BYTES = 512 << 10
 
 RecordTuple = tuple[bytes | None, int, bytes]  # key, flags, payload
+
+
+def _without_idem(recs: list[RecordTuple]) -> list[RecordTuple]:
+    """The copies of `recs` as a child commits them: without their idempotency keys
+    (``without_idem``); the list itself when no record has an extension block."""
+    if not any(r[1] & F_EXT for r in recs):
+        return recs
+    return [(k, *without_idem(f, pl)) if f & F_EXT else (k, f, pl) for k, f, pl in recs]
 
 
 @dataclass(frozen=True)
@@ -746,7 +754,10 @@ class Cursor:
             async def one(cp: int, recs: list[RecordTuple], child: TopicRecord = child) -> tuple[int, str] | None:
                 async with sem:
                     try:
-                        await self.b.commit_to(child, cp, recs)
+                        # A copy carries no idempotency key: the parent decided what it holds, and
+                        # the child's own table (another window) must not drop any of it. Placed
+                        # by the key above, before it is taken out.
+                        await self.b.commit_to(child, cp, _without_idem(recs))
                         return None
                     except Exception as e:
                         return cp, str(e) or type(e).__name__

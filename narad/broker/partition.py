@@ -195,6 +195,8 @@ class Partition:
         self.dead_flight: set[int] = set()  # held offsets whose dead-letter commit is on its way (the driver's)
         self.count_gen = 0  # bumped by every count change
         self.written_gen = 0  # the count_gen the offset file's last window write holds (the committer sets it)
+        # ... except the counts of these offsets, left out of that write (its slot was full)
+        self.counts_unwritten: set[int] = set()
         self.max_deliveries = 0  # the topic's (0: unlimited); the broker keeps it current
         self.on_dead: Callable[[Partition], None] | None = None
 

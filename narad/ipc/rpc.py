@@ -25,7 +25,7 @@ from typing import Any, TypeVar, Union
 
 import msgspec
 
-from narad.errors import GatewayTimeout, NaradError, Unavailable, error_for_status
+from narad.errors import GatewayTimeout, NaradError, PayloadTooLarge, Unavailable, error_for_status
 
 log = logging.getLogger("narad.ipc")
 
@@ -197,7 +197,13 @@ class Connection(asyncio.Protocol):
                 self._send_error(rid, 500, f"internal error: {e}")
             return
         if kind == REQ:
-            self._write(_frame(OK, rid, result))
+            frame = _frame(OK, rid, result)
+            if len(frame) - 4 > MAX_FRAME:
+                log.error("ipc answer to %s too large (%d bytes); answered with an error", type(msg).__name__,
+                          len(frame) - 4)
+                self._send_error(rid, 500, f"answer of {len(frame) - 4} bytes is over the ipc frame limit")
+                return
+            self._write(frame)
 
     def _send_error(
         self, rid: int, status: int, message: str, code: str | None = None, extra: dict[str, Any] | None = None
@@ -238,9 +244,15 @@ class Connection(asyncio.Protocol):
         if self.transport is None or self.transport.is_closing():
             raise ConnectionLost("local peer process is not connected")
         rid = next(self._ids)
+        frame = _frame(REQ, rid, msg)
+        if len(frame) - 4 > MAX_FRAME:
+            # The peer would close the link on it (and fail every call in flight there): this
+            # call alone fails. Callers keep their requests far below it; this is the backstop.
+            raise PayloadTooLarge(f"local call {type(msg).__name__} of {len(frame) - 4} bytes is over the "
+                                f"{MAX_FRAME}-byte frame limit; not sent")
         fut: asyncio.Future[msgspec.Raw] = self._loop.create_future()
         self._pending[rid] = fut
-        self._write(_frame(REQ, rid, msg))
+        self._write(frame)
         timer = None
         if timeout is not None:
             timer = self._loop.call_later(timeout, _expire, fut, f"local call {type(msg).__name__} timed out "

@@ -362,6 +362,23 @@ def split_ext(flags: int, stored: bytes) -> tuple[Ext | None, bytes]:
     return ext, stored[pos:]
 
 
+def without_idem(flags: int, stored: bytes) -> tuple[int, bytes]:
+    """(flags, stored payload) of the record with its idempotency key taken out of the
+    extension block (headers and a dead-letter origin kept; no block left: no ``F_EXT``).
+    A record without a key, or with a malformed block, is returned as it is."""
+    if not flags & F_EXT or not has_idem(stored):
+        return flags, stored
+    try:
+        ext, pos = ext_at(stored)
+    except FrameError:
+        return flags, stored
+    if ext.i is None:
+        return flags, stored
+    if ext.h is None and ext.d is None:
+        return flags & ~F_EXT, stored[pos:]
+    return flags, pack_ext(Ext(h=ext.h, d=ext.d), stored[pos:])
+
+
 def read_ext(stored: bytes) -> Ext:
     """The extension block of a stored payload whose flags have ``F_EXT`` (the body
     is not copied). Raises FrameError when the block is malformed."""

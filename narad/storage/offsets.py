@@ -52,6 +52,7 @@ import logging
 import os
 import struct
 import threading
+from collections.abc import Container
 from pathlib import Path
 
 from crc32c import crc32c
@@ -106,14 +107,18 @@ def fits(frontier: int, ahead: list[int], counts: Counts | None = None) -> bool:
     return True
 
 
-def _encode_counts(frontier: int, counts: Counts, room: int) -> bytes:
+def _encode_counts(frontier: int, counts: Counts, room: int, dropped: set[int] | None = None,
+                   first: Container[int] = ()) -> bytes:
     """The counts tail within `room` bytes. All of them when they fit (the usual case:
     a flat bytes() of one-byte deltas and counts when every value is below 128);
-    otherwise the highest counts first (ties: the lowest offsets), each charged its
-    delta from the frontier, an upper bound of the delta it is written with, so what
-    is chosen always fits."""
+    otherwise the offsets in `first` (records held for the dead-letter topic), then
+    the highest counts (ties: the lowest offsets), each charged its delta from the
+    frontier, an upper bound of the delta it is written with, so what is chosen
+    always fits. The offsets whose counts are left out go into `dropped`."""
     live = sorted((o, c) for o, c in counts.items() if o > frontier and c > 0)
     if not live or room <= _U32.size:
+        if dropped is not None:
+            dropped.update(o for o, _ in live)
         return b""
     room -= _U32.size
     flat: list[int] = []
@@ -129,7 +134,7 @@ def _encode_counts(frontier: int, counts: Counts, room: int) -> bytes:
         out += uvarint(v)
     if len(out) <= room:
         return _U32.pack(len(live)) + bytes(out)
-    live.sort(key=lambda oc: (-oc[1], oc[0]))
+    live.sort(key=lambda oc: (oc[0] not in first, -oc[1], oc[0]))
     chosen: list[tuple[int, int]] = []
     budget = 0
     for o, c in live:
@@ -138,6 +143,8 @@ def _encode_counts(frontier: int, counts: Counts, room: int) -> bytes:
             break
         budget += cost
         chosen.append((o, c))
+    if dropped is not None:
+        dropped.update(o for o, _ in live[len(chosen):])
     chosen.sort()
     out = bytearray()
     prev = frontier
@@ -178,7 +185,7 @@ def _encode_reasons(frontier: int, reasons: Reasons, counts: Counts, room: int) 
 
 
 def _encode(seq: int, frontier: int, ahead: list[int], counts: Counts | None = None,
-            reasons: Reasons | None = None) -> bytes:
+            reasons: Reasons | None = None, dropped: set[int] | None = None, first: Container[int] = ()) -> bytes:
     out = bytearray()
     prev = frontier
     n = 0
@@ -194,7 +201,7 @@ def _encode(seq: int, frontier: int, ahead: list[int], counts: Counts | None = N
         prev = off
         n += 1
     if counts or reasons:
-        tail = _encode_counts(frontier, counts or {}, room - len(out))
+        tail = _encode_counts(frontier, counts or {}, room - len(out), dropped, first)
         if reasons and room - len(out) - max(len(tail), _U32.size) > _U32.size:
             more = _encode_reasons(frontier, reasons, counts or {}, room - len(out) - max(len(tail), _U32.size))
             if more:
@@ -427,22 +434,28 @@ class OffsetFile:
         return _read_level_at(self.dir)
 
     def write_window(self, frontier: int, ahead: list[int], counts: Counts | None = None,
-                     reasons: Reasons | None = None) -> None:
-        """Page cache only (survives a process crash, not power loss)."""
+                     reasons: Reasons | None = None, first: Container[int] = ()) -> set[int]:
+        """Page cache only (survives a process crash, not power loss). Returns the
+        offsets whose delivery counts did not fit in the slot (not written; usually
+        none); those in `first` are the last to be left out."""
         with self._lock:
-            self._write_window(frontier, ahead, counts or {}, reasons or {})
+            return self._write_window(frontier, ahead, counts or {}, reasons or {}, first)
 
-    def _write_window(self, frontier: int, ahead: list[int], counts: Counts, reasons: Reasons) -> None:
+    def _write_window(self, frontier: int, ahead: list[int], counts: Counts, reasons: Reasons,
+                      first: Container[int] = ()) -> set[int]:
+        dropped: set[int] = set()
         if self._fd < 0:
-            return  # closed: nothing of this partition is written any more
+            return dropped  # closed: nothing of this partition is written any more
         self._seq += 1
         # Until the whole record is in, the window holds nothing worth anchoring:
         # a failed (possibly torn) write must not be synced and made the anchor.
         self.dirty_since_sync = False
         self._window = None
-        fileio.pwrite_all(self._fd, _encode(self._seq, frontier, ahead, counts, reasons), (1 - self._anchor) * SLOT)
+        fileio.pwrite_all(self._fd, _encode(self._seq, frontier, ahead, counts, reasons, dropped, first),
+                          (1 - self._anchor) * SLOT)
         self._window = (frontier, list(ahead), dict(counts), dict(reasons))
         self.dirty_since_sync = True
+        return dropped
 
     def writeout(self) -> None:
         """Sync the window; on success it becomes the anchor. (I/O thread.)"""

@@ -11,8 +11,14 @@ import asyncio
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
+import pytest
+
+from narad.broker import deadletter as DL
 from narad.broker.partition import Partition
+from narad.meta.records import TopicRecord
+from narad.storage import frames as FR
 from narad.storage import offsets as OFF
 from narad.storage.offsets import SLOT, OffsetFile, _decode, _decode_all, _decode_full, _encode
 from narad.storage.partition_log import PartitionLog
@@ -352,3 +358,55 @@ def test_the_dead_letter_copy_and_the_redrive_produce() -> None:
     assert _redrive_entry(Item(1, 9, 1, None, 99, FR.F_UTF8, b"x"), store, inc, choose) is None  # no origin
     _, flags, payload = dead_letter_record("gone", 0, 1, 2, None, (None, 5, 0, b"x"))
     assert _redrive_entry(Item(1, 9, 1, None, 99, flags, payload), store, inc, choose) is None  # origin gone
+
+
+class _DriverBroker:
+    """What ``DeadLetterDriver`` uses of a worker's broker, over one real partition; its
+    dead-letter commits are recorded (the commit path has its own tests with real nodes)."""
+
+    def __init__(self, p: Partition, loop: asyncio.AbstractEventLoop) -> None:
+        src = TopicRecord(p.topic, p.topic_id, 1, 0, 30_000, 1024, 1024, 0, max_deliveries=1,
+                          dead_letter_topic="t-dlq")
+        dlq = TopicRecord("t-dlq", "11" * 8, 1, 0, 30_000, 1024, 1024, 0)
+        self.store = SimpleNamespace(topic={src.name: src, dlq.name: dlq}.get)
+        self.security = False
+        self.partitions = {(p.topic, p.index): p}
+        self.loop = loop
+        self.committed: list[int] = []  # the source offsets dead-lettered, in commit order
+
+    def choose_partition(self, _t: TopicRecord, _key: bytes | None) -> int:
+        return 0
+
+    async def commit_to(self, _t: TopicRecord, _part: int, recs: list[tuple[bytes | None, int, bytes]]) -> int:
+        for _, flags, payload in recs:
+            self.committed.append(FR.split_ext(flags, payload)[0].d.o)  # type: ignore[union-attr]
+        return 0
+
+
+def test_the_driver_waits_for_room_for_a_held_records_count(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A held record whose count the offset slot left out is not dead-lettered (a kill -9
+    after its settle would find no count and deliver it again from the source) until its
+    count is written, or the grace passes (then it goes rather than hold the partition)."""
+    monkeypatch.setattr(DL, "UNWRITTEN_GRACE", 0.6)
+    p = _partition(tmp_path, 3)
+    p.max_deliveries = 1
+    for x in p.reserve(100.0, 3, 30.0, 1024, 1024):
+        assert p.nack(x.offset, x.nonce, 100.1)
+    assert set(p.dead) == {0, 1, 2}
+
+    async def main() -> None:
+        b = _DriverBroker(p, asyncio.get_running_loop())
+        drv = DL.DeadLetterDriver(b)
+        p.written_gen = max(p.dead.values())  # the committer wrote the window ...
+        p.counts_unwritten = {1, 2}  # ... without these two counts
+        await drv._drain(p)
+        assert b.committed == [0] and set(p.dead) == {1, 2}
+        p.counts_unwritten = {2}  # the next write had room for offset 1's count
+        await drv._drain(p)
+        assert b.committed == [0, 1] and set(p.dead) == {2}
+        await asyncio.sleep(0.7)  # offset 2's count never fitted: past the grace it goes
+        await drv._drain(p)
+        assert b.committed == [0, 1, 2] and not p.dead
+
+    asyncio.run(main())

@@ -195,6 +195,28 @@ def test_expiries_count_and_a_missing_dead_letter_topic_holds_the_record(node: N
     assert all("dead_letter_held" not in s for s in node.get(f"/v1/topics/{name}").json()["partition_stats"])
 
 
+def test_a_raised_maximum_releases_the_records_held_below_it(node: Node) -> None:
+    """max_deliveries raised while a record is held (its dead-letter topic gone): it is
+    delivered again, its count going on from where it was; nothing reaches either
+    dead-letter topic."""
+    dlt = mk(node, "dlt-r-")
+    name = mk(node, "src-r-", max_deliveries=1, dead_letter_topic=dlt)
+    assert node.request("DELETE", f"/v1/topics/{dlt}").status in (200, 204)
+    produce(node, name, b"again")
+    m = take(node, name)
+    assert nack(node, name, m["receipt_handle"]).status == 204
+    wait_for(lambda: metric(node, "narad_dead_letter_held", name) == 1, 10, 0.1, "the record held")
+    assert consume(node, name).status == 204
+    dlt2 = mk(node, "dlt-r2-")
+    r = node.request("PATCH", f"/v1/topics/{name}", body={"max_deliveries": 3, "dead_letter_topic": dlt2})
+    assert r.status == 200, r
+    d = take(node, name)
+    assert (d["payload"], d["delivery_count"]) == ("again", 2)
+    ack(node, name, d["receipt_handle"])
+    wait_for(lambda: metric(node, "narad_dead_letter_held", name) == 0, 10, 0.1, "the held gauge back to 0")
+    assert consume(node, dlt2).status == 204 and consume(node, name).status == 204
+
+
 def test_redrive_round_trip(node: Node) -> None:
     dlt = mk(node, "dlt-c-")
     name = mk(node, "src-c-", max_deliveries=1, dead_letter_topic=dlt)

@@ -2268,14 +2268,16 @@ class Broker:
                     self._wake(name, len(self._waiters.get(name, ())))
 
     def _delivery_settings(self, p: Partition, t: TopicRecord) -> None:
-        """A topic change may have set or lifted max_deliveries (PATCH): the partition
-        follows; lifted, what it held for the dead-letter topic goes out again."""
+        """A topic change may have set, raised or lifted max_deliveries (PATCH): the
+        partition follows; lifted, what it held for the dead-letter topic goes out
+        again, and raised, what was held below the new maximum."""
         maxd = t.max_deliveries if t.dead_letter_topic else 0
-        if maxd == p.max_deliveries:
+        old = p.max_deliveries
+        if maxd == old:
             return
         p.max_deliveries = maxd
-        if maxd <= 0 and p.dead:
-            p.release_dead()
+        if p.dead and (maxd <= 0 or 0 < old < maxd):
+            p.release_dead(maxd)
             self._on_released(p)
         # a lowered maximum: the next reserve holds the records already past it
 

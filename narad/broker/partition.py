@@ -300,14 +300,16 @@ class Partition:
             self.on_released(self)  # its in-flight slot is free
         return True
 
-    def release_dead(self) -> None:
-        """max_deliveries was lowered to 0 (or the topic lost its dead-letter topic):
-        what was held goes out again, except offsets whose dead-letter commit is on its
+    def release_dead(self, below: int = 0) -> None:
+        """max_deliveries was lowered to 0 (or the topic lost its dead-letter topic), or
+        raised to `below`: what was held (with `below`, each record leased fewer times
+        than that) goes out again, except offsets whose dead-letter commit is on its
         way (``dead_flight``): the dead-letter topic may hold them already, so they stay
         held until that commit settles them (or, failed, the driver's next pass releases
         them). Never live in both."""
         flight = self.dead_flight
-        for off in [o for o in self.dead if o not in flight]:
+        counts = self.deliveries
+        for off in [o for o in self.dead if o not in flight and (below <= 0 or counts.get(o, 0) < below)]:
             heapq.heappush(self._redeliver, off)
             del self.dead[off]
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from narad.api.messages import MAX_DELAY_S, duration_ms
 from narad.broker.routing import owner_worker
 from tests import contract as C
 from tests.harness import Cluster, Node, Response, wait_for
@@ -444,3 +445,10 @@ def test_consume_forever_retry_delay_holds_a_failed_message_back(node: Node) -> 
     outcomes = asyncio.run(asyncio.wait_for(run(), 30))
     assert outcomes == ["nacked", "acked"], outcomes
     assert seen[1] - seen[0] >= 1.5 - 0.1, seen  # held back by the delay, not redelivered at once
+
+
+def test_durations_round_up_to_whole_milliseconds() -> None:
+    """A delay (or a lease) is kept in whole ms, rounded up: never shorter than asked, so a
+    delayed nack is never delivered early (400us was no delay at all, 1.4ms was 1 ms)."""
+    got = [duration_ms(x, "delay", 0.0, MAX_DELAY_S) for x in ("0", "100ns", "400us", "1ms", "1.4ms", "0.1s", "12h")]
+    assert got == [0, 1, 1, 1, 2, 100, 12 * 3600 * 1000]

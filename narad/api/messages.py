@@ -399,7 +399,8 @@ MIN_VISIBILITY_S, MAX_VISIBILITY_S = 1.0, 12 * 3600.0  # a consume's or an exten
 
 
 def duration_ms(raw: str, name: str, lo: float, hi: float) -> int:
-    """A Go duration argument within [lo, hi] seconds, in whole ms (400 otherwise)."""
+    """A Go duration argument within [lo, hi] seconds, in whole ms rounded up (a delay
+    or a lease is never shorter than asked), 400 otherwise."""
     try:
         sec = _waits(raw)
     except ValueError:
@@ -407,7 +408,7 @@ def duration_ms(raw: str, name: str, lo: float, hi: float) -> int:
                          f"(units ns, us, ms, s, m, h), got {raw[:32]!r}") from None
     if not lo <= sec <= hi:
         raise BadRequest(f"invalid argument: {name} must be from {format_go_duration(lo)} to 12h, got {raw[:32]!r}")
-    return round(sec * 1000)
+    return -(-round(sec * 1e9) // 1_000_000)  # (via whole ns: 0.1 s is 100 ms, not 101)
 _SETTLED: dict[str, Any] = {"status": 204}
 _GONE_RESULT: dict[str, Any] = {"status": 410, "error": GONE_HANDLE}
 _HANDLE = re.compile(r"([0-9]{1,20}):([0-9]{1,20}):([0-9]{1,20})")

@@ -105,6 +105,19 @@ def test_a_full_slot_keeps_held_records_counts_first_and_says_what_it_left_out()
     assert none == set()  # everything fits: nothing left out
 
 
+def test_a_close_with_a_full_slot_keeps_held_records_counts(tmp_path: Path) -> None:
+    """The clean close writes the held records' counts first too: the next open (or the
+    next owner) holds them again instead of delivering them from the source."""
+    counts = {i: 2 for i in range(1, 5000)}
+    held = {4990, 4995}
+    offs = OffsetFile(tmp_path)
+    offs.load()
+    offs.close(0, [], counts, None, held)
+    again = OffsetFile(tmp_path)
+    again.load()
+    assert held <= again.counts.keys() and len(again.counts) < len(counts)
+
+
 def test_reasons_tail_round_trip_old_readers_and_bounds() -> None:
     raw = _encode(5, 10, [12, 15], {11: 3, 13: 1}, {11: "bad json", 13: "é timeout", 20: "no count"})
     assert _decode_all(raw) == (5, 10, [12, 15], {11: 3, 13: 1}, {11: "bad json", 13: "é timeout", 20: "no count"})

@@ -644,10 +644,11 @@ class Broker:
         frontier, ahead = p.snapshot_offsets()
         counts = p.snapshot_counts()
         reasons = p.snapshot_reasons()
+        held = frozenset(p.dead)  # their counts first, if the slot is short of room (the next owner holds them)
 
         def close_sync() -> None:
             try:
-                p.offsets.close(frontier, ahead, counts, reasons)
+                p.offsets.close(frontier, ahead, counts, reasons, held)
             except OSError as e:
                 log.error("could not persist consumer offsets at close", extra={"topic": p.topic, "err": str(e)})
             p.log.close(clean=clean)

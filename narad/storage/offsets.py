@@ -488,10 +488,10 @@ class OffsetFile:
         self._level_on_disk = frontier
 
     def close(self, frontier: int, ahead: list[int], counts: Counts | None = None,
-              reasons: Reasons | None = None) -> None:
+              reasons: Reasons | None = None, first: Container[int] = ()) -> None:
         """Persist (frontier, ahead, delivery counts, nack reasons) durably and level
         consumer.offset; only what the files do not already say is written (an
-        untouched partition closes without a sync)."""
+        untouched partition closes without a sync). `first`: as for ``write_window``."""
         counts = {o: c for o, c in (counts or {}).items() if o > frontier}
         reasons = {o: r for o, r in (reasons or {}).items() if o > frontier}
         with self._lock:
@@ -499,7 +499,7 @@ class OffsetFile:
                 return
             try:
                 if self.dirty_since_sync or self._anchored != (frontier, list(ahead), counts, reasons):
-                    self._write_window(frontier, ahead, counts, reasons)
+                    self._write_window(frontier, ahead, counts, reasons, first)
                     self._writeout()
                 if self._level_on_disk != frontier:
                     self._level(frontier)

@@ -211,3 +211,28 @@ def test_a_frame_that_cannot_be_published_fails_and_stays_hidden(tmp_path: Path)
         assert again.hwm == 0
     finally:
         again.close()
+
+
+def test_settled_and_extended_leases_do_not_grow_the_expiry_heap(tmp_path: Path) -> None:
+    """An extend (and an ack or nack) leaves the lease's old heap entry behind until its
+    own expiry, which a 12 h visibility puts far away: the heap is rebuilt from the live
+    leases once it holds more than twice their count plus EXPIRY_SLACK, and the rebuilt
+    heap still expires the live leases on time (found by a review of issue 14)."""
+    from narad.broker.partition import EXPIRY_SLACK
+
+    p = _partition(tmp_path, 3)
+    day = 12 * 3600.0
+    d = p.reserve(100.0, 3, day, 1024, 1024)
+    keep = d[0]
+    for i in range(20_000):  # one lease extended over and over (one call may repeat a handle 100 times)
+        assert p.extend(keep.offset, keep.nonce, 100.0 + i * 1e-3, day)
+    assert len(p._expiry) <= 2 * len(p.leases) + EXPIRY_SLACK + 1
+    assert p.nack(d[1].offset, d[1].nonce, 150.0) and p.nack(d[2].offset, d[2].nonce, 150.0)
+    for _ in range(5_000):  # lease with 12 h and settle at once: each settle leaves an entry
+        got = p.reserve(200.0, 1, day, 1024, 1024)
+        assert got and p.nack(got[0].offset, got[0].nonce, 200.0)
+    assert len(p._expiry) <= 2 * len(p.leases) + EXPIRY_SLACK + 1
+    # The rebuilt heap still tells when each live lease expires, and expiry still works.
+    assert p.next_expiry() == min(exp for _n, exp in p.leases.values())
+    later = p.reserve(100.0 + 2 * day, 5, 30.0, 1024, 1024)
+    assert sorted(x.offset for x in later) == [0, 1, 2]  # every 12 h lease expired and came back

@@ -452,3 +452,21 @@ def test_durations_round_up_to_whole_milliseconds() -> None:
     delayed nack is never delivered early (400us was no delay at all, 1.4ms was 1 ms)."""
     got = [duration_ms(x, "delay", 0.0, MAX_DELAY_S) for x in ("0", "100ns", "400us", "1ms", "1.4ms", "0.1s", "12h")]
     assert got == [0, 1, 1, 1, 2, 100, 12 * 3600 * 1000]
+
+
+def test_a_single_form_ack_refuses_settings_given_in_its_body(node: Node) -> None:
+    """The single form (receipt_handle in the query) reads no body, as Narad's; a body
+    giving delay / visibility / reason meant them, so it is a 400 saying where they go
+    (it was a 204 and a nack at once: the record came straight back). A body without
+    them is ignored as before, and the lease is untouched by the refused call."""
+    name = mk(node, "rd-body-", visibility_timeout_ms=60_000)
+    produce(node, name, b"m1")
+    m = take(node, name)
+    h = m["receipt_handle"]
+    for body in ({"delay": "30s"}, {"visibility": "2m"}, {"reason": "bad", "other": 1}):
+        r = node.post(f"/v1/topics/{name}/ack?receipt_handle={h}&extend=0", body)
+        assert "query parameter" in error(r) and next(iter(body)) in error(r)
+    assert consume(node, name).status == 204  # still leased: nothing was nacked
+    r = node.post(f"/v1/topics/{name}/ack?receipt_handle={h}&extend=true", {"receipt_handles": ["x"], "n": "delay"})
+    assert r.status == 204, r  # a body without those fields is ignored, as Narad does
+    assert node.post(f"/v1/topics/{name}/ack?receipt_handle={h}", b"not json delay", headers=OCTET).status == 204

@@ -813,3 +813,23 @@ def test_an_attempt_never_runs_past_the_calls_deadline_and_a_full_pool_is_not_th
             assert [m for m, _t, _b in s.seen] == ["GET", "GET"]
 
     run(go())
+
+
+@pytest.mark.parametrize("seconds", [0.0, 0.0004, 0.001, 0.0014, 1.0004, 29.9999996, 43200.0])
+def test_sdk_durations_round_up_as_the_node_reads_them(seconds: float) -> None:
+    """A delay or lease length the SDK sends is never shorter than asked: it rounds up
+    to whole ms, as the node does (it rounded to the nearest: nack(delay=0.0004) sent
+    "0ms", no delay at all). Found by a review of issue 14."""
+    from narad.api.messages import MAX_DELAY_S, duration_ms
+    from narad.client.client import go_duration
+
+    ms = duration_ms(go_duration(seconds), "delay", 0.0, MAX_DELAY_S)
+    assert seconds <= ms / 1000 < seconds + 0.001
+
+
+@pytest.mark.parametrize("seconds", [-0.001, -5.0, float("nan"), float("inf")])
+def test_sdk_refuses_a_negative_or_non_finite_duration(seconds: float) -> None:
+    from narad.client.client import go_duration
+
+    with pytest.raises(ValueError, match="duration"):
+        go_duration(seconds)

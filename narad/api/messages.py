@@ -105,6 +105,28 @@ def _retrieve(f: asyncio.Future[Any]) -> None:
         f.exception()
 
 
+_BODY_SETTINGS = ("delay", "visibility", "reason")
+
+
+def _no_body_settings(body: bytes) -> None:
+    """A single-form ack (``receipt_handle`` in the query) reads no body, as Narad's;
+    but a body that gives this extension's ``delay``, ``visibility`` or ``reason``
+    meant them, and acting without them (a nack at once instead of a delayed one) is
+    a silent loss of what was asked: 400, saying where they go. Any other body is
+    ignored as before (Narad clients may send one)."""
+    if not any(f.encode() in body for f in _BODY_SETTINGS):
+        return  # (the common case: no such word at all, nothing decoded)
+    try:
+        doc = msgspec.json.decode(body)
+    except (msgspec.DecodeError, RecursionError):
+        return
+    if isinstance(doc, dict):
+        given = [f for f in _BODY_SETTINGS if f in doc]
+        if given:
+            raise BadRequest(f"invalid argument: {', '.join(given)} in the body is read only by the batch form "
+                             f"(no receipt_handle in the query); give it as a query parameter")
+
+
 def idem_key(raw: str) -> bytes:
     """An idempotency key's UTF-8 (1 to 128 bytes), else 400."""
     try:
@@ -1087,6 +1109,8 @@ class MessagesAPI:
         raw_reason = self._single_query(req, "reason")
         handle = self._single_query(req, "receipt_handle")
         if handle is not None:
+            if req.body:
+                _no_body_settings(req.body)
             dur_ms = _settle_ms(mode, raw_delay, raw_vis)
             reason = _nack_reason(mode, raw_reason)
             item = _handle_fields(handle)

@@ -1141,14 +1141,18 @@ class Broker:
             if left > 0:
                 self._tell_watchers(p.topic, left)
 
-    def _on_released(self, p: Partition) -> None:
-        """A lease ended (ack, nack, expiry): worth a wake only when it left a record
-        deliverable (a nack or an expiry, or a cap slot freed above waiting records)."""
-        if self._ready_in(p) <= 0:
+    def _on_released(self, p: Partition, n: int = 1) -> None:
+        """`n` leases ended (ack, nack, expiry, delays that fell due): worth a wake
+        only when they left records deliverable (a nack or an expiry, or a cap slot
+        freed above waiting records): as many consumers woken here, and as many
+        watchers told, as records came back (at most what is deliverable now)."""
+        ready = self._ready_in(p)
+        if ready <= 0:
             return
+        n = min(n, ready)
         if self._waiters.get(p.topic):
-            self._wake(p.topic, 1)
-        self._tell_watchers(p.topic, 1)
+            self._wake(p.topic, n)
+        self._tell_watchers(p.topic, n)
 
     def _ready_in(self, p: Partition) -> int:
         """Records a reserve in `p` would hand out now, caps included: what a watch
@@ -1227,6 +1231,7 @@ class Broker:
                 except BaseException:  # cancelled (the client hung up) or the open failed
                     self._give_back_owned(t, out)
                     raise
+                now = time.monotonic()  # (an open may take long, a key table's rebuild: a lease starts now)
             if p.available() <= 0:
                 nxt = p.next_expiry()
                 if nxt is None or nxt > now:  # nothing deliverable and no lease to expire: skip it
@@ -2097,8 +2102,8 @@ class Broker:
             await asyncio.sleep(SWEEP_EVERY)
             now = time.monotonic()
             for p in list(self.partitions.values()):
-                if (p.leases or p.delayed) and p.purge(now):  # expiries and delayed nacks now due
-                    self._on_released(p)
+                if (p.leases or p.delayed) and (back := p.purge(now)):  # expiries and delayed nacks now due
+                    self._on_released(p, back)
                 self._report_dropped(p)
             self.m_open_logs.set(len(self.partitions))
             cr = self.commit_rounds

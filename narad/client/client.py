@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import math
 import random
 import ssl
 import time
@@ -112,8 +113,13 @@ def encode_payload(payload: Any) -> tuple[bytes, str]:
 
 
 def go_duration(seconds: float) -> str:
-    ms = max(0, round(seconds * 1000))
-    return f"{ms}ms"
+    """`seconds` as whole milliseconds, rounded up (as the node reads a duration: a
+    delay or lease is never shorter than asked; 0.4 ms is 1 ms, not 0). A negative or
+    non-finite value is a ValueError (the caller's mistake, not a zero)."""
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(f"a duration must be a finite number of seconds >= 0, got {seconds!r}")
+    ns = round(seconds * 1_000_000_000)
+    return f"{-(-ns // 1_000_000)}ms"
 
 
 class AsyncClient:

@@ -393,6 +393,11 @@ def test_pub_headers_and_topic_delivery_settings(node: Node, cfg: Path) -> None:
     assert m["payload"] == {"h": 1} and m["headers"] == {"trace": "abc", "url": "http://x:1"}
     r = narad(node, cfg, "pub", "cli-src", "x", "-H", "novalue", code=2)
     assert "NAME:VALUE" in r.stderr
+    # A name given twice is refused (the node refuses it too), not sent with its last value only.
+    before = sum(p["high_watermark"] for p in node.get("/v1/topics/cli-src").json()["partition_stats"])
+    r = narad(node, cfg, "pub", "cli-src", "x", "-H", "a:1", "-H", "a:2", code=2)
+    assert "given twice" in r.stderr
+    assert sum(p["high_watermark"] for p in node.get("/v1/topics/cli-src").json()["partition_stats"]) == before
 
 
 def test_topic_redrive(node: Node, cfg: Path) -> None:

@@ -247,6 +247,38 @@ def test_redrive_round_trip(node: Node) -> None:
     assert r.status == 200 and r.json() == {"redriven": 0, "skipped": 0}
 
 
+def test_redrive_counts_and_moves_each_record_once_when_the_topics_lease_is_short(node: Node) -> None:
+    """A redrive leases for as long as a call may take, not for the dead-letter topic's
+    visibility: with a 1 ms visibility the call re-leased the records it had let go, and
+    counted them skipped again (300 orphans: "skipped": 500) or produced them back again
+    ("redriven": 1000 for 100 records). Found by a review of issue 14."""
+    dlt = mk(node, "dlt-short-", visibility_timeout_ms=1)
+    r = node.post(f"/v1/topics/{dlt}/produce/batch", {"messages": [{"payload": i} for i in range(300)]})
+    assert r.status == 202, r  # records without a dead-letter origin: skipped by a redrive
+    wait_for(lambda: sum(p["high_watermark"] for p in node.get(f"/v1/topics/{dlt}").json()["partition_stats"]) == 300,
+             10, 0.05, "300 in the dead-letter topic")
+    r = node.post(f"/v1/topics/{dlt}/redrive?max=500")
+    assert r.status == 200 and r.json() == {"redriven": 0, "skipped": 300}, r
+
+    dlt2 = mk(node, "dlt-short2-", visibility_timeout_ms=1)
+    name = mk(node, "src-short2-", max_deliveries=1, dead_letter_topic=dlt2)
+    n = 100
+    r = node.post(f"/v1/topics/{name}/produce/batch",
+                  {"messages": [{"payload": i, "partition": W1_PART[name]} for i in range(n)]})
+    assert r.status == 202, r
+    got: list[dict[str, Any]] = []
+    wait_for(lambda: got.extend(take(node, name, "max=100")["messages"]) or len(got) >= n, 10, 0.0, "all")
+    r = node.post(f"/v1/topics/{name}/ack?extend=0", {"receipt_handles": [m["receipt_handle"] for m in got]})
+    assert [x["status"] for x in r.json()["results"]] == [204] * n
+    wait_for(lambda: metric(node, "narad_dead_lettered_total", name) == n, 15, 0.05, "all dead-lettered")
+    r = node.post(f"/v1/topics/{dlt2}/redrive?max=1000")
+    assert r.status == 200 and r.json() == {"redriven": n, "skipped": 0}, r
+    assert metric(node, "narad_redriven_total", dlt2) == n  # each produced back once
+    back: list[dict[str, Any]] = []
+    wait_for(lambda: back.extend(take(node, name, "max=100")["messages"]) or len(back) >= n, 10, 0.0, "all back")
+    assert sorted(m["payload"] for m in back) == list(range(n))
+
+
 def test_redrive_checks_the_origins_current_schema(node: Node) -> None:
     """A record the origin's schema (registered after it was dead-lettered) refuses is
     left in the dead-letter topic and counted as skipped; the others go back."""

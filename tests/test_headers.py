@@ -280,3 +280,60 @@ def test_headers_and_an_idempotency_key_share_one_extension_block(node: Node) ->
     assert sorted((json.dumps(m["payload"]), m["headers"]["h" if "h" in m["headers"] else "b"]) for m in got) == \
         [('"first"', "1"), ("1", "2")]
     assert node.request("GET", "/v1/topics/hd-idem/consume?max=10", headers=CLIENT).status == 204
+
+
+def test_sdk_single_produce_refuses_a_header_name_with_a_colon(node: Node) -> None:
+    """Single produce sends headers as ``?header=name:value`` (split at the first ":"):
+    a name with a ":" would have been stored as another header ({"a:b": "c"} became
+    {"a": "b:c"}). The SDK refuses it before sending, as the batch form's 400 does.
+    Found by a review of issue 14."""
+    from narad.client import AsyncClient, BadRequest, BatchMessage
+
+    mk(node, "hd-colon")
+
+    async def run() -> list[str]:
+        errs = []
+        async with AsyncClient(f"127.0.0.1:{node.port}", auth=("admin", ADMIN_PASSWORD)) as c:
+            for send in (lambda: c.produce("hd-colon", "s", record_headers={"a:b": "c"}, trace_context=False),
+                         lambda: c.produce_batch("hd-colon", [BatchMessage("b", record_headers={"a:b": "c"})],
+                                                 trace_context=False)):
+                try:
+                    await send()
+                except BadRequest as e:
+                    errs.append(str(e))
+        return errs
+
+    errs = asyncio.run(run())
+    assert len(errs) == 2 and all("header name" in e for e in errs), errs
+    stats = node.get("/v1/topics/hd-colon").json()["partition_stats"]
+    assert sum(p["high_watermark"] for p in stats) == 0  # nothing stored
+
+
+def test_a_lone_surrogate_escape_is_a_400_that_says_so(node: Node) -> None:
+    """msgspec calls a lone surrogate escape "Input data was truncated"; the 400 says what
+    is wrong instead (found by a review of issue 14)."""
+    mk(node, "hd-surrogate")
+    for body in (b'{"messages":[{"payload":1,"headers":{"a":"\\ud800"}}]}',
+                 b'{"messages":[{"payload":"\\udc00x"}]}'):
+        r = node.post("/v1/topics/hd-surrogate/produce/batch", body, headers={"Content-Type": "application/json"})
+        assert r.status == 400 and "surrogate" in err(r), r
+
+
+def test_sdk_trace_context_never_pushes_headers_past_the_bounds() -> None:
+    """The SDK adds traceparent only when the headers stay within the node's bounds: a
+    caller's 32 headers (or 8192 bytes) are sent as given, not refused for the trace
+    context they did not ask for (found by a review of issue 14)."""
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from narad.api.messages import MAX_HEADERS, MAX_HEADERS_BYTES
+    from narad.client.models import MAX_RECORD_HEADER_BYTES, MAX_RECORD_HEADERS, inject_trace_context
+
+    assert (MAX_RECORD_HEADERS, MAX_RECORD_HEADER_BYTES) == (MAX_HEADERS, MAX_HEADERS_BYTES)
+    trace.set_tracer_provider(TracerProvider())
+    with trace.get_tracer("tests").start_as_current_span("s"):
+        assert "traceparent" in (inject_trace_context({"a": "b"}) or {})
+        full = {f"h{i}": "v" for i in range(MAX_HEADERS)}
+        assert inject_trace_context(full) == full
+        big = {"big": "x" * (MAX_HEADERS_BYTES - 10)}
+        assert inject_trace_context(big) == big

@@ -127,6 +127,20 @@ def _no_body_settings(body: bytes) -> None:
                              f"(no receipt_handle in the query); give it as a query parameter")
 
 
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def _decode_why(e: Exception, body: bytes) -> str:
+    """msgspec's reason for refusing a JSON body, or a clearer one: it calls a lone
+    surrogate escape ("\\ud800" not followed by a low one: no Unicode character, so
+    no UTF-8 to store) "Input data was truncated", which does not say what to fix."""
+    why = str(e)
+    if why == "Input data was truncated" and _SURROGATE_ESCAPE.search(body):
+        return ("a \\uD800-\\uDFFF escape that is not a surrogate pair (a lone surrogate is not a "
+                "character), or the body ends early")
+    return why
+
+
 def idem_key(raw: str) -> bytes:
     """An idempotency key's UTF-8 (1 to 128 bytes), else 400."""
     try:
@@ -887,7 +901,7 @@ class MessagesAPI:
                 raise BadRequest(f"too many messages: more than {MAX_BATCH_MESSAGES}") from None
             raise self._batch_error(e) from None
         except msgspec.DecodeError as e:
-            raise BadRequest(f"invalid json: {e}") from None
+            raise BadRequest(f"invalid json: {_decode_why(e, body)}") from None
         except RecursionError:
             raise BadRequest(NESTED_TOO_DEEP) from None
         if parsed.messages is msgspec.UNSET or not parsed.messages:
@@ -1186,7 +1200,11 @@ class MessagesAPI:
         least once: a crash in between leaves a duplicate, never a loss). Records
         without an origin, whose origin is gone, whose origin the caller may not
         produce to (no produce grant there), or whose body the origin's current
-        schema refuses, are nacked back and counted as skipped."""
+        schema refuses, or whose origin is a delay child, are nacked back and counted
+        as skipped. Its leases last ``REDRIVE_LEASE_MS`` (not the topic's visibility,
+        which a slow call could outlive), and a record is counted once a call. Skipped
+        records stay leased until the call ends, so a call skips past at most the
+        topic's ``max_in_flight_per_partition`` records a partition."""
         t = self._topic(req)
         who: G.Identity = req.identity
         user = None if who.unrestricted else self.ctx.store.user(who.name or "")
@@ -1201,13 +1219,26 @@ class MessagesAPI:
         self._refuse_if_draining(t)  # it produces: a node being decommissioned takes none (503)
         redriven = 0
         skipped: list[Item] = []  # held until the end (a nack now would hand them to the next round)
+        again: list[Item] = []  # leased a second time in this call (a lease ran out): given back, not counted
+        seen: set[tuple[int, int]] = set()  # (partition, offset) leased in this call
         pending: list[Item] = []  # leased, not yet acked: given back if this call fails
         store = self.ctx.store
         try:
             while redriven + len(skipped) < limit:
-                items = await self.broker.consume(t, min(MAX_CONSUME_BATCH, limit - redriven - len(skipped)), 0.0)
-                if not items:
+                # A lease as long as the call may take (the topic's own may be shorter than a
+                # slow round: a record it let go would be leased, counted or moved again).
+                items = await self.broker.consume(t, min(MAX_CONSUME_BATCH, limit - redriven - len(skipped)), 0.0,
+                                                  vis_ms=REDRIVE_LEASE_MS)
+                fresh = []
+                for it in items:
+                    if (it.partition, it.offset) in seen:
+                        again.append(it)
+                    else:
+                        seen.add((it.partition, it.offset))
+                        fresh.append(it)
+                if not fresh:
                     break
+                items = fresh
                 pending = list(items)
                 by_topic: dict[str, list[Entry]] = {}
                 moved: list[Item] = []
@@ -1234,17 +1265,23 @@ class MessagesAPI:
                         raise Unavailable(f'origin topic "{name}" went away during the redrive; retry')
                     await self._append(req, origin, entries)
                     self.m.redriven.labels(t.name).inc(len(entries))
-                await self.broker.settle(t, [(i.partition, i.offset, i.nonce) for i in moved], ACK)
-                redriven += len(moved)
+                statuses = await self.broker.settle(t, [(i.partition, i.offset, i.nonce) for i in moved], ACK)
                 pending = []
+                acked = sum(1 for st in statuses if st == 204)
+                if acked < len(moved):  # produced back, but still in the dead-letter topic: a later redrive resends
+                    log.warning("redriven records could not be acked in the dead-letter topic; they stay there "
+                                "and a later redrive sends them again", extra={
+                                    "topic": t.name, "records": len(moved) - acked})
+                redriven += acked
         finally:
-            back = skipped + pending
+            back = skipped + again + pending
             if back:
                 self._giver(t, back)()
         return json_response(200, {"redriven": redriven, "skipped": len(skipped)})
 
 
 REDRIVE_DEFAULT, REDRIVE_MAX = 1000, 10_000
+REDRIVE_LEASE_MS = 600_000  # a redrive's leases: longer than a call takes (they are given back or acked)
 
 
 def _redrive_entry(it: Item, store: Any, inc: Any, choose: Any) -> tuple[Entry, bytes] | None:

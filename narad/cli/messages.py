@@ -105,6 +105,8 @@ def pub(topic: str, message: str | None, key: str | None, partition: int | None,
         name, sep, value = h.partition(":")
         if not sep or not name:
             raise click.BadParameter(f"{h!r} is not NAME:VALUE", param_hint="--header")
+        if name in headers:
+            raise click.BadParameter(f"header {name!r} given twice (which value was meant?)", param_hint="--header")
         headers[name] = value
 
     dups = pending = 0

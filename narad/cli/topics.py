@@ -247,13 +247,15 @@ def topic_rm(name: str, force: bool) -> None:
 def topic_redrive(name: str, max_: int | None) -> None:
     """Move the messages of the dead-letter topic NAME back to the topics they were
     dead-lettered from (at least once). Prints how many moved and how many were left
-    (no origin, or the origin topic is gone)."""
+    (no origin, the origin topic gone, no produce grant there, or its schema refuses
+    the message)."""
     c = connect()
     r = call(c, lambda cl: cl.redrive(name, max=max_))
     if json_mode():
         emit({"topic": name, "redriven": r.redriven, "skipped": r.skipped})
     else:
-        click.echo(f'redrove {r.redriven} message(s) of "{name}"; {r.skipped} left (no origin)', err=True)
+        click.echo(f'redrove {r.redriven} message(s) of "{name}"; {r.skipped} left (no origin, or not '
+                   'accepted there)', err=True)
 
 
 @topic.command("attach")

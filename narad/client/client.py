@@ -383,6 +383,9 @@ class AsyncClient:
         if partition is not None:
             query.append(("partition", str(partition)))
         for name, value in (record_headers or {}).items():
+            if not name or ":" in name:  # the query form splits at the first ":": it would store another header
+                raise E.BadRequest(f"invalid argument: header name {name[:40]!r} must be 1 to 128 characters of "
+                                   f"A-Z a-z 0-9 . _ - (nothing was sent)")
             query.append(("header", f"{name}:{value}"))
         if idempotency_key is not None:
             query.append(("idempotency_key", idempotency_key))

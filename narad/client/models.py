@@ -70,7 +70,8 @@ class DeadLetterOrigin:
 
 @dataclass(frozen=True, slots=True)
 class RedriveResult:
-    """A redrive's answer: records moved back to their origin, records left (no origin)."""
+    """A redrive's answer: records moved back to their origin, records left (no origin, the
+    origin gone, no produce grant there, or its schema refuses them)."""
 
     redriven: int
     skipped: int
@@ -205,7 +206,10 @@ class BatchMessage:
 def inject_trace_context(headers: dict[str, str] | None) -> dict[str, str] | None:
     """``headers`` with the current OpenTelemetry trace context added
     (``traceparent``/``tracestate``; headers the caller set win). Unchanged when
-    opentelemetry is not installed or no span is recording."""
+    opentelemetry is not installed or no span is recording, and when adding it would
+    take the headers past the node's bounds (32 headers, 8192 bytes of names and
+    values): the trace context is best effort, the caller's headers are not refused
+    for it."""
     try:
         from opentelemetry import propagate
     except ImportError:
@@ -214,7 +218,15 @@ def inject_trace_context(headers: dict[str, str] | None) -> dict[str, str] | Non
     propagate.inject(carrier)
     if not carrier:
         return headers
-    return {**carrier, **(headers or {})}
+    out = {**carrier, **(headers or {})}
+    if len(out) > MAX_RECORD_HEADERS or sum(len(k.encode()) + len(v.encode()) for k, v in out.items()) > \
+            MAX_RECORD_HEADER_BYTES:
+        return headers
+    return out
+
+
+MAX_RECORD_HEADERS = 32  # the node's bounds on a record's headers (narad.api.messages.MAX_HEADERS...)
+MAX_RECORD_HEADER_BYTES = 8192
 
 
 @dataclass(frozen=True, slots=True)

@@ -187,6 +187,37 @@ def test_the_window_passes_and_the_key_is_accepted_again(node: Node) -> None:
     assert stored(node, name) == 2
 
 
+def test_a_raised_window_holds_at_once_for_the_keys_already_kept(node: Node) -> None:
+    """A PATCH raising the window reaches the open partitions at once: the 5 s poller
+    expired keys by the old window until the partition's next commit, so a repeat
+    within the new window was stored again (found by a review of issue 14). A control
+    topic on the same worker, its window not raised, shows a poller pass went by."""
+    name, control = mk(node, "idem-raise", idempotency_window_ms=1000), mk(node, "idem-raise-c",
+                                                                         idempotency_window_ms=1000)
+
+    def on_worker1(topic: str) -> str:  # a key whose partition worker 1 owns
+        return next(k for k in (f"k{i}" for i in range(1000))
+                    if owner_worker(topic, key_partition(k.encode(), PARTS), 2) == 1)
+
+    k, c = on_worker1(name), on_worker1(control)
+    assert single(node, name, b"1", k).json() == {"duplicate": False}
+    assert single(node, control, b"1", c).json() == {"duplicate": False}
+    r = node.request("PATCH", f"/v1/topics/{name}", body={"idempotency_window_ms": 3_600_000})
+    assert r.status == 200, r
+
+    def keys(topic: str) -> float:  # over the topic's open partitions
+        return sum(float(line.rsplit(" ", 1)[1]) for line in node.get("/metrics").body.decode().splitlines()
+                   if line.startswith("narad_idempotency_keys{") and f'topic="{topic}"' in line)
+
+    # The control's key leaves its table at a poller pass after its 1 s window: that pass
+    # (or an earlier one) saw the raised topic's key too, well past the old window.
+    wait_for(lambda: keys(control) == 1, 20, 0.1, "a poller pass showing the control's key")
+    wait_for(lambda: keys(control) == 0, 20, 0.1, "a poller pass expiring the control's key")
+    assert keys(name) == 1
+    assert single(node, name, b"2", k).json() == {"duplicate": True}
+    assert stored(node, name) == 1
+
+
 def test_a_fanout_child_gets_every_record_its_parent_accepted(node: Node) -> None:
     """The child's own idempotency window (longer than the parent's) must not drop a
     copy: a key the parent accepted again after its window is in the child twice.

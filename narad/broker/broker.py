@@ -2276,7 +2276,9 @@ class Broker:
     def _delivery_settings(self, p: Partition, t: TopicRecord) -> None:
         """A topic change may have set, raised or lifted max_deliveries (PATCH): the
         partition follows; lifted, what it held for the dead-letter topic goes out
-        again, and raised, what was held below the new maximum."""
+        again, and raised, what was held below the new maximum. The idempotency
+        window follows too (the 5 s poller expires keys by it, between commits)."""
+        p.idem_window_ms = t.idem_window_ms
         maxd = t.max_deliveries if t.dead_letter_topic else 0
         old = p.max_deliveries
         if maxd == old:

@@ -470,3 +470,22 @@ def test_a_single_form_ack_refuses_settings_given_in_its_body(node: Node) -> Non
     r = node.post(f"/v1/topics/{name}/ack?receipt_handle={h}&extend=true", {"receipt_handles": ["x"], "n": "delay"})
     assert r.status == 204, r  # a body without those fields is ignored, as Narad does
     assert node.post(f"/v1/topics/{name}/ack?receipt_handle={h}", b"not json delay", headers=OCTET).status == 204
+
+
+def test_a_very_long_duration_is_refused_without_stalling_the_worker(node: Node) -> None:
+    """Durations are parsed in linear time, and one over 100 characters is refused unread
+    (a run of digits made the old term search quadratic: 12,000 digits held a worker's
+    loop for 4 s, a request can carry 60,000). Found by a review of issue 14."""
+    from narad.api.messages import parse_go_duration
+
+    for text in ("1" * 60_000, "1" * 99, "1s" * 50 + "x"):
+        with pytest.raises(ValueError):
+            parse_go_duration(text)  # (the old parser took minutes on the first: the test times out)
+    assert parse_go_duration("1s" * 50) == 50.0  # 100 characters: still read
+    name = mk(node, "rd-long-")
+    produce(node, name, b"x")
+    h = take(node, name)["receipt_handle"]
+    digits = "1" * 60_000
+    assert "duration" in error(node.post(f"/v1/topics/{name}/ack?extend=0", {"receipt_handles": [h], "delay": digits}))
+    assert "duration" in error(consume(node, name, f"visibility={digits[:20_000]}"))
+    assert node.post(f"/v1/topics/{name}/ack?receipt_handle={h}").status == 204  # the lease was untouched

@@ -152,19 +152,31 @@ def idem_key(raw: str) -> bytes:
     return b
 
 
+MAX_DURATION_CHARS = 100  # a Go duration string longer than this is refused unread
+
+
 def parse_go_duration(text: str) -> float:
+    """A Go duration string ("1h30m", "250ms", "1.5s") in seconds; ValueError when
+    it is not one. Linear in the text: each term is matched where the previous one
+    ended (``finditer`` over a long run of digits retried the match from every
+    position: quadratic, seconds of a worker's loop for a 12,000-digit value), and a
+    text over ``MAX_DURATION_CHARS`` is refused before any matching."""
+    if len(text) > MAX_DURATION_CHARS:
+        raise ValueError("too long")
     if text in ("0", "+0", "-0"):
         return 0.0
     if text.startswith("-"):
         raise ValueError("negative")
     s = text[1:] if text.startswith("+") else text
-    pos, total = 0, 0.0
-    for m in _DUR.finditer(s):
-        if m.start() != pos:
+    pos, total, n = 0, 0.0, len(s)
+    match = _DUR.match
+    while pos < n:
+        m = match(s, pos)
+        if m is None:
             raise ValueError(text)
         total += float(m.group(1)) * _UNITS[m.group(2)]
         pos = m.end()
-    if pos != len(s) or pos == 0:
+    if pos == 0:
         raise ValueError(text)
     return total
 

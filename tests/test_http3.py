@@ -24,6 +24,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from narad.api.hangup import cancel_on_hangup
 from narad.api.http3 import Http3Limits, Http3Server
 from narad.api.router import Request, Response, json_response
 from narad.api.router import error_response as router_error_response
@@ -89,12 +90,20 @@ async def wait_until(cond: Callable[[], bool], timeout: float = 5.0, what: str =
 
 
 class EchoApp:
-    """Routes: /sleep?s=N, /error (raises), /nocontent (204), anything else echoes the request."""
+    """Routes: /sleep?s=N, /poll?s=N (a sleep that opts in to hang-up cancellation, as the
+    long-poll consume does), /error (raises), /nocontent (204), anything else echoes the
+    request. ``finished`` / ``dropped``: sleeps that ran to their end / whose answer the
+    transport dropped (``Response.on_dropped``)."""
 
     def __init__(self, name: str = "a") -> None:
         self.name = name
         self.in_flight = 0
         self.handled = 0
+        self.finished = 0
+        self.dropped = 0
+
+    def _dropped(self) -> None:
+        self.dropped += 1
 
     def body_limit(self, method: str, path: str) -> tuple[int, int]:
         if path == "/small":
@@ -108,13 +117,18 @@ class EchoApp:
 
     async def handle(self, req: Request) -> Response:
         self.handled += 1
-        if req.path == "/sleep":
+        if req.path in ("/sleep", "/poll"):
+            if req.path == "/poll":
+                cancel_on_hangup()
             self.in_flight += 1
             try:
                 await asyncio.sleep(float(req.q1("s") or "0.5"))
             finally:
                 self.in_flight -= 1
-            return json_response(200, {"slept": True})
+            self.finished += 1
+            resp = json_response(200, {"slept": True})
+            resp.on_dropped = self._dropped
+            return resp
         if req.path == "/error":
             raise RuntimeError("boom")
         if req.path == "/nocontent":
@@ -320,10 +334,24 @@ def test_client_giving_up_and_malformed_requests(certs: Certs) -> None:
     async def main() -> None:
         app = EchoApp()
         async with serving(app, certs) as (srv, port), client(port) as c:
-            # the client times out on a slow request: its stream reset cancels the handler
+            # the client times out on a long poll: its stream reset cancels the (opted-in) handler
             with pytest.raises(TimeoutError):
-                await c.request("GET", "/sleep?s=30", timeout=0.3)
+                await c.request("GET", "/poll?s=30", timeout=0.3)
             await wait_until(lambda: app.in_flight == 0 and srv.active_requests == 0, what="handler cancelled")
+            assert (app.finished, app.dropped) == (0, 0)
+            # any other handler runs to its end, as over HTTP/1.1 (a produce or a redrive cut
+            # between its steps would leave duplicates), and its answer is dropped
+            with pytest.raises(TimeoutError):
+                await c.request("GET", "/sleep?s=0.5", timeout=0.05)
+            await wait_until(lambda: app.finished == 1 and app.dropped == 1, what="the handler ran to its end")
+            # the same when the client closes its connection mid-request
+            async with client(port) as c2:
+                c2_req = asyncio.create_task(c2.request("GET", "/sleep?s=0.5", timeout=5))
+                await wait_until(lambda: app.in_flight == 1, what="the request in flight")
+            with pytest.raises((ConnectionError, H3StreamError, asyncio.CancelledError)):
+                await c2_req
+            await wait_until(lambda: app.finished == 2 and app.dropped == 2, what="ran to its end after a close")
+            await wait_until(lambda: not srv._detached, what="no handler left held")
             # a half-sent request abandoned by the client leaves nothing behind
             fut = await raw_request(c, "POST", "/echo/abandoned", [b"part"], fin=False)
             await wait_until(lambda: srv.active_requests == 1, what="partial request seen")

@@ -225,10 +225,12 @@ class _H3Protocol(QuicConnectionProtocol):
             st = self._streams.get(event.stream_id)
             if st is not None:  # the peer no longer wants the answer
                 if st.hang is not None:
-                    st.hang.gone = True
+                    # An opted-in handler (a long poll) is cancelled; any other runs to its end
+                    # (a produce, an ack, a redrive cut between its steps would leave duplicates)
+                    # and its answer is dropped (phase _DONE: ``_run`` sends nothing).
+                    st.hang.client_gone()
                 if st.task is not None:
-                    st.task.cancel()
-                    st.task = None
+                    self._srv._detach(st.task)
                 if st.timer is not None:
                     st.timer.cancel()
                     st.timer = None
@@ -552,7 +554,11 @@ class _H3Protocol(QuicConnectionProtocol):
             log.exception("http3: failed to close a connection")
         self._teardown()
 
-    def _teardown(self) -> None:
+    def _teardown(self, cancel_all: bool = False) -> None:
+        """The connection is gone (the peer closed it, or we did). Opted-in handlers
+        (long polls) are cancelled; the others run to their end and their answers are
+        dropped (``_run``: the connection is dead), as HTTP/1.1 does. ``cancel_all``
+        (shutdown after the drain's grace): every handler is cancelled."""
         self._dead = True
         self._srv._conns.discard(self)
         self._sending.clear()
@@ -566,7 +572,12 @@ class _H3Protocol(QuicConnectionProtocol):
                 st.timer.cancel()
                 st.timer = None
             if st.task is not None:
-                st.task.cancel()
+                if cancel_all:
+                    st.task.cancel()
+                else:
+                    if st.hang is not None:
+                        st.hang.client_gone()
+                    self._srv._detach(st.task)
             st.phase = _DONE
 
     def _send_goaway(self) -> None:
@@ -600,7 +611,7 @@ class _H3Protocol(QuicConnectionProtocol):
                 self.transmit()
             except Exception:
                 log.exception("http3: failed to close a connection")
-        self._teardown()
+        self._teardown(cancel_all=True)
         if self._timer is not None:  # the transport is about to close: nothing more to send
             self._timer.cancel()
             self._timer = None
@@ -667,6 +678,9 @@ class Http3Server:
         # a peer ignoring STOP_SENDING may still have a flow-control window in flight; beyond that it is abuse
         self._junk_limit = 2 * cfg.max_stream_data + 65536
         self._conns: set[_H3Protocol] = set()
+        # Handlers still running after their client went (not opted in to cancellation):
+        # held here (the loop keeps only a weak reference to a task), waited for by a drain.
+        self._detached: set[asyncio.Task[None]] = set()
         self._draining = False
         self._transport: asyncio.DatagramTransport | None = None
 
@@ -678,6 +692,12 @@ class Http3Server:
         """At ``max_connections``: a new connection is refused (CONNECTION_REFUSED)."""
         cap = self.limits.max_connections
         return cap > 0 and len(self._conns) >= cap
+
+    def _detach(self, task: asyncio.Task[None]) -> None:
+        """Hold a handler's task whose stream no longer does, until it ends."""
+        if not task.done():
+            self._detached.add(task)
+            task.add_done_callback(self._detached.discard)
 
     @property
     def active_requests(self) -> int:
@@ -713,13 +733,15 @@ class Http3Server:
                 conn._send_goaway()
             except Exception:
                 log.exception("http3: failed to send GOAWAY")
-        while loop.time() < deadline and any(c._busy() for c in list(self._conns)):
+        while loop.time() < deadline and (self._detached or any(c._busy() for c in list(self._conns))):
             await asyncio.sleep(0.01)
-        left = self.active_requests
+        left = self.active_requests + len(self._detached)
         if left:
             log.warning("http3: drain grace over, cancelling %d unfinished requests", left)
         for conn in list(self._conns):
             conn._shutdown()
+        for task in list(self._detached):
+            task.cancel()
         if self._transport is not None:
             self._transport.close()
 

@@ -10,6 +10,7 @@ not only what the CLI printed.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import pty
@@ -421,3 +422,41 @@ def test_topic_redrive(node: Node, cfg: Path) -> None:
     assert node.get("/v1/topics/cl-dlt/consume").status == 204
     r = narad(node, cfg, "topic", "redrive", "cl-dlt")
     assert "redrove 0 message(s)" in r.stderr
+
+
+def test_sub_json_shows_delivery_count_and_dead_letter(node: Node, cfg: Path) -> None:
+    """``sub --json`` prints the node's message shape with the extensions a record or a
+    delivery has: ``delivery_count`` and a dead-letter copy's origin (found by a review
+    of issue 14: only headers were printed)."""
+    for body in ({"name": "cj-dlt", "partitions": 3},
+                 {"name": "cj-src", "partitions": 3, "max_deliveries": 1, "dead_letter_topic": "cj-dlt"}):
+        assert node.post("/v1/topics", body).status == 201
+    narad(node, cfg, "pub", "cj-src", "poison", "--partition", "1", "-k", "kk")
+    back = wait_for(lambda: (lambda r: r.json() if r.status == 200 else None)(
+        node.get("/v1/topics/cj-src/consume?partition=1")), 10, 0.05, "the record")
+    assert node.post(f"/v1/topics/cj-src/ack?receipt_handle={back['receipt_handle']}&extend=0&reason=bad"
+                     ).status == 204
+    narad(node, cfg, "pub", "cj-src", "fine", "--partition", "2")
+    m = lines(narad(node, cfg, "sub", "cj-src", "--partition", "2", "--max", "1", "--json"))[0]
+    assert m["delivery_count"] == 1 and m["payload"] == "fine"
+    wait_for(lambda: sum(p["lag"] for p in node.get("/v1/topics/cj-dlt").json()["partition_stats"]) == 1, 10, 0.05,
+             "the dead-letter copy")
+    d = lines(narad(node, cfg, "sub", "cj-dlt", "--max", "1", "--json"))[0]
+    assert d["dead_letter"]["topic"] == "cj-src" and d["dead_letter"]["partition"] == 1
+    assert d["dead_letter"]["key"] == "kk" and d["dead_letter"]["delivery_count"] == 1
+    assert d["dead_letter"]["reason"] == "bad" and "delivery_count" in d
+
+
+def test_pub_takes_binary_arguments_or_says_what_must_be_text(node: Node, cfg: Path) -> None:
+    """Arguments that are not UTF-8 (kept by Python as surrogates): the message and the
+    key are sent as their bytes; a header or an idempotency key must be text, a usage
+    error (each was a traceback). Found by a review of issue 14."""
+    assert node.post("/v1/topics", {"name": "cb-src", "partitions": 3}).status == 201
+    bad = b"\xff\xfe".decode("utf-8", "surrogateescape")
+    narad(node, cfg, "pub", "cb-src", bad, "--partition", "0", "-k", bad)
+    m = wait_for(lambda: (lambda r: r.json() if r.status == 200 else None)(
+        node.get("/v1/topics/cb-src/consume?partition=0")), 10, 0.05, "the binary message")
+    assert (m["payload_encoding"], m["key_encoding"]) == ("base64", "base64")
+    assert base64.b64decode(m["payload"]) == b"\xff\xfe" == base64.b64decode(m["key"])
+    assert "not UTF-8" in narad(node, cfg, "pub", "cb-src", "x", "-H", f"a:{bad}", code=2).stderr
+    assert "UTF-8" in narad(node, cfg, "pub", "cb-src", "x", "--idempotency-key", bad, code=2).stderr

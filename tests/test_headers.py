@@ -337,3 +337,33 @@ def test_sdk_trace_context_never_pushes_headers_past_the_bounds() -> None:
         assert inject_trace_context(full) == full
         big = {"big": "x" * (MAX_HEADERS_BYTES - 10)}
         assert inject_trace_context(big) == big
+
+
+def test_sdk_batch_trace_context_is_best_effort_as_a_single_produces(node: Node) -> None:
+    """A batch message with 32 headers, produced inside a recording span, is stored as
+    given (no traceparent), as a single produce's is: it was a 400 ("got 33")."""
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from narad.client import AsyncClient, BatchMessage
+
+    mk(node, "hd-batch-trace")
+    trace.set_tracer_provider(TracerProvider())
+    full = {f"h{i}": "v" for i in range(32)}
+
+    async def run() -> list[Any]:
+        async with AsyncClient(f"127.0.0.1:{node.port}", auth=("admin", ADMIN_PASSWORD)) as c:
+            with trace.get_tracer("tests").start_as_current_span("produce"):
+                n = await c.produce_batch("hd-batch-trace", [BatchMessage({"n": 1}, record_headers=full),
+                                                             BatchMessage({"n": 2}, record_headers={"a": "b"})])
+                assert n == 2
+            msgs: list[Any] = []
+            for _ in range(200):
+                msgs.extend(await c.consume_batch("hd-batch-trace", 10, wait=0.5))
+                if len(msgs) >= 2:
+                    return msgs
+            return msgs
+
+    by = {m.json()["n"]: m for m in asyncio.run(run())}
+    assert by[1].headers == full  # as given: the trace context would have passed the bound
+    assert "traceparent" in by[2].headers and by[2].headers["a"] == "b"

@@ -49,7 +49,7 @@ from narad.client import (
     Unavailable,
 )
 from narad.client.envelope import unwrap, wrap
-from tests.harness import ADMIN_PASSWORD, Cluster, Node, free_ports
+from tests.harness import ADMIN_PASSWORD, Cluster, Node, free_ports, wait_for
 
 ADMIN = ("admin", ADMIN_PASSWORD)
 
@@ -833,3 +833,49 @@ def test_sdk_refuses_a_negative_or_non_finite_duration(seconds: float) -> None:
 
     with pytest.raises(ValueError, match="duration"):
         go_duration(seconds)
+
+
+def test_the_sync_client_has_every_method_and_parameter_of_the_async_one(node: Node) -> None:
+    """docs/sdk.md: ``Client`` has the same methods, blocking. Checked against the async
+    client's signatures (``ack_batch(deadline=)``, ``replay(deadline=)``, ``ready`` and
+    ``visibility_timeout`` were missing; found by a review of issue 14), then used."""
+    import inspect
+
+    from narad.client import Client
+
+    missing = []
+    for name, fn in inspect.getmembers(AsyncClient, inspect.iscoroutinefunction):
+        if name.startswith("_"):
+            continue
+        sync = getattr(Client, name, None)
+        if sync is None:
+            missing.append(name)
+            continue
+        params = inspect.signature(sync).parameters
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            continue  # (passes every keyword on)
+        missing += [f"{name}({p})" for p in inspect.signature(fn).parameters if p not in params]
+    assert not missing, missing
+    with Client(f"127.0.0.1:{node.port}", auth=ADMIN) as sc:
+        assert sc.ready() is True
+        sc.create_topic("sync-parity", partitions=3, visibility_timeout_ms=45_000)
+        assert sc.visibility_timeout("sync-parity") == 45.0
+        sc.produce("sync-parity", {"x": 1}, partition=0)
+        m = wait_for(lambda: sc.consume("sync-parity"), 10, 0.05, "the message")
+        assert [r.status for r in sc.ack_batch("sync-parity", [m], deadline=10)] == [204]
+        assert sc.replay("sync-parity", 0, 0, deadline=10) is not None
+
+
+def test_a_produce_whose_202_body_is_not_json_returns_normally() -> None:
+    """A 2xx whose body is not JSON (a proxy's, say): the message is stored, so produce
+    returns a plain result, as produce_batch does (it raised msgspec's DecodeError, not
+    a NaradError). Found by a review of issue 14."""
+    async def go() -> None:
+        async with Scripted([(202, {}, b"accepted"), (202, {}, b"[1]")]) as s:
+            async with AsyncClient(f"127.0.0.1:{s.port}", retry=FAST) as c:
+                for _ in range(2):
+                    res = await c.produce("t", "x")
+                    assert (res.duplicate, res.pending) == (None, False)
+            assert len(s.seen) == 2
+
+    run(go())

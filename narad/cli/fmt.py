@@ -92,7 +92,8 @@ def message_line(msg: Message) -> str:
 def message_json(msg: Message) -> bytes:
     """One JSON object in Narad's message shape: ``payload`` verbatim when it is JSON,
     a string when it is text, base64 with ``payload_encoding`` when binary; the same
-    for ``key``. ``receipt_handle`` only on a consume."""
+    for ``key``. ``receipt_handle`` and ``delivery_count`` only on a consume;
+    ``headers`` and ``dead_letter`` when the record has them."""
     d: dict[str, Any] = {"topic": msg.topic, "partition": msg.partition, "offset": msg.offset}
     if msg.key is not None:
         try:
@@ -110,8 +111,25 @@ def message_json(msg: Message) -> bytes:
     d["timestamp"] = msg.timestamp
     if msg.receipt_handle:
         d["receipt_handle"] = msg.receipt_handle
+    if msg.delivery_count is not None:
+        d["delivery_count"] = msg.delivery_count
     if msg.headers:
         d["headers"] = msg.headers
+    dl = msg.dead_letter
+    if dl is not None:  # the node's shape (narad.api.messages.dead_letter_json)
+        origin: dict[str, Any] = {"topic": dl.topic, "partition": dl.partition, "offset": dl.offset,
+                                  "delivery_count": dl.delivery_count}
+        if dl.key is not None:
+            try:
+                origin["key"] = dl.key.decode("utf-8")
+            except UnicodeDecodeError:
+                origin["key"] = base64.b64encode(dl.key).decode()
+                origin["key_encoding"] = "base64"
+        if dl.reason is not None:
+            origin["reason"] = dl.reason
+        if dl.timestamp:
+            origin["timestamp"] = dl.timestamp
+        d["dead_letter"] = origin
     return msgspec.json.encode(d)
 
 

@@ -13,6 +13,7 @@ Imports narad.cli.{base,fmt}, narad.client, click and the standard library.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 import click
@@ -61,6 +62,15 @@ def _transient(e: NaradError) -> bool:
     return isinstance(e, (TransportError, TooManyRequests)) or (isinstance(e, ApiError) and e.status >= 500)
 
 
+def _utf8(arg: str) -> bool:
+    """A command-line argument that is UTF-8 (not bytes kept as surrogates)."""
+    try:
+        arg.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 # ---- pub -----------------------------------------------------------------------------------
 @click.command("pub", cls=NaradCommand)
 @click.argument("topic")
@@ -95,13 +105,20 @@ def pub(topic: str, message: str | None, key: str | None, partition: int | None,
         except OSError as e:
             raise click.BadParameter(f"cannot read {file_}: {e.strerror or e}", param_hint="--file") from None
     elif message is not None and message != "-":
-        body = message.encode()
+        body = os.fsencode(message)  # the argument's bytes as given (not UTF-8 is fine: stored byte for byte)
     else:
         body = binary("stdin").read()
     if not body:
         raise click.UsageError("the message is empty (a message is 1 byte to 1 MiB)")
+    send_key: str | bytes | None = key
+    if key is not None and not _utf8(key):
+        send_key = os.fsencode(key)  # a binary key from the command line: sent as its bytes (base64 on the wire)
+    if idempotency_key is not None and not _utf8(idempotency_key):
+        raise click.BadParameter("must be UTF-8", param_hint="--idempotency-key")
     headers: dict[str, str] = {}
     for h in header:
+        if not _utf8(h):
+            raise click.BadParameter(f"{os.fsencode(h)!r} is not UTF-8 (headers are text)", param_hint="--header")
         name, sep, value = h.partition(":")
         if not sep or not name:
             raise click.BadParameter(f"{h!r} is not NAME:VALUE", param_hint="--header")
@@ -120,7 +137,7 @@ def pub(topic: str, message: str | None, key: str | None, partition: int | None,
                 if pause > 0:
                     await asyncio.sleep(pause)
             try:
-                res = await cl.produce(topic, body, key=key, partition=partition, idempotency_key=idempotency_key,
+                res = await cl.produce(topic, body, key=send_key, partition=partition, idempotency_key=idempotency_key,
                                        record_headers=headers or None)
                 dups += res.duplicate is True
                 pending += res.pending

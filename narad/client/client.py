@@ -61,6 +61,7 @@ from narad.client.models import (
     TopicPage,
     User,
     inject_trace_context,
+    merge_trace,
 )
 from narad.client.transport import H1Transport, H3Transport, NodeAddr, Transport, parse_node
 
@@ -392,7 +393,12 @@ class AsyncClient:
         _s, _h, data = await self._call("produce_idem" if idempotency_key is not None else "produce", "POST",
                                         f"/v1/topics/{_seg(topic)}/produce", query=query, body=body,
                                         content_type=ct, deadline=deadline, op="produce")
-        return ProduceResult.from_json(msgspec.json.decode(data)) if data else ProduceResult()
+        if not data:
+            return ProduceResult()
+        try:
+            return ProduceResult.from_json(msgspec.json.decode(data))
+        except (msgspec.DecodeError, TypeError, ValueError):  # a 2xx whose body is not ours: the message is stored
+            return ProduceResult()
 
     async def produce_batch(
         self,
@@ -428,7 +434,7 @@ class AsyncClient:
                     row["key"] = bm.key
             if bm.partition is not None:
                 row["partition"] = bm.partition
-            rh = {**trace, **(bm.record_headers or {})} if trace else bm.record_headers
+            rh = merge_trace(trace, bm.record_headers) if trace else bm.record_headers
             if rh:
                 row["headers"] = rh
             if bm.idempotency_key is not None:

@@ -218,6 +218,12 @@ def inject_trace_context(headers: dict[str, str] | None) -> dict[str, str] | Non
     propagate.inject(carrier)
     if not carrier:
         return headers
+    return merge_trace(carrier, headers)
+
+
+def merge_trace(carrier: dict[str, str], headers: dict[str, str] | None) -> dict[str, str] | None:
+    """``headers`` with the trace context in ``carrier`` added (the caller's win), or
+    ``headers`` alone when adding it would pass the node's bounds."""
     out = {**carrier, **(headers or {})}
     if len(out) > MAX_RECORD_HEADERS or sum(len(k.encode()) + len(v.encode()) for k, v in out.items()) > \
             MAX_RECORD_HEADER_BYTES:

@@ -94,8 +94,8 @@ class Client:
     def consume_batch(self, topic: str, max: int, **kw: Any) -> list[Message]:
         return self._run(self.aio.consume_batch(topic, max, **kw))
 
-    def replay(self, topic: str, partition: int, offset: int) -> Message | None:
-        return self._run(self.aio.replay(topic, partition, offset))
+    def replay(self, topic: str, partition: int, offset: int, *, deadline: float | None = None) -> Message | None:
+        return self._run(self.aio.replay(topic, partition, offset, deadline=deadline))
 
     def ack(self, topic: str, handle: str | Message) -> None:
         self._run(self.aio.ack(topic, handle))
@@ -108,10 +108,10 @@ class Client:
         self._run(self.aio.nack(topic, handle, delay=delay, reason=reason))
 
     def ack_batch(self, topic: str, handles: Sequence[str | Message], *, mode: AckMode = "ack",
-                  delay: float | None = None, visibility: float | None = None,
+                  deadline: float | None = None, delay: float | None = None, visibility: float | None = None,
                   reason: str | None = None) -> list[AckResult]:
-        return self._run(self.aio.ack_batch(topic, handles, mode=mode, delay=delay, visibility=visibility,
-                                            reason=reason))
+        return self._run(self.aio.ack_batch(topic, handles, mode=mode, deadline=deadline, delay=delay,
+                                            visibility=visibility, reason=reason))
 
     def redrive(self, topic: str, *, max: int | None = None) -> RedriveResult:
         return self._run(self.aio.redrive(topic, max=max))
@@ -176,6 +176,12 @@ class Client:
         self._run(self.aio.set_password(username, new_password, current_password=current_password))
 
     # ---- cluster (admin) ---------------------------------------------------------------------
+    def ready(self, node: str | None = None) -> bool:
+        return self._run(self.aio.ready(node))
+
+    def visibility_timeout(self, topic: str) -> float:
+        return self._run(self.aio.visibility_timeout(topic))
+
     def members(self, *, detail: bool = False) -> list[dict[str, Any]]:
         return self._run(self.aio.members(detail=detail))
 

@@ -279,6 +279,58 @@ def test_redrive_counts_and_moves_each_record_once_when_the_topics_lease_is_shor
     assert sorted(m["payload"] for m in back) == list(range(n))
 
 
+def test_naming_a_dead_letter_topic_and_attaching_it_as_a_child_cannot_both_succeed(node: Node) -> None:
+    """A dead-letter topic takes produce; a child is fed by its parent only. Each request
+    checked its side under its own lock, so a PATCH naming c racing an attach of c both
+    succeeded (23 of 40 rounds), and dead letters then landed in a delay child at once.
+    The service now takes the dead-letter topic's lock too. Found by a review of issue 14."""
+    import threading
+
+    both = []
+    for i in range(12):
+        x, p, c = (mk(node, f"race-{k}{i}-") for k in "xpc")
+        out: dict[str, int] = {}
+        go = threading.Barrier(2)
+
+        def do_patch(x: str = x, c: str = c, go: threading.Barrier = go, out: dict[str, int] = out) -> None:
+            go.wait()
+            out["patch"] = node.request("PATCH", f"/v1/topics/{x}", body={"max_deliveries": 1,
+                                                                          "dead_letter_topic": c}).status
+
+        def do_attach(p: str = p, c: str = c, go: threading.Barrier = go, out: dict[str, int] = out) -> None:
+            go.wait()
+            out["attach"] = node.post(f"/v1/topics/{p}/children", {"child": c}).status
+
+        ts = [threading.Thread(target=do_patch), threading.Thread(target=do_attach)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(30)
+        assert len(out) == 2 and all(v in (200, 201, 400, 409) for v in out.values()), out
+        if all(v in (200, 201) for v in out.values()):
+            both.append(out)
+    assert not both, both
+
+
+def test_a_child_and_its_parent_cannot_be_each_others_dead_letters(node: Node) -> None:
+    """A child naming its parent as its dead-letter topic (or a topic attached under the
+    topic it dead-letters to) would copy each dead letter straight back into itself, its
+    origin overwritten each time: refused, as naming itself is. A redrive of a fan-out
+    child is a 409: its records are its parent's copies (both redriven, the origin got
+    each record twice). Found by a review of issue 14."""
+    p, c = mk(node, "dl-par-"), mk(node, "dl-chi-")
+    assert node.post(f"/v1/topics/{p}/children", {"child": c}).status in (200, 201)
+    r = node.request("PATCH", f"/v1/topics/{c}", body={"max_deliveries": 1, "dead_letter_topic": p})
+    assert r.status == 400 and "parent" in r.json()["error"], r
+    p2, c2 = mk(node, "dl-par2-"), mk(node, "dl-chi2-")
+    r = node.request("PATCH", f"/v1/topics/{c2}", body={"max_deliveries": 1, "dead_letter_topic": p2})
+    assert r.status == 200, r
+    r = node.post(f"/v1/topics/{p2}/children", {"child": c2})
+    assert r.status == 409 and "dead-letter topic" in r.json()["error"], r
+    r = node.post(f"/v1/topics/{c}/redrive")
+    assert r.status == 409 and f'redrive "{p}"' in r.json()["error"], r
+
+
 def test_redrive_checks_the_origins_current_schema(node: Node) -> None:
     """A record the origin's schema (registered after it was dead-lettered) refuses is
     left in the dead-letter topic and counted as skipped; the others go back."""
@@ -674,6 +726,46 @@ def test_a_kill9_between_the_dead_letter_commit_and_the_settle_gives_a_duplicate
         wait_for(lambda: all(x["lag"] == 0 for x in n.get(f"/v1/topics/{name}").json()["partition_stats"]), 10,
                  0.05, "settled in the source")
         assert consume(n, name).status == 204
+    finally:
+        n.close()
+
+
+def test_a_redrive_that_fails_before_its_produce_loses_nothing(tmp_path: Any) -> None:
+    """Redrive produces each record back before it acks it in the dead-letter topic: a
+    call that fails in between (here the origin topic is deleted while the origin's
+    schema check runs, held by a test seam) leaves every record in the dead-letter
+    topic, deliverable, never in neither place. (An ack moved before the produce lost
+    them and no test saw it: found by a test audit of issue 14.)"""
+    import threading
+
+    n = Node(tmp_path / "data", workers=1, env={"NARAD_FAULT_SCHEMA_HOLD_MS": "400"}).start()
+    try:
+        dlt, src = "rl-dlt", "rl-src"
+        assert n.post("/v1/topics", {"name": dlt, "partitions": PARTS}).status == 201
+        assert n.post("/v1/topics", {"name": src, "partitions": PARTS, "max_deliveries": 1, "dead_letter_topic": dlt,
+                                     "schema": {"type": "object"}}).status == 201
+        body = {"messages": [{"payload": {"i": i, "pad": "x" * 20_000}} for i in range(4)]}
+        assert n.post(f"/v1/topics/{src}/produce/batch", body).status == 202
+        got: list[dict[str, Any]] = []
+        wait_for(lambda: got.extend(take(n, src, "max=10")["messages"]) or len(got) >= 4, 20, 0.0, "four")
+        r = n.post(f"/v1/topics/{src}/ack?extend=0", {"receipt_handles": [m["receipt_handle"] for m in got]})
+        assert [x["status"] for x in r.json()["results"]] == [204] * 4
+
+        def stats(name: str, field: str) -> int:
+            return sum(x[field] for x in n.get(f"/v1/topics/{name}").json()["partition_stats"])
+
+        wait_for(lambda: stats(dlt, "lag") == 4, 20, 0.05, "four in the dead-letter topic")
+        out: dict[str, Any] = {}
+        t = threading.Thread(target=lambda: out.update(r=n.post(f"/v1/topics/{dlt}/redrive?max=10")))
+        t.start()
+        wait_for(lambda: stats(dlt, "in_flight") > 0, 10, 0.01, "the redrive holding its leases")
+        assert n.request("DELETE", f"/v1/topics/{src}").status == 204  # mid-call: the origin goes away
+        t.join(60)
+        assert out["r"].status == 503 and "went away" in out["r"].json()["error"], out
+        assert stats(dlt, "lag") == 4  # nothing acked
+        back: list[dict[str, Any]] = []
+        wait_for(lambda: back.extend(take(n, dlt, "max=10")["messages"]) or len(back) >= 4, 10, 0.0, "all four")
+        assert sorted(m["payload"]["i"] for m in back) == [0, 1, 2, 3]
     finally:
         n.close()
 

@@ -252,6 +252,7 @@ R: dict[tuple[str, int], Recipe] = {
     ("redriveTopic", 400): lambda e: e.req("POST", "/v1/topics/oa-t/redrive?max=0"),
     ("redriveTopic", 403): lambda e: e.req("POST", "/v1/topics/oa-t/redrive", auth=e.plain),
     ("redriveTopic", 404): lambda e: e.req("POST", "/v1/topics/oa-none/redrive"),
+    ("redriveTopic", 409): lambda e: e.req("POST", "/v1/topics/oa-kid/redrive"),  # a fan-out child
     ("ack", 413): lambda e: e.req("POST", "/v1/topics/oa-c/ack", {"receipt_handles": ["0:0:1" + " " * 70000]}),
     ("createUser", 201): lambda e: e.req("POST", "/v1/users", {"username": "oa-new", "password": "pw-new-1",
                                                                "grants": [{"action": "consume", "patterns": ["a*"]}]}),

@@ -365,8 +365,26 @@ def test_cluster_nack_with_delay_at_non_owners_and_the_bound_after_a_kill9(tmp_p
         h.finish()
         v = C.check(h, "strict")
         assert v.ok and v.counts["nacks"] == 6, v.summary("retry delay across nodes")
-        # ---- kill -9 of the owner of a partition holding a delayed nack ----
+        # ---- a per-consume visibility and an extend by a duration, sent to a non-owner node ----
         k = foreign[0]
+        assert c[y].post(f"/v1/topics/{name}/produce?partition={k}", b"v0", headers=OCTET).status == 202
+        r = wait_for(lambda: (lambda r: r if r.status == 200 else None)(
+            c[y].get(f"/v1/topics/{name}/consume?partition={k}&visibility=1s&wait=1s")), 20, 0.05, "v0")
+        assert r.json()["payload"] == "v0"
+        t_lease = time.monotonic()
+        r = wait_for(lambda: (lambda r: r if r.status == 200 else None)(
+            c[y].get(f"/v1/topics/{name}/consume?partition={k}&wait=1s")), 7, 0.0,
+            "v0 back after its 1 s lease (the topic's is 10 s)")
+        assert r.json()["payload"] == "v0" and r.json()["delivery_count"] == 2
+        assert time.monotonic() - t_lease >= 0.9
+        h_v0 = r.json()["receipt_handle"]  # (this lease is the topic's 10 s)
+        assert c[y].post(f"/v1/topics/{name}/ack?receipt_handle={h_v0}&extend=true&visibility=1s").status == 204
+        r = wait_for(lambda: (lambda r: r if r.status == 200 else None)(
+            c[y].get(f"/v1/topics/{name}/consume?partition={k}&wait=1s")), 7, 0.0,
+            "v0 back after its extend to 1 s (not the topic's 10 s)")
+        assert r.json()["payload"] == "v0" and r.json()["delivery_count"] == 3
+        assert c[y].post(f"/v1/topics/{name}/ack?receipt_handle={r.json()['receipt_handle']}").status == 204
+        # ---- kill -9 of the owner of a partition holding a delayed nack ----
         x = owner[k]
         h2 = C.History(10.0)
         t0 = C.now()

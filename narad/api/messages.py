@@ -1222,6 +1222,10 @@ class MessagesAPI:
         user = None if who.unrestricted else self.ctx.store.user(who.name or "")
         if not who.unrestricted and not G.can_manage_topic(user, t):
             raise Forbidden("redrive needs the admin role or management of this topic")
+        if t.parent is not None:  # (a child cannot be a dead-letter topic: its records are its parent's copies)
+            raise Conflict(f'topic "{t.name}" is a fan-out child of "{t.parent}": its records are copies of '
+                           f"{t.parent}'s, and redriving them would send each one back twice; redrive "
+                           f'"{t.parent}"')
         raw_max = self._single_query(req, "max")
         limit = REDRIVE_DEFAULT
         if raw_max is not None:

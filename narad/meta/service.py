@@ -362,7 +362,9 @@ class MetaService:
             return await self._create_child(req, name, parts, retention, vis, inflight, ahead, schema, user)
         if delivery:
             self._require_type(C.EntryType.SET_DELIVERY, "a topic with delivery settings")
-        async with self._locks[name.casefold()]:
+        # The dead-letter topic's lock too: an attach of it as a child (which checks, under
+        # its lock, that no topic names it) and this check cannot interleave.
+        async with self._name_locks(name, *([dlt] if dlt else [])):
             await self._leader_view()
             if self.request_applied():
                 return self._read_topic(name)  # this very request created it before a leader change
@@ -535,6 +537,10 @@ class MetaService:
                 self._require_type(C.EntryType.ATTACH_CHILD_CAS, "attaching a child")
                 self._link_rules(par, child, req.delay_ms)
                 self._not_a_dead_letter_topic(child.name)
+                if child.dead_letter_topic == par.name:
+                    raise Conflict(f'topic "{child.name}" names "{par.name}" as its dead-letter topic: as its '
+                                   f"child, its dead letters would be copied straight back into it; point its "
+                                   f"dead_letter_topic elsewhere first")
                 self._schema_fit(par, child, None, child.name)
                 self._attach_point(par, req.parent_id, req.attach_offsets)
                 res = await self.write(C.AttachChildCas(par.name, par.id, child.name, child.id, req.delay_ms,
@@ -701,7 +707,9 @@ class MetaService:
             if req.dead_letter_topic == name:
                 raise BadRequest(f'invalid argument: topic "{name}" cannot be its own dead-letter topic')
         user = self._require_known(req.who)
-        async with self._locks[name.casefold()]:
+        # The new dead-letter topic's lock too (see create_topic): naming it and attaching it
+        # as a child are serialised, so one of them sees the other and is refused.
+        async with self._name_locks(name, *([req.dead_letter_topic] if req.dead_letter_topic else [])):
             await self._leader_view()
 
             def may_manage(t: TopicRecord) -> None:
@@ -762,6 +770,10 @@ class MetaService:
             if (req.max_deliveries, req.dead_letter_topic, req.idempotency_window_ms) != (None, None, None):
                 self._require_type(C.EntryType.SET_DELIVERY, "changing delivery settings")
                 if req.dead_letter_topic:
+                    if req.dead_letter_topic == current.parent:
+                        raise BadRequest(f'invalid argument: "{req.dead_letter_topic}" is the parent of "{name}": '
+                                         f"its dead letters would be copied straight back into {name}; name "
+                                         f"another topic")
                     _check_dead_letter_topic(self.store.topic(req.dead_letter_topic), req.dead_letter_topic,
                                              req.who, user, current, self.store.user)
 

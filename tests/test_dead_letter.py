@@ -770,6 +770,52 @@ def test_a_redrive_that_fails_before_its_produce_loses_nothing(tmp_path: Any) ->
         n.close()
 
 
+def test_cluster_counts_survive_a_kill9_of_the_owner(tmp_path: Any) -> None:
+    """3 nodes, every call through a node that does not own the partition: a record
+    delivered three times (two nacks) counts on after a kill -9 of its owner, once the
+    third count reached the owner's page cache (the documented bound): its next
+    delivery is the fourth. (The 3-node contract test excuses a count drop inside its
+    fault window, so it cannot show this; found by a test audit of issue 14.)"""
+    from narad.storage.offsets import peek_counts
+    from tests.harness import Cluster
+
+    c = Cluster(tmp_path, 3, initial=3).start()
+    try:
+        c.leader()
+        name = "k9c"
+        assert c["n1"].post("/v1/topics", {"name": name, "partitions": PARTS, "visibility_timeout_ms": 60_000}
+                            ).status == 201
+        wait_for(lambda: all(c[i].get(f"/v1/topics/{name}").status == 200 for i in c.ids), 20, 0.05, "the topic")
+        owner = {s["index"]: s["owner_node"] for s in c["n1"].get(f"/v1/topics/{name}").json()["partition_stats"]}
+        k, x = next((k, o) for k, o in sorted(owner.items()) if o != "n1")
+        y = c["n1"]
+        assert y.post(f"/v1/topics/{name}/produce?partition={k}", b"counted", headers=OCTET).status == 202
+        m: dict[str, Any] = {}
+        for want in (1, 2, 3):
+            m = wait_for(lambda: (lambda r: r.json() if r.status == 200 else None)(
+                y.get(f"/v1/topics/{name}/consume?partition={k}&wait=1s")), 15, 0.0, f"delivery {want}")
+            assert (m["payload"], m["delivery_count"]) == ("counted", want)
+            if want < 3:
+                assert y.post(f"/v1/topics/{name}/ack?receipt_handle={m['receipt_handle']}&extend=0").status == 204
+
+        def on_disk() -> int:
+            dirs = list((c[x].data_dir / "topics").glob(f"{name}@*/p{k:05d}"))
+            if len(dirs) != 1 or not (dirs[0] / "consumer.ahead").exists():
+                return 0
+            return peek_counts(dirs[0])[2].get(m["offset"], 0)
+
+        wait_for(lambda: on_disk() == 3, 5, 0.01, "the third count in the owner's page cache")
+        c[x].kill9()
+        c[x].start()
+        again = wait_for(lambda: (lambda r: r.json() if r.status == 200 else None)(
+            y.get(f"/v1/topics/{name}/consume?partition={k}&wait=1s")), 60, 0.1,
+            "the record again after the owner's restart (its lease was forgotten)")
+        assert (again["offset"], again["delivery_count"]) == (m["offset"], 4)
+        assert y.post(f"/v1/topics/{name}/ack?receipt_handle={again['receipt_handle']}").status == 204
+    finally:
+        c.close()
+
+
 def test_cluster_dead_letter_owner_down_holds_then_delivers(tmp_path: Any) -> None:
     """3 nodes: the node owning the dead-letter partition is killed (-9); a record past
     max_deliveries is held at its source's owner (not delivered, failures counted),

@@ -101,3 +101,20 @@ def test_a_dead_letter_topic_cannot_be_attached_as_a_child(node: Node) -> None:
     assert node.request("PATCH", "/v1/topics/ds-src5", body=clear).status == 200
     r = node.post("/v1/topics/ds-par2/children", {"child": "ds-dl2"})
     assert r.status in (200, 201), r
+
+
+def test_a_refused_delivery_setting_leaves_the_patch_unapplied(node: Node) -> None:
+    """A PATCH writes its field groups one entry each (Narad's order); the delivery
+    settings were checked only at their own turn, so a PATCH refused for them (400) had
+    already grown the topic or changed its retention. They are checked first now. Found
+    by a review of issue 14."""
+    assert node.post("/v1/topics", {"name": "ds-atomic", "partitions": 3}).status == 201
+    before = node.get("/v1/topics/ds-atomic").json()
+    for body in ({"partitions": 6, "dead_letter_topic": "ds-no-such"},
+                 {"retention_ms": 10_800_000, "max_deliveries": 3},
+                 {"max_in_flight_per_partition": 7, "dead_letter_topic": "ds-atomic"}):
+        r = node.request("PATCH", "/v1/topics/ds-atomic", body=body)
+        assert r.status == 400, (body, r)
+    after = node.get("/v1/topics/ds-atomic").json()
+    for f in ("partitions", "retention_ms", "max_in_flight_per_partition"):
+        assert after[f] == before[f], f

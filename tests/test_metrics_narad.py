@@ -326,3 +326,32 @@ def test_closed_partition_gauges_and_times_come_from_its_files(tmp_path: Path) -
     assert again.age_at == (0, 42)
     empty = stats_from_disk(tmp_path / "never")
     assert "oldest_segment_at" not in finish_stats(empty) and empty["segments"] == 0
+
+
+def test_the_issue14_series_go_with_their_topic(node: Node) -> None:
+    """The per-topic series of issue 14's features (duplicates, evicted keys, dead-lettered,
+    held, failures, redriven) and messages accepted go when their topic is deleted, as the
+    older ones do: they stayed for ever (found by a review of issue 14)."""
+    assert node.post("/v1/topics", {"name": "mz-dlt", "partitions": 3}).status == 201
+    assert node.post("/v1/topics", {"name": "mz-src", "partitions": 3, "max_deliveries": 1,
+                                    "dead_letter_topic": "mz-dlt"}).status == 201
+    for _ in range(2):  # one stored, one duplicate
+        r = node.post("/v1/topics/mz-src/produce?idempotency_key=k1", b"x",
+                      headers={"Content-Type": "application/octet-stream"})
+        assert r.status == 202, r
+    m = wait_for(lambda: (lambda r: r.json() if r.status == 200 else None)(node.get("/v1/topics/mz-src/consume")),
+                 10, 0.05, "the record")
+    assert node.post(f"/v1/topics/mz-src/ack?receipt_handle={m['receipt_handle']}&extend=0").status == 204
+    names = ("narad_idempotent_duplicates_total", "narad_dead_lettered_total", "narad_redriven_total",
+             "narad_messages_accepted_total")
+
+    def present() -> bool:
+        node.post("/v1/topics/mz-dlt/redrive?max=1")  # (redriven once the copy is there)
+        s = scrape(node)
+        return all(any(v for k, v in s.get(n, {}).items() if "mz-" in k) for n in names)
+
+    wait_for(present, 20, 0.2, "the series with traffic")
+    for t in ("mz-src", "mz-dlt"):
+        assert node.request("DELETE", f"/v1/topics/{t}").status == 204
+    wait_for(lambda: 'topic="mz-' not in listener(node, "GET", "/metrics")[2].decode(), 15, 0.1,
+             "the deleted topics' series to go")

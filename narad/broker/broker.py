@@ -1693,7 +1693,8 @@ class Broker:
             out.append(204 if ok else 410)
         if mode == EXTEND:
             self.m.ack_extended.labels(t.name).inc(sum(1 for s in out if s == 204))
-        elif mode in (NACK, GIVE_BACK):
+        elif mode in (NACK, GIVE_BACK):  # (Narad counts give-backs too: a batch consume's overflow, and here a
+            # hang-up's leases and a redrive's skipped records; docs/operate/monitoring.md)
             self.m.nacks.labels(t.name).inc(sum(1 for s in out if s == 204))
         return out
 
@@ -2455,9 +2456,11 @@ class Broker:
             return t is None or not k[1].isdigit() or int(k[1]) >= t.partitions
 
         dropped = 0
-        for c in (*per_part, m.fsync_seconds, m.retention_deleted, m.retention_bytes_deleted):
+        for c in (*per_part, m.fsync_seconds, m.retention_deleted, m.retention_bytes_deleted, m.idem_duplicates,
+                  m.idem_evicted):
             dropped += metrics.drop_children(c, part_gone)
-        for c in (m.ack_extended, m.nacks, m.consume_empty, m.produce_rejections, m.consume_wait):
+        for c in (m.ack_extended, m.nacks, m.consume_empty, m.produce_rejections, m.consume_wait,
+                  m.messages_accepted, m.dead_lettered, m.dead_letter_failures, m.dead_letter_held, m.redriven):
             dropped += metrics.drop_children(c, lambda k: k[0] not in topics)
         if dropped:
             self._m_cons.clear()

@@ -721,6 +721,21 @@ class MetaService:
             if req.schema is not None and current.parent is not None:
                 raise Conflict(_managed_schema(current))
             _, _, _, d_inflight, d_ahead = self._topic_defaults()
+            delivery = (req.max_deliveries, req.dead_letter_topic, req.idempotency_window_ms) != (None, None, None)
+            if delivery:  # checked before any field group is written: a refusal changes nothing
+                self._require_type(C.EntryType.SET_DELIVERY, "changing delivery settings")
+                if req.dead_letter_topic:
+                    if req.dead_letter_topic == current.parent:
+                        raise BadRequest(f'invalid argument: "{req.dead_letter_topic}" is the parent of "{name}": '
+                                         f"its dead letters would be copied straight back into {name}; name "
+                                         f"another topic")
+                    _check_dead_letter_topic(self.store.topic(req.dead_letter_topic), req.dead_letter_topic,
+                                             req.who, user, current, self.store.user)
+                dlt_after = (current.dead_letter_topic if req.dead_letter_topic is None
+                             else (req.dead_letter_topic or None))
+                if (current.max_deliveries if req.max_deliveries is None else req.max_deliveries) and dlt_after is None:
+                    raise BadRequest("invalid argument: max_deliveries needs a dead_letter_topic (a record "
+                                     "past its last delivery goes there, it is never dropped)")
             # Field groups apply in Narad's order, each its own entry, each checked
             # against the incarnation it was read from.
             if req.retention_ms is not None:
@@ -767,15 +782,7 @@ class MetaService:
                 await self.place_partitions(name, before[0].id, range(before[0].partitions, grow_to))
             if req.schema is not None:
                 await self._put_schema(name, req.schema, req.schema_base_version, may_manage)
-            if (req.max_deliveries, req.dead_letter_topic, req.idempotency_window_ms) != (None, None, None):
-                self._require_type(C.EntryType.SET_DELIVERY, "changing delivery settings")
-                if req.dead_letter_topic:
-                    if req.dead_letter_topic == current.parent:
-                        raise BadRequest(f'invalid argument: "{req.dead_letter_topic}" is the parent of "{name}": '
-                                         f"its dead letters would be copied straight back into {name}; name "
-                                         f"another topic")
-                    _check_dead_letter_topic(self.store.topic(req.dead_letter_topic), req.dead_letter_topic,
-                                             req.who, user, current, self.store.user)
+            if delivery:
 
                 def set_delivery(t: TopicRecord) -> msgspec.Struct:
                     may_manage(t)

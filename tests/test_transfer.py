@@ -624,3 +624,26 @@ def test_stale_copy_sweep_skips_quarantined_moved_aside_copies(tmp_path: Path) -
     assert [d.name for *_, d, _m in _stale_candidates(tmp_path)] == ["p00000"]
     assert [x[3] for x in TR.quarantined(tmp_path)] == sorted([top / "p00002.moved-tok.quarantine-stale_copy-0", q,
                                                                top / "p00004.quarantine-stale_copy-0"])
+
+
+def test_install_writes_the_held_records_counts_first_when_the_slot_is_short(tmp_path: Path) -> None:
+    """More counts than an offset slot holds: the install keeps what fits, and the
+    counts of the records the source held for the dead-letter topic (``dead``) first, so
+    the new owner holds them again instead of delivering them (they were dropped like
+    any other when other counts were higher). Found by a review of issue 14."""
+    src = tmp_path / "s" / "p00000"
+    plog = source_log(src, [1000, 1000, 1000])
+    hwm, segs = TR.list_open(plog)
+    plog.close()
+    final = tmp_path / "d" / "p00000"
+    st = TR.Staging(final)
+    copy_all(src, st, segs)
+    assert st.verify(hwm) is None
+    counts = {o: 3 for o in range(hwm)}
+    dead = [hwm - 2, hwm - 1]
+    for o in dead:
+        counts[o] = 2  # (a lowered maximum: the held records are not the highest counts)
+    st.install(hwm=hwm, frontier=-1, ahead=[], cursors={}, marker={}, seg_mtimes={}, counts=counts, dead=dead)
+    _f, _a, kept = OFF.peek_counts(final, max_frontier=hwm - 1)
+    assert len(kept) < len(counts)  # the slot was short
+    assert all(kept.get(o) == 2 for o in dead), {o: kept.get(o) for o in dead}

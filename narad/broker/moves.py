@@ -183,7 +183,7 @@ class MoveSource:
         cursors = await self.b.loop.run_in_executor(self.b.io, read_cursors, d)
         hwm, segs = await self.b.loop.run_in_executor(self.b.io, TR.list_open, p.log)
         return P.MoveListResp(hwm, [(s.base, s.size, s.mtime_ms) for s in segs], int(time.time() * 1000),
-                              p.frozen(), frontier, ahead, cursors, counts, reasons)
+                              p.frozen(), frontier, ahead, cursors, counts, reasons, sorted(p.dead))
 
     async def vouch(self, m: P.MoveVouchReq) -> P.MoveVouchResp:
         """What this node (the owner, its replica says) holds of a partition another
@@ -252,7 +252,7 @@ class MoveSource:
         hwm, segs = await loop.run_in_executor(self.b.io, TR.list_open, p.log)
         return P.MoveFreezeResp(p.freeze_token or "", hwm, frontier, ahead, cursors,
                                 [(s.base, s.size, s.mtime_ms) for s in segs], int(time.time() * 1000), counts,
-                                reasons)
+                                reasons, sorted(p.dead))
 
     async def thaw(self, m: P.MoveThawReq) -> P.MoveFreezeResp:
         p = self.b.partitions.get((m.topic, m.partition))
@@ -634,7 +634,7 @@ class MoveRunner:
                       "token": mv.token, "forced": False}
             qdir = await self._io(st.install, hwm=hwm, frontier=fz.frontier, ahead=list(fz.ahead),
                                   cursors={c: (e, n) for c, e, n in fz.cursors}, marker=marker, seg_mtimes=mtimes,
-                                  counts=dict(fz.counts), reasons=_reasons(fz.reasons))
+                                  counts=dict(fz.counts), reasons=_reasons(fz.reasons), dead=fz.dead)
             if qdir is not None:
                 log.error("an older copy of the partition was in the way of the install; quarantined",
                           extra={"topic": name, "partition": part, "dir": str(qdir)})
@@ -707,7 +707,7 @@ class MoveRunner:
         self.b.forget_partition(name, part, mv.topic_id)
         await self._io(st.install, hwm=reached, frontier=last.frontier, ahead=list(last.ahead),
                        cursors={c: (e, n) for c, e, n in last.cursors}, marker=marker, seg_mtimes={},
-                       counts=dict(last.counts), reasons=_reasons(last.reasons))
+                       counts=dict(last.counts), reasons=_reasons(last.reasons), dead=last.dead)
         self.b.forget_partition(name, part, mv.topic_id)
         mv.phase = "flip_pending"
         mv.blocked = None

@@ -491,13 +491,17 @@ class Staging:
 
     def install(self, *, hwm: int, frontier: int, ahead: list[int], cursors: dict[str, tuple[str, int]],
                 marker: dict[str, object], seg_mtimes: dict[int, int],
-                counts: dict[int, int] | None = None, reasons: dict[int, str] | None = None) -> Path | None:
+                counts: dict[int, int] | None = None, reasons: dict[int, str] | None = None,
+                dead: list[int] | None = None) -> Path | None:
         """Write positions (clamped below `hwm`), the hwm file, segment ages and
         move.marker, make everything durable, then rename the staging directory to
         the partition directory. Returns where an existing directory holding records
         was quarantined (None: there was none, or it held no record and was removed).
         `counts`, `reasons`: the source's delivery counts and last nack reasons
-        (issue 14), kept for unacked offsets between the frontier and `hwm`."""
+        (issue 14), kept for unacked offsets between the frontier and `hwm`; `dead`:
+        the offsets the source held for the dead-letter topic, whose counts are
+        written first when the offset slot has no room for all (a held record whose
+        count were dropped would be delivered again here)."""
         # Everything that can be refused is refused before anything is written.
         if self._verified is None or self._verified != hwm:
             raise ValueError(f"the staged copy was not verified at hwm {hwm} (call verify(hwm) first)")
@@ -529,7 +533,7 @@ class Staging:
                     os.utime(p, ns=(p.stat().st_atime_ns, ms * 1_000_000))
             off = OffsetFile(d)
             off.load(max_frontier=hwm - 1)
-            off.close(frontier, held, kept, why)
+            off.close(frontier, held, kept, why, first=frozenset(dead or ()))
             for child, (epoch, nxt) in sorted(clamped.items()):
                 CF.CursorFile(d, child).anchor(epoch, nxt)
             _write_file_durable(d, "hwm", PL._U64.pack(hwm))

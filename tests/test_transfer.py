@@ -61,6 +61,20 @@ def source_log(d: Path, batches: list[int], *, hidden: int = 0) -> PartitionLog:
     return plog
 
 
+def verified_copy(tmp_path: Path, batches: list[int]) -> tuple[TR.Staging, Path, int]:
+    """A source log of `batches` under tmp_path/s, copied whole into a staging of
+    tmp_path/d and verified: (the staging, the final partition directory, the hwm)."""
+    src = tmp_path / "s" / "p00000"
+    plog = source_log(src, batches)
+    hwm, segs = TR.list_open(plog)
+    plog.close()
+    final = tmp_path / "d" / "p00000"
+    st = TR.Staging(final)
+    copy_all(src, st, segs)
+    assert st.verify(hwm) is None
+    return st, final, hwm
+
+
 def copy_all(src: Path, st: TR.Staging, segs: list[TR.SegInfo]) -> int:
     """Fetch every range the plan asks for; returns how many chunks."""
     ranges = st.plan(segs)
@@ -214,14 +228,7 @@ def test_chunked_copy_verifies_and_installs_with_positions_clamped(tmp_path: Pat
 
 
 def test_install_keeps_held_acks_below_the_hwm(tmp_path: Path) -> None:
-    src = tmp_path / "s" / "p00000"
-    plog = source_log(src, [10, 10])
-    hwm, segs = TR.list_open(plog)
-    plog.close()
-    final = tmp_path / "d" / "p00000"
-    st = TR.Staging(final)
-    copy_all(src, st, segs)
-    assert st.verify(hwm) is None
+    st, final, hwm = verified_copy(tmp_path, [10, 10])
     st.install(hwm=hwm, frontier=4, ahead=[2, 6, 9, 19, 20, 30], cursors={}, marker={}, seg_mtimes={})
     assert OffsetFile(final).load(max_frontier=hwm - 1) == (4, [6, 9, 19])
 
@@ -594,14 +601,7 @@ def test_an_install_renamed_back_to_staging_resumes_without_fetching_again(tmp_p
 def test_install_keeps_the_delivery_counts_of_unacked_offsets(tmp_path: Path) -> None:
     """Issue 14: a move carries the source's delivery counts; the install keeps those of
     offsets above the frontier, below the hwm and not acked."""
-    src = tmp_path / "s" / "p00000"
-    plog = source_log(src, [10])
-    hwm, segs = TR.list_open(plog)
-    plog.close()
-    final = tmp_path / "d" / "p00000"
-    st = TR.Staging(final)
-    copy_all(src, st, segs)
-    assert st.verify(hwm) is None
+    st, final, hwm = verified_copy(tmp_path, [10])
     st.install(hwm=hwm, frontier=2, ahead=[5], cursors={}, marker={}, seg_mtimes={},
                counts={1: 4, 3: 2, 5: 7, 9: 3, 10: 8, 40: 1})
     assert OFF.peek_counts(final, max_frontier=hwm - 1) == (2, [5], {3: 2, 9: 3})
@@ -631,14 +631,7 @@ def test_install_writes_the_held_records_counts_first_when_the_slot_is_short(tmp
     counts of the records the source held for the dead-letter topic (``dead``) first, so
     the new owner holds them again instead of delivering them (they were dropped like
     any other when other counts were higher). Found by a review of issue 14."""
-    src = tmp_path / "s" / "p00000"
-    plog = source_log(src, [1000, 1000, 1000])
-    hwm, segs = TR.list_open(plog)
-    plog.close()
-    final = tmp_path / "d" / "p00000"
-    st = TR.Staging(final)
-    copy_all(src, st, segs)
-    assert st.verify(hwm) is None
+    st, final, hwm = verified_copy(tmp_path, [1000, 1000, 1000])
     counts = {o: 3 for o in range(hwm)}
     dead = [hwm - 2, hwm - 1]
     for o in dead:

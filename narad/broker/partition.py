@@ -400,17 +400,19 @@ class Partition:
             item = make(index, off, nonce, rec)
             item.deliveries = count
             out.append(item)
-        if len(expiry_heap) > 2 * len(leases) + EXPIRY_SLACK:
-            self._compact_expiry()
+        self._compact_expiry()
         return out
 
     def _compact_expiry(self) -> None:
-        """Rebuild the expiry heap from the live leases. An ack, a nack or an extend
-        leaves its lease's old entry in the heap until that entry's own expiry, which a
-        per-consume ``visibility`` or an extend can put 12 h away: without this, the heap
-        would grow with every settle of such a lease, not with the leases held. Called
-        when the heap holds more than twice the leases plus ``EXPIRY_SLACK`` entries, so
-        a rebuild (O(leases)) follows at least as many stale pushes: O(1) a push."""
+        """After pushes to the expiry heap: rebuild it from the live leases once it
+        holds more than twice their count plus ``EXPIRY_SLACK`` entries. An ack, a nack
+        or an extend leaves its lease's old entry in the heap until that entry's own
+        expiry, which a per-consume ``visibility`` or an extend can put 12 h away:
+        without this, the heap would grow with every settle of such a lease, not with
+        the leases held. A rebuild (O(leases)) follows at least as many stale pushes:
+        O(1) a push."""
+        if len(self._expiry) <= 2 * len(self.leases) + EXPIRY_SLACK:
+            return
         heap = [(exp, off, nonce) for off, (nonce, exp) in self.leases.items()]
         heapq.heapify(heap)
         self._expiry = heap
@@ -487,8 +489,7 @@ class Partition:
         expiry = now + visibility_s
         self.leases[off] = (nonce, expiry)
         heapq.heappush(self._expiry, (expiry, off, nonce))
-        if len(self._expiry) > 2 * len(self.leases) + EXPIRY_SLACK:
-            self._compact_expiry()
+        self._compact_expiry()
         return True
 
     def nack(self, off: int, nonce: int, now: float, delay_s: float = 0.0, reason: str = "",

@@ -89,18 +89,24 @@ def message_line(msg: Message) -> str:
     return f"{meta} {msg.payload.decode('utf-8', 'replace')}"
 
 
+def _put_key(d: dict[str, Any], key: bytes | None) -> None:
+    """A key as Narad writes it: UTF-8 text, else base64 with ``key_encoding``."""
+    if key is None:
+        return
+    try:
+        d["key"] = key.decode("utf-8")
+    except UnicodeDecodeError:
+        d["key"] = base64.b64encode(key).decode()
+        d["key_encoding"] = "base64"
+
+
 def message_json(msg: Message) -> bytes:
     """One JSON object in Narad's message shape: ``payload`` verbatim when it is JSON,
     a string when it is text, base64 with ``payload_encoding`` when binary; the same
     for ``key``. ``receipt_handle`` and ``delivery_count`` only on a consume;
     ``headers`` and ``dead_letter`` when the record has them."""
     d: dict[str, Any] = {"topic": msg.topic, "partition": msg.partition, "offset": msg.offset}
-    if msg.key is not None:
-        try:
-            d["key"] = msg.key.decode("utf-8")
-        except UnicodeDecodeError:
-            d["key"] = base64.b64encode(msg.key).decode()
-            d["key_encoding"] = "base64"
+    _put_key(d, msg.key)
     if msg.payload_kind == "json":
         d["payload"] = msgspec.Raw(msg.payload_json if msg.payload_json is not None else msg.payload)
     elif msg.payload_kind == "text":
@@ -119,12 +125,7 @@ def message_json(msg: Message) -> bytes:
     if dl is not None:  # the node's shape (narad.api.messages.dead_letter_json)
         origin: dict[str, Any] = {"topic": dl.topic, "partition": dl.partition, "offset": dl.offset,
                                   "delivery_count": dl.delivery_count}
-        if dl.key is not None:
-            try:
-                origin["key"] = dl.key.decode("utf-8")
-            except UnicodeDecodeError:
-                origin["key"] = base64.b64encode(dl.key).decode()
-                origin["key_encoding"] = "base64"
+        _put_key(origin, dl.key)
         if dl.reason is not None:
             origin["reason"] = dl.reason
         if dl.timestamp:

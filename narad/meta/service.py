@@ -731,11 +731,7 @@ class MetaService:
                                          f"another topic")
                     _check_dead_letter_topic(self.store.topic(req.dead_letter_topic), req.dead_letter_topic,
                                              req.who, user, current, self.store.user)
-                dlt_after = (current.dead_letter_topic if req.dead_letter_topic is None
-                             else (req.dead_letter_topic or None))
-                if (current.max_deliveries if req.max_deliveries is None else req.max_deliveries) and dlt_after is None:
-                    raise BadRequest("invalid argument: max_deliveries needs a dead_letter_topic (a record "
-                                     "past its last delivery goes there, it is never dropped)")
+                _delivery_after(current, req)
             # Field groups apply in Narad's order, each its own entry, each checked
             # against the incarnation it was read from.
             if req.retention_ms is not None:
@@ -786,11 +782,7 @@ class MetaService:
 
                 def set_delivery(t: TopicRecord) -> msgspec.Struct:
                     may_manage(t)
-                    dlt = t.dead_letter_topic if req.dead_letter_topic is None else (req.dead_letter_topic or None)
-                    maxd = t.max_deliveries if req.max_deliveries is None else req.max_deliveries
-                    if maxd and dlt is None:
-                        raise BadRequest("invalid argument: max_deliveries needs a dead_letter_topic (a record "
-                                         "past its last delivery goes there, it is never dropped)")
+                    _delivery_after(t, req)  # (again, against the record the entry is built from)
                     return C.SetDelivery(t.name, t.id, req.max_deliveries, req.dead_letter_topic,
                                          req.idempotency_window_ms)
 
@@ -1356,6 +1348,15 @@ def public_user(u: UserRecord) -> UserRecord:
 
 
 __all__ = ["Grant", "MetaService", "public_user"]
+
+
+def _delivery_after(t: TopicRecord, req: Q.AlterTopicReq) -> None:
+    """400 when the PATCH would leave `t` with max_deliveries and no dead-letter topic."""
+    dlt = t.dead_letter_topic if req.dead_letter_topic is None else (req.dead_letter_topic or None)
+    maxd = t.max_deliveries if req.max_deliveries is None else req.max_deliveries
+    if maxd and dlt is None:
+        raise BadRequest("invalid argument: max_deliveries needs a dead_letter_topic (a record "
+                         "past its last delivery goes there, it is never dropped)")
 
 
 def _check_dead_letter_topic(rec: TopicRecord | None, name: str, who: G.Identity, user: UserRecord | None,

@@ -1095,6 +1095,7 @@ def code_version() -> str:
 
 
 def main() -> None:
+    global PARTITIONS
     cpus = len(os.sched_getaffinity(0))
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     ap.add_argument("--seconds", type=float, default=5.0, help="timed window per throughput run")
@@ -1104,6 +1105,9 @@ def main() -> None:
     ap.add_argument("--conns", type=int, default=64, help="connections per client process, single-API runs")
     ap.add_argument("--batch-conns", type=int, default=8, help="connections per client process, batch runs")
     ap.add_argument("--batch", type=int, default=100, help="messages per batch produce")
+    ap.add_argument("--partitions", type=int, default=PARTITIONS, metavar="N",
+                    help=f"the bench topic's partitions (default {PARTITIONS}): fewer narrows "
+                         f"the spread of a keyed or idempotent batch over partitions")
     ap.add_argument("--latency-count", type=int, default=2000)
     ap.add_argument("--only", help="regex on '<scenario> w<workers>', e.g. 'flow' or 'batch.*w2'")
     ap.add_argument("--features", metavar="LIST",
@@ -1142,6 +1146,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.rate < 0:
         ap.error("--rate must be 0 (unpaced) or a positive messages/s")
+    if not 3 <= args.partitions <= 108:
+        ap.error("--partitions must be 3 to 108 (a topic's bounds)")
+    PARTITIONS = args.partitions
     for kv in args.node_env:
         name, eq, value = kv.partition("=")
         if not eq or not name.startswith("NARAD_"):

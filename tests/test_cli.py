@@ -401,6 +401,19 @@ def test_pub_headers_and_topic_delivery_settings(node: Node, cfg: Path) -> None:
     assert sum(p["high_watermark"] for p in node.get("/v1/topics/cli-src").json()["partition_stats"]) == before
 
 
+def test_sub_millisecond_durations_round_up_never_to_the_default(node: Node, cfg: Path) -> None:
+    """A duration under a millisecond is 1 ms, not 0: ``--idempotency-window 0.4ms`` used
+    to become 0, which the node takes for "the default" (5 min), silently. Now the node
+    sees 1 ms and says what the window may be; no topic is made."""
+    from narad.cli.fmt import parse_duration
+
+    assert [parse_duration(v) for v in ("0.4ms", "500us", "1ns", "1.1s", "0", "0s", "2.5s")] == [
+        1, 1, 1, 1100, 0, 0, 2500]
+    r = narad(node, cfg, "topic", "add", "cli-tiny", "--partitions", "3", "--idempotency-window", "0.4ms", code=1)
+    assert "idempotency_window_ms" in one_error_line(r) and "got 1" in r.stderr
+    assert node.get("/v1/topics/cli-tiny").status == 404
+
+
 def test_topic_redrive(node: Node, cfg: Path) -> None:
     """``narad topic redrive`` moves a dead-letter topic's messages back (issue 14); the
     node then holds them in the origin topic and no longer in the dead-letter topic."""

@@ -8,6 +8,7 @@ Imports narad.client.models, msgspec and the standard library.
 from __future__ import annotations
 
 import base64
+import math
 import re
 import time
 from typing import Any
@@ -25,7 +26,9 @@ _PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h|d)")
 
 def parse_duration(text: str) -> int:
     """Milliseconds in a duration such as ``12h``, ``1h30m``, ``30s``, ``500ms``, ``7d``
-    or ``0``. Raises ValueError saying what is accepted."""
+    or ``0``, a fraction of a millisecond rounded up (``0.4ms`` is 1 ms, never 0: a 0 means
+    "the default" to several options and would silently stand for something else, as the
+    SDK's durations do). Raises ValueError saying what is accepted."""
     s = text.strip()
     if s == "0":
         return 0
@@ -38,7 +41,7 @@ def parse_duration(text: str) -> int:
         pos = m.end()
     if pos == 0:
         raise ValueError(f"{text!r} is not a duration (such as 12h, 1h30m, 30s, 500ms, 7d or 0)")
-    return round(total)
+    return math.ceil(round(total, 6))  # (to the ns first: 1.1s is 1100 ms, not 1101)
 
 
 def format_duration(ms: int) -> str:

@@ -94,7 +94,7 @@ def topic() -> None:
 @click.option("--dead-letter-topic", metavar="TOPIC",
               help="Where messages past --max-deliveries go (it must exist); in edit, '' clears it.")
 @click.option("--idempotency-window", type=Duration(), metavar="DURATION",
-              help="How long a produce's idempotency key is remembered (1s to 24h; default 5m).")
+              help="How long a produce's idempotency key is remembered (1s to 24h; 0: the default, 5m).")
 def topic_add(name: str, partitions: int, retention: int | None, visibility: int | None,
               max_in_flight: int | None, max_acked_ahead: int | None, schema: str | None, parent: str | None,
               delay: int | None, max_deliveries: int | None, dead_letter_topic: str | None,
@@ -174,7 +174,7 @@ def topic_info(name: str, partition: int | None) -> None:
 @click.option("--dead-letter-topic", metavar="TOPIC",
               help="Where messages past --max-deliveries go (it must exist); in edit, '' clears it.")
 @click.option("--idempotency-window", type=Duration(), metavar="DURATION",
-              help="How long a produce's idempotency key is remembered (1s to 24h; default 5m).")
+              help="How long a produce's idempotency key is remembered (1s to 24h; 0: the default, 5m).")
 def topic_edit(name: str, retention: int | None, partitions: int | None, schema: str | None,
                schema_base_version: int | None, max_in_flight: int | None, max_acked_ahead: int | None,
                visibility: str | None, max_deliveries: int | None, dead_letter_topic: str | None,

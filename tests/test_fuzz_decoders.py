@@ -23,6 +23,7 @@ import os
 import random
 import struct
 import tempfile
+import time
 import zlib
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -45,6 +46,7 @@ from narad.storage import offsets as O
 from narad.storage import wal as WAL
 from narad.storage.partition_log import CorruptRecord, OffsetGone, PartitionLog
 from narad.storage.wal import Entry, IngressWAL
+from tests.test_partition import _partition
 
 FUZZ = settings(max_examples=60, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
@@ -854,6 +856,46 @@ def test_idempotency_key_fast_paths_agree_with_msgspec_under_mutation(key: str, 
     assert IDEM.key_of(FR.F_EXT, m) == want
 
 
+@FUZZ
+@given(st.lists(st.tuples(st.sampled_from(["a", "b", "é", "k" * 31, "k" * 32, "x" * 40, "", None]),
+                          st.integers(0, 60), st.integers(-1, 255)), min_size=1, max_size=12))
+def test_the_commits_in_place_key_read_agrees_with_key_of(recs: list[tuple[str | None, int, int]]) -> None:
+    """A partition commit reads a short idempotency key in place (not through ``key_of``):
+    over real commits of key-only blocks (fixstr and str8 keys, non-ASCII, empty) with a
+    byte changed or not, the records it drops as repeats and the keys its table then
+    holds are those ``key_of`` names, as the rebuild at open reads them."""
+    from narad.broker import idem as IDEM
+
+    batch: list[tuple[bytes | None, int, bytes]] = []
+    for key, at, byte in recs:
+        stored = b"body" if key is None else FR.pack_idem(key.encode(), b"body")
+        if key is not None and byte >= 0:
+            m = bytearray(stored)
+            m[at % len(m)] = byte
+            stored = bytes(m)
+        batch.append((None, FR.F_EXT if key is not None else 0, stored))
+    want_dups, seen = [], set()
+    for j, (_k, flags, stored) in enumerate(batch):
+        k = IDEM.key_of(flags, stored)
+        if k is not None:
+            if k in seen:
+                want_dups.append(j)
+            seen.add(k)
+    with tempfile.TemporaryDirectory() as d:
+        p = _partition(Path(d), 0)
+
+        async def go() -> Any:
+            p.loop = asyncio.get_running_loop()
+            with ThreadPoolExecutor(1) as ex:
+                return await p.commit(batch, ex)
+
+        _off, dups = asyncio.run(go())
+        assert dups == want_dups
+        assert set(p.idem.keys) == seen
+        assert set(IDEM.rebuild(p.log, 300_000, int(time.time() * 1000))[0].keys) == seen
+        p.log.close()
+
+
 @FAST
 @given(st.sampled_from([0, FR.F_JSON | FR.F_UTF8, FR.F_UTF8, FR.F_JSON]), st.booleans(),
        st.sampled_from(["none", "headers", "idem", "both", "dead"]), st.one_of(st.none(), st.binary(max_size=12)),
@@ -887,6 +929,38 @@ def test_the_consume_paths_template_renders_what_render_does(flags: int, ext: bo
             return "raised", b""
 
     assert enc(lambda: M.render_leased("topic-1", it)) == enc(lambda: M.render("topic-1", it, True))
+
+
+def test_the_consume_paths_inline_blocks_agree_with_render_at_their_edges() -> None:
+    """``render_leased`` reads the two commonest blocks inline: a first byte of 0x80 or
+    more is a longer length (not a one-byte block), an empty or unbraced headers text is
+    not the fast case, and a block that runs past the record is not read; each renders as
+    ``render`` does (or both raise)."""
+    from narad.broker.peers import Item
+
+    body = b'{"v":1}' + b" " * 300
+    hb = b"\x81\xa1h\xc4"
+    cases = [
+        FR.pack_headers(b'{"a":"1"}', body),
+        FR.pack_headers(b"{" + b"x" * 130 + b"}", body),  # a two-byte length
+        bytes([0x8E]) + hb + bytes([0x89]) + b'{"a":"1"}' + body,  # looks one-byte, is not
+        bytes([0x85]) + hb + b"\x80" + b"{" + b"y" * 126 + b"}" + body,
+        bytes([0x05]) + hb + b"\x00" + body,  # empty headers text
+        bytes([0x0E]) + hb + b"\x09" + b'["a","1"]' + body,  # not an object
+        bytes([0x7F]) + hb + b"\x7a" + b"{}",  # runs past the record
+        FR.pack_idem(b"k" * 31, body), FR.pack_idem(b"k" * 32, body), FR.pack_idem(b"", body),
+        bytes([0x8A]) + b"\x81\xa1i\xa6" + b"kkkkkk" + body,
+    ]
+
+    def enc(f: Any) -> tuple[str, bytes]:
+        try:
+            return "ok", msgspec.json.encode(f())
+        except (UnicodeDecodeError, FR.FrameError):
+            return "raised", b""
+
+    for stored in cases:
+        it = Item(1, 5, 9, None, 1_796_229_551_123, FR.F_EXT | FR.F_JSON | FR.F_UTF8, stored, 1)
+        assert enc(lambda it=it: M.render_leased("t", it)) == enc(lambda it=it: M.render("t", it, True)), stored[:8]
 
 
 def test_a_block_that_starts_as_headers_alone_never_carries_an_idempotency_key() -> None:

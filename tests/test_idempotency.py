@@ -367,6 +367,11 @@ def test_the_table_is_bounded_oldest_first_and_expires_by_the_window() -> None:
     assert list(t.keys) == ["c", "d"]
     t.add("c", 2000)  # committed again after its window: moves to the back
     assert list(t.keys) == ["d", "c"]
+    # A commit's fresh keys in one go: as many adds (in order; the cap drops the oldest, counted).
+    t.add_fresh({"e": 3000})
+    assert list(t.keys) == ["d", "c", "e"] and t.evicted == 1
+    t.add_fresh({"f": 3001, "g": 3001})
+    assert list(t.keys) == ["e", "f", "g"] and t.evicted == 3
     # A worker's budget over its partitions: each keeps its share, oldest dropped first.
     big, small = IDEM.IdemTable(), IDEM.IdemTable()
     for i in range(300):

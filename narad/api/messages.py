@@ -314,6 +314,10 @@ class _LeasedKey(msgspec.Struct, omit_defaults=True):
     headers: msgspec.Raw | None = None
 
 
+_KEY_ALONE = FR.KEY_ALONE
+_HDR_BIN8 = FR.HEADERS_ALONE + b"\xc4"
+
+
 def render_leased(topic: str, it: Item) -> MessageOut | _Leased | _LeasedKey:
     """``render(topic, it, True)``, encoding to the same bytes, for a consume: the
     common records (a JSON or UTF-8 body, a UTF-8 key or none, no extension block or
@@ -323,12 +327,23 @@ def render_leased(topic: str, it: Item) -> MessageOut | _Leased | _LeasedKey:
     body = it.payload
     hdr = None
     if f & FR.F_EXT:
-        hs, he, pos = FR.plain_block(body)
-        if pos < 0 or (he > hs and (body[hs] != 0x7B or body[he - 1] != 0x7D)):
-            return render(topic, it, True)
-        if he > hs:
-            hdr = msgspec.Raw(body[hs:he])
-        body = body[pos:]
+        # ``plain_block``'s two commonest cases inline (a call less a message): headers alone,
+        # their JSON text 1 to 122 bytes (bin8, the block's length in one byte), and an
+        # idempotency key alone under 32 bytes (a fixstr); anything else goes through it.
+        head = body[1:5]
+        if head == _HDR_BIN8 and 5 < (b0 := body[0]) < min(0x80, len(body)) and body[5] == b0 - 5 \
+                and body[6] == 0x7B and body[b0] == 0x7D:
+            hdr = msgspec.Raw(body[6 : b0 + 1])
+            body = body[b0 + 1 :]
+        elif head[:3] == _KEY_ALONE and len(body) > (b0 := body[0]) >= 4 and body[4] == 0x9C + b0:
+            body = body[b0 + 1 :]
+        else:
+            hs, he, pos = FR.plain_block(body)
+            if pos < 0 or (he > hs and (body[hs] != 0x7B or body[he - 1] != 0x7D)):
+                return render(topic, it, True)
+            if he > hs:
+                hdr = msgspec.Raw(body[hs:he])
+            body = body[pos:]
     if f & F_JSON:
         pay: Any = msgspec.Raw(body)
     elif f & F_UTF8:

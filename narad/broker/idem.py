@@ -115,6 +115,17 @@ class IdemTable:
             self.evicted += 1
         keys[key] = ts_ms
 
+    def add_fresh(self, fresh: dict[str, int]) -> None:
+        """``add`` of every key of `fresh`, none of which the table holds (a commit
+        checked them, and nothing but the commit adds keys): one ``update`` when the cap
+        leaves room for all of them."""
+        keys = self.keys
+        if len(keys) + len(fresh) <= self.cap:
+            keys.update(fresh)
+            return
+        for k, ts in fresh.items():
+            self.add(k, ts)
+
     def trim(self, n: int) -> int:
         """Drop the oldest keys until at most `n` remain (counted as evicted); how many."""
         keys = self.keys

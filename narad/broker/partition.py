@@ -582,11 +582,21 @@ class Partition:
                 seen = table.keys  # (expired in place at the first key)
                 ext = FR.F_EXT
                 hdr_alone = FR.HEADERS_ALONE
+                key_alone = FR.KEY_ALONE
                 for batch, _ in queue:
                     dl: list[int] = []
                     for j, (key, flags, payload) in enumerate(batch):
-                        if flags & ext and payload[1:4] != hdr_alone:  # (headers alone: no key to check)
-                            k = key_of(flags, payload)
+                        if flags & ext and (head := payload[1:4]) != hdr_alone:  # (headers alone: no key)
+                            b0 = payload[0]
+                            if head == key_alone and len(payload) > b0 >= 4 and payload[4] == 0x9C + b0:
+                                # ``key_of``'s common case read in place: a key alone under 32
+                                # bytes (a fixstr of b0 - 4 bytes ending where the block does)
+                                try:
+                                    k: str | None = payload[5 : b0 + 1].decode()
+                                except UnicodeDecodeError:
+                                    k = None
+                            else:
+                                k = key_of(flags, payload)
                             if k is not None:
                                 if fresh is None:
                                     table.expire(ts - self.idem_window_ms)
@@ -638,8 +648,7 @@ class Partition:
                 base, seg, pos, fsize, rolled = res
                 if fresh:
                     before = table.evicted
-                    for k in fresh:
-                        table.add(k, ts)
+                    table.add_fresh(fresh)
                     if self.m_evicted is not None and table.evicted != before:
                         self.m_evicted.value += table.evicted - before
                 try:

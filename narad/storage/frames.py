@@ -206,6 +206,9 @@ _HDR_BIN8 = b"\x81\xa1h\xc4"  # a one-entry map {"h": bin8}: headers alone, thei
 # whose key is "h"): it has no idempotency key, and ``idem.key_of`` answers None for
 # every payload that starts so (a malformed one too), so a commit need not ask it.
 HEADERS_ALONE = b"\x81\xa1h"
+# ``stored[1:4]`` of a block that starts as an idempotency key alone (a one-byte length, a
+# one-entry map whose key is "i"): a commit reads a short key in place after it.
+KEY_ALONE = _IDEM_FIXMAP
 
 
 # headers_json(h: dict[str, str]) -> bytes: headers as they are stored in ``Ext.h`` (and

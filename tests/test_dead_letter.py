@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 from urllib.parse import quote
 
+import msgspec
 import pytest
 
 from narad.broker.routing import key_partition, owner_worker
@@ -730,12 +731,15 @@ def test_a_kill9_between_the_dead_letter_commit_and_the_settle_gives_a_duplicate
         n.close()
 
 
-def test_a_redrive_that_fails_before_its_produce_loses_nothing(tmp_path: Any) -> None:
+@pytest.mark.parametrize("again", [False, True], ids=["deleted", "deleted-and-made-again"])
+def test_a_redrive_that_fails_before_its_produce_loses_nothing(tmp_path: Any, again: bool) -> None:
     """Redrive produces each record back before it acks it in the dead-letter topic: a
-    call that fails in between (here the origin topic is deleted while the origin's
-    schema check runs, held by a test seam) leaves every record in the dead-letter
-    topic, deliverable, never in neither place. (An ack moved before the produce lost
-    them and no test saw it: found by a test audit of issue 14.)"""
+    call that fails in between (here the origin topic is deleted, or deleted and made
+    again under its name, while the origin's schema check runs, held by a test seam)
+    leaves every record in the dead-letter topic, deliverable, never in neither place.
+    (An ack moved before the produce lost them and no test saw it: found by a test audit
+    of issue 14. The origin made again was found by a review: the produce, built for the
+    deleted topic, was dropped and the records acked, lost.)"""
     import threading
 
     n = Node(tmp_path / "data", workers=1, env={"NARAD_FAULT_SCHEMA_HOLD_MS": "400"}).start()
@@ -760,9 +764,13 @@ def test_a_redrive_that_fails_before_its_produce_loses_nothing(tmp_path: Any) ->
         t.start()
         wait_for(lambda: stats(dlt, "in_flight") > 0, 10, 0.01, "the redrive holding its leases")
         assert n.request("DELETE", f"/v1/topics/{src}").status == 204  # mid-call: the origin goes away
+        if again:
+            assert n.post("/v1/topics", {"name": src, "partitions": PARTS}).status == 201
         t.join(60)
-        assert out["r"].status == 503 and "went away" in out["r"].json()["error"], out
+        assert out["r"].status == 503 and "during the redrive" in out["r"].json()["error"], out
         assert stats(dlt, "lag") == 4  # nothing acked
+        if again:
+            assert stats(src, "high_watermark") == 0  # and nothing of the deleted topic's in the new one
         back: list[dict[str, Any]] = []
         wait_for(lambda: back.extend(take(n, dlt, "max=10")["messages"]) or len(back) >= 4, 10, 0.0, "all four")
         assert sorted(m["payload"]["i"] for m in back) == [0, 1, 2, 3]
@@ -996,3 +1004,192 @@ def test_a_dead_letter_topic_deleted_and_created_again_by_another_user_gets_noth
     assert r.status == 200, r
     got = take(node, "shr-dlq2", timeout=15)
     assert got["payload"] == "pia's"
+
+
+# ---- found by a review of the dead-letter edges (2026-12-04, eighth sitting) ---------------------
+def dead_letter_one(n: Node, src: str, body: bytes, reason: str = "r") -> dict[str, Any]:
+    """Produce `body` to `src` (max_deliveries 1), take it and nack it: dead-lettered."""
+    produce(n, src, body)
+    m = take(n, src)
+    assert nack(n, src, m["receipt_handle"], f"&reason={reason}").status == 204
+    return m
+
+
+def lag(n: Node, name: str) -> int:
+    return sum(p["lag"] for p in n.get(f"/v1/topics/{name}").json()["partition_stats"])
+
+
+def test_redrive_skips_the_dead_letters_of_a_deleted_topic_when_its_name_is_made_again(node: Node) -> None:
+    """A dead letter's origin names its topic's incarnation: once that topic is deleted
+    and a new one made under its name, a redrive skips the record (nothing of the old
+    topic leaks into the new one) and leaves it in the dead-letter topic."""
+    dlt = mk(node, "dlt-inc-")
+    src = mk(node, "src-inc-", max_deliveries=1, dead_letter_topic=dlt)
+    dead_letter_one(node, src, b"old life")
+    wait_for(lambda: lag(node, dlt) == 1, 10, 0.05, "dead-lettered")
+    assert node.request("DELETE", f"/v1/topics/{src}").status == 204
+    assert node.post("/v1/topics", {"name": src, "partitions": PARTS}).status == 201
+    r = node.post(f"/v1/topics/{dlt}/redrive")
+    assert r.status == 200 and r.json() == {"redriven": 0, "skipped": 1}, r
+    assert sum(p["high_watermark"] for p in node.get(f"/v1/topics/{src}").json()["partition_stats"]) == 0
+    left = take(node, dlt)
+    assert left["payload"] == "old life" and left["dead_letter"]["topic"] == src
+
+
+def test_a_chain_of_dead_letter_topics_redrives_a_record_back_the_way_it_came(node: Node) -> None:
+    """A -> B -> C: a record that failed in A and then in B keeps both origins; a redrive
+    of C puts it back in B as B's dead letter of A, and a redrive of B puts it back in A."""
+    c = mk(node, "chain-c-")
+    b = mk(node, "chain-b-", max_deliveries=1, dead_letter_topic=c)
+    a = mk(node, "chain-a-", max_deliveries=1, dead_letter_topic=b)
+    dead_letter_one(node, a, b"traveller", "in-a")
+    wait_for(lambda: lag(node, b) == 1, 10, 0.05, "in b")
+    m = take(node, b)
+    assert m["dead_letter"]["topic"] == a and m["dead_letter"]["reason"] == "in-a"
+    assert nack(node, b, m["receipt_handle"], "&reason=in-b").status == 204
+    wait_for(lambda: lag(node, c) == 1, 10, 0.05, "in c")
+    m = take(node, c)
+    assert m["dead_letter"]["topic"] == b and m["dead_letter"]["reason"] == "in-b"
+    assert nack(node, c, m["receipt_handle"]).status == 204
+    assert node.request("PATCH", f"/v1/topics/{b}", body={"max_deliveries": 5}).status == 200
+    assert node.post(f"/v1/topics/{c}/redrive").json() == {"redriven": 1, "skipped": 0}
+    m = take(node, b)  # back in B, as A's dead letter again
+    assert m["payload"] == "traveller" and m["dead_letter"]["topic"] == a and m["dead_letter"]["reason"] == "in-a"
+    assert nack(node, b, m["receipt_handle"]).status == 204  # (given back: 1 delivery of 5)
+    # (a redrive takes what is deliverable now, without waiting: it is retried until the
+    # give-back reached the worker the call came to)
+    r = wait_for(lambda: (lambda x: x if x.json() != {"redriven": 0, "skipped": 0} else None)(
+        node.post(f"/v1/topics/{b}/redrive")), 10, 0.05, "the redrive of B")
+    assert r.json() == {"redriven": 1, "skipped": 0}
+    home = take(node, a)
+    assert home["payload"] == "traveller" and "dead_letter" not in home
+
+
+def test_a_dead_letter_cycle_is_refused(node: Node) -> None:
+    """A -> B -> A would send a record failing in both round for ever: the setting that
+    closes a cycle is a 400 that names it, on PATCH and on create (a topic named as a
+    dead-letter topic before it was made again)."""
+    b = mk(node, "cyc-b-")
+    a = mk(node, "cyc-a-", max_deliveries=1, dead_letter_topic=b)
+    r = node.request("PATCH", f"/v1/topics/{b}", body={"max_deliveries": 1, "dead_letter_topic": a})
+    assert r.status == 400 and "cycle" in r.json()["error"] and f"{b} -> {a} -> {b}" in r.json()["error"], r
+    c = mk(node, "cyc-c-", max_deliveries=2, dead_letter_topic=a)  # C -> A -> B: a chain, fine
+    r = node.request("PATCH", f"/v1/topics/{b}", body={"max_deliveries": 1, "dead_letter_topic": c})
+    assert r.status == 400 and "cycle" in r.json()["error"], r
+    assert "dead_letter_topic" not in node.get(f"/v1/topics/{b}").json()
+    # B deleted while A still names it; B made again naming A closes A -> B -> A.
+    assert node.request("DELETE", f"/v1/topics/{b}").status == 204
+    r = node.post("/v1/topics", {"name": b, "partitions": PARTS, "max_deliveries": 1, "dead_letter_topic": a})
+    assert r.status == 400 and "cycle" in r.json()["error"], r
+    assert node.get(f"/v1/topics/{b}").status == 404
+
+
+def test_a_fan_out_copy_of_a_dead_letter_is_not_redriven_while_its_dead_letter_topic_is_there(node: Node) -> None:
+    """A child of a dead-letter topic holds copies of its dead letters; detached, it is a
+    plain topic, but a redrive of it skips those copies (the dead-letter topic's own
+    record is the one sent back), so the origin gets each record once. With the
+    dead-letter topic deleted, the copies are all that is left: they are redriven."""
+    dlt = mk(node, "cp-d-")
+    src = mk(node, "cp-s-", max_deliveries=1, dead_letter_topic=dlt)
+    kid = mk(node, "cp-k-")
+    assert node.post(f"/v1/topics/{dlt}/children", {"child": kid}).status in (200, 201)
+    dead_letter_one(node, src, b"once")
+    wait_for(lambda: lag(node, kid) == 1, 15, 0.05, "the child's copy")
+    assert node.request("DELETE", f"/v1/topics/{dlt}/children/{kid}").status in (200, 204)
+    assert node.post(f"/v1/topics/{kid}/redrive").json() == {"redriven": 0, "skipped": 1}
+    assert node.post(f"/v1/topics/{dlt}/redrive").json() == {"redriven": 1, "skipped": 0}
+    back = take(node, src)
+    assert back["payload"] == "once"
+    ack(node, src, back["receipt_handle"])
+    assert lag(node, src) == 0  # once, not twice
+    # The dead-letter topic deleted: the detached child's copies are what is left.
+    dlt2 = mk(node, "cp-d2-")
+    src2 = mk(node, "cp-s2-", max_deliveries=1, dead_letter_topic=dlt2)
+    kid2 = mk(node, "cp-k2-")
+    assert node.post(f"/v1/topics/{dlt2}/children", {"child": kid2}).status in (200, 201)
+    dead_letter_one(node, src2, b"only copy")
+    wait_for(lambda: lag(node, kid2) == 1, 15, 0.05, "the child's copy")
+    assert node.request("DELETE", f"/v1/topics/{dlt2}/children/{kid2}").status in (200, 204)
+    r = node.request("PATCH", f"/v1/topics/{src2}", body={"max_deliveries": 0, "dead_letter_topic": ""})
+    assert r.status == 200, r
+    assert node.request("DELETE", f"/v1/topics/{dlt2}").status == 204
+    assert node.post(f"/v1/topics/{kid2}/redrive").json() == {"redriven": 1, "skipped": 0}
+    assert take(node, src2)["payload"] == "only copy"
+
+
+class _OldOrigin(msgspec.Struct, omit_defaults=True):  # the block as the release before read it
+    t: str
+    p: int
+    o: int
+    c: int
+    k: bytes | None = None
+    r: str | None = None
+    ts: int = 0
+
+
+class _OldExt(msgspec.Struct):
+    i: str | None = None
+    h: bytes | None = None
+    d: _OldOrigin | None = None
+
+
+def test_origins_nest_up_to_a_bound() -> None:
+    """A dead letter keeps its own earlier origins (a chain), at most ``MAX_ORIGINS``, the
+    deepest dropped; an older node's decoder reads the block and ignores them."""
+    from narad.storage import frames as FR
+
+    d = None
+    for i in range(12):
+        d = FR.nest_origin(FR.DeadLetter(f"t{i}", 0, i, 1, id="ab", q="cd"), d)
+    stored = FR.pack_ext(FR.Ext(h=b'{"a":"1"}', d=d), b"body")
+    got, names = FR.read_ext(stored).d, []
+    while got is not None:
+        names.append(got.t)
+        got = got.prev
+    assert names == [f"t{i}" for i in range(11, 11 - FR.MAX_ORIGINS, -1)]
+
+    n, pos = FR.read_uvarint(stored, 0)
+    old = msgspec.msgpack.decode(stored[pos:pos + n], type=_OldExt)
+    assert old.d is not None and (old.d.t, old.d.o) == ("t11", 11) and old.h == b'{"a":"1"}'
+
+
+def test_a_raise_while_a_dead_letter_commit_fails_releases_the_record(tmp_path: Any) -> None:
+    """max_deliveries raised while a held record's dead-letter commit is on its way: the
+    record stays held (it may be in the dead-letter topic already); the commit then
+    fails (its dead-letter partition's worker stopped, killed by the supervisor as
+    stuck and forked again) and the next pass releases the record, whose count is below
+    the new maximum, instead of dead-lettering it (found by a review)."""
+    import os
+    import signal
+
+    kp = key_partition(b"k", PARTS)
+    src = next(f"rsrc{i}" for i in range(1000) if owner_worker(f"rsrc{i}", kp, 2) == 1)
+    dlq = next(f"rdlq{i}" for i in range(1000) if owner_worker(f"rdlq{i}", kp, 2) == 0)
+    n = Node(tmp_path / "data", workers=2).start()
+    stopped = None
+    try:
+        assert n.post("/v1/topics", {"name": dlq, "partitions": PARTS}).status == 201
+        assert n.post("/v1/topics", {"name": src, "partitions": PARTS, "max_deliveries": 1,
+                                     "dead_letter_topic": dlq}).status == 201
+        w1 = n.worker_connection(1)  # (produced through worker 1's WAL: worker 0's kill replays nothing of it)
+        assert n.post(f"/v1/topics/{src}/produce?key=k", b"poison", headers=OCTET, conn=w1).status == 202
+        stopped = n.worker_pids()[0]
+        os.kill(stopped, signal.SIGSTOP)  # worker 0 owns the dead-letter partition: the commit hangs
+        m = take(n, src, f"partition={kp}", conn=w1)
+        assert nack(n, src, m["receipt_handle"], conn=w1).status == 204
+        held = wait_for(lambda: (lambda x: x if x.status == 200 and sum(
+            p.get("dead_letter_held", 0) for p in x.json()["partition_stats"]) == 1 else None)(
+            n.request("GET", f"/v1/topics/{src}", conn=w1)), 10, 0.05, "held")
+        assert held.status == 200
+        time.sleep(0.5)  # (its count written: the driver's commit to worker 0 is on its way)
+        r = n.request("PATCH", f"/v1/topics/{src}", body={"max_deliveries": 3}, conn=w1)
+        assert r.status == 200, r
+        wait_for(lambda: n.worker_pids().get(0) not in (None, stopped), 60, 0.5, "worker 0 killed and forked again")
+        stopped = None
+        got = take(n, src, f"partition={kp}&wait=1s", timeout=20)
+        assert (got["payload"], got["offset"], got["delivery_count"]) == ("poison", m["offset"], 2), got
+        assert sum(p["high_watermark"] for p in n.get(f"/v1/topics/{dlq}").json()["partition_stats"]) == 0
+    finally:
+        if stopped:
+            os.kill(stopped, signal.SIGCONT)
+        n.close()

@@ -317,6 +317,14 @@ def test_a_lone_surrogate_escape_is_a_400_that_says_so(node: Node) -> None:
                  b'{"messages":[{"payload":"\\udc00x"}]}'):
         r = node.post("/v1/topics/hd-surrogate/produce/batch", body, headers={"Content-Type": "application/json"})
         assert r.status == 400 and "surrogate" in err(r), r
+    # Every JSON body says so: a batch ack's reason or delay, a topic's settings (found by a
+    # review of the wire contract).
+    j = {"Content-Type": "application/json", "X-Narad-Client": "t"}
+    for path, body in (("/v1/topics/hd-surrogate/ack?extend=0", b'{"receipt_handles":["0:0:1"],"reason":"\\ud800"}'),
+                       ("/v1/topics/hd-surrogate/ack?extend=0", b'{"receipt_handles":["0:0:1"],"delay":"\\ud800"}'),
+                       ("/v1/topics", b'{"name":"hd-s2","dead_letter_topic":"\\udc00"}')):
+        r = node.post(path, body, headers=j)
+        assert r.status == 400 and "surrogate" in err(r), (path, r)
 
 
 def test_sdk_trace_context_never_pushes_headers_past_the_bounds() -> None:

@@ -9,6 +9,7 @@ Imports narad.config, narad.meta and narad.ipc (no transports).
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -51,6 +52,20 @@ class ApiContext:
         return await self.sup.call(req, resp_type, timeout)
 
 
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def decode_why(e: Exception, body: bytes) -> str:
+    """msgspec's reason for refusing a JSON body, or a clearer one: it calls a lone
+    surrogate escape ("\\ud800" not followed by a low one: no Unicode character, so
+    no UTF-8 to store) "Input data was truncated", which does not say what to fix."""
+    why = str(e)
+    if why == "Input data was truncated" and _SURROGATE_ESCAPE.search(body):
+        return ("a \\uD800-\\uDFFF escape that is not a surrogate pair (a lone surrogate is not a "
+                "character), or the body ends early")
+    return why
+
+
 def decode_json(req: Request, typ: type[T], *, required: bool = True) -> T:
     """Strict JSON body decoding: unknown fields, trailing data, wrong types,
     integers outside int64 (``VAL.Int64`` fields) and nesting deeper than the
@@ -68,7 +83,7 @@ def decode_json(req: Request, typ: type[T], *, required: bool = True) -> T:
             raise BadRequest(f'invalid json: unknown field "{field_name}"') from None
         raise BadRequest(f"invalid json: {msg}") from None
     except msgspec.DecodeError as e:
-        raise BadRequest(f"invalid json: {e}") from None
+        raise BadRequest(f"invalid json: {decode_why(e, req.body)}") from None
     except RecursionError:
         raise BadRequest(NESTED_TOO_DEEP) from None
 

@@ -47,7 +47,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from narad.api.context import NESTED_TOO_DEEP, ApiContext, parse_int
+from narad.api.context import NESTED_TOO_DEEP, ApiContext, decode_why, parse_int
 from narad.api.hangup import cancel_on_hangup
 from narad.api.router import Reply, Request, Response, Router, empty, json_response
 from narad.broker import caps as CAPS
@@ -125,20 +125,6 @@ def _no_body_settings(body: bytes) -> None:
         if given:
             raise BadRequest(f"invalid argument: {', '.join(given)} in the body is read only by the batch form "
                              f"(no receipt_handle in the query); give it as a query parameter")
-
-
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
-
-
-def _decode_why(e: Exception, body: bytes) -> str:
-    """msgspec's reason for refusing a JSON body, or a clearer one: it calls a lone
-    surrogate escape ("\\ud800" not followed by a low one: no Unicode character, so
-    no UTF-8 to store) "Input data was truncated", which does not say what to fix."""
-    why = str(e)
-    if why == "Input data was truncated" and _SURROGATE_ESCAPE.search(body):
-        return ("a \\uD800-\\uDFFF escape that is not a surrogate pair (a lone surrogate is not a "
-                "character), or the body ends early")
-    return why
 
 
 def idem_key(raw: str) -> bytes:
@@ -928,7 +914,7 @@ class MessagesAPI:
                 raise BadRequest(f"too many messages: more than {MAX_BATCH_MESSAGES}") from None
             raise self._batch_error(e) from None
         except msgspec.DecodeError as e:
-            raise BadRequest(f"invalid json: {_decode_why(e, body)}") from None
+            raise BadRequest(f"invalid json: {decode_why(e, body)}") from None
         except RecursionError:
             raise BadRequest(NESTED_TOO_DEEP) from None
         if parsed.messages is msgspec.UNSET or not parsed.messages:
@@ -1177,7 +1163,7 @@ class MessagesAPI:
                 raise BadRequest("invalid argument: reason must be a string") from None
             raise BadRequest(f"invalid json: {e}") from None
         except msgspec.DecodeError as e:
-            raise BadRequest(f"invalid json: {e}") from None
+            raise BadRequest(f"invalid json: {decode_why(e, req.body)}") from None
         except RecursionError:
             raise BadRequest(NESTED_TOO_DEEP) from None
         handles = body.receipt_handles
@@ -1254,6 +1240,13 @@ class MessagesAPI:
         seen: set[tuple[int, int]] = set()  # (partition, offset) leased in this call
         pending: list[Item] = []  # leased, not yet acked: given back if this call fails
         store = self.ctx.store
+        ids: list[set[str]] = []
+
+        def live() -> set[str]:  # (read once a call, and only for a copy of a dead letter)
+            if not ids:
+                ids.append(_topic_ids(store))
+            return ids[0]
+
         try:
             while redriven + len(skipped) < limit:
                 # A lease as long as the call may take (the topic's own may be shorter than a
@@ -1274,7 +1267,7 @@ class MessagesAPI:
                 by_topic: dict[str, list[Entry]] = {}
                 moved: list[Item] = []
                 for it in items:
-                    got = _redrive_entry(it, store, self._incarnation, self.broker.choose_partition)
+                    got = _redrive_entry(it, t, store, self._incarnation, self.broker.choose_partition, live)
                     if got is None:
                         skipped.append(it)
                         continue
@@ -1292,8 +1285,11 @@ class MessagesAPI:
                 pending = moved
                 for name, entries in by_topic.items():
                     origin = store.topic(name)
-                    if origin is None:
-                        raise Unavailable(f'origin topic "{name}" went away during the redrive; retry')
+                    if origin is None or self._incarnation(origin) != entries[0].incarnation:
+                        # (deleted, or deleted and made again, since the produce was built: its records
+                        # stay here, given back, and the next call sees what the origin is now)
+                        raise Unavailable(f'origin topic "{name}" was deleted (or deleted and created again) '
+                                          f"during the redrive; retry")
                     await self._append(req, origin, entries)
                     self.m.redriven.labels(t.name).inc(len(entries))
                 statuses = await self.broker.settle(t, [(i.partition, i.offset, i.nonce) for i in moved], ACK)
@@ -1315,25 +1311,36 @@ REDRIVE_DEFAULT, REDRIVE_MAX = 1000, 10_000
 REDRIVE_LEASE_MS = 600_000  # a redrive's leases: longer than a call takes (they are given back or acked)
 
 
-def _redrive_entry(it: Item, store: Any, inc: Any, choose: Any) -> tuple[Entry, bytes] | None:
-    """The produce that sends a dead-letter record back to its origin (original key
-    and headers, no DeadLetter block) and the message body; None when it has no
-    origin or the origin topic is gone."""
+def _topic_ids(store: Any) -> set[str]:
+    """The ids of every topic there is now (one read of the replica)."""
+    with store.read() as r:
+        return {t.id for t in r.topics()}
+
+
+def _redrive_entry(it: Item, here: TopicRecord, store: Any, inc: Any, choose: Any,
+                   live: Callable[[], set[str]]) -> tuple[Entry, bytes] | None:
+    """The produce that sends a dead-letter record of topic `here` back to its origin
+    (original key and headers, and the origin it had itself when it was a dead letter
+    already: a chain) and the message body; None when it has no origin, the origin
+    topic is gone (a topic of that name made since is another one), or the record is
+    a copy of a dead letter committed to another topic (a fan-out child's, attached or
+    detached since: the dead-letter topic's own record is the one redriven, while that
+    topic is there; `live` gives the ids of the topics there are)."""
     try:
         ext, body = FR.split_ext(it.flags, it.payload)
     except FR.FrameError:
         return None
     d = ext.d if ext is not None else None
-    if d is None:
+    if d is None or (d.q is not None and d.q != here.id and d.q in live()):
         return None
     origin = store.topic(d.t)
-    if origin is None or (origin.delay_ms and origin.parent is not None):
-        return None  # gone, or a delay child (fed by its parent only)
+    if origin is None or (d.id is not None and d.id != origin.id) or (origin.delay_ms and origin.parent is not None):
+        return None  # gone (or another topic of that name), or a delay child (fed by its parent only)
     part = d.p if 0 <= d.p < origin.partitions else choose(origin, d.k)
     flags = it.flags & ~FR.F_EXT
     payload = body
-    if ext is not None and ext.h:
-        payload = FR.pack_ext(FR.Ext(h=ext.h), body)
+    if ext is not None and (ext.h or d.prev is not None):
+        payload = FR.pack_ext(FR.Ext(h=ext.h or None, d=d.prev), body)
         flags |= FR.F_EXT
     return Entry(origin.name, inc(origin), part, int(time.time() * 1000), flags, d.k, payload), body
 

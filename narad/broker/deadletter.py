@@ -14,7 +14,9 @@ dead-letter partition: here, another worker, another node). Only after a commit
 succeeded are its source offsets settled (as acks). So a crash between the two
 leaves the source unsettled with its count on disk: after the restart the record
 is held and dead-lettered again (at least once into the dead-letter topic, never
-lost, never live in both: the source copy is never delivered again once held).
+lost, never live in both: the source copy is never delivered again once held;
+the one exception needs a change of max_deliveries during the commit and a kill -9
+before the settle is written: docs/architecture.md).
 
 The driver takes only holds whose count reached the offset file (the
 committer's next 100 ms tick; ``Partition.written_gen``), so a kill -9 right
@@ -24,7 +26,9 @@ the offsets held and is retried every ``RETRY`` s; each failure is counted
 (``narad_dead_letter_failures_total``) and logged at most once a minute per topic.
 A frozen partition (a move's source) is left alone; its counts travel with the
 move and the destination holds the records again. Lowering ``max_deliveries`` to
-0 releases what is held (delivered again).
+0 releases what is held (delivered again); raising it releases what is held below
+the new maximum, and a pass releases those a raise found in flight once their
+commit failed.
 
 Test seam: NARAD_FAULT_DLQ_HOLD_SETTLE_MS (a pause between the commit and the settle).
 
@@ -69,10 +73,15 @@ UNWRITTEN_RECHECK = 0.12  # a hold whose count is not in the offset file yet: lo
 
 
 def dead_letter_record(topic: str, partition: int, offset: int, deliveries: int, reason: str | None,
-                       rec: tuple[bytes | None, int, int, bytes]) -> tuple[bytes | None, int, bytes]:
-    """(key, flags, payload) of the dead-letter copy of `rec` (key, committed-at, flags, stored payload)."""
+                       rec: tuple[bytes | None, int, int, bytes], topic_id: str | None = None,
+                       into: str | None = None) -> tuple[bytes | None, int, bytes]:
+    """(key, flags, payload) of the dead-letter copy of `rec` (key, committed-at, flags,
+    stored payload) of topic `topic` (its id `topic_id`), committed into the dead-letter
+    topic whose id is `into`. A record that was a dead letter itself keeps its own
+    origin under the new one (``FR.nest_origin``): a redrive restores it."""
     key, ts, flags, stored = rec
     headers = None
+    prev = None
     try:
         ext, body = FR.split_ext(flags, stored)
     except FR.FrameError:
@@ -80,7 +89,11 @@ def dead_letter_record(topic: str, partition: int, offset: int, deliveries: int,
         flags &= ~(FR.F_JSON | FR.F_UTF8)
     if ext is not None:
         headers = ext.h or None  # kept; the idempotency key is not (the copy is a new record)
-    dl = FR.DeadLetter(t=topic, p=partition, o=offset, c=deliveries, k=key, r=reason or None, ts=ts)
+        prev = ext.d
+    dl = FR.DeadLetter(t=topic, p=partition, o=offset, c=deliveries, k=key, r=reason or None, ts=ts,
+                       id=topic_id, q=into)
+    if prev is not None:
+        dl = FR.nest_origin(dl, prev)
     payload = FR.pack_ext(FR.Ext(h=headers, d=dl), body)
     return key, flags | FR.F_EXT, payload
 
@@ -178,6 +191,16 @@ class DeadLetterDriver:
             if p.on_released is not None:
                 p.on_released(p)
             return
+        maxd = t.max_deliveries
+        if any(p.deliveries.get(o, 0) < maxd for o in p.dead if o not in p.dead_flight):
+            # Held below the maximum: a raise found them on their way to the dead-letter
+            # topic and that commit failed; they go out again now, as the raise let go of
+            # the rest (``Broker._delivery_settings``).
+            p.release_dead(maxd)
+            if p.on_released is not None:
+                p.on_released(p)
+            if not p.dead:
+                return
         dlt = b.store.topic(t.dead_letter_topic)
         if dlt is None:
             self._failed(t.name, len(p.dead), f'dead-letter topic "{t.dead_letter_topic}" does not exist')
@@ -231,7 +254,8 @@ class DeadLetterDriver:
                 continue
             except (LogClosed, NotVisible):
                 return
-            out = dead_letter_record(p.topic, p.index, off, p.deliveries.get(off, 0), p.reasons.get(off), rec)
+            out = dead_letter_record(p.topic, p.index, off, p.deliveries.get(off, 0), p.reasons.get(off), rec,
+                                     p.topic_id, dlt.id)
             dp = b.choose_partition(dlt, out[0])
             n = len(out[2]) + len(out[0] or b"") + 64
             total += n

@@ -371,6 +371,7 @@ class MetaService:
             self._name_free(name)
             if dlt is not None:
                 _check_dead_letter_topic(self.store.topic(dlt), dlt, req.who, user)
+                _no_dead_letter_cycle(self.store.topic, name, dlt)
             rec = TopicRecord(
                 name=name, id=secrets.token_hex(8), partitions=parts, retention_ms=retention,
                 visibility_timeout_ms=vis, max_in_flight_per_partition=inflight,
@@ -731,6 +732,7 @@ class MetaService:
                                          f"another topic")
                     _check_dead_letter_topic(self.store.topic(req.dead_letter_topic), req.dead_letter_topic,
                                              req.who, user, current, self.store.user)
+                    _no_dead_letter_cycle(self.store.topic, name, req.dead_letter_topic)
                 _delivery_after(current, req)
             # Field groups apply in Narad's order, each its own entry, each checked
             # against the incarnation it was read from.
@@ -1357,6 +1359,31 @@ def _delivery_after(t: TopicRecord, req: Q.AlterTopicReq) -> None:
     if maxd and dlt is None:
         raise BadRequest("invalid argument: max_deliveries needs a dead_letter_topic (a record "
                          "past its last delivery goes there, it is never dropped)")
+
+
+MAX_DEAD_LETTER_CHAIN = 64  # dead-letter topics followed from a new setting, looking for a cycle
+
+
+def _no_dead_letter_cycle(topic: Callable[[str], TopicRecord | None], name: str, dlt: str) -> None:
+    """400 when naming `dlt` as the dead-letter topic of `name` closes a cycle (the
+    chain of dead-letter topics from `dlt` comes back to `name`): a record that fails
+    everywhere would go round for ever and never stop anywhere, which is what a
+    dead-letter topic is for. (Checked under the two names' locks: two settings that
+    close a longer cycle together, on other topics at once, are not seen.)"""
+    seen = [dlt]
+    cur = topic(dlt)
+    for _ in range(MAX_DEAD_LETTER_CHAIN):
+        nxt = cur.dead_letter_topic if cur is not None else None
+        if nxt is None:
+            return
+        seen.append(nxt)
+        if nxt.casefold() == name.casefold():
+            raise BadRequest(f"invalid argument: dead_letter_topic {dlt!r} closes a cycle ("
+                             f"{' -> '.join([name, *seen])}): a record failing in each would go round for ever; "
+                             f"end the chain at a topic without a dead_letter_topic")
+        cur = topic(nxt)
+    raise BadRequest(f"invalid argument: the chain of dead-letter topics from {dlt!r} is longer than "
+                     f"{MAX_DEAD_LETTER_CHAIN}")
 
 
 def _check_dead_letter_topic(rec: TopicRecord | None, name: str, who: G.Identity, user: UserRecord | None,

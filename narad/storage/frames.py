@@ -184,6 +184,25 @@ class DeadLetter(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=False
     k: bytes | None = None  # source key
     r: str | None = None  # the last nack's reason
     ts: int = 0  # committed-at ms in the source
+    # Later fields (an older node ignores them; a record without them is redriven by name):
+    id: str | None = None  # the source topic's id: a redrive sends it back to that incarnation only
+    q: str | None = None  # the id of the dead-letter topic it was committed to (a copy elsewhere is not redriven)
+    prev: DeadLetter | None = None  # its own origin when it was a dead letter itself (a chain), to restore
+
+
+MAX_ORIGINS = 8  # origins a dead letter keeps (a chain's deepest beyond this is dropped)
+
+
+def nest_origin(d: DeadLetter, prev: DeadLetter | None, keep: int = MAX_ORIGINS) -> DeadLetter:
+    """`d` with `prev` under it, at most `keep` origins in all (the deepest dropped)."""
+    chain: list[DeadLetter] = []
+    while prev is not None and len(chain) < keep - 1:
+        chain.append(prev)
+        prev = prev.prev
+    under = None
+    for o in reversed(chain):
+        under = msgspec.structs.replace(o, prev=under)
+    return msgspec.structs.replace(d, prev=under)
 
 
 class Ext(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=False):

@@ -324,9 +324,9 @@ def test_fits_says_exactly_whether_every_count_is_written() -> None:
 
 def test_the_dead_letter_copy_and_the_redrive_produce() -> None:
     """The dead-letter copy keeps key, body, body flags and headers, drops an
-    idempotency key and a previous origin, adds this origin; the redrive's produce
-    gives back the original key, partition, headers and body without the origin; a
-    damaged block travels as an opaque body."""
+    idempotency key, adds this origin with a previous one under it (a chain); the
+    redrive's produce gives back the original key, partition, headers and body with
+    the previous origin only; a damaged block travels as an opaque body."""
     from types import SimpleNamespace
 
     from narad.api.messages import _redrive_entry
@@ -341,7 +341,7 @@ def test_the_dead_letter_copy_and_the_redrive_produce() -> None:
     assert key == b"k" and flags == FR.F_JSON | FR.F_EXT
     ext, b2 = FR.split_ext(flags, payload)
     assert b2 == body and ext is not None and ext.h == b'{"trace":"t1"}' and ext.i is None
-    assert ext.d == FR.DeadLetter("src", 2, 40, 3, b"k", "bad", 1234)
+    assert ext.d == FR.DeadLetter("src", 2, 40, 3, b"k", "bad", 1234, prev=FR.DeadLetter("older", 9, 9, 9))
     # a plain record: only the origin block is added
     _, flags, payload = dead_letter_record("src", 0, 1, 2, None, (None, 5, FR.F_UTF8, b"text"))
     ext, b2 = FR.split_ext(flags, payload)
@@ -357,20 +357,24 @@ def test_the_dead_letter_copy_and_the_redrive_produce() -> None:
     inc = lambda t: bytes.fromhex(t.id)  # noqa: E731
     choose = lambda t, k: 0  # noqa: E731
     key, flags, payload = dead_letter_record("src", 2, 40, 3, "bad", (b"k", 1234, FR.F_JSON | FR.F_EXT, stored))
-    got = _redrive_entry(Item(1, 7, 1, key, 99, flags, payload), store, inc, choose)
+    here = SimpleNamespace(name="dlq", id="11" * 8)
+    got = _redrive_entry(Item(1, 7, 1, key, 99, flags, payload), here, store, inc, choose, set)  # type: ignore[arg-type]
     assert got is not None
     e, b1 = got
     assert (e.topic, e.partition, e.key) == ("src", 2, b"k") and b1 == body
     ext, b2 = FR.split_ext(e.flags, e.payload)
-    assert b2 == body and ext == FR.Ext(h=b'{"trace":"t1"}') and e.flags == FR.F_JSON | FR.F_EXT
+    assert b2 == body and ext == FR.Ext(h=b'{"trace":"t1"}', d=FR.DeadLetter("older", 9, 9, 9))
+    assert e.flags == FR.F_JSON | FR.F_EXT
     _, flags, payload = dead_letter_record("src", 5, 1, 2, None, (None, 5, FR.F_UTF8, b"text"))
-    got = _redrive_entry(Item(1, 8, 1, None, 99, flags, payload), store, inc, choose)
+    got = _redrive_entry(Item(1, 8, 1, None, 99, flags, payload), here, store, inc, choose, set)  # type: ignore[arg-type]
     assert got is not None
     e = got[0]
     assert e.partition == 0 and e.flags == FR.F_UTF8 and e.payload == b"text"  # 5 >= 3: chosen
-    assert _redrive_entry(Item(1, 9, 1, None, 99, FR.F_UTF8, b"x"), store, inc, choose) is None  # no origin
+    assert _redrive_entry(Item(1, 9, 1, None, 99, FR.F_UTF8, b"x"), here, store, inc, choose,  # type: ignore[arg-type]
+                          set) is None  # no origin
     _, flags, payload = dead_letter_record("gone", 0, 1, 2, None, (None, 5, 0, b"x"))
-    assert _redrive_entry(Item(1, 9, 1, None, 99, flags, payload), store, inc, choose) is None  # origin gone
+    assert _redrive_entry(Item(1, 9, 1, None, 99, flags, payload), here, store, inc, choose,  # type: ignore[arg-type]
+                          set) is None  # origin gone
 
 
 class _DriverBroker:

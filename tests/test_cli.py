@@ -407,8 +407,8 @@ def test_sub_millisecond_durations_round_up_never_to_the_default(node: Node, cfg
     sees 1 ms and says what the window may be; no topic is made."""
     from narad.cli.fmt import parse_duration
 
-    assert [parse_duration(v) for v in ("0.4ms", "500us", "1ns", "1.1s", "0", "0s", "2.5s")] == [
-        1, 1, 1, 1100, 0, 0, 2500]
+    assert [parse_duration(v) for v in ("0.4ms", "500us", "1ns", "0.5ns", "1.1s", "0", "0s", "0.0ms", "2.5s")] == [
+        1, 1, 1, 1, 1100, 0, 0, 0, 2500]
     r = narad(node, cfg, "topic", "add", "cli-tiny", "--partitions", "3", "--idempotency-window", "0.4ms", code=1)
     assert "idempotency_window_ms" in one_error_line(r) and "got 1" in r.stderr
     assert node.get("/v1/topics/cli-tiny").status == 404

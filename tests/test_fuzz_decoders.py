@@ -856,6 +856,37 @@ def test_idempotency_key_fast_paths_agree_with_msgspec_under_mutation(key: str, 
     assert IDEM.key_of(FR.F_EXT, m) == want
 
 
+def test_the_commits_in_place_key_read_agrees_with_key_of_at_every_key_length() -> None:
+    """Every key length the API takes (0 to 128 bytes), and for each a key one byte
+    longer that starts with the str8 length byte: a real commit drops exactly the
+    repeats ``key_of`` names. (A 56-byte key's str8 head, 0xD9, equals the fixstr test
+    for its block length 61: the in-place read took "8" + key for it, so the key
+    "8" + K was a false repeat of K and K itself was never found again after a
+    restart: found by a review.)"""
+    from narad.broker import idem as IDEM
+
+    keys = [("k" * n).encode() for n in range(129)]
+    keys += [v for k in keys if 32 <= len(k) < 128  # what a str8 head read as the key gives
+             if (v := bytes([len(k)]) + k) not in keys]
+    batch = [(None, FR.F_EXT, FR.pack_idem(k, b"body")) for k in keys + keys[:3]]
+    want = [i for i, (_k, f, st_) in enumerate(batch) if IDEM.key_of(f, st_) in
+            {IDEM.key_of(f2, s2) for _k2, f2, s2 in batch[:i]}]
+    assert want == [len(keys), len(keys) + 1, len(keys) + 2] and len(keys) > 200
+    with tempfile.TemporaryDirectory() as d:
+        p = _partition(Path(d), 0)
+
+        async def go() -> Any:
+            p.loop = asyncio.get_running_loop()
+            with ThreadPoolExecutor(1) as ex:
+                return await p.commit(batch, ex)
+
+        _off, dups = asyncio.run(go())
+        assert dups == want
+        assert set(p.idem.keys) == {k.decode() for k in keys}
+        assert set(IDEM.rebuild(p.log, 300_000, int(time.time() * 1000))[0].keys) == set(p.idem.keys)
+        p.log.close()
+
+
 @FUZZ
 @given(st.lists(st.tuples(st.sampled_from(["a", "b", "é", "k" * 31, "k" * 32, "x" * 40, "", None]),
                           st.integers(0, 60), st.integers(-1, 255)), min_size=1, max_size=12))

@@ -321,7 +321,7 @@ def render_leased(topic: str, it: Item) -> MessageOut | _Leased | _LeasedKey:
                 and body[6] == 0x7B and body[b0] == 0x7D:
             hdr = msgspec.Raw(body[6 : b0 + 1])
             body = body[b0 + 1 :]
-        elif head[:3] == _KEY_ALONE and len(body) > (b0 := body[0]) >= 4 and body[4] == 0x9C + b0:
+        elif head[:3] == _KEY_ALONE and 35 >= (b0 := body[0]) >= 4 and len(body) > b0 and body[4] == 0x9C + b0:
             body = body[b0 + 1 :]
         else:
             hs, he, pos = FR.plain_block(body)
@@ -1265,6 +1265,7 @@ class MessagesAPI:
                 items = fresh
                 pending = list(items)
                 by_topic: dict[str, list[Entry]] = {}
+                items_of: dict[str, list[Item]] = {}
                 moved: list[Item] = []
                 for it in items:
                     got = _redrive_entry(it, t, store, self._incarnation, self.broker.choose_partition, live)
@@ -1281,17 +1282,42 @@ class MessagesAPI:
                         skipped.append(it)  # the origin's schema (as it is now) refuses it: left here
                         continue
                     by_topic.setdefault(e.topic, []).append(e)
+                    items_of.setdefault(e.topic, []).append(it)
                     moved.append(it)
                 pending = moved
-                for name, entries in by_topic.items():
+
+                def gone(name: str, by_topic: dict[str, list[Entry]] = by_topic,
+                         redriven: int = redriven) -> Unavailable | None:
                     origin = store.topic(name)
-                    if origin is None or self._incarnation(origin) != entries[0].incarnation:
+                    if origin is None or self._incarnation(origin) != by_topic[name][0].incarnation:
                         # (deleted, or deleted and made again, since the produce was built: its records
                         # stay here, given back, and the next call sees what the origin is now)
-                        raise Unavailable(f'origin topic "{name}" was deleted (or deleted and created again) '
-                                          f"during the redrive; retry")
-                    await self._append(req, origin, entries)
-                    self.m.redriven.labels(t.name).inc(len(entries))
+                        return Unavailable(f'origin topic "{name}" was deleted (or deleted and created again) '
+                                           f"during the redrive; {redriven} record(s) were redriven before it; retry")
+                    return None
+
+                for name in by_topic:  # every origin first: nothing is produced when one is gone
+                    if (err := gone(name)) is not None:
+                        raise err
+                produced: list[Item] = []
+                try:
+                    for name, entries in by_topic.items():
+                        if (err := gone(name)) is not None:  # (gone while an earlier origin's produce ran)
+                            raise err
+                        await self._append(req, store.topic(name), entries)  # type: ignore[arg-type]
+                        self.m.redriven.labels(t.name).inc(len(entries))
+                        produced.extend(items_of[name])
+                except BaseException:
+                    if produced:  # durable in their origins: acked here (not sent twice), the rest given back
+                        done = {id(i) for i in produced}
+                        pending = [i for i in pending if id(i) not in done]
+                        try:
+                            await self.broker.settle(t, [(i.partition, i.offset, i.nonce) for i in produced], ACK)
+                        except Exception:
+                            log.warning("redriven records could not be acked in the dead-letter topic after a "
+                                        "failed redrive; a later redrive sends them again",
+                                        extra={"topic": t.name, "records": len(produced)})
+                    raise
                 statuses = await self.broker.settle(t, [(i.partition, i.offset, i.nonce) for i in moved], ACK)
                 pending = []
                 acked = sum(1 for st in statuses if st == 204)

@@ -588,9 +588,10 @@ class Partition:
                     for j, (key, flags, payload) in enumerate(batch):
                         if flags & ext and (head := payload[1:4]) != hdr_alone:  # (headers alone: no key)
                             b0 = payload[0]
-                            if head == key_alone and len(payload) > b0 >= 4 and payload[4] == 0x9C + b0:
+                            if head == key_alone and 35 >= b0 >= 4 and len(payload) > b0 and payload[4] == 0x9C + b0:
                                 # ``key_of``'s common case read in place: a key alone under 32
-                                # bytes (a fixstr of b0 - 4 bytes ending where the block does)
+                                # bytes (a fixstr of b0 - 4 bytes ending where the block does;
+                                # a longer key's str8 head can pass the type test, not the bound)
                                 try:
                                     k: str | None = payload[5 : b0 + 1].decode()
                                 except UnicodeDecodeError:

@@ -41,7 +41,9 @@ def parse_duration(text: str) -> int:
         pos = m.end()
     if pos == 0:
         raise ValueError(f"{text!r} is not a duration (such as 12h, 1h30m, 30s, 500ms, 7d or 0)")
-    return math.ceil(round(total, 6))  # (to the ns first: 1.1s is 1100 ms, not 1101)
+    if total <= 0:
+        return 0
+    return max(1, math.ceil(round(total, 6)))  # (to the ns first: 1.1s is 1100 ms, not 1101; 0.5ns is 1)
 
 
 def format_duration(ms: int) -> str:

@@ -542,6 +542,11 @@ class MetaService:
                     raise Conflict(f'topic "{child.name}" names "{par.name}" as its dead-letter topic: as its '
                                    f"child, its dead letters would be copied straight back into it; point its "
                                    f"dead_letter_topic elsewhere first")
+                back = _flow_path(self.store.topic, child.name, par.name)
+                if back is not None:  # (through dead-letter topics: the attach would close a cycle)
+                    raise Conflict(f"attaching {child.name!r} under {par.name!r} closes a cycle of dead-letter "
+                                   f"topics ({' -> '.join([par.name, *back])}): a record failing in each would "
+                                   f"go round for ever; change a dead_letter_topic on the way first")
                 self._schema_fit(par, child, None, child.name)
                 self._attach_point(par, req.parent_id, req.attach_offsets)
                 res = await self.write(C.AttachChildCas(par.name, par.id, child.name, child.id, req.delay_ms,
@@ -1361,29 +1366,51 @@ def _delivery_after(t: TopicRecord, req: Q.AlterTopicReq) -> None:
                          "past its last delivery goes there, it is never dropped)")
 
 
-MAX_DEAD_LETTER_CHAIN = 64  # dead-letter topics followed from a new setting, looking for a cycle
+MAX_FLOW_TOPICS = 4096  # topics followed from a new dead-letter setting or attach, looking for a cycle
+
+
+def _flow_path(topic: Callable[[str], TopicRecord | None], start: str, target: str) -> list[str] | None:
+    """The topics a record can reach from `start` up to `target` (a path, `start`
+    first), following where records go on: to a topic's dead-letter topic and to its
+    fan-out children; None when `target` cannot be reached. Names are compared as the
+    store looks them up (exactly). A larger graph than ``MAX_FLOW_TOPICS`` is a 400."""
+    came: dict[str, str | None] = {start: None}
+    todo = [start]
+    while todo:
+        cur = todo.pop()
+        if cur == target:
+            path: list[str] = []
+            at: str | None = cur
+            while at is not None:
+                path.append(at)
+                at = came[at]
+            return path[::-1]
+        rec = topic(cur)
+        if rec is None:
+            continue
+        for nxt in ([rec.dead_letter_topic] if rec.dead_letter_topic else []) + list(rec.children):
+            if nxt not in came:
+                if len(came) >= MAX_FLOW_TOPICS:
+                    raise BadRequest(f"invalid argument: more than {MAX_FLOW_TOPICS} topics are reached from "
+                                     f"{start!r} through dead-letter topics and children: too many to check for "
+                                     f"a cycle")
+                came[nxt] = cur
+                todo.append(nxt)
+    return None
 
 
 def _no_dead_letter_cycle(topic: Callable[[str], TopicRecord | None], name: str, dlt: str) -> None:
-    """400 when naming `dlt` as the dead-letter topic of `name` closes a cycle (the
-    chain of dead-letter topics from `dlt` comes back to `name`): a record that fails
-    everywhere would go round for ever and never stop anywhere, which is what a
-    dead-letter topic is for. (Checked under the two names' locks: two settings that
-    close a longer cycle together, on other topics at once, are not seen.)"""
-    seen = [dlt]
-    cur = topic(dlt)
-    for _ in range(MAX_DEAD_LETTER_CHAIN):
-        nxt = cur.dead_letter_topic if cur is not None else None
-        if nxt is None:
-            return
-        seen.append(nxt)
-        if nxt.casefold() == name.casefold():
-            raise BadRequest(f"invalid argument: dead_letter_topic {dlt!r} closes a cycle ("
-                             f"{' -> '.join([name, *seen])}): a record failing in each would go round for ever; "
-                             f"end the chain at a topic without a dead_letter_topic")
-        cur = topic(nxt)
-    raise BadRequest(f"invalid argument: the chain of dead-letter topics from {dlt!r} is longer than "
-                     f"{MAX_DEAD_LETTER_CHAIN}")
+    """400 when naming `dlt` as the dead-letter topic of `name` closes a cycle (from
+    `dlt`, through dead-letter topics and fan-out children, records come back to
+    `name`): a record that fails everywhere would go round for ever and never stop
+    anywhere, which is what a dead-letter topic is for. (Checked under the two names'
+    locks: two settings that close a longer cycle together, on other topics at once,
+    are not seen.)"""
+    path = _flow_path(topic, dlt, name)
+    if path is not None:
+        raise BadRequest(f"invalid argument: dead_letter_topic {dlt!r} closes a cycle ("
+                         f"{' -> '.join([name, *path])}): a record failing in each would go round for ever; "
+                         f"end the chain at a topic without a dead_letter_topic")
 
 
 def _check_dead_letter_topic(rec: TopicRecord | None, name: str, who: G.Identity, user: UserRecord | None,

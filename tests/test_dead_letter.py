@@ -1110,18 +1110,25 @@ def test_a_dead_letter_cycle_is_refused(node: Node) -> None:
     assert r.status == 201, r
 
 
+def copy_in_a_detached_child(n: Node, prefix: str, body: bytes) -> tuple[str, str, str]:
+    """A dead-letter topic with a child, `body` dead-lettered into it from a source and
+    copied into the child, then the child detached: (dead-letter topic, source, child)."""
+    dlt = mk(n, f"{prefix}d-")
+    src = mk(n, f"{prefix}s-", max_deliveries=1, dead_letter_topic=dlt)
+    kid = mk(n, f"{prefix}k-")
+    assert n.post(f"/v1/topics/{dlt}/children", {"child": kid}).status in (200, 201)
+    dead_letter_one(n, src, body)
+    wait_for(lambda: lag(n, kid) == 1, 15, 0.05, "the child's copy")
+    assert n.request("DELETE", f"/v1/topics/{dlt}/children/{kid}").status in (200, 204)
+    return dlt, src, kid
+
+
 def test_a_fan_out_copy_of_a_dead_letter_is_not_redriven_while_its_dead_letter_topic_is_there(node: Node) -> None:
     """A child of a dead-letter topic holds copies of its dead letters; detached, it is a
     plain topic, but a redrive of it skips those copies (the dead-letter topic's own
     record is the one sent back), so the origin gets each record once. With the
     dead-letter topic deleted, the copies are all that is left: they are redriven."""
-    dlt = mk(node, "cp-d-")
-    src = mk(node, "cp-s-", max_deliveries=1, dead_letter_topic=dlt)
-    kid = mk(node, "cp-k-")
-    assert node.post(f"/v1/topics/{dlt}/children", {"child": kid}).status in (200, 201)
-    dead_letter_one(node, src, b"once")
-    wait_for(lambda: lag(node, kid) == 1, 15, 0.05, "the child's copy")
-    assert node.request("DELETE", f"/v1/topics/{dlt}/children/{kid}").status in (200, 204)
+    dlt, src, kid = copy_in_a_detached_child(node, "cp-", b"once")
     assert node.post(f"/v1/topics/{kid}/redrive").json() == {"redriven": 0, "skipped": 1}
     assert node.post(f"/v1/topics/{dlt}/redrive").json() == {"redriven": 1, "skipped": 0}
     back = take(node, src)
@@ -1129,13 +1136,7 @@ def test_a_fan_out_copy_of_a_dead_letter_is_not_redriven_while_its_dead_letter_t
     ack(node, src, back["receipt_handle"])
     assert lag(node, src) == 0  # once, not twice
     # The dead-letter topic deleted: the detached child's copies are what is left.
-    dlt2 = mk(node, "cp-d2-")
-    src2 = mk(node, "cp-s2-", max_deliveries=1, dead_letter_topic=dlt2)
-    kid2 = mk(node, "cp-k2-")
-    assert node.post(f"/v1/topics/{dlt2}/children", {"child": kid2}).status in (200, 201)
-    dead_letter_one(node, src2, b"only copy")
-    wait_for(lambda: lag(node, kid2) == 1, 15, 0.05, "the child's copy")
-    assert node.request("DELETE", f"/v1/topics/{dlt2}/children/{kid2}").status in (200, 204)
+    dlt2, src2, kid2 = copy_in_a_detached_child(node, "cp2-", b"only copy")
     r = node.request("PATCH", f"/v1/topics/{src2}", body={"max_deliveries": 0, "dead_letter_topic": ""})
     assert r.status == 200, r
     assert node.request("DELETE", f"/v1/topics/{dlt2}").status == 204

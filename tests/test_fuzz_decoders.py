@@ -856,6 +856,26 @@ def test_idempotency_key_fast_paths_agree_with_msgspec_under_mutation(key: str, 
     assert IDEM.key_of(FR.F_EXT, m) == want
 
 
+def _commit_keyed(batch: list[tuple[bytes | None, int, bytes]]) -> tuple[list[int], set[str], set[str]]:
+    """One real commit of `batch` into a fresh partition: (the indexes dropped as
+    repeats, the keys its table holds, the keys a rebuild at open reads back)."""
+    from narad.broker import idem as IDEM
+
+    with tempfile.TemporaryDirectory() as d:
+        p = _partition(Path(d), 0)
+
+        async def go() -> Any:
+            p.loop = asyncio.get_running_loop()
+            with ThreadPoolExecutor(1) as ex:
+                return await p.commit(batch, ex)
+
+        try:
+            _off, dups = asyncio.run(go())
+            return dups, set(p.idem.keys), set(IDEM.rebuild(p.log, 300_000, int(time.time() * 1000))[0].keys)
+        finally:
+            p.log.close()
+
+
 def test_the_commits_in_place_key_read_agrees_with_key_of_at_every_key_length() -> None:
     """Every key length the API takes (0 to 128 bytes), and for each a key one byte
     longer that starts with the str8 length byte: a real commit drops exactly the
@@ -872,19 +892,8 @@ def test_the_commits_in_place_key_read_agrees_with_key_of_at_every_key_length() 
     want = [i for i, (_k, f, st_) in enumerate(batch) if IDEM.key_of(f, st_) in
             {IDEM.key_of(f2, s2) for _k2, f2, s2 in batch[:i]}]
     assert want == [len(keys), len(keys) + 1, len(keys) + 2] and len(keys) > 200
-    with tempfile.TemporaryDirectory() as d:
-        p = _partition(Path(d), 0)
-
-        async def go() -> Any:
-            p.loop = asyncio.get_running_loop()
-            with ThreadPoolExecutor(1) as ex:
-                return await p.commit(batch, ex)
-
-        _off, dups = asyncio.run(go())
-        assert dups == want
-        assert set(p.idem.keys) == {k.decode() for k in keys}
-        assert set(IDEM.rebuild(p.log, 300_000, int(time.time() * 1000))[0].keys) == set(p.idem.keys)
-        p.log.close()
+    dups, table, rebuilt = _commit_keyed(batch)
+    assert dups == want and table == rebuilt == {k.decode() for k in keys}
 
 
 @FUZZ
@@ -912,19 +921,8 @@ def test_the_commits_in_place_key_read_agrees_with_key_of(recs: list[tuple[str |
             if k in seen:
                 want_dups.append(j)
             seen.add(k)
-    with tempfile.TemporaryDirectory() as d:
-        p = _partition(Path(d), 0)
-
-        async def go() -> Any:
-            p.loop = asyncio.get_running_loop()
-            with ThreadPoolExecutor(1) as ex:
-                return await p.commit(batch, ex)
-
-        _off, dups = asyncio.run(go())
-        assert dups == want_dups
-        assert set(p.idem.keys) == seen
-        assert set(IDEM.rebuild(p.log, 300_000, int(time.time() * 1000))[0].keys) == seen
-        p.log.close()
+    dups, table, rebuilt = _commit_keyed(batch)
+    assert dups == want_dups and table == rebuilt == seen
 
 
 @FAST

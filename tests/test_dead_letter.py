@@ -731,6 +731,42 @@ def test_a_kill9_between_the_dead_letter_commit_and_the_settle_gives_a_duplicate
         n.close()
 
 
+def test_a_raise_during_the_dead_letter_commit_then_a_kill9_never_leaves_the_record_live_in_both(
+        tmp_path: Any) -> None:
+    """The window the held mark closes: the dead-letter commit has landed, the source
+    settle is held (test seam), max_deliveries is raised past the record's count, and
+    the node is killed -9 before the settle is written. After the restart the offset
+    file's mark holds the record again (its count alone would now let it out): it is
+    dead-lettered a second time, never delivered from its source."""
+    n = Node(tmp_path / "data", workers=2, env={"NARAD_FAULT_DLQ_HOLD_SETTLE_MS": "30000"}).start()
+    try:
+        dlt, name, m = nacked_past_the_maximum(n, "kr-", b"twice", "r")
+
+        def dlt_records() -> int:
+            return sum(x["high_watermark"] for x in n.get(f"/v1/topics/{dlt}").json()["partition_stats"])
+
+        wait_for(lambda: dlt_records() == 1, 15, 0.05, "the dead-letter commit (the settle is held)")
+        r = n.request("PATCH", f"/v1/topics/{name}", {"max_deliveries": 5})
+        assert r.status == 200 and r.json()["max_deliveries"] == 5, r
+        assert consume(n, name, "wait=300ms").status == 204  # in flight: not released by the raise
+        n.kill9()
+        n.extra_env = {}
+        n.start()
+        deadline = time.monotonic() + 2
+        while time.monotonic() < deadline:
+            r = consume(n, name, "wait=200ms")
+            assert r.status == 204, f"delivered from its source after its dead-letter commit: {r}"
+        wait_for(lambda: dlt_records() == 2, 15, 0.05, "the second dead-letter copy")
+        wait_for(lambda: all(x["lag"] == 0 for x in n.get(f"/v1/topics/{name}").json()["partition_stats"]), 10,
+                 0.05, "settled in the source")
+        assert consume(n, name).status == 204
+        copies: list[dict[str, Any]] = []
+        wait_for(lambda: copies.extend(take(n, dlt, "max=10")["messages"]) or len(copies) >= 2, 10, 0.0, "both")
+        assert [(c["payload"], c["dead_letter"]["offset"]) for c in copies] == [("twice", m["offset"])] * 2
+    finally:
+        n.close()
+
+
 @pytest.mark.parametrize("again", [False, True], ids=["deleted", "deleted-and-made-again"])
 def test_a_redrive_that_fails_before_its_produce_loses_nothing(tmp_path: Any, again: bool) -> None:
     """Redrive produces each record back before it acks it in the dead-letter topic: a

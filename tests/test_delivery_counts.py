@@ -1,9 +1,10 @@
 """Delivery counts and dead-letter holds of one partition (issue 14), driven
 directly on real files: the count a lease carries, what ack / nack / expiry do
 to it, the counts tail of the offset slot (old slots decode as no counts, the
-4 KiB bound keeps the highest counts), the nack-reasons tail after it, restore
-after a crash (page cache) and a close, and the hold of a record whose deliveries
-are used up."""
+4 KiB bound keeps the highest counts), the nack-reasons tail after it, the
+held-marks tail after that, restore after a crash (page cache) and a close, and
+the hold of a record whose deliveries are used up (held again after a crash
+whatever the maximum has become)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from narad.broker.partition import Partition
 from narad.meta.records import TopicRecord
 from narad.storage import frames as FR
 from narad.storage import offsets as OFF
-from narad.storage.offsets import SLOT, OffsetFile, _decode, _decode_all, _decode_full, _encode
+from narad.storage.offsets import SLOT, OffsetFile, _decode, _decode_all, _decode_every, _decode_full, _encode
 from narad.storage.partition_log import PartitionLog
 
 
@@ -29,7 +30,7 @@ def _partition(tmp: Path, n: int) -> Partition:
     plog.open()
     offs = OffsetFile(tmp)
     p = Partition("t", "00" * 8, 0, plog, offs)
-    p.restore(*offs.load(), offs.counts, offs.reasons)
+    p.restore(*offs.load(), offs.counts, offs.reasons, offs.held)
     if n:
         with ThreadPoolExecutor(1) as ex:
             async def fill() -> None:
@@ -141,6 +142,87 @@ def test_reasons_tail_round_trip_old_readers_and_bounds() -> None:
     # a reason's bytes never invalidate a slot: bad UTF-8 decodes with replacement characters
     bad = _encode(1, 0, [], {}, {1: "\udcff"})
     assert _decode_all(bad) == (1, 0, [], {}, {1: "?"})
+
+
+def test_held_marks_tail_round_trip_old_readers_and_room() -> None:
+    raw = _encode(5, 10, [12, 15], {11: 3, 13: 1}, {11: "why"}, None, {11, 13, 15, 9})
+    assert _decode_every(raw) == (5, 10, [12, 15], {11: 3, 13: 1}, {11: "why"}, {11, 13})  # acked or below: none
+    assert _decode_all(raw) == (5, 10, [12, 15], {11: 3, 13: 1}, {11: "why"})  # a reader without marks stops before
+    assert _decode_full(raw) == (5, 10, [12, 15], {11: 3, 13: 1}) and _decode(raw) == (5, 10, [12, 15])
+    # marks alone: an empty counts tail and an empty reasons tail before them
+    assert _decode_every(_encode(1, -1, [], None, None, None, {4, 7})) == (1, -1, [], {}, {}, {4, 7})
+    assert _decode_every(_encode(1, 0, [1, 2])) == (1, 0, [1, 2], {}, {}, set())  # none: no tail at all
+    assert len(_encode(1, 0, [1, 2])) == len(_encode(1, 0, [1, 2], None, None, None, ()))
+    # marks take their room before the reasons do: long reasons give way, the marks stay
+    counts = {i: 1 for i in range(1, 40)}
+    reasons = {i: "r" * 250 for i in range(1, 40)}
+    held = set(range(1, 40))
+    got = _decode_every(_encode(2, 0, [], counts, reasons, None, held))
+    assert got is not None and got[3] == counts and got[5] == held and 0 < len(got[4]) < len(reasons)
+    # no room for every mark: the lowest go in, the rest are reported like counts left out
+    far = {i * 100_000 for i in range(1, 3000)}
+    dropped: set[int] = set()
+    got = _decode_every(_encode(3, 0, [], None, None, dropped, far))
+    assert got is not None and got[5] and dropped and got[5] | dropped == far and not got[5] & dropped
+    assert max(got[5]) < min(dropped)
+
+
+def _written(p: Partition) -> None:
+    """The committer's tick (page cache only), with the held marks it passes."""
+    f, a = p.snapshot_offsets()
+    p.offsets.write_window(f, a, p.snapshot_counts(), p.snapshot_reasons(), p.held_marks())
+
+
+def _kill9(p: Partition) -> None:
+    os.close(p.offsets._fd)  # the descriptor goes, the page cache stays
+    p.offsets._fd = -1
+
+
+def test_a_hold_is_held_again_after_a_crash_whatever_the_maximum_became(tmp_path: Path) -> None:
+    """A record held for the dead-letter topic may have its copy there at any moment:
+    after a kill -9 it is held again even though max_deliveries was raised meanwhile
+    (its count is below the new maximum), a raise does not release it, and only
+    lifting dead-lettering does. A hold a raise released before the crash is not."""
+    p = _partition(tmp_path, 3)
+    p.max_deliveries = 1
+    d = p.reserve(100.0, 2, 30.0, 1024, 1024)
+    for x in d:
+        assert p.nack(x.offset, x.nonce, 100.1)
+    assert sorted(p.dead) == [0, 1] and set(p.held_marks()) == {0, 1}
+    _written(p)
+    p.dead_flight.add(0)  # the driver's commit of offset 0 is on its way
+    p.max_deliveries = 5
+    p.release_dead(below=5)  # the raise: 1 goes out again, 0 stays (in flight)
+    assert sorted(p.dead) == [0]
+    _written(p)  # the raise reached the file: offset 1 is no longer marked
+    _kill9(p)
+    q = _reopen(tmp_path)
+    assert q.marked == {0} and q.deliveries == {0: 1, 1: 1}
+    q.max_deliveries = 5  # the topic's raised maximum
+    got = q.reserve(200.0, 3, 30.0, 1024, 1024)
+    assert sorted(x.offset for x in got) == [1, 2]  # 0 is held again, not delivered
+    assert sorted(q.dead) == [0]
+    q.release_dead(below=5)
+    assert sorted(q.dead) == [0]  # a raise does not release it
+    _written(q)
+    _kill9(q)
+    r = _reopen(tmp_path)
+    r.max_deliveries = 5
+    assert r.marked == {0} and [x.offset for x in r.reserve(300.0, 1, 30.0, 1024, 1024)] == [1]
+    assert sorted(r.dead) == [0]
+    assert r.settle_dead(0) and not r.marked  # the dead-letter copy landed: settled, the mark gone
+    _written(r)
+    _kill9(r)
+    s = _reopen(tmp_path)
+    assert s.marked == set() and s.committed == 0
+    # lifting dead-lettering releases a marked hold
+    s.max_deliveries = 1
+    assert [x.offset for x in s.reserve(400.0, 1, 30.0, 1024, 1024)] == []  # 1 (leased before) is spent: held
+    s.marked.add(2)
+    s.max_deliveries = 0
+    s.release_dead()
+    assert not s.dead and not s.marked
+    assert sorted(x.offset for x in s.reserve(401.0, 3, 30.0, 1024, 1024)) == [1, 2]
 
 
 def test_reasons_survive_a_crash_and_a_close(tmp_path: Path) -> None:

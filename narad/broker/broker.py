@@ -582,7 +582,7 @@ class Broker:
         offs = OffsetFile(d)
         frontier, ahead = offs.load(max_frontier=plog.hwm - 1)  # a frontier past the log is damage
         p = Partition(topic.name, topic.id, index, plog, offs)
-        p.restore(frontier, ahead, offs.counts, offs.reasons)
+        p.restore(frontier, ahead, offs.counts, offs.reasons, offs.held)
         frozen = TR.read_freeze(d)  # a move's freeze made before a restart holds for the rest of its TTL
         if frozen is not None:
             left_s = (frozen[1] - time.time() * 1000) / 1000
@@ -644,7 +644,7 @@ class Broker:
         frontier, ahead = p.snapshot_offsets()
         counts = p.snapshot_counts()
         reasons = p.snapshot_reasons()
-        held = frozenset(p.dead)  # their counts first, if the slot is short of room (the next owner holds them)
+        held = frozenset(p.held_marks())  # marked held (held again at the next open), their counts first
 
         def close_sync() -> None:
             try:
@@ -2081,7 +2081,7 @@ class Broker:
                     gen = p.count_gen
                     try:
                         p.counts_unwritten = p.offsets.write_window(frontier, ahead, p.snapshot_counts(),
-                                                                    p.snapshot_reasons(), p.dead)
+                                                                    p.snapshot_reasons(), p.held_marks())
                         p.written_gen = gen  # these counts survive a process crash now (but counts_unwritten)
                     except OSError as e:
                         log.error("consumer offset write failed", extra={"topic": p.topic, "err": str(e)})

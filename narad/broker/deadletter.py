@@ -14,9 +14,11 @@ dead-letter partition: here, another worker, another node). Only after a commit
 succeeded are its source offsets settled (as acks). So a crash between the two
 leaves the source unsettled with its count on disk: after the restart the record
 is held and dead-lettered again (at least once into the dead-letter topic, never
-lost, never live in both: the source copy is never delivered again once held;
-the one exception needs a change of max_deliveries during the commit and a kill -9
-before the settle is written: docs/architecture.md).
+lost, never live in both: the source copy is never delivered again once held,
+as the hold is marked in the offset file before the commit and a restart holds a
+marked record again whatever max_deliveries has become; the one exception needs
+dead-lettering lifted during the commit and a kill -9 before the settle is
+written: docs/architecture.md).
 
 The driver takes only holds whose count reached the offset file (the
 committer's next 100 ms tick; ``Partition.written_gen``), so a kill -9 right

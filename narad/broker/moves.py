@@ -183,7 +183,7 @@ class MoveSource:
         cursors = await self.b.loop.run_in_executor(self.b.io, read_cursors, d)
         hwm, segs = await self.b.loop.run_in_executor(self.b.io, TR.list_open, p.log)
         return P.MoveListResp(hwm, [(s.base, s.size, s.mtime_ms) for s in segs], int(time.time() * 1000),
-                              p.frozen(), frontier, ahead, cursors, counts, reasons, sorted(p.dead))
+                              p.frozen(), frontier, ahead, cursors, counts, reasons, sorted(p.held_marks()))
 
     async def vouch(self, m: P.MoveVouchReq) -> P.MoveVouchResp:
         """What this node (the owner, its replica says) holds of a partition another
@@ -252,7 +252,7 @@ class MoveSource:
         hwm, segs = await loop.run_in_executor(self.b.io, TR.list_open, p.log)
         return P.MoveFreezeResp(p.freeze_token or "", hwm, frontier, ahead, cursors,
                                 [(s.base, s.size, s.mtime_ms) for s in segs], int(time.time() * 1000), counts,
-                                reasons, sorted(p.dead))
+                                reasons, sorted(p.held_marks()))
 
     async def thaw(self, m: P.MoveThawReq) -> P.MoveFreezeResp:
         p = self.b.partitions.get((m.topic, m.partition))

@@ -81,7 +81,7 @@ import heapq
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -194,6 +194,10 @@ class Partition:
         self.reasons: dict[int, str] = {}  # offset -> its last nack's reason (in the offset file, room allowing)
         self.dead: dict[int, int] = {}  # held for the dead-letter driver (not deliverable) -> count_gen at the hold
         self.dead_flight: set[int] = set()  # held offsets whose dead-letter commit is on its way (the driver's)
+        # Offsets the offset file said were held (a restart, a move's destination): held again
+        # whatever their count says, and not released by a raised maximum (their dead-letter
+        # copy may exist); lifting dead-lettering releases them.
+        self.marked: set[int] = set()
         self.count_gen = 0  # bumped by every count change
         self.written_gen = 0  # the count_gen the offset file's last window write holds (the committer sets it)
         # ... except the counts of these offsets, left out of that write (its slot was full)
@@ -240,7 +244,7 @@ class Partition:
         return ts
 
     def restore(self, frontier: int, ahead: list[int], counts: dict[int, int] | None = None,
-                reasons: dict[int, str] | None = None) -> None:
+                reasons: dict[int, str] | None = None, held: set[int] | None = None) -> None:
         hwm = self.log.hwm
         # A persisted frontier never passes what the log holds.
         self.committed = min(frontier, hwm - 1)
@@ -253,6 +257,8 @@ class Partition:
         if reasons:
             self.reasons = {o: r for o, r in reasons.items()
                             if self.committed < o < hwm and o not in self.acked_ahead and r}
+        if held:
+            self.marked = {o for o in held if self.committed < o < hwm and o not in self.acked_ahead}
 
     # ---- reserve ---------------------------------------------------------------------
     def purge(self, now: float) -> int:
@@ -278,23 +284,33 @@ class Partition:
 
     def _spent(self, off: int) -> bool:
         m = self.max_deliveries
-        return m > 0 and self.deliveries.get(off, 0) >= m
+        return m > 0 and (self.deliveries.get(off, 0) >= m or off in self.marked)
 
     def _hold_if_spent(self, off: int) -> bool:
-        """A record leased ``max_deliveries`` times goes to the dead-letter driver
-        instead of out again; True if it did."""
+        """A record leased ``max_deliveries`` times (or marked held in the offset file)
+        goes to the dead-letter driver instead of out again; True if it did. The hold
+        waits for the offset file's write that marks it (``count_gen``): from then on a
+        restart holds it again whatever ``max_deliveries`` has become."""
         if not self._spent(off):
             return False
+        self.count_gen += 1
+        self.dirty = True
         self.dead[off] = self.count_gen
         if self.on_dead is not None:
             self.on_dead(self)
         return True
+
+    def held_marks(self) -> Collection[int]:
+        """The offsets to mark held in the offset file (``OffsetFile.write_window``'s
+        `first`): those held here and those a restart or a move found marked."""
+        return self.dead.keys() | self.marked if self.marked else self.dead.keys()
 
     def settle_dead(self, off: int) -> bool:
         """The dead-letter topic holds the record now: settle it here (as an ack)."""
         if off not in self.dead:
             return False
         del self.dead[off]
+        self.marked.discard(off)
         if off > self.committed:
             self._settle(off)
         if self.on_released is not None:
@@ -307,12 +323,18 @@ class Partition:
         than that) goes out again, except offsets whose dead-letter commit is on its
         way (``dead_flight``): the dead-letter topic may hold them already, so they stay
         held until that commit settles them (or, failed, the driver's next pass releases
-        them). Never live in both."""
+        them). Never live in both. A raise keeps what a restart or a move found marked
+        held (``marked``: its dead-letter copy may exist); lifting releases that too."""
         flight = self.dead_flight
         counts = self.deliveries
-        for off in [o for o in self.dead if o not in flight and (below <= 0 or counts.get(o, 0) < below)]:
+        if below <= 0:
+            self.marked.clear()
+        keep = self.marked
+        for off in [o for o in self.dead
+                    if o not in flight and o not in keep and (below <= 0 or counts.get(o, 0) < below)]:
             heapq.heappush(self._redeliver, off)
             del self.dead[off]
+        self.dirty = True  # (the marks of what was released go at the next write)
 
     def _deliverable(self, off: int) -> bool:
         return (off > self.committed and off not in self.leases and off not in self.acked_ahead
@@ -362,7 +384,8 @@ class Partition:
                 continue
             if len(self.acked_ahead) >= max_acked_ahead and off != self.committed + 1:
                 break  # at the acked-ahead cap only the frontier message goes out
-            if md > 0 and deliveries.get(off, 0) >= md:  # its count (restored, or a lowered maximum) is used up
+            if md > 0 and (deliveries.get(off, 0) >= md or off in self.marked):
+                # its count (restored, or a lowered maximum) is used up, or it was held before a restart
                 if red and red[0] == off:
                     heapq.heappop(red)
                 elif off == self.cursor:
@@ -432,6 +455,7 @@ class Partition:
                 for off in [o for o in d if o < oldest]:
                     del d[off]
             self.dead = {o: g for o, g in self.dead.items() if o >= oldest}
+            self.marked = {o for o in self.marked if o >= oldest}
             gone = [o for o in self.delayed if o < oldest]
             if gone:
                 for off in gone:
@@ -455,6 +479,8 @@ class Partition:
             self.deliveries.pop(off, None)
         if self.reasons:
             self.reasons.pop(off, None)
+        if self.marked:
+            self.marked.discard(off)
         if off == self.committed + 1:
             self.committed = off
             self._advance()

@@ -208,7 +208,7 @@ class MoveListResp(msgspec.Struct, array_like=True):
     cursors: list[tuple[str, str, int]] = []
     counts: list[tuple[int, int]] = []  # delivery counts (offset, deliveries) of unacked offsets; trailing
     reasons: list[tuple[int, str]] = []  # last nack reasons (offset, reason) of unacked offsets; trailing
-    dead: list[int] = []  # offsets held for the dead-letter topic: their counts are installed first; trailing
+    dead: list[int] = []  # offsets held for the dead-letter topic: installed marked held, counts first; trailing
 
 
 class MoveVouchReq(msgspec.Struct, tag=True, array_like=True):
@@ -261,7 +261,7 @@ class MoveFreezeResp(msgspec.Struct, array_like=True):
     now_ms: int = 0
     counts: list[tuple[int, int]] = []  # delivery counts (offset, deliveries) of unacked offsets; trailing
     reasons: list[tuple[int, str]] = []  # last nack reasons (offset, reason) of unacked offsets; trailing
-    dead: list[int] = []  # offsets held for the dead-letter topic: their counts are installed first; trailing
+    dead: list[int] = []  # offsets held for the dead-letter topic: installed marked held, counts first; trailing
 
 
 class MoveThawReq(msgspec.Struct, tag=True, array_like=True):

@@ -36,6 +36,16 @@ leave, in the counts' order of preference (highest count first); a reason left
 out is lost at a restart (its dead-letter record then says none). A slot is never
 refused for a reason's bytes: bad UTF-8 decodes with replacement characters.
 
+The third optional tail (``u32 n | n x uvarint delta``, chained from the frontier)
+marks the offsets held for the dead-letter topic (``first`` of ``write_window``):
+once one is held, its dead-letter copy may be made at any moment, so after a
+restart (or at a move's destination) it is held again whatever its count says
+against a changed ``max_deliveries``, never delivered from its source. It follows
+the reasons tail (a ``u32 0`` for each absent tail before it) but takes its room
+before the reasons do, right after the counts; a mark left out goes into
+``dropped`` like a count (the dead-letter driver waits for room). A decoder
+without it stops after the reasons.
+
 An ``OffsetFile`` is used from the event loop (``write_window``) and from I/O
 threads (``writeout``, ``level``, ``close``): one lock orders them, and after
 ``close`` every write is a no-op (a late writeout of a closed partition can
@@ -52,7 +62,7 @@ import logging
 import os
 import struct
 import threading
-from collections.abc import Container
+from collections.abc import Collection, Container, Iterable
 from pathlib import Path
 
 from crc32c import crc32c
@@ -184,8 +194,30 @@ def _encode_reasons(frontier: int, reasons: Reasons, counts: Counts, room: int) 
     return bytes(out)
 
 
+def _encode_held(frontier: int, held: Iterable[int], ahead: Container[int], room: int,
+                 dropped: set[int] | None) -> bytes:
+    """The held-marks tail within `room` bytes: the lowest offsets first; the ones
+    left out go into `dropped`."""
+    live = sorted(o for o in held if o > frontier and o not in ahead)
+    if not live:
+        return b""
+    out = bytearray()
+    prev = frontier
+    n = 0
+    for o in live:
+        enc = uvarint(o - prev)
+        if _U32.size + len(out) + len(enc) > room:
+            break
+        out += enc
+        prev = o
+        n += 1
+    if dropped is not None:
+        dropped.update(live[n:])
+    return _U32.pack(n) + bytes(out) if n else b""
+
+
 def _encode(seq: int, frontier: int, ahead: list[int], counts: Counts | None = None,
-            reasons: Reasons | None = None, dropped: set[int] | None = None, first: Container[int] = ()) -> bytes:
+            reasons: Reasons | None = None, dropped: set[int] | None = None, first: Collection[int] = ()) -> bytes:
     out = bytearray()
     prev = frontier
     n = 0
@@ -200,13 +232,20 @@ def _encode(seq: int, frontier: int, ahead: list[int], counts: Counts | None = N
         out += enc
         prev = off
         n += 1
-    if counts or reasons:
+    held = first
+    if counts or reasons or held:
         tail = _encode_counts(frontier, counts or {}, room - len(out), dropped, first)
-        if reasons and room - len(out) - max(len(tail), _U32.size) > _U32.size:
-            more = _encode_reasons(frontier, reasons, counts or {}, room - len(out) - max(len(tail), _U32.size))
-            if more:
-                out += tail or _U32.pack(0)
-                tail = more
+        left = room - len(out) - max(len(tail), _U32.size)
+        marks = _encode_held(frontier, held, set(ahead) if held else (), left - _U32.size, dropped) if held else b""
+        left -= len(marks)
+        more = b""
+        if reasons and left > _U32.size:
+            more = _encode_reasons(frontier, reasons, counts or {}, left)
+        if more or marks:
+            out += tail or _U32.pack(0)
+            tail = more or _U32.pack(0)
+            if marks:
+                tail += marks
         out += tail
     body = _BODY.pack(seq, frontier, n) + bytes(out)
     return (_HDR.pack(MAGIC, crc32c(body), len(body)) + body).ljust(SLOT, b"\0")
@@ -244,7 +283,8 @@ def _decode_counts(body: bytes, pos: int, used: int, frontier: int) -> tuple[Cou
     return out, pos
 
 
-def _decode_reasons(body: bytes, pos: int, used: int, frontier: int) -> Reasons | None:
+def _decode_reasons(body: bytes, pos: int, used: int, frontier: int) -> tuple[Reasons, int] | None:
+    """-> (reasons, the position after them) or None (not a valid tail)."""
     n, pos = _tail_head(body, pos, used, 3)
     if n < 0:
         return None
@@ -260,14 +300,39 @@ def _decode_reasons(body: bytes, pos: int, used: int, frontier: int) -> Reasons 
             return None
         out[prev] = body[pos:pos + ln].decode("utf-8", "replace")
         pos += ln
+    return out, pos
+
+
+def _decode_held(body: bytes, pos: int, used: int, frontier: int) -> set[int] | None:
+    n, pos = _tail_head(body, pos, used, 1)
+    if n < 0:
+        return None
+    out: set[int] = set()
+    prev = frontier
+    for _ in range(n):
+        d, pos = read_uvarint(body, pos)
+        if d <= 0:
+            return None
+        prev += d
+        out.add(prev)
     return out
+
+
+Slot = tuple[int, int, list[int], Counts, Reasons, set[int]]
+
+
+def _decode_every(slot: bytes) -> Slot | None:
+    """-> (seq, frontier, acked-ahead, delivery counts, nack reasons, held marks) or
+    None (not a valid slot)."""
+    r = _decode(slot, want_tail=True)
+    return r  # type: ignore[return-value]
 
 
 def _decode_all(slot: bytes) -> tuple[int, int, list[int], Counts, Reasons] | None:
     """-> (seq, frontier, acked-ahead, delivery counts, nack reasons) or None (not a
     valid slot)."""
-    r = _decode(slot, want_tail=True)
-    return r  # type: ignore[return-value]
+    r = _decode_every(slot)
+    return None if r is None else r[:5]
 
 
 def _decode_full(slot: bytes) -> tuple[int, int, list[int], Counts] | None:
@@ -300,14 +365,18 @@ def _decode(slot: bytes, want_tail: bool = False) -> tuple[int, int, list[int]] 
         if got is None:
             return None
         counts, pos = got
-        reasons = _decode_reasons(body, pos, used, frontier)
-        if reasons is None:
+        got_r = _decode_reasons(body, pos, used, frontier)
+        if got_r is None:
             return None
-        return seq, frontier, out, counts, reasons  # type: ignore[return-value]
+        reasons, pos = got_r
+        held = _decode_held(body, pos, used, frontier)
+        if held is None:
+            return None
+        return seq, frontier, out, counts, reasons, held  # type: ignore[return-value]
     return seq, frontier, out
 
 
-def _best_slot(slots: list[tuple[int, int, list[int], Counts, Reasons] | None]) -> int | None:
+def _best_slot(slots: list[Slot | None]) -> int | None:
     best = None
     for i, s in enumerate(slots):
         if s is not None and (best is None or s[0] > slots[best][0]):  # type: ignore[index]
@@ -361,6 +430,14 @@ def peek_all(directory: Path, max_frontier: int | None = None) -> tuple[int, lis
     return frontier, ahead, counts, reasons
 
 
+def _marks(frontier: int, ahead: list[int], held: Iterable[int]) -> set[int]:
+    """The held marks a slot of (frontier, ahead) says, all of them fitting."""
+    if not held:
+        return set()
+    a = set(ahead)
+    return {o for o in held if o > frontier and o not in a}
+
+
 class OffsetFile:
     def __init__(self, directory: Path) -> None:
         self.dir = Path(directory)
@@ -369,10 +446,11 @@ class OffsetFile:
         self._seq = 0
         self.dirty_since_sync = False
         self._lock = threading.Lock()
-        self._anchored: tuple[int, list[int], Counts, Reasons] | None = None  # what the anchor slot says
-        self._window: tuple[int, list[int], Counts, Reasons] | None = None  # the window slot, once written whole
+        self._anchored: tuple[int, list[int], Counts, Reasons, set[int]] | None = None  # what the anchor slot says
+        self._window: tuple[int, list[int], Counts, Reasons, set[int]] | None = None  # the window, once written whole
         self.counts: Counts = {}  # the delivery counts ``load`` recovered
         self.reasons: Reasons = {}  # the nack reasons ``load`` recovered
+        self.held: set[int] = set()  # the offsets ``load`` found held for the dead-letter topic
         self._level_on_disk = -1  # what consumer.offset holds
 
     def load(self, max_frontier: int | None = None) -> tuple[int, list[int]]:
@@ -392,11 +470,11 @@ class OffsetFile:
             # Real zeros, not a sparse hole: later in-place writes must never need
             # new blocks (acks keep persisting on a full disk).
             fileio.pwrite_all(self._fd, bytes(2 * SLOT - size), size)
-        slots = [_decode_all(os.pread(self._fd, SLOT, i * SLOT)) for i in (0, 1)]
+        slots = [_decode_every(os.pread(self._fd, SLOT, i * SLOT)) for i in (0, 1)]
         best = _best_slot(slots)
-        frontier, ahead, counts, reasons = -1, [], {}, {}
+        frontier, ahead, counts, reasons, held = -1, [], {}, {}, set()
         if best is not None:
-            self._seq, frontier, ahead, counts, reasons = slots[best]  # type: ignore[misc]
+            self._seq, frontier, ahead, counts, reasons, held = slots[best]  # type: ignore[misc]
         level = self._level_on_disk = self._read_level()
         if max_frontier is not None and level > max(max_frontier, frontier):
             log.error("consumer.offset holds a frontier past the end of the log; ignored (damaged file?)",
@@ -408,23 +486,26 @@ class OffsetFile:
             ahead = [a for a in ahead if a > frontier]
             counts = {o: c for o, c in counts.items() if o > frontier}
             reasons = {o: r for o, r in reasons.items() if o > frontier}
+            held = {o for o in held if o > frontier}
         self.counts = counts
         self.reasons = reasons
+        self.held = held
         if best is not None and not raised:
             # The newest valid slot becomes the anchor as it is: made durable
             # (a crashed process may have left it in the page cache only), never
             # rewritten in place (a torn rewrite would lose the only good copy).
             self._anchor = best
             fileio.fdatasync(self._fd)
-            self._anchored = (frontier, list(ahead), dict(counts), dict(reasons))
+            self._anchored = (frontier, list(ahead), dict(counts), dict(reasons), set(held))
         else:
             # Nothing valid yet, or consumer.offset is ahead of the slots: a new
             # record, into the slot that is not the newest valid one, then anchored.
             self._anchor = 0 if best is None else 1 - best
             self._seq += 1
-            fileio.pwrite_all(self._fd, _encode(self._seq, frontier, ahead, counts, reasons), self._anchor * SLOT)
+            fileio.pwrite_all(self._fd, _encode(self._seq, frontier, ahead, counts, reasons, None, held),
+                              self._anchor * SLOT)
             fileio.fdatasync(self._fd)
-            self._anchored = (frontier, list(ahead), dict(counts), dict(reasons))
+            self._anchored = (frontier, list(ahead), dict(counts), dict(reasons), set(held))
         self.dirty_since_sync = False
         if created:
             fileio.fsync_dir(self.dir)
@@ -434,15 +515,16 @@ class OffsetFile:
         return _read_level_at(self.dir)
 
     def write_window(self, frontier: int, ahead: list[int], counts: Counts | None = None,
-                     reasons: Reasons | None = None, first: Container[int] = ()) -> set[int]:
+                     reasons: Reasons | None = None, first: Collection[int] = ()) -> set[int]:
         """Page cache only (survives a process crash, not power loss). Returns the
-        offsets whose delivery counts did not fit in the slot (not written; usually
-        none); those in `first` are the last to be left out."""
+        offsets whose delivery counts (or held marks) did not fit in the slot (not
+        written; usually none). `first`: the offsets held for the dead-letter topic,
+        marked as held (the third tail) and the last whose counts are left out."""
         with self._lock:
             return self._write_window(frontier, ahead, counts or {}, reasons or {}, first)
 
     def _write_window(self, frontier: int, ahead: list[int], counts: Counts, reasons: Reasons,
-                      first: Container[int] = ()) -> set[int]:
+                      first: Collection[int] = ()) -> set[int]:
         dropped: set[int] = set()
         if self._fd < 0:
             return dropped  # closed: nothing of this partition is written any more
@@ -453,7 +535,7 @@ class OffsetFile:
         self._window = None
         fileio.pwrite_all(self._fd, _encode(self._seq, frontier, ahead, counts, reasons, dropped, first),
                           (1 - self._anchor) * SLOT)
-        self._window = (frontier, list(ahead), dict(counts), dict(reasons))
+        self._window = (frontier, list(ahead), dict(counts), dict(reasons), _marks(frontier, ahead, first))
         self.dirty_since_sync = True
         return dropped
 
@@ -488,7 +570,7 @@ class OffsetFile:
         self._level_on_disk = frontier
 
     def close(self, frontier: int, ahead: list[int], counts: Counts | None = None,
-              reasons: Reasons | None = None, first: Container[int] = ()) -> None:
+              reasons: Reasons | None = None, first: Collection[int] = ()) -> None:
         """Persist (frontier, ahead, delivery counts, nack reasons) durably and level
         consumer.offset; only what the files do not already say is written (an
         untouched partition closes without a sync). `first`: as for ``write_window``."""
@@ -498,7 +580,8 @@ class OffsetFile:
             if self._fd < 0:
                 return
             try:
-                if self.dirty_since_sync or self._anchored != (frontier, list(ahead), counts, reasons):
+                if self.dirty_since_sync or self._anchored != (frontier, list(ahead), counts, reasons,
+                                                                _marks(frontier, ahead, first)):
                     self._write_window(frontier, ahead, counts, reasons, first)
                     self._writeout()
                 if self._level_on_disk != frontier:

@@ -499,9 +499,11 @@ class Staging:
         was quarantined (None: there was none, or it held no record and was removed).
         `counts`, `reasons`: the source's delivery counts and last nack reasons
         (issue 14), kept for unacked offsets between the frontier and `hwm`; `dead`:
-        the offsets the source held for the dead-letter topic, whose counts are
-        written first when the offset slot has no room for all (a held record whose
-        count were dropped would be delivered again here)."""
+        the offsets the source held for the dead-letter topic (or found marked held),
+        marked held here too (held again whatever ``max_deliveries`` is here: their
+        dead-letter copy may exist), their counts written first when the offset slot
+        has no room for all (a held record whose count were dropped would be
+        delivered again here)."""
         # Everything that can be refused is refused before anything is written.
         if self._verified is None or self._verified != hwm:
             raise ValueError(f"the staged copy was not verified at hwm {hwm} (call verify(hwm) first)")

@@ -6,8 +6,10 @@ cluster (the dead-letter partition owned by another node)."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 from urllib.parse import quote
 
@@ -1157,6 +1159,34 @@ def copy_in_a_detached_child(n: Node, prefix: str, body: bytes) -> tuple[str, st
     wait_for(lambda: lag(n, kid) == 1, 15, 0.05, "the child's copy")
     assert n.request("DELETE", f"/v1/topics/{dlt}/children/{kid}").status in (200, 204)
     return dlt, src, kid
+
+
+def test_settings_made_at_once_on_different_topics_never_close_a_cycle_together(node: Node) -> None:
+    """A -> B, B -> C, C -> D and D -> A sent at the same moment: each alone closes no
+    cycle, all four do. Settings that add a way for records to flow (a dead-letter topic,
+    an attach) are checked and written one at a time on the leader, so at least one of
+    them sees the others and is refused; the topics never form a cycle."""
+    for round_ in range(6):
+        names = [mk(node, f"cc{round_}{x}-") for x in "abcd"]
+        edges = [(names[i], names[(i + 1) % 4]) for i in range(4)]
+        start = threading.Barrier(4)
+
+        def patch(edge: tuple[str, str]) -> int:
+            start.wait(5)
+            r = node.request("PATCH", f"/v1/topics/{edge[0]}", body={"max_deliveries": 1,
+                                                                      "dead_letter_topic": edge[1]})
+            assert r.status in (200, 400), r
+            return r.status
+
+        with ThreadPoolExecutor(4) as ex:
+            codes = list(ex.map(patch, edges))
+        assert codes.count(400) >= 1, f"all four settings were taken: a cycle {edges}"
+        set_ = {n: node.get(f"/v1/topics/{n}").json().get("dead_letter_topic") for n in names}
+        at, seen = names[0], set()
+        while at is not None and at not in seen:
+            seen.add(at)
+            at = set_[at]
+        assert at is None, f"a cycle of dead-letter topics was formed: {set_}"
 
 
 def test_a_fan_out_copy_of_a_dead_letter_is_not_redriven_while_its_dead_letter_topic_is_there(node: Node) -> None:

@@ -364,7 +364,7 @@ class MetaService:
             self._require_type(C.EntryType.SET_DELIVERY, "a topic with delivery settings")
         # The dead-letter topic's lock too: an attach of it as a child (which checks, under
         # its lock, that no topic names it) and this check cannot interleave.
-        async with self._name_locks(name, *([dlt] if dlt else [])):
+        async with self._name_locks(name, *([dlt, FLOW_LOCK] if dlt else [])):
             await self._leader_view()
             if self.request_applied():
                 return self._read_topic(name)  # this very request created it before a leader change
@@ -526,7 +526,7 @@ class MetaService:
             raise BadRequest(f'invalid argument: a topic cannot be its own child ("{req.child}")')
         _check_delay("delay_ms", req.delay_ms)
         user = self._require_known(req.who)
-        async with self._name_locks(req.parent, req.child):
+        async with self._name_locks(req.parent, req.child, FLOW_LOCK):
             await self._leader_view()
             if self.request_applied():
                 return self._read_topic(req.parent)  # this very request attached it before a leader change
@@ -715,7 +715,7 @@ class MetaService:
         user = self._require_known(req.who)
         # The new dead-letter topic's lock too (see create_topic): naming it and attaching it
         # as a child are serialised, so one of them sees the other and is refused.
-        async with self._name_locks(name, *([req.dead_letter_topic] if req.dead_letter_topic else [])):
+        async with self._name_locks(name, *([req.dead_letter_topic, FLOW_LOCK] if req.dead_letter_topic else [])):
             await self._leader_view()
 
             def may_manage(t: TopicRecord) -> None:
@@ -1367,6 +1367,11 @@ def _delivery_after(t: TopicRecord, req: Q.AlterTopicReq) -> None:
 
 
 MAX_FLOW_TOPICS = 4096  # topics followed from a new dead-letter setting or attach, looking for a cycle
+# Taken, besides the names' own locks, by every write that adds a way for records to flow on
+# (a dead-letter topic named, a child attached): their cycle checks and writes run one at a
+# time on the leader, so settings on different topics cannot close a cycle together (A -> B,
+# B -> C, C -> D and D -> A at once each saw none). It sorts before every topic name.
+FLOW_LOCK = "\x00flow"
 
 
 def _flow_path(topic: Callable[[str], TopicRecord | None], start: str, target: str) -> list[str] | None:
@@ -1403,9 +1408,8 @@ def _no_dead_letter_cycle(topic: Callable[[str], TopicRecord | None], name: str,
     """400 when naming `dlt` as the dead-letter topic of `name` closes a cycle (from
     `dlt`, through dead-letter topics and fan-out children, records come back to
     `name`): a record that fails everywhere would go round for ever and never stop
-    anywhere, which is what a dead-letter topic is for. (Checked under the two names'
-    locks: two settings that close a longer cycle together, on other topics at once,
-    are not seen.)"""
+    anywhere, which is what a dead-letter topic is for. (Checked and written under
+    ``FLOW_LOCK`` as well as the names' locks.)"""
     path = _flow_path(topic, dlt, name)
     if path is not None:
         raise BadRequest(f"invalid argument: dead_letter_topic {dlt!r} closes a cycle ("

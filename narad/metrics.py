@@ -225,6 +225,9 @@ class _Metrics:
         self.dead_lettered = a(Counter("narad_dead_lettered_total",
                                        "records past max_deliveries committed to the dead-letter topic and "
                                        "settled in the source", ["topic"]))
+        self.task_failures = a(Counter("narad_worker_task_failures_total",
+                                       "exceptions a worker's background loop let out (a bug); the loop is "
+                                       "started again after a pause and /readyz names it for 10 s", ["task"]))
         self.dead_letter_failures = a(Counter("narad_dead_letter_failures_total",
                                               "dead-letter commits that failed (the records stay held and are "
                                               "retried every second)", ["topic"]))

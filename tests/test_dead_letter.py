@@ -1171,7 +1171,7 @@ def test_settings_made_at_once_on_different_topics_never_close_a_cycle_together(
         edges = [(names[i], names[(i + 1) % 4]) for i in range(4)]
         start = threading.Barrier(4)
 
-        def patch(edge: tuple[str, str]) -> int:
+        def patch(edge: tuple[str, str], start: threading.Barrier = start) -> int:
             start.wait(5)
             r = node.request("PATCH", f"/v1/topics/{edge[0]}", body={"max_deliveries": 1,
                                                                       "dead_letter_topic": edge[1]})

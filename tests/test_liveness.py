@@ -452,3 +452,28 @@ def test_readyz_stays_200_while_metadata_is_written(tmp_path: Path, node_factory
             th.join(30)
     assert created.count(201) >= 300 and set(created) == {201}, (len(created), set(created))
     assert not bad, f"{len(bad)} of {probes} probes not ready: {bad[:3]}"
+
+
+def test_a_failing_background_loop_is_named_counted_logged_and_started_again(tmp_path: Path,
+                                                                             node_factory: list[Node]) -> None:
+    """A worker's background loop that lets an exception out (a bug; here the seam
+    NARAD_FAULT_TASK_FAIL makes the sweeper fail three times) leaves its process alive
+    and its heartbeat beating: /readyz names the loop within a second, the failures are
+    counted and logged, /healthz stays 200, and the loop starts again (its gauge moves)
+    so the node is ready again 10 s after the last failure."""
+    n = Node(tmp_path / "d", workers=1, env={"NARAD_FAULT_TASK_FAIL": "sweeper:3"})
+    node_factory.append(n)
+    n.start(wait=False)
+    _, body = wait_for(lambda: (s := _probe(n, "/readyz"))[0] == 503 and "background task" in s[1] and s, 30, 0.1,
+                       "/readyz to name the failing loop")
+    assert "worker 0: background task 'sweeper' failed" in body, body
+    assert _probe(n, "/healthz")[0] == 200
+    wait_for(lambda: n.metric("narad_worker_task_failures_total") >= 1, 10, 0.1, "the failure counted")
+    assert n.metric("narad_ready") == 0
+    assert "background task failed; it starts again after a pause" in n.log()
+    n.wait_ready(40)
+    assert n.metric("narad_worker_task_failures_total") == 3
+    assert n.post("/v1/topics", {"name": "swept", "partitions": 3}).status == 201
+    assert n.post("/v1/topics/swept/produce", b"x", headers={"Content-Type": "application/octet-stream"}).status == 202
+    wait_for(lambda: n.metric("narad_open_partition_logs") >= 1, 10, 0.1, "the sweeper's gauge (it runs again)")
+    assert _probe(n, "/readyz")[0] == 200

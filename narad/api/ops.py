@@ -10,7 +10,9 @@ supervisor (``ctl_cluster``).
 request time. First the heartbeats (``narad.meta.versions``): a process
 whose loop has been silent for more than 3 s makes /readyz 503 naming it
 (``supervisor not responding for 4.2s``, ``worker 1 ...``, ``raft tick
-thread ...``, ``fork server ...``); a silent supervisor or Raft tick thread
+thread ...``, ``fork server ...``), and so does a worker's background loop
+that failed within the last 10 s (``worker 0: background task 'sweeper'
+failed 1.2s ago``; ``V.failing``); a silent supervisor or Raft tick thread
 makes /healthz (liveness) 503 too, since the node cannot heal itself then,
 while a silent worker or fork server is restarted by the supervisor. Then
 the readiness the supervisor publishes (Raft leader known and heard from,
@@ -335,6 +337,9 @@ class OpsAPI:
         if silent and not self.ctx.versions.load(V.SHUTDOWN):
             why = "; ".join(f"{name} not responding for {age:.1f}s" for name, age in silent)
             return json_response(503, {"error": f"node is not ready: {why}"})
+        failing = V.failing(self.ctx.versions.hb, self.ctx.versions.load(V.WORKERS))
+        if failing and not self.ctx.versions.load(V.SHUTDOWN):
+            return json_response(503, {"error": "node is not ready: " + "; ".join(failing)})
         if self.ctx.versions.load(V.READY) == 1:
             return json_response(200, {"status": "ready"})
         reason = V.READY_REASONS.get(self.ctx.versions.load(V.READY_REASON), "not ready")

@@ -112,6 +112,9 @@ SWEEP_EVERY = 1.0
 FAIL_DIRECT_EVERY = int(os.environ.get("NARAD_FAULT_DIRECT_COMMIT_FAIL_EVERY", "0") or 0)
 # Test seam: the dispatcher's commits of WAL records start this many ms late (records stay on their way).
 DISPATCH_DELAY_S = int(os.environ.get("NARAD_FAULT_DISPATCH_DELAY_MS", "0") or 0) / 1000
+# Test seam: "<task>:<n>" makes the worker's background loop <task> (``V.TASKS``) fail n times.
+_FAULT_TASK = os.environ.get("NARAD_FAULT_TASK_FAIL", "")
+TASK_PAUSE_MAX = 8.0  # a failing background loop starts again after 1 s, doubling up to this (< V.FAULT_HOLD)
 # A direct commit at another worker of this node not answered by then is given up: the WAL takes it.
 DIRECT_HOP_TIMEOUT = 5.0
 # A keyed direct commit waits this long at most for its key's records still in the WAL, then joins them.
@@ -345,12 +348,49 @@ class Broker:
             log.info("ingress WAL replayed for dispatch", extra={"records": replayed, "worker": self.index})
         self._topics_ver = self.versions.load(V.TOPICS)
         loop = self.loop
-        for coro in (self._trust_watch(), self._committer(), self._sweeper(), self._reaper(), self._topic_watch(),
-                     self._metrics_poller()):
-            self._tasks.append(loop.create_task(coro))
+        for name, fn in (("trust watch", self._trust_watch), ("committer", self._committer),
+                         ("sweeper", self._sweeper), ("reaper", self._reaper), ("topic watch", self._topic_watch),
+                         ("metrics poller", self._metrics_poller)):
+            self._tasks.append(loop.create_task(self._kept(name, fn)))
         self.fanout.start()
         self.mover.start()
         self.deadletters.start()
+
+    async def _kept(self, name: str, fn: Callable[[], Awaitable[None]]) -> None:
+        """Run the background loop `fn` for the worker's life. An exception it lets out
+        (a bug: each loop handles the failures it expects) is logged, counted and named
+        by /readyz (``task_failed``), and the loop starts again after a pause (1 s,
+        doubling up to ``TASK_PAUSE_MAX`` while it keeps failing)."""
+        pause = 1.0
+        inject = 0
+        if _FAULT_TASK.partition(":")[0] == name:
+            inject = int(_FAULT_TASK.partition(":")[2] or 1)
+        while True:
+            started = time.monotonic()
+            try:
+                if inject > 0:
+                    inject -= 1
+                    raise RuntimeError("injected failure (test seam NARAD_FAULT_TASK_FAIL)")
+                await fn()
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("background task failed; it starts again after a pause",
+                              extra={"task": name, "worker": self.index, "pause_s": pause})
+                self.task_failed(name)
+            if time.monotonic() - started > 60:
+                pause = 1.0  # it ran a good while: a new failure, not the same loop failing again
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, TASK_PAUSE_MAX)
+
+    def task_failed(self, task: str) -> None:
+        """A background loop of this worker failed (the caller logged why): counted
+        (``narad_worker_task_failures_total``) and stamped in this worker's fault slot,
+        which /readyz reads (``V.failing``)."""
+        self.m.task_failures.labels(task).inc()
+        with contextlib.suppress(Exception):  # (a worker without the heartbeat segment: tests)
+            self.versions.hb.store(V.fault_slot(self.index), V.fault_value(task))
 
     async def close(self) -> None:
         """Graceful: stop dispatching, persist every partition's offsets and hwm."""

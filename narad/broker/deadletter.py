@@ -141,6 +141,7 @@ class DeadLetterDriver:
                 raise
             except Exception:
                 log.exception("dead-letter pass failed")
+                self.b.task_failed("dead-letter driver")
             # holds whose count is not written yet: look again just after the committer's tick
             wait = UNWRITTEN_RECHECK if any(p.written_gen < max(p.dead.values(), default=0)
                                             for p in self.pending.values()) else RETRY

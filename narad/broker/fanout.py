@@ -221,6 +221,7 @@ class FanoutEngine:
             except Exception:
                 self._force = True
                 log.exception("fan-out reconcile pass failed; next pass in a second")
+                self.b.task_failed("fan-out")
 
     def worth_logging(self, key: tuple[str, int, str], what: str) -> bool:
         """Whether a cursor of `key` should log `what` now: twice a minute at most per

@@ -338,6 +338,7 @@ class MoveRunner:
                 self.reconcile()
             except Exception:
                 log.exception("move runner pass failed")
+                self.b.task_failed("move runner")
             if time.monotonic() >= next_sweep:
                 next_sweep = time.monotonic() + SWEEP_EVERY
                 try:

@@ -84,6 +84,7 @@ READY_REASONS.update({
     11: "a worker is not responding",
     12: "the raft tick thread is not responding",
     13: "the fork server is not responding",
+    15: "a worker's background task is failing",
     14: "this node was removed from the cluster (decommissioned): start it with an empty data directory "
         "to rejoin as a new node",
 })
@@ -95,10 +96,45 @@ HB_RAFT = 2  # Raft's tick thread (0 while Raft does not run: join-only, not adm
 HB_FORKSERVER = 3  # the fork server's loop
 HB_WORKER_BASE = 8  # + worker index: that worker's event loop (0: not started yet)
 HB_MAX_WORKERS = 1024
-HB_SIZE = HB_WORKER_BASE + HB_MAX_WORKERS
+# + worker index: that worker's last background-task failure, (monotonic ms << 8) | task code
+# (``TASKS``), 0 if none: a loop whose process is alive but which keeps failing inside
+HB_FAULT_BASE = HB_WORKER_BASE + HB_MAX_WORKERS
+HB_SIZE = HB_FAULT_BASE + HB_MAX_WORKERS
 HB_MAGIC_VALUE = 0x4E41524144_4842  # "NARAD" + "HB"
 HB_EVERY = 0.25  # seconds between stamps of a healthy loop
 STALE_AFTER = 3.0  # a loop silent this long is "not responding" (readiness, liveness)
+
+
+# A worker's background loops, by the code its fault slot carries (``fault_value``).
+TASKS = ("unknown", "committer", "sweeper", "reaper", "topic watch", "trust watch", "metrics poller",
+         "fan-out", "move runner", "dead-letter driver")
+FAULT_HOLD = 10.0  # /readyz names a failed background task for this long after its last failure
+
+
+def fault_slot(index: int) -> int:
+    return HB_FAULT_BASE + index
+
+
+def fault_value(task: str, at_ms: int | None = None) -> int:
+    """The fault slot's value for a failure of `task` now (or at `at_ms`)."""
+    code = TASKS.index(task) if task in TASKS else 0
+    return ((now_ms() if at_ms is None else at_ms) << 8) | code
+
+
+def failing(hb: Heartbeats, workers: int, hold: float = FAULT_HOLD) -> list[str]:
+    """A sentence for each worker whose background task failed within the last `hold`
+    seconds (readiness: the process is alive, a loop inside it is not doing its work)."""
+    now = now_ms()
+    out = []
+    for i in range(min(workers, HB_MAX_WORKERS)):
+        v = hb.load(fault_slot(i))
+        if not v:
+            continue
+        ago = max(0, now - (v >> 8)) / 1000.0
+        if ago <= hold:
+            task = TASKS[v & 0xFF] if (v & 0xFF) < len(TASKS) else "unknown"
+            out.append(f"worker {i}: background task {task!r} failed {ago:.1f}s ago (see the worker's log)")
+    return out
 
 
 def now_ms() -> int:

@@ -733,6 +733,8 @@ class Supervisor:
         silent = self.not_responding()
         if silent is not None:
             return False, silent[0]
+        if V.failing(self.versions.hb, self.n_workers):
+            return False, 15  # a worker's background loop failed within V.FAULT_HOLD
         ctl = getattr(self, "controller", None)
         if self.removed or (ctl is not None and ctl.removed):
             return False, 14  # the leader refused this node's id (the probe, or a refused heartbeat)

@@ -91,6 +91,9 @@ class MetricsListener:
         if silent and not self.versions.load(V.SHUTDOWN):
             why = "; ".join(f"{n} not responding for {a:.1f}s" for n, a in silent)
             return _json(503, {"error": f"node is not ready: {why}"})
+        failing = V.failing(self.versions.hb, self.workers)
+        if failing and not self.versions.load(V.SHUTDOWN):
+            return _json(503, {"error": "node is not ready: " + "; ".join(failing)})
         if self.versions.load(V.READY) == 1:
             return _json(200, {"status": "ready"})
         reason = V.READY_REASONS.get(self.versions.load(V.READY_REASON), "not ready")

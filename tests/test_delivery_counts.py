@@ -165,6 +165,15 @@ def test_held_marks_tail_round_trip_old_readers_and_room() -> None:
     got = _decode_every(_encode(3, 0, [], None, None, dropped, far))
     assert got is not None and got[5] and dropped and got[5] | dropped == far and not got[5] & dropped
     assert max(got[5]) < min(dropped)
+    # marks take their room before counts: many leased records' counts never crowd a mark out
+    room = SLOT - OFF._HDR.size - OFF._BODY.size
+    n = (room - 4) // 2 - 1  # leased counts whose whole tail (2 bytes each) just fits the slot
+    crowd = {i: 1 + i % 7 for i in range(1, 3 * n, 3)}
+    marks = {i * 50 for i in range(1, 21)}
+    dropped = set()
+    got = _decode_every(_encode(4, 0, [], crowd, None, dropped, marks))
+    assert got is not None and got[5] == marks and not dropped & marks
+    assert dropped and 0 < len(got[3]) < len(crowd)  # the counts gave way instead
 
 
 def _written(p: Partition) -> None:
@@ -223,6 +232,43 @@ def test_a_hold_is_held_again_after_a_crash_whatever_the_maximum_became(tmp_path
     s.release_dead()
     assert not s.dead and not s.marked
     assert sorted(x.offset for x in s.reserve(401.0, 3, 30.0, 1024, 1024)) == [1, 2]
+
+
+def test_a_lift_clears_restored_marks_and_a_raise_keeps_them_without_churn(tmp_path: Path) -> None:
+    """Marks a restart found go when dead-lettering is lifted (at the open, as
+    ``Broker._open_sync`` does, or by a change): a later re-enable does not hold a
+    record at its first nack. A raise keeps them, and releasing below the raise again
+    and again (the dead-letter driver's pass) changes nothing and writes nothing."""
+    p = _partition(tmp_path, 3)
+    p.follow_max(1)
+    for x in p.reserve(100.0, 2, 30.0, 1024, 1024):
+        assert p.nack(x.offset, x.nonce, 100.1)
+    assert sorted(p.dead) == [0, 1]
+    _written(p)
+    _kill9(p)
+    q = _reopen(tmp_path)
+    assert q.marked == {0, 1}
+    assert not q.follow_max(5)  # opened with a raised maximum: the marks stay
+    assert [x.offset for x in q.reserve(200.0, 3, 30.0, 1024, 1024)] == [2]
+    assert sorted(q.dead) == [0, 1]
+    q.dirty = False
+    for _ in range(3):
+        assert not q.release_dead(5)
+    assert not q.dirty and sorted(q.dead) == [0, 1]
+    _kill9(q)
+    r = _reopen(tmp_path)  # opened with dead-lettering lifted: the marks go
+    assert r.marked == {0, 1}
+    assert r.follow_max(0) and not r.marked and r.dirty
+    _written(r)
+    _kill9(r)
+    s = _reopen(tmp_path)
+    assert s.marked == set()
+    s.follow_max(50)  # re-enabled: one nack holds nothing
+    got = s.reserve(300.0, 3, 30.0, 1024, 1024)
+    assert sorted(x.offset for x in got) == [0, 1, 2]
+    for x in got:
+        assert s.nack(x.offset, x.nonce, 300.1)
+    assert not s.dead
 
 
 def test_reasons_survive_a_crash_and_a_close(tmp_path: Path) -> None:

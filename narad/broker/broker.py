@@ -630,7 +630,7 @@ class Broker:
                 p.freeze_token, p.freeze_until = frozen[0], time.monotonic() + left_s
                 log.info("partition opened frozen for a move (a freeze made before a restart)", extra={
                     "topic": topic.name, "partition": index, "ttl_left_s": round(left_s, 1)})
-        p.max_deliveries = topic.max_deliveries if topic.dead_letter_topic else 0
+        p.follow_max(topic.max_deliveries if topic.dead_letter_topic else 0)  # lifted: restored marks go
         # Idempotent produce: the keys committed within the window, from the log itself.
         p.idem_window_ms = topic.idem_window_ms
         p.idem_marked = (d / IDEM.MARKER).exists()
@@ -2320,15 +2320,8 @@ class Broker:
         again, and raised, what was held below the new maximum. The idempotency
         window follows too (the 5 s poller expires keys by it, between commits)."""
         p.idem_window_ms = t.idem_window_ms
-        maxd = t.max_deliveries if t.dead_letter_topic else 0
-        old = p.max_deliveries
-        if maxd == old:
-            return
-        p.max_deliveries = maxd
-        if p.dead and (maxd <= 0 or 0 < old < maxd):
-            p.release_dead(maxd)
+        if p.follow_max(t.max_deliveries if t.dead_letter_topic else 0):
             self._on_released(p)
-        # a lowered maximum: the next reserve holds the records already past it
 
     # ---- partition moves --------------------------------------------------------------------------------
     async def _moved_away(self) -> None:

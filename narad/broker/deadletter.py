@@ -190,17 +190,16 @@ class DeadLetterDriver:
             return  # the topic watch retires the partition
         if t.max_deliveries <= 0 or not t.dead_letter_topic:
             p.max_deliveries = 0
-            p.release_dead()
-            if p.on_released is not None:
+            if p.release_dead() and p.on_released is not None:
                 p.on_released(p)
             return
         maxd = t.max_deliveries
-        if any(p.deliveries.get(o, 0) < maxd for o in p.dead if o not in p.dead_flight):
+        keep = p.marked
+        if any(p.deliveries.get(o, 0) < maxd for o in p.dead if o not in p.dead_flight and o not in keep):
             # Held below the maximum: a raise found them on their way to the dead-letter
             # topic and that commit failed; they go out again now, as the raise let go of
-            # the rest (``Broker._delivery_settings``).
-            p.release_dead(maxd)
-            if p.on_released is not None:
+            # the rest (``Broker._delivery_settings``). A marked one stays held.
+            if p.release_dead(maxd) and p.on_released is not None:
                 p.on_released(p)
             if not p.dead:
                 return

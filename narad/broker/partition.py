@@ -317,24 +317,43 @@ class Partition:
             self.on_released(self)  # its in-flight slot is free
         return True
 
-    def release_dead(self, below: int = 0) -> None:
+    def follow_max(self, maxd: int) -> bool:
+        """The topic's max_deliveries (0: dead-lettering lifted) at an open or after a
+        change: lifted, what was held or marked held goes out again (a mark a restart
+        found would otherwise hold a record at the first nack after a later re-enable);
+        raised, what was held below the new maximum. True if anything was released."""
+        old = self.max_deliveries
+        self.max_deliveries = maxd
+        if maxd <= 0:
+            return bool(self.dead or self.marked) and self.release_dead()
+        if 0 < old < maxd and self.dead:
+            return self.release_dead(maxd)
+        return False  # set or lowered: the next reserve holds the records already past it
+
+    def release_dead(self, below: int = 0) -> bool:
         """max_deliveries was lowered to 0 (or the topic lost its dead-letter topic), or
         raised to `below`: what was held (with `below`, each record leased fewer times
         than that) goes out again, except offsets whose dead-letter commit is on its
         way (``dead_flight``): the dead-letter topic may hold them already, so they stay
         held until that commit settles them (or, failed, the driver's next pass releases
         them). Never live in both. A raise keeps what a restart or a move found marked
-        held (``marked``: its dead-letter copy may exist); lifting releases that too."""
+        held (``marked``: its dead-letter copy may exist); lifting releases that too.
+        True if anything was released or unmarked."""
         flight = self.dead_flight
         counts = self.deliveries
-        if below <= 0:
+        changed = False
+        if below <= 0 and self.marked:
             self.marked.clear()
+            changed = True
         keep = self.marked
         for off in [o for o in self.dead
                     if o not in flight and o not in keep and (below <= 0 or counts.get(o, 0) < below)]:
             heapq.heappush(self._redeliver, off)
             del self.dead[off]
-        self.dirty = True  # (the marks of what was released go at the next write)
+            changed = True
+        if changed:
+            self.dirty = True  # (the marks of what was released go at the next write)
+        return changed
 
     def _deliverable(self, off: int) -> bool:
         return (off > self.committed and off not in self.leases and off not in self.acked_ahead

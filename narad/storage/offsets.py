@@ -42,7 +42,7 @@ once one is held, its dead-letter copy may be made at any moment, so after a
 restart (or at a move's destination) it is held again whatever its count says
 against a changed ``max_deliveries``, never delivered from its source. It follows
 the reasons tail (a ``u32 0`` for each absent tail before it) but takes its room
-before the reasons do, right after the counts; a mark left out goes into
+first, right after the acks (before the counts and the reasons); a mark left out goes into
 ``dropped`` like a count (the dead-letter driver waits for room). A decoder
 without it stops after the reasons.
 
@@ -234,10 +234,15 @@ def _encode(seq: int, frontier: int, ahead: list[int], counts: Counts | None = N
         n += 1
     held = first
     if counts or reasons or held:
-        tail = _encode_counts(frontier, counts or {}, room - len(out), dropped, first)
-        left = room - len(out) - max(len(tail), _U32.size)
-        marks = _encode_held(frontier, held, set(ahead) if held else (), left - _U32.size, dropped) if held else b""
-        left -= len(marks)
+        avail = room - len(out)
+        # The marks take their room first (after the acks): a mark left out can leave a
+        # record live in both topics after a restart, a count left out only costs
+        # deliveries. With marks, a counts and a reasons header (or ``u32 0``) precede them.
+        marks = _encode_held(frontier, held, set(ahead), avail - 2 * _U32.size, dropped) if held else b""
+        if marks:
+            avail -= len(marks) + _U32.size
+        tail = _encode_counts(frontier, counts or {}, avail, dropped, first)
+        left = avail - max(len(tail), _U32.size) + (_U32.size if marks else 0)
         more = b""
         if reasons and left > _U32.size:
             more = _encode_reasons(frontier, reasons, counts or {}, left)

@@ -96,6 +96,17 @@ def test_a_damaged_export_is_refused_with_what_is_wrong(tmp_path: Path) -> None:
         bad.write_text(json.dumps(broken))
         p = n.ctl("metastore", "import", str(bad), check=False)
         assert p.returncode == 1 and "max_partitions" in p.stderr, p.stderr
+        # A hand-edited export whose dead-letter topics form a cycle (no live write could make one).
+        def rec(name: str, tid: str, dlt: str) -> dict[str, object]:
+            return {"name": name, "id": tid, "partitions": 3, "retention_ms": 0, "visibility_timeout_ms": 30000,
+                    "max_in_flight_per_partition": 1, "max_acked_ahead_per_partition": 1, "created_at": 1,
+                    "max_deliveries": 2, "dead_letter_topic": dlt}
+        broken = json.loads(export.read_text())
+        broken["topics"] = [rec("ring-a", "00000000000000a1", "ring-b"), rec("ring-b", "00000000000000a2", "ring-a")]
+        broken["counts"]["topics"] = 2
+        bad.write_text(json.dumps(broken))
+        p = n.ctl("metastore", "import", str(bad), check=False)
+        assert p.returncode == 1 and "HTTP 400" in p.stderr and "ring-a -> ring-b -> ring-a" in p.stderr, p.stderr
         assert n.proc is not None and n.proc.poll() is None and n.get("/readyz", auth=None).status == 200
     finally:
         n.close()

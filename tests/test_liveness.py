@@ -454,6 +454,44 @@ def test_readyz_stays_200_while_metadata_is_written(tmp_path: Path, node_factory
     assert not bad, f"{len(bad)} of {probes} probes not ready: {bad[:3]}"
 
 
+def _scraped(n: Node, name: str) -> float:
+    """A metric's node-wide value from a /metrics answer that must be a 200 (a wait on
+    it then says what the scrape answered instead)."""
+    r = n.get("/metrics")
+    assert r.status == 200, f"/metrics answered {r.status}: {r.body[:200]!r}"
+    return n.metric(name)
+
+
+def test_a_loop_that_fails_every_pass_is_named_but_does_not_keep_the_node_from_starting(
+        tmp_path: Path, node_factory: list[Node]) -> None:
+    """A background loop that fails on every pass (its pause, at most 8 s, is shorter than
+    the 10 s /readyz names a failure for) keeps /readyz at 503 naming it and narad_ready
+    at 0, but not the node's start: the metastore's readiness still latches the
+    worker's dispatch (records reach their partitions and are consumed) and the
+    supervisor's boot (systemd's READY=1 waits for the same flag). Before, the node
+    never became ready and nothing it took was dispatched."""
+    n = Node(tmp_path / "d", workers=1, env={"NARAD_FAULT_TASK_FAIL": "sweeper:100000"})
+    node_factory.append(n)
+    n.start(wait=False)
+    wait_for(lambda: n.post("/v1/topics", {"name": "forever", "partitions": 3}).status == 201, 30, 0.2,
+             "a topic created")
+    assert n.post("/v1/topics/forever/produce", b"still served",
+                  headers={"Content-Type": "application/octet-stream"}).status == 202
+
+    def consumed() -> bool:
+        r = n.get("/v1/topics/forever/consume?wait=1s")
+        return r.status == 200 and r.json()["payload"] == "still served"
+
+    wait_for(consumed, 30, 0.1, "the record dispatched and consumed")
+    assert _scraped(n, "narad_boot_duration_seconds") > 0  # set when the supervisor sends READY=1
+    for _ in range(3):  # held: it keeps failing
+        status, body = _probe(n, "/readyz")
+        assert status == 503 and "background task 'sweeper' failed" in body, (status, body)
+        assert _scraped(n, "narad_ready") == 0
+        time.sleep(1.0)
+    assert _scraped(n, "narad_worker_task_failures_total") >= 2
+
+
 def test_a_failing_background_loop_is_named_counted_logged_and_started_again(tmp_path: Path,
                                                                              node_factory: list[Node]) -> None:
     """A worker's background loop that lets an exception out (a bug; here the seam
@@ -468,7 +506,7 @@ def test_a_failing_background_loop_is_named_counted_logged_and_started_again(tmp
                        "/readyz to name the failing loop")
     assert "worker 0: background task 'sweeper' failed" in body, body
     assert _probe(n, "/healthz")[0] == 200
-    wait_for(lambda: n.metric("narad_worker_task_failures_total") >= 1, 10, 0.1, "the failure counted")
+    wait_for(lambda: _scraped(n, "narad_worker_task_failures_total") >= 1, 30, 0.1, "the failure counted")
     assert n.metric("narad_ready") == 0
     assert "background task failed; it starts again after a pause" in n.log()
     n.wait_ready(40)
@@ -477,3 +515,88 @@ def test_a_failing_background_loop_is_named_counted_logged_and_started_again(tmp
     assert n.post("/v1/topics/swept/produce", b"x", headers={"Content-Type": "application/octet-stream"}).status == 202
     wait_for(lambda: n.metric("narad_open_partition_logs") >= 1, 10, 0.1, "the sweeper's gauge (it runs again)")
     assert _probe(n, "/readyz")[0] == 200
+
+
+def _loop_owner(slots: dict[int, int], retire: object) -> object:
+    """What ``Broker._kept`` and ``Broker._topic_watch`` read of a broker: a worker whose
+    three open partitions belong to a topic the replica no longer has."""
+    import types
+
+    failures: list[str] = []
+    return types.SimpleNamespace(
+        index=0, versions=types.SimpleNamespace(load=lambda s: slots.get(s, 0)), _assign_ver=0, _topics_ver=1,
+        _poll_soon=asyncio.Event(), partitions={("gone", i): types.SimpleNamespace(topic="gone", topic_id="x")
+                                                for i in range(3)},
+        store=types.SimpleNamespace(topic=lambda n: None), _waiters={}, _wake=lambda *a: 0, _retire=retire,
+        _delivery_settings=lambda p, t: None, _moved_away=_nothing, failures=failures,
+        task_failed=failures.append)
+
+
+async def _nothing() -> None:
+    return None
+
+
+def test_a_topic_watch_started_again_after_a_failed_pass_makes_that_pass_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The retire of a deleted topic's first partition fails once (a bug): the loop is
+    started again and retires all three, instead of taking the topics version as seen
+    and leaving them open until the next change."""
+    from narad.broker import broker as B
+
+    monkeypatch.setattr(B, "TOPIC_CHECK_EVERY", 0.01)
+    slots = {V.TOPICS: 1, V.ASSIGNMENTS: 0}
+    retired: list[tuple[str, int]] = []
+
+    async def retire(key: tuple[str, int], p: object) -> None:
+        if key == ("gone", 0) and not w.failures:
+            raise RuntimeError("injected: retire failed")
+        retired.append(key)
+
+    w: object = _loop_owner(slots, retire)
+
+    async def main() -> None:
+        t = asyncio.create_task(B.Broker._kept(w, "topic watch", lambda: B.Broker._topic_watch(w)))  # type: ignore[arg-type]
+        await asyncio.sleep(0.05)
+        slots[V.TOPICS] = 2  # the topic was deleted
+        deadline = time.monotonic() + 10
+        while len(set(retired)) < 3 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        t.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await t
+
+    asyncio.run(main())
+    assert w.failures == ["topic watch"]  # type: ignore[attr-defined]
+    assert set(retired) == {("gone", 0), ("gone", 1), ("gone", 2)}
+
+
+def test_a_kept_loop_whose_awaited_future_is_cancelled_by_another_starts_again() -> None:
+    """A CancelledError that is not the loop's own cancellation (a future it awaited was
+    cancelled elsewhere) is a failure like any other: counted and started again, not an
+    end without a word. The loop's own cancellation still ends it."""
+    from narad.broker import broker as B
+
+    w: object = _loop_owner({}, _nothing)
+    passes: list[int] = []
+
+    async def main() -> None:
+        async def body() -> None:
+            passes.append(1)
+            if len(passes) == 1:
+                f: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+                asyncio.get_running_loop().call_later(0.01, f.cancel)
+                await f
+            await asyncio.sleep(3600)
+
+        t = asyncio.create_task(B.Broker._kept(w, "sweeper", body))  # type: ignore[arg-type]
+        deadline = time.monotonic() + 10
+        while len(passes) < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert not t.done()
+        t.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await t
+        assert t.cancelled()
+
+    asyncio.run(main())
+    assert passes == [1, 1] and w.failures == ["sweeper"]  # type: ignore[attr-defined]

@@ -15,14 +15,14 @@ import msgspec
 import pytest
 
 from narad.config import load_config
-from narad.errors import Conflict, NotFound
+from narad.errors import BadRequest, Conflict, NotFound, Unavailable
 from narad.meta import commands as C
 from narad.meta import requests as Q
 from narad.meta import versions as V
 from narad.meta.fsm import FSM
 from narad.meta.grants import Identity
 from narad.meta.raft import RaftNode
-from narad.meta.records import TopicRecord
+from narad.meta.records import MemberRecord, TopicRecord
 from narad.meta.service import MetaService
 from narad.meta.store import MetaStore
 from tests.harness import free_ports
@@ -195,6 +195,51 @@ def test_a_request_run_again_after_a_leader_change_answers_what_it_did(tmp_path:
             users = Q.CreateUserReq(who=OPERATOR, username="u1", password_hash=b"h")
             await meta.dispatch_as(users, "req-5")
             assert (await meta.dispatch_as(users, "req-5")).username == "u1"  # type: ignore[attr-defined]
+        finally:
+            raft.close()
+            fsm.close()
+            versions.close()
+
+    asyncio.run(main())
+
+
+class SlowFirstDelivery(FSM):
+    """The first SetDelivery takes 1.5 s to apply (on Raft's tick thread): its writer's
+    one-second write times out ("may have landed") and the entry commits after."""
+
+    slow = 1
+
+    def _set_delivery(self, txn: Any, p: C.SetDelivery, stamp: int) -> Any:
+        if SlowFirstDelivery.slow:
+            SlowFirstDelivery.slow = 0
+            time.sleep(1.5)
+        return super()._set_delivery(txn, p, stamp)
+
+
+def test_a_flow_write_that_timed_out_is_seen_by_the_next_cycle_check(tmp_path: Path) -> None:
+    """a -> b times out on its writer and commits afterwards; b -> a, checked the next
+    moment under the same lock, is refused as the cycle it closes (a barrier under the
+    lock orders the check after every entry proposed before it), and the topics never
+    form a cycle. Without the barrier b -> a was accepted: a -> b -> a."""
+
+    async def main() -> None:
+        SlowFirstDelivery.slow = 1
+        meta, raft, fsm, versions = await _service(tmp_path, SlowFirstDelivery)
+        try:
+            every = sorted(C.APPLIED_TYPES)
+            assert (await meta.write(C.RegisterMember(MemberRecord("n1", raft.self_addr, newest_entry_type=max(every),
+                                                                   entry_types=every)))).ok
+            for n in ("a", "b"):
+                await meta.create_topic(Q.CreateTopicReq(who=OPERATOR, name=n))
+            meta.write_timeout = 1.0
+            with pytest.raises(Unavailable, match="may have landed"):
+                await meta.alter_topic(Q.AlterTopicReq(OPERATOR, "a", max_deliveries=1, dead_letter_topic="b"))
+            with pytest.raises(BadRequest, match="closes a cycle"):
+                await meta.alter_topic(Q.AlterTopicReq(OPERATOR, "b", max_deliveries=1, dead_letter_topic="a"))
+            with meta.store.read() as r:
+                a, b = r.topic("a"), r.topic("b")
+            assert a is not None and b is not None
+            assert (a.dead_letter_topic, b.dead_letter_topic) == ("b", None)
         finally:
             raft.close()
             fsm.close()

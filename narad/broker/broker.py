@@ -374,7 +374,13 @@ class Broker:
                 await fn()
                 return
             except asyncio.CancelledError:
-                raise
+                me = asyncio.current_task()
+                if me is None or me.cancelling():
+                    raise  # this loop was cancelled (the worker closes)
+                # a future the loop awaited was cancelled by someone else: a failure like any other
+                log.exception("background task failed; it starts again after a pause",
+                              extra={"task": name, "worker": self.index, "pause_s": pause})
+                self.task_failed(name)
             except Exception:
                 log.exception("background task failed; it starts again after a pause",
                               extra={"task": name, "worker": self.index, "pause_s": pause})
@@ -2128,6 +2134,9 @@ class Broker:
                         self.m.errors.labels("storage", "offset_write_failed").inc()
                         p.dirty = True
                         continue
+                    except BaseException:
+                        p.dirty = True  # written at the next tick, once the loop starts again
+                        raise
                 if p.offsets.dirty_since_sync and now - self._synced.get(key, 0.0) >= self.offset_sync_interval:
                     self._synced[key] = now
                     due.append(p)
@@ -2294,14 +2303,15 @@ class Broker:
         the consumers parked on it."""
         while True:
             await asyncio.sleep(TOPIC_CHECK_EVERY)
+            # Each version is taken as seen only once its pass is done: a pass that fails
+            # (the loop is started again, ``_kept``) is made again in full.
             aver = self.versions.load(V.ASSIGNMENTS)
             if aver != self._assign_ver:
-                self._assign_ver = aver
                 await self._moved_away()
+                self._assign_ver = aver
             ver = self.versions.load(V.TOPICS)
             if ver == self._topics_ver:
                 continue
-            self._topics_ver = ver
             self._poll_soon.set()  # new or deleted topics: their series soon, not in up to 5 s
             for key, p in list(self.partitions.items()):
                 t = self.store.topic(p.topic)
@@ -2313,6 +2323,7 @@ class Broker:
                 t = self.store.topic(name)
                 if t is None:
                     self._wake(name, len(self._waiters.get(name, ())))
+            self._topics_ver = ver
 
     def _delivery_settings(self, p: Partition, t: TopicRecord) -> None:
         """A topic change may have set, raised or lifted max_deliveries (PATCH): the

@@ -23,7 +23,7 @@ import secrets
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -277,6 +277,12 @@ class MetaService:
         async with contextlib.AsyncExitStack() as stack:
             for key in sorted({n.casefold() for n in names}):
                 await stack.enter_async_context(self._locks[key])
+            if FLOW_LOCK in names:
+                # A flow write whose Raft write timed out ("may have landed") let go of the
+                # lock with its entry still able to commit: a barrier orders this check after
+                # every entry proposed before it (Raft keeps their order, and an entry a later
+                # leader's barrier does not find never commits), so it reads them applied.
+                await self.barrier()
             yield
 
     # ---- helpers ----------------------------------------------------------------
@@ -1269,6 +1275,10 @@ class MetaService:
                 if not 1 <= t.partitions <= maximum or t.retention_ms < 0 or t.visibility_timeout_ms <= 0:
                     raise ValueError(f"topic {t.name!r}: partitions must be between 1 and {maximum} "
                                      "(topic.max_partitions), retention and visibility timeout not negative")
+            cycle = _flow_cycle({t.name: t for t in entry.topics})
+            if cycle is not None:
+                raise ValueError(f"the topics' dead-letter topics and children form a cycle "
+                                 f"({' -> '.join(cycle)}): a record failing in each would go round for ever")
         except ValueError as e:
             raise BadRequest(f"invalid argument: {e}") from None
         await self._leader_view()
@@ -1402,6 +1412,41 @@ def _flow_path(topic: Callable[[str], TopicRecord | None], start: str, target: s
                 came[nxt] = cur
                 todo.append(nxt)
     return None
+
+
+def _flow_cycle(topics: dict[str, TopicRecord]) -> list[str] | None:
+    """A cycle of the ways records flow on (dead-letter topics, fan-out children) among
+    `topics` (an import's whole set), as the names around it, first repeated at the
+    end; None when there is none. Iterative, linear in topics and edges, no cap."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    for root in sorted(topics):
+        if root in state:
+            continue
+        path = [root]
+        state[root] = 1
+        todo: list[Iterator[str]] = [iter(_flow_edges(topics.get(root)))]
+        while todo:
+            nxt = next(todo[-1], None)
+            if nxt is None:
+                todo.pop()
+                state[path.pop()] = 2
+                continue
+            if nxt not in topics:
+                continue
+            st = state.get(nxt)
+            if st == 1:
+                return [*path[path.index(nxt):], nxt]
+            if st is None:
+                state[nxt] = 1
+                path.append(nxt)
+                todo.append(iter(_flow_edges(topics[nxt])))
+    return None
+
+
+def _flow_edges(rec: TopicRecord | None) -> list[str]:
+    if rec is None:
+        return []
+    return ([rec.dead_letter_topic] if rec.dead_letter_topic else []) + list(rec.children)
 
 
 def _no_dead_letter_cycle(topic: Callable[[str], TopicRecord | None], name: str, dlt: str) -> None:

@@ -733,8 +733,6 @@ class Supervisor:
         silent = self.not_responding()
         if silent is not None:
             return False, silent[0]
-        if V.failing(self.versions.hb, self.n_workers):
-            return False, 15  # a worker's background loop failed within V.FAULT_HOLD
         ctl = getattr(self, "controller", None)
         if self.removed or (ctl is not None and ctl.removed):
             return False, 14  # the leader refused this node's id (the probe, or a refused heartbeat)
@@ -758,6 +756,13 @@ class Supervisor:
             return False, 10
         return True, 0
 
+    def _serving(self, ready: bool, reason: int) -> tuple[bool, int]:
+        """`readiness()`'s answer with the workers' background loops counted: not ready
+        (15) while one failed within V.FAULT_HOLD (what /readyz answers)."""
+        if ready and V.failing(self.versions.hb, self.n_workers):
+            return False, 15
+        return ready, reason
+
     def _commit_target_seen(self, target: int) -> int:
         """The commit index seen APPLY_GRACE seconds ago (the oldest one seen while
         none is that old): what the replica must have applied by now."""
@@ -772,12 +777,19 @@ class Supervisor:
     async def _readiness_loop(self) -> None:
         while True:
             ready, reason = self.readiness()
-            self.versions.store(V.READY_REASON, reason)
+            # V.READY is the metastore's readiness: what the latches wait for (a worker's
+            # routes_trusted, the fan-out's first start) and systemd's READY=1. A worker's
+            # failing background loop does not hold those back (a loop that fails every
+            # pass would keep the node from ever starting, its WAL undispatched): it makes
+            # /readyz answer 503 naming it (both listeners read V.failing themselves), and
+            # narad_ready and the logged readiness say so (reason 15).
             self.versions.store(V.READY, 1 if ready else 0)
+            ready, reason = self._serving(ready, reason)
+            self.versions.store(V.READY_REASON, reason)
             if ready != self._ready:
                 self._ready = ready
                 log.info("readiness changed", extra={"ready": ready, "reason": V.READY_REASONS[reason]})
-            if ready and not self._notified:
+            if self.versions.load(V.READY) == 1 and not self._notified:
                 self._notified = True
                 self.metrics.boot_duration.set(round(time.monotonic() - self.t_started, 3))
                 sdnotify.notify(f"READY=1\nSTATUS={self.status_line()}")
@@ -817,7 +829,7 @@ class Supervisor:
 
     def status_line(self) -> str:
         """One line for systemd's STATUS= (systemctl status shows it)."""
-        ready, reason = self.readiness()
+        ready, reason = self._serving(*self.readiness())
         st = self.raft.status()
         silent = self.not_responding()
         why = silent[1] if silent is not None else V.READY_REASONS[reason]
@@ -887,7 +899,7 @@ class Supervisor:
     # ---- views for naradctl and /v1/cluster/members ------------------------------
     def node_status(self) -> Q.NodeStatus:
         st = self.raft.status()
-        ready, reason = self.readiness()
+        ready, reason = self._serving(*self.readiness())
         silent = self.not_responding()
         contact = None if st.last_leader_contact is None else round(time.monotonic() - st.last_leader_contact, 3)
         leader_id = None

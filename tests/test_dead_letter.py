@@ -1189,6 +1189,32 @@ def test_settings_made_at_once_on_different_topics_never_close_a_cycle_together(
         assert at is None, f"a cycle of dead-letter topics was formed: {set_}"
 
 
+def test_a_setting_and_an_attach_made_at_once_never_close_a_cycle_together(node: Node) -> None:
+    """b -> c and d -> a are dead-letter settings already; a -> b (PATCH) and c -> d (an
+    attach of d under c) share no topic, and each alone closes nothing, both do
+    (a -> b -> c -> d -> a). The flow lock orders them: one sees the other and is refused."""
+    for round_ in range(6):
+        a, b, c, d = (mk(node, f"sa{round_}{x}-") for x in "abcd")
+        for src, dst in ((b, c), (d, a)):
+            r = node.request("PATCH", f"/v1/topics/{src}", body={"max_deliveries": 1, "dead_letter_topic": dst})
+            assert r.status == 200, r
+        start = threading.Barrier(2)
+
+        def setting(start: threading.Barrier, a: str, b: str) -> int:
+            start.wait(5)
+            return node.request("PATCH", f"/v1/topics/{a}", body={"max_deliveries": 1, "dead_letter_topic": b}).status
+
+        def attach(start: threading.Barrier, c: str, d: str) -> int:
+            start.wait(5)
+            return node.post(f"/v1/topics/{c}/children", {"child": d}).status
+
+        with ThreadPoolExecutor(2) as ex:
+            fs = [ex.submit(setting, start, a, b), ex.submit(attach, start, c, d)]
+            got = [f.result() for f in fs]
+        assert all(code in (200, 201, 400, 409) for code in got), got
+        assert sum(code in (200, 201) for code in got) == 1, f"both were taken, a cycle: {got}"
+
+
 def test_a_fan_out_copy_of_a_dead_letter_is_not_redriven_while_its_dead_letter_topic_is_there(node: Node) -> None:
     """A child of a dead-letter topic holds copies of its dead letters; detached, it is a
     plain topic, but a redrive of it skips those copies (the dead-letter topic's own

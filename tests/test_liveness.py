@@ -522,25 +522,30 @@ def _loop_owner(slots: dict[int, int], retire: object) -> object:
     three open partitions belong to a topic the replica no longer has."""
     import types
 
+    from narad.broker import broker as B
+
     failures: list[str] = []
-    return types.SimpleNamespace(
+    w = types.SimpleNamespace(
         index=0, versions=types.SimpleNamespace(load=lambda s: slots.get(s, 0)), _assign_ver=0, _topics_ver=1,
         _poll_soon=asyncio.Event(), partitions={("gone", i): types.SimpleNamespace(topic="gone", topic_id="x")
                                                 for i in range(3)},
         store=types.SimpleNamespace(topic=lambda n: None), _waiters={}, _wake=lambda *a: 0, _retire=retire,
         _delivery_settings=lambda p, t: None, _moved_away=_nothing, failures=failures,
-        task_failed=failures.append)
+        task_failed=failures.append, _watch_pause=0.0)
+    w._pass_failed = types.MethodType(B.Broker._pass_failed, w)
+    return w
 
 
 async def _nothing() -> None:
     return None
 
 
-def test_a_topic_watch_started_again_after_a_failed_pass_makes_that_pass_again(
+def test_a_topic_watch_pass_that_failed_on_one_partition_is_made_again(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """The retire of a deleted topic's first partition fails once (a bug): the loop is
-    started again and retires all three, instead of taking the topics version as seen
-    and leaving them open until the next change."""
+    """The retire of a deleted topic's first partition fails once (a bug): it is counted,
+    the other two are retired in that pass, and the pass is made again (the first one
+    retired then), instead of the topics version being taken as seen with all three
+    left open until the next change."""
     from narad.broker import broker as B
 
     monkeypatch.setattr(B, "TOPIC_CHECK_EVERY", 0.01)
@@ -600,3 +605,53 @@ def test_a_kept_loop_whose_awaited_future_is_cancelled_by_another_starts_again()
 
     asyncio.run(main())
     assert passes == [1, 1] and w.failures == ["sweeper"]  # type: ignore[attr-defined]
+
+
+def test_a_partition_whose_offset_write_raises_leaves_the_others_written() -> None:
+    """One partition's offset write raises (a bug, not an OSError) on every tick: it is
+    counted and stays dirty, and the worker's other partitions are still written each
+    tick (the committer once stopped at it for the whole worker)."""
+    import types
+
+    from narad.broker import broker as B
+
+    written: list[str] = []
+
+    class Off:
+        dirty_since_sync = False
+
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def write_window(self, *a: object) -> set[int]:
+            if self.name == "bad":
+                raise ValueError("injected: encode bug")
+            written.append(self.name)
+            return set()
+
+    def part(name: str) -> object:
+        return types.SimpleNamespace(closed=False, dirty=True, topic=name, index=0, count_gen=0, written_gen=0,
+                                     counts_unwritten=set(), offsets=Off(name), committed=0,
+                                     snapshot_offsets=lambda: (0, []), snapshot_counts=dict,
+                                     snapshot_reasons=dict, held_marks=tuple)
+
+    failures: list[str] = []
+    bad, good = part("bad"), part("good")
+    w = types.SimpleNamespace(index=0, loop=None, partitions={("bad", 0): bad, ("good", 0): good}, _synced={},
+                              _leveled={}, io=None, offset_sync_interval=3600.0, task_failed=failures.append)
+    w._pass_failed = types.MethodType(B.Broker._pass_failed, w)
+
+    async def main() -> None:
+        w.loop = asyncio.get_running_loop()
+        t = asyncio.create_task(B.Broker._kept(w, "committer", lambda: B.Broker._committer(w)))  # type: ignore[arg-type]
+        deadline = time.monotonic() + 10
+        while (len(failures) < 3 or written.count("good") < 1) and time.monotonic() < deadline:
+            good.dirty = True  # new acks on the good partition every tick
+            await asyncio.sleep(0.05)
+        t.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await t
+
+    asyncio.run(main())
+    assert len(failures) >= 3 and set(failures) == {"committer"}
+    assert written.count("good") >= 2 and bad.dirty  # type: ignore[attr-defined]

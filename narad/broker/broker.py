@@ -325,6 +325,7 @@ class Broker:
         self.mover = MoveRunner(self, meta_call)
         self.deadletters = DeadLetterDriver(self)  # records past max_deliveries, to their dead-letter topic
         self._assign_ver = -1
+        self._watch_pause = 0.0  # the topic watch's pause after a pass an item of which failed
         self._register_peer_handlers()
 
     # ---- lifecycle ------------------------------------------------------------------
@@ -2134,9 +2135,10 @@ class Broker:
                         self.m.errors.labels("storage", "offset_write_failed").inc()
                         p.dirty = True
                         continue
-                    except BaseException:
-                        p.dirty = True  # written at the next tick, once the loop starts again
-                        raise
+                    except Exception:  # a bug: this partition stays dirty, the others are still written
+                        p.dirty = True
+                        self._pass_failed("committer", p)
+                        continue
                 if p.offsets.dirty_since_sync and now - self._synced.get(key, 0.0) >= self.offset_sync_interval:
                     self._synced[key] = now
                     due.append(p)
@@ -2303,27 +2305,46 @@ class Broker:
         the consumers parked on it."""
         while True:
             await asyncio.sleep(TOPIC_CHECK_EVERY)
-            # Each version is taken as seen only once its pass is done: a pass that fails
-            # (the loop is started again, ``_kept``) is made again in full.
+            # Each version is taken as seen only once its pass is done: a partition that
+            # fails (a bug) is logged and counted, the others are still handled, and the
+            # pass is made again (after a pause that doubles while it keeps failing).
+            if self._watch_pause:
+                await asyncio.sleep(self._watch_pause)
+            failed = False
             aver = self.versions.load(V.ASSIGNMENTS)
             if aver != self._assign_ver:
-                await self._moved_away()
-                self._assign_ver = aver
+                try:
+                    await self._moved_away()
+                    self._assign_ver = aver
+                except Exception:
+                    failed = self._pass_failed("topic watch")
             ver = self.versions.load(V.TOPICS)
-            if ver == self._topics_ver:
-                continue
-            self._poll_soon.set()  # new or deleted topics: their series soon, not in up to 5 s
-            for key, p in list(self.partitions.items()):
-                t = self.store.topic(p.topic)
-                if t is None or t.id != p.topic_id:
-                    await self._retire(key, p)
-                else:
-                    self._delivery_settings(p, t)
-            for name in list(self._waiters):
-                t = self.store.topic(name)
-                if t is None:
-                    self._wake(name, len(self._waiters.get(name, ())))
-            self._topics_ver = ver
+            if ver != self._topics_ver:
+                self._poll_soon.set()  # new or deleted topics: their series soon, not in up to 5 s
+                for key, p in list(self.partitions.items()):
+                    try:
+                        t = self.store.topic(p.topic)
+                        if t is None or t.id != p.topic_id:
+                            await self._retire(key, p)
+                        else:
+                            self._delivery_settings(p, t)
+                    except Exception:
+                        failed = self._pass_failed("topic watch", p)
+                for name in list(self._waiters):
+                    t = self.store.topic(name)
+                    if t is None:
+                        self._wake(name, len(self._waiters.get(name, ())))
+                if not failed:
+                    self._topics_ver = ver
+            self._watch_pause = min(max(1.0, self._watch_pause * 2), TASK_PAUSE_MAX) if failed else 0.0
+
+    def _pass_failed(self, task: str, p: Partition | None = None) -> bool:
+        """One item of a background loop's pass raised (a bug): logged with its partition,
+        counted and named by /readyz (``task_failed``); the loop goes on. True."""
+        log.exception("background task failed on one item; the others go on, it is tried again", extra={
+            "task": task, "worker": self.index, **({"topic": p.topic, "partition": p.index} if p else {})})
+        self.task_failed(task)
+        return True
 
     def _delivery_settings(self, p: Partition, t: TopicRecord) -> None:
         """A topic change may have set, raised or lifted max_deliveries (PATCH): the

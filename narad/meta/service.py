@@ -282,7 +282,12 @@ class MetaService:
                 # lock with its entry still able to commit: a barrier orders this check after
                 # every entry proposed before it (Raft keeps their order, and an entry a later
                 # leader's barrier does not find never commits), so it reads them applied.
-                await self.barrier()
+                try:
+                    await self.barrier(self.write_timeout)
+                except Unavailable as e:
+                    raise Unavailable("metadata write not started (nothing was written): this node could not "
+                                      f"confirm its metastore replica is current: {e}",
+                                      headers=[("Retry-After", "1")]) from None
             yield
 
     # ---- helpers ----------------------------------------------------------------
@@ -1287,7 +1292,8 @@ class MetaService:
             kind = int(C.EntryType.IMPORT_METASTORE)
             raise Conflict(f"an import needs every member to apply raft entry type {kind}: {why}",
                            code="older_release")
-        res = await self.write(entry, deadline=time.monotonic() + 30.0)
+        async with self._name_locks(FLOW_LOCK):  # ordered with the writes that add flow edges
+            res = await self.write(entry, deadline=time.monotonic() + 30.0)
         if res.code == C.Result.EXISTS:
             raise Conflict(res.message, code="cluster_not_empty")
         self._check(res, "metastore")

@@ -769,6 +769,60 @@ def test_a_raise_during_the_dead_letter_commit_then_a_kill9_never_leaves_the_rec
         n.close()
 
 
+@pytest.mark.parametrize("lift", ["max-0", "no-dlq", "dlq-deleted"])
+def test_a_lift_during_the_dead_letter_commit_then_a_kill9_never_leaves_the_record_live_in_both(
+        tmp_path: Any, lift: str) -> None:
+    """The dead-letter commit has landed, the source settle is held (test seam),
+    dead-lettering is lifted (max_deliveries 0, or the dead-letter topic taken off too),
+    and the node is killed -9 before the settle is written. After the restart the
+    offset file's mark says the copy may exist, and ``dead_letter.target`` names the
+    topic it went to: the move is finished there (a second copy, at least once), never
+    delivered from the source. With that topic deleted meanwhile nothing of the record
+    is left anywhere else: it is delivered from its source again, not lost. (Before, a
+    lift released the mark: the record was live in both topics.)"""
+    n = Node(tmp_path / "data", workers=2, env={"NARAD_FAULT_DLQ_HOLD_SETTLE_MS": "30000"}).start()
+    try:
+        dlt, name, m = nacked_past_the_maximum(n, "kl-", b"lifted", "r")
+
+        def dlt_records() -> int:
+            return sum(x["high_watermark"] for x in n.get(f"/v1/topics/{dlt}").json()["partition_stats"])
+
+        wait_for(lambda: dlt_records() == 1, 15, 0.05, "the dead-letter commit (the settle is held)")
+        body: dict[str, Any] = {"max_deliveries": 0}
+        if lift != "max-0":
+            body["dead_letter_topic"] = ""
+        r = n.request("PATCH", f"/v1/topics/{name}", body)
+        assert r.status == 200 and "max_deliveries" not in r.json(), r
+        if lift == "dlq-deleted":
+            assert n.request("DELETE", f"/v1/topics/{dlt}").status == 204
+        assert consume(n, name, "wait=300ms").status == 204  # in flight: not released by the lift
+        n.kill9()
+        n.extra_env = {}
+        n.start()
+        if lift == "dlq-deleted":  # its copy went with the topic: delivered from the source again
+            again = take(n, name)
+            assert again["payload"] == "lifted" and again["offset"] == m["offset"]
+            return
+        deadline = time.monotonic() + 2
+        while time.monotonic() < deadline:
+            r = consume(n, name, "wait=200ms")
+            assert r.status == 204, f"delivered from its source after its dead-letter commit: {r}"
+        wait_for(lambda: dlt_records() == 2, 15, 0.05, "the move finished: a second dead-letter copy")
+        wait_for(lambda: all(x["lag"] == 0 for x in n.get(f"/v1/topics/{name}").json()["partition_stats"]), 10,
+                 0.05, "settled in the source")
+        assert consume(n, name).status == 204
+        copies: list[dict[str, Any]] = []
+        wait_for(lambda: copies.extend(take(n, dlt, "max=10")["messages"]) or len(copies) >= 2, 10, 0.0, "both")
+        assert [(c["payload"], c["dead_letter"]["offset"]) for c in copies] == [("lifted", m["offset"])] * 2
+        # Lifted for good: a record nacked now is delivered again, never held.
+        produce(n, name, b"after")
+        x = take(n, name)
+        assert nack(n, name, x["receipt_handle"], "").status == 204
+        assert take(n, name)["payload"] == "after"
+    finally:
+        n.close()
+
+
 @pytest.mark.parametrize("again", [False, True], ids=["deleted", "deleted-and-made-again"])
 def test_a_redrive_that_fails_before_its_produce_loses_nothing(tmp_path: Any, again: bool) -> None:
     """Redrive produces each record back before it acks it in the dead-letter topic: a

@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
+import msgspec
 import pytest
 
 from narad.broker import deadletter as DL
@@ -271,6 +272,45 @@ def test_a_lift_clears_restored_marks_and_a_raise_keeps_them_without_churn(tmp_p
     assert not s.dead
 
 
+def test_a_lift_with_the_dead_letter_topic_still_there_keeps_marked_records_held_to_finish_their_move(
+        tmp_path: Path) -> None:
+    """A mark a restart found means the record's dead-letter copy may exist. Lifted with
+    `finish` (``dead_letter.target`` names a dead-letter topic that still exists: the
+    broker's ``finish_target``), the marked records stay held, even at max_deliveries 0,
+    so the driver can finish their move; a record held but not marked goes out again.
+    Once the move settles them, nothing is held back any more."""
+    p = _partition(tmp_path, 4)
+    p.follow_max(1)
+    for x in p.reserve(100.0, 2, 30.0, 1024, 1024):
+        assert p.nack(x.offset, x.nonce, 100.1)
+    assert sorted(p.dead) == [0, 1]
+    _written(p)
+    _kill9(p)
+    q = _reopen(tmp_path)
+    assert q.marked == {0, 1}
+    assert not q.follow_max(0, finish=True)  # nothing released: the marks stay
+    assert q.marked == {0, 1} and q.max_deliveries == 0
+    got = q.reserve(200.0, 4, 30.0, 1024, 1024)
+    assert sorted(x.offset for x in got) == [2, 3]  # 0 and 1 are held again, not delivered
+    assert sorted(q.dead) == [0, 1]
+    for x in got:  # max_deliveries 0: a nack of an unmarked record holds nothing
+        assert q.nack(x.offset, x.nonce, 200.1)
+    assert sorted(q.dead) == [0, 1]
+    assert not q.release_dead(keep_marked=True)  # the driver's pass while lifted: still held
+    assert q.settle_dead(0) and q.settle_dead(1) and not q.marked and not q.dead
+    assert sorted(x.offset for x in q.reserve(201.0, 4, 30.0, 1024, 1024)) == [2, 3]
+    # Without `finish` (no target, or it is gone) the same lift releases them, as before.
+    r = _partition(tmp_path / "other", 2)
+    r.follow_max(1)
+    for x in r.reserve(100.0, 2, 30.0, 1024, 1024):
+        assert r.nack(x.offset, x.nonce, 100.1)
+    _written(r)
+    _kill9(r)
+    s = _reopen(tmp_path / "other")
+    assert s.marked == {0, 1} and s.follow_max(0) and not s.marked
+    assert sorted(x.offset for x in s.reserve(300.0, 2, 30.0, 1024, 1024)) == [0, 1]
+
+
 def test_reasons_survive_a_crash_and_a_close(tmp_path: Path) -> None:
     p = _partition(tmp_path, 3)
     d = p.reserve(100.0, 3, 30.0, 1024, 1024)
@@ -517,6 +557,7 @@ class _DriverBroker:
         self.security = False
         self.partitions = {(p.topic, p.index): p}
         self.loop = loop
+        self.io = None  # (the loop's default executor)
         self.committed: list[int] = []  # the source offsets dead-lettered, in commit order
 
     def choose_partition(self, _t: TopicRecord, _key: bytes | None) -> int:
@@ -555,3 +596,64 @@ def test_the_driver_waits_for_room_for_a_held_records_count(tmp_path: Path,
         assert b.committed == [0, 1, 2] and not p.dead
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("target", ["there", "gone", "made-again", "none"])
+def test_the_driver_finishes_a_marked_move_after_a_lift_only_into_the_topic_it_began_with(
+        tmp_path: Path, target: str) -> None:
+    """Before its first commit into a dead-letter topic the driver names it durably
+    (``dead_letter.target``). After a restart with dead-lettering lifted (here the
+    dead-letter topic taken off the source), the records the offset file marked held
+    (their copy may be there already) are moved into that topic if it still exists as
+    the same incarnation, never delivered from the source; held records that were not
+    marked go out again. With the topic gone, made again, or never named, the marks
+    go and the records are delivered again (nothing of them can be left there)."""
+    p = _partition(tmp_path, 3)
+    p.max_deliveries = 1
+    got = p.reserve(100.0, 3, 30.0, 1024, 1024)
+    for x in got[:2]:
+        assert p.nack(x.offset, x.nonce, 100.1)
+    assert set(p.dead) == {0, 1}
+    _written(p)  # the holds are marked in the offset file
+
+    async def first() -> None:  # the driver names the target and commits; the settle is never written
+        b = _DriverBroker(p, asyncio.get_running_loop())
+        p.written_gen = max(p.dead.values())
+        p.dead_flight.add(1)  # (offset 1's commit is on its way elsewhere: this pass takes 0 alone)
+        await DL.DeadLetterDriver(b)._drain(p)
+        assert b.committed == [0]
+
+    asyncio.run(first())
+    assert DL.read_target(tmp_path) == ("t-dlq", "11" * 8)
+    if target == "none":
+        (tmp_path / DL.TARGET_FILE).unlink()
+    _kill9(p)  # before the committer's next tick: offset 0's settle is lost, its mark stays
+    q = _reopen(tmp_path)
+    q.dlq_target = DL.read_target(tmp_path)  # (what the broker's open does)
+    assert q.marked == {0, 1}
+
+    async def after() -> None:
+        b = _DriverBroker(q, asyncio.get_running_loop())
+        src = b.store.topic(q.topic)
+        lifted = msgspec.structs.replace(src, max_deliveries=0, dead_letter_topic=None)
+        dlq = b.store.topic("t-dlq")
+        topics = {q.topic: lifted, "t-dlq": dlq}
+        if target == "gone":
+            del topics["t-dlq"]
+        elif target == "made-again":
+            topics["t-dlq"] = msgspec.structs.replace(dlq, id="22" * 8)
+        b.store = SimpleNamespace(topic=topics.get)
+        finish = DL.finish_target(b.store, q) is not None
+        assert finish == (target == "there")
+        q.follow_max(0, finish)  # the open's
+        out = sorted(x.offset for x in q.reserve(200.0, 3, 30.0, 1024, 1024))
+        if not finish:
+            assert out == [0, 1, 2] and not q.marked
+            return
+        assert out == [2] and set(q.dead) == {0, 1}  # marked: held, not delivered
+        q.written_gen = max(q.dead.values())
+        await DL.DeadLetterDriver(b)._drain(q)
+        assert b.committed == [0, 1] and not q.dead and not q.marked  # moved, settled in the source
+        assert q.reserve(201.0, 3, 30.0, 1024, 1024) == []
+
+    asyncio.run(after())

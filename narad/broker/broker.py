@@ -74,6 +74,7 @@ from pathlib import Path
 from typing import Any
 
 from narad import metrics
+from narad.broker import deadletter as DL
 from narad.broker import idem as IDEM
 from narad.broker import peers as P
 from narad.broker.deadletter import DeadLetterDriver
@@ -612,6 +613,9 @@ class Broker:
         self._drained.discard((topic.name, index, topic.id))
         d = topic_dir(self.data_dir, topic.name, topic.id) / f"p{index:05d}"
         p = await self.loop.run_in_executor(self.io, self._open_sync, topic, index, d)
+        # Lifted: restored marks go, unless their dead-letter topic exists (their move is finished).
+        p.follow_max(topic.max_deliveries if topic.dead_letter_topic else 0,
+                     DL.finish_target(self.store, p) is not None)
         lbl = (topic.name, str(index))
         m = self.m
         p.meter(m.messages_produced.labels(*lbl), m.bytes_produced.labels(*lbl), m.fsync_seconds.labels(*lbl))
@@ -637,7 +641,7 @@ class Broker:
                 p.freeze_token, p.freeze_until = frozen[0], time.monotonic() + left_s
                 log.info("partition opened frozen for a move (a freeze made before a restart)", extra={
                     "topic": topic.name, "partition": index, "ttl_left_s": round(left_s, 1)})
-        p.follow_max(topic.max_deliveries if topic.dead_letter_topic else 0)  # lifted: restored marks go
+        p.dlq_target = DL.read_target(d)  # (the settings are followed on the loop: ``_open``)
         # Idempotent produce: the keys committed within the window, from the log itself.
         p.idem_window_ms = topic.idem_window_ms
         p.idem_marked = (d / IDEM.MARKER).exists()
@@ -2352,7 +2356,8 @@ class Broker:
         again, and raised, what was held below the new maximum. The idempotency
         window follows too (the 5 s poller expires keys by it, between commits)."""
         p.idem_window_ms = t.idem_window_ms
-        if p.follow_max(t.max_deliveries if t.dead_letter_topic else 0):
+        if p.follow_max(t.max_deliveries if t.dead_letter_topic else 0,
+                        DL.finish_target(self.store, p) is not None):
             self._on_released(p)
 
     # ---- partition moves --------------------------------------------------------------------------------

@@ -16,9 +16,15 @@ leaves the source unsettled with its count on disk: after the restart the record
 is held and dead-lettered again (at least once into the dead-letter topic, never
 lost, never live in both: the source copy is never delivered again once held,
 as the hold is marked in the offset file before the commit and a restart holds a
-marked record again whatever max_deliveries has become; the one exception needs
-dead-lettering lifted during the commit and a kill -9 before the settle is
-written: docs/architecture.md).
+marked record again whatever max_deliveries has become).
+
+Before its first commit into a dead-letter topic, a partition's driver makes the
+topic's name and id durable in ``dead_letter.target`` (``write_target``). A restart
+that finds marked records with dead-lettering lifted meanwhile (max_deliveries 0, or
+no dead-letter topic) finishes their move into that topic while it exists (its copy
+may be there already; ``Partition.follow_max``'s `finish`); with that topic deleted
+(or made again: another id) they go out again, as nothing of them can be left there.
+A move's destination has no such file: a lift there releases the marks it installed.
 
 The driver takes only holds whose count reached the offset file (the
 committer's next 100 ms tick; ``Partition.written_gen``), so a kill -9 right
@@ -48,13 +54,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import heapq
+import json
 import logging
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 from narad import metrics
 from narad.meta import grants as G
+from narad.storage import fileio
 from narad.storage import frames as FR
 from narad.storage.partition_log import CorruptRecord, LogClosed, NotVisible, OffsetGone
 
@@ -72,6 +81,42 @@ LOG_EVERY = 60.0  # failures of one topic are logged at most this often
 HOLD_SETTLE = float(os.environ.get("NARAD_FAULT_DLQ_HOLD_SETTLE_MS", "0")) / 1000.0
 UNWRITTEN_GRACE = 10.0  # a held record whose count the slot had no room for waits this long for room
 UNWRITTEN_RECHECK = 0.12  # a hold whose count is not in the offset file yet: looked at again after this
+
+
+TARGET_FILE = "dead_letter.target"  # in a partition directory: the dead-letter topic last committed to
+
+
+def read_target(d: Path) -> tuple[str, str] | None:
+    """The (name, id) ``dead_letter.target`` in partition directory `d` names (None:
+    none, or unreadable: then a lift releases the marks, as before the file)."""
+    try:
+        doc = json.loads((d / TARGET_FILE).read_bytes())
+        name, tid = doc["topic"], doc["id"]
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+    if not isinstance(name, str) or not isinstance(tid, str) or not name or not tid:
+        return None
+    return name, tid
+
+
+def write_target(d: Path, name: str, tid: str) -> None:
+    """Make ``dead_letter.target`` name (`name`, `tid`) durably (I/O thread; before a
+    dead-letter commit into that topic)."""
+    fileio.replace_durable(d / TARGET_FILE, json.dumps({"topic": name, "id": tid}, sort_keys=True).encode())
+    fileio.fsync_dir(os.fspath(d))
+
+
+def finish_target(store: Any, p: Partition) -> Any:
+    """The dead-letter topic (a ``TopicRecord``) `p`'s marked records may have a copy
+    in (the one its driver last committed to, ``dead_letter.target``), if it still
+    exists as that incarnation: with dead-lettering lifted, their move is finished into
+    it. None when nothing is marked, no topic is named, or it is gone (nothing of them
+    can be there). `store`: the worker's ``MetaStore``."""
+    tgt = p.dlq_target
+    if tgt is None or not p.marked:
+        return None
+    t = store.topic(tgt[0])
+    return t if t is not None and t.id == tgt[1] else None
 
 
 def dead_letter_record(topic: str, partition: int, offset: int, deliveries: int, reason: str | None,
@@ -188,25 +233,32 @@ class DeadLetterDriver:
         t = b.store.topic(p.topic)
         if t is None or t.id != p.topic_id:
             return  # the topic watch retires the partition
+        finishing = False
         if t.max_deliveries <= 0 or not t.dead_letter_topic:
+            # Lifted: what is held goes out again, except marked records while the topic
+            # their copy may be in exists (``Partition.follow_max``): their move is finished.
             p.max_deliveries = 0
-            if p.release_dead() and p.on_released is not None:
+            dlt = finish_target(b.store, p)
+            if p.release_dead(keep_marked=dlt is not None) and p.on_released is not None:
                 p.on_released(p)
-            return
-        maxd = t.max_deliveries
-        keep = p.marked
-        if any(p.deliveries.get(o, 0) < maxd for o in p.dead if o not in p.dead_flight and o not in keep):
-            # Held below the maximum: a raise found them on their way to the dead-letter
-            # topic and that commit failed; they go out again now, as the raise let go of
-            # the rest (``Broker._delivery_settings``). A marked one stays held.
-            if p.release_dead(maxd) and p.on_released is not None:
-                p.on_released(p)
-            if not p.dead:
+            if dlt is None or not p.dead:
                 return
-        dlt = b.store.topic(t.dead_letter_topic)
-        if dlt is None:
-            self._failed(t.name, len(p.dead), f'dead-letter topic "{t.dead_letter_topic}" does not exist')
-            return
+            finishing = True
+        else:
+            maxd = t.max_deliveries
+            keep = p.marked
+            if any(p.deliveries.get(o, 0) < maxd for o in p.dead if o not in p.dead_flight and o not in keep):
+                # Held below the maximum: a raise found them on their way to the dead-letter
+                # topic and that commit failed; they go out again now, as the raise let go of
+                # the rest (``Broker._delivery_settings``). A marked one stays held.
+                if p.release_dead(maxd) and p.on_released is not None:
+                    p.on_released(p)
+                if not p.dead:
+                    return
+            dlt = b.store.topic(t.dead_letter_topic)
+            if dlt is None:
+                self._failed(t.name, len(p.dead), f'dead-letter topic "{t.dead_letter_topic}" does not exist')
+                return
         if b.security and not G.may_dead_letter(b.store.user, t, dlt):
             # written on the owner's behalf: a grant taken away (or the name now another's topic) holds them
             self._failed(t.name, len(p.dead), f'the owner of "{t.name}" ("{t.owner}") may not produce to its '
@@ -234,8 +286,10 @@ class DeadLetterDriver:
             log.warning("dead-lettering records whose delivery count is not in the offset file (its slot is "
                         "full): a kill -9 before their settle is written can deliver them again from the source",
                         extra={"topic": t.name, "partition": p.index, "records": late})
+        marked = p.marked
         offs = heapq.nsmallest(BATCH, (o for o, g in p.dead.items()
                                        if g <= p.written_gen and o not in flight
+                                       and (not finishing or o in marked)
                                        and (o not in unwritten or now - waiting.get(o, now) >= UNWRITTEN_GRACE)))
         groups: dict[int, list[list[tuple[int, tuple[bytes | None, int, bytes]]]]] = {}
         sizes: dict[int, int] = {}  # the bytes of each partition's last chunk
@@ -269,6 +323,18 @@ class DeadLetterDriver:
             sizes[dp] += n
         if not groups:
             return
+        target = (dlt.name, dlt.id)
+        if p.dlq_target != target:
+            # Named durably before any copy can be there: a restart that finds these records
+            # marked with dead-lettering lifted finishes their move into this topic.
+            try:
+                await b.loop.run_in_executor(b.io, write_target, p.log.dir, *target)
+            except OSError as e:
+                self._failed(t.name, len(offs), f"could not write {TARGET_FILE}: {e}")
+                return
+            if p.closed:
+                return
+            p.dlq_target = target
 
         async def one(dp: int, recs: list[tuple[int, tuple[bytes | None, int, bytes]]]) -> None:
             # In flight from here to the settle: a release meanwhile (max_deliveries lifted)

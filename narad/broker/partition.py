@@ -196,8 +196,13 @@ class Partition:
         self.dead_flight: set[int] = set()  # held offsets whose dead-letter commit is on its way (the driver's)
         # Offsets the offset file said were held (a restart, a move's destination): held again
         # whatever their count says, and not released by a raised maximum (their dead-letter
-        # copy may exist); lifting dead-lettering releases them.
+        # copy may exist). Lifting dead-lettering releases them, unless ``dlq_target`` names
+        # a dead-letter topic that still exists: their move is finished into it
+        # (``follow_max``'s `finish`), so a copy made before a crash is never live beside them.
         self.marked: set[int] = set()
+        # The dead-letter topic (name, id) this partition's driver last committed to, from
+        # ``dead_letter.target`` (``deadletter.write_target``: durable before that commit).
+        self.dlq_target: tuple[str, str] | None = None
         self.count_gen = 0  # bumped by every count change
         self.written_gen = 0  # the count_gen the offset file's last window write holds (the committer sets it)
         # ... except the counts of these offsets, left out of that write (its slot was full)
@@ -284,7 +289,7 @@ class Partition:
 
     def _spent(self, off: int) -> bool:
         m = self.max_deliveries
-        return m > 0 and (self.deliveries.get(off, 0) >= m or off in self.marked)
+        return (m > 0 and self.deliveries.get(off, 0) >= m) or off in self.marked
 
     def _hold_if_spent(self, off: int) -> bool:
         """A record leased ``max_deliveries`` times (or marked held in the offset file)
@@ -317,32 +322,38 @@ class Partition:
             self.on_released(self)  # its in-flight slot is free
         return True
 
-    def follow_max(self, maxd: int) -> bool:
+    def follow_max(self, maxd: int, finish: bool = False) -> bool:
         """The topic's max_deliveries (0: dead-lettering lifted) at an open or after a
-        change: lifted, what was held or marked held goes out again (a mark a restart
-        found would otherwise hold a record at the first nack after a later re-enable);
+        change: lifted, what was held goes out again, and so does what was marked held (a
+        mark a restart found would otherwise hold a record at the first nack after a
+        later re-enable), except with `finish` (``dlq_target`` names a dead-letter topic
+        that still exists: the broker checks): a marked record's copy may be there
+        already, so it stays held and the driver finishes its move into that topic;
         raised, what was held below the new maximum. True if anything was released."""
         old = self.max_deliveries
         self.max_deliveries = maxd
         if maxd <= 0:
+            if finish:
+                return bool(self.dead) and self.release_dead(keep_marked=True)
             return bool(self.dead or self.marked) and self.release_dead()
         if 0 < old < maxd and self.dead:
             return self.release_dead(maxd)
         return False  # set or lowered: the next reserve holds the records already past it
 
-    def release_dead(self, below: int = 0) -> bool:
+    def release_dead(self, below: int = 0, keep_marked: bool = False) -> bool:
         """max_deliveries was lowered to 0 (or the topic lost its dead-letter topic), or
         raised to `below`: what was held (with `below`, each record leased fewer times
         than that) goes out again, except offsets whose dead-letter commit is on its
         way (``dead_flight``): the dead-letter topic may hold them already, so they stay
         held until that commit settles them (or, failed, the driver's next pass releases
         them). Never live in both. A raise keeps what a restart or a move found marked
-        held (``marked``: its dead-letter copy may exist); lifting releases that too.
+        held (``marked``: its dead-letter copy may exist); lifting releases that too,
+        unless `keep_marked` (its move is finished: ``follow_max``).
         True if anything was released or unmarked."""
         flight = self.dead_flight
         counts = self.deliveries
         changed = False
-        if below <= 0 and self.marked:
+        if below <= 0 and self.marked and not keep_marked:
             self.marked.clear()
             changed = True
         keep = self.marked
@@ -385,7 +396,7 @@ class Partition:
         # except by _skip_to_oldest, after which the loop re-reads them: see `continue` there).
         leases, delayed, dead, red = self.leases, self.delayed, self.dead, self._redeliver
         log, deliveries, expiry_heap, index = self.log, self.deliveries, self._expiry, self.index
-        md = self.max_deliveries
+        md, marked = self.max_deliveries, self.marked
         expiry = now + visibility_s
         push = heapq.heappush
         while len(out) < max_n:
@@ -399,12 +410,13 @@ class Partition:
                     break
             if off < log.oldest:
                 self._skip_to_oldest()
-                leases, dead = self.leases, self.dead  # rebound there
+                leases, dead, marked = self.leases, self.dead, self.marked  # rebound there
                 continue
             if len(self.acked_ahead) >= max_acked_ahead and off != self.committed + 1:
                 break  # at the acked-ahead cap only the frontier message goes out
-            if md > 0 and (deliveries.get(off, 0) >= md or off in self.marked):
+            if (md > 0 and deliveries.get(off, 0) >= md) or (marked and off in marked):
                 # its count (restored, or a lowered maximum) is used up, or it was held before a restart
+                # (with dead-lettering lifted too, while its move is finished: ``follow_max``)
                 if red and red[0] == off:
                     heapq.heappop(red)
                 elif off == self.cursor:
@@ -422,7 +434,7 @@ class Partition:
             except OffsetGone:
                 del leases[off]
                 self._skip_to_oldest()
-                leases, dead = self.leases, self.dead  # rebound there
+                leases, dead, marked = self.leases, self.dead, self.marked  # rebound there
                 continue
             except CorruptRecord:
                 del leases[off]

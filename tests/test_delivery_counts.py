@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import msgspec
 import pytest
@@ -272,34 +274,35 @@ def test_a_lift_clears_restored_marks_and_a_raise_keeps_them_without_churn(tmp_p
     assert not s.dead
 
 
-def test_a_lift_with_the_dead_letter_topic_still_there_keeps_marked_records_held_to_finish_their_move(
+def test_a_lift_keeps_held_only_the_marked_records_sent_to_a_dead_letter_topic_still_there(
         tmp_path: Path) -> None:
-    """A mark a restart found means the record's dead-letter copy may exist. Lifted with
-    `finish` (``dead_letter.target`` names a dead-letter topic that still exists: the
-    broker's ``finish_target``), the marked records stay held, even at max_deliveries 0,
-    so the driver can finish their move; a record held but not marked goes out again.
-    Once the move settles them, nothing is held back any more."""
-    p = _partition(tmp_path, 4)
+    """A mark a restart found means the record was held; if its driver had also sent it
+    (``dead_letter.target`` lists it, and that topic still exists: the broker's
+    ``deadletter.finish_keep``), its copy may be there already. Lifted with those
+    offsets as `keep`, they stay held and marked, even at max_deliveries 0, so the
+    driver can finish their move; a marked record never sent goes out again, as does
+    one held but not marked. Once the move settles them, nothing is held back."""
+    p = _partition(tmp_path, 5)
     p.follow_max(1)
-    for x in p.reserve(100.0, 2, 30.0, 1024, 1024):
+    for x in p.reserve(100.0, 3, 30.0, 1024, 1024):
         assert p.nack(x.offset, x.nonce, 100.1)
-    assert sorted(p.dead) == [0, 1]
+    assert sorted(p.dead) == [0, 1, 2]
     _written(p)
     _kill9(p)
     q = _reopen(tmp_path)
-    assert q.marked == {0, 1}
-    assert not q.follow_max(0, finish=True)  # nothing released: the marks stay
+    assert q.marked == {0, 1, 2}
+    assert q.follow_max(0, {0, 1})  # 2 was never sent: its mark goes
     assert q.marked == {0, 1} and q.max_deliveries == 0
-    got = q.reserve(200.0, 4, 30.0, 1024, 1024)
-    assert sorted(x.offset for x in got) == [2, 3]  # 0 and 1 are held again, not delivered
+    got = q.reserve(200.0, 5, 30.0, 1024, 1024)
+    assert sorted(x.offset for x in got) == [2, 3, 4]  # 0 and 1 are held again, not delivered
     assert sorted(q.dead) == [0, 1]
     for x in got:  # max_deliveries 0: a nack of an unmarked record holds nothing
         assert q.nack(x.offset, x.nonce, 200.1)
     assert sorted(q.dead) == [0, 1]
-    assert not q.release_dead(keep_marked=True)  # the driver's pass while lifted: still held
+    assert not q.release_dead(keep={0, 1})  # the driver's pass while lifted: still held
     assert q.settle_dead(0) and q.settle_dead(1) and not q.marked and not q.dead
-    assert sorted(x.offset for x in q.reserve(201.0, 4, 30.0, 1024, 1024)) == [2, 3]
-    # Without `finish` (no target, or it is gone) the same lift releases them, as before.
+    assert sorted(x.offset for x in q.reserve(201.0, 5, 30.0, 1024, 1024)) == [2, 3, 4]
+    # Nothing kept (no target, or it is gone): the same lift releases every mark, as before.
     r = _partition(tmp_path / "other", 2)
     r.follow_max(1)
     for x in r.reserve(100.0, 2, 30.0, 1024, 1024):
@@ -601,13 +604,14 @@ def test_the_driver_waits_for_room_for_a_held_records_count(tmp_path: Path,
 @pytest.mark.parametrize("target", ["there", "gone", "made-again", "none"])
 def test_the_driver_finishes_a_marked_move_after_a_lift_only_into_the_topic_it_began_with(
         tmp_path: Path, target: str) -> None:
-    """Before its first commit into a dead-letter topic the driver names it durably
-    (``dead_letter.target``). After a restart with dead-lettering lifted (here the
-    dead-letter topic taken off the source), the records the offset file marked held
-    (their copy may be there already) are moved into that topic if it still exists as
-    the same incarnation, never delivered from the source; held records that were not
-    marked go out again. With the topic gone, made again, or never named, the marks
-    go and the records are delivered again (nothing of them can be left there)."""
+    """Before a commit into a dead-letter topic the driver names it durably, with the
+    offsets it sends (``dead_letter.target``). After a restart with dead-lettering
+    lifted (here the dead-letter topic taken off the source), a record the offset file
+    marked held and the file lists as sent (its copy may be there already) is moved
+    into that topic if it still exists as the same incarnation, never delivered from
+    the source. A marked record never sent (offset 1: its commit was elsewhere) goes out
+    again, and with the topic gone, made again, or never named, so do all of them
+    (nothing of them can be left there)."""
     p = _partition(tmp_path, 3)
     p.max_deliveries = 1
     got = p.reserve(100.0, 3, 30.0, 1024, 1024)
@@ -624,12 +628,14 @@ def test_the_driver_finishes_a_marked_move_after_a_lift_only_into_the_topic_it_b
         assert b.committed == [0]
 
     asyncio.run(first())
-    assert DL.read_target(tmp_path) == ("t-dlq", "11" * 8)
+    assert DL.read_target(tmp_path) == ("t-dlq", "11" * 8, {0})  # named, with what was sent, before the commit
     if target == "none":
         (tmp_path / DL.TARGET_FILE).unlink()
     _kill9(p)  # before the committer's next tick: offset 0's settle is lost, its mark stays
     q = _reopen(tmp_path)
-    q.dlq_target = DL.read_target(tmp_path)  # (what the broker's open does)
+    tgt = DL.read_target(tmp_path)  # (what the broker's open does)
+    if tgt is not None:
+        q.dlq_target, q.dlq_sent = (tgt[0], tgt[1]), tgt[2]
     assert q.marked == {0, 1}
 
     async def after() -> None:
@@ -643,17 +649,55 @@ def test_the_driver_finishes_a_marked_move_after_a_lift_only_into_the_topic_it_b
         elif target == "made-again":
             topics["t-dlq"] = msgspec.structs.replace(dlq, id="22" * 8)
         b.store = SimpleNamespace(topic=topics.get)
-        finish = DL.finish_target(b.store, q) is not None
-        assert finish == (target == "there")
-        q.follow_max(0, finish)  # the open's
+        keep = DL.finish_keep(b.store, q)
+        assert keep == ({0} if target == "there" else set())
+        q.follow_max(0, keep)  # the open's
         out = sorted(x.offset for x in q.reserve(200.0, 3, 30.0, 1024, 1024))
-        if not finish:
+        if not keep:
             assert out == [0, 1, 2] and not q.marked
             return
-        assert out == [2] and set(q.dead) == {0, 1}  # marked: held, not delivered
+        assert out == [1, 2] and set(q.dead) == {0}  # sent: held, not delivered; 1 was never sent
         q.written_gen = max(q.dead.values())
         await DL.DeadLetterDriver(b)._drain(q)
-        assert b.committed == [0, 1] and not q.dead and not q.marked  # moved, settled in the source
-        assert q.reserve(201.0, 3, 30.0, 1024, 1024) == []
+        assert b.committed == [0] and not q.dead and not q.marked  # moved, settled in the source
 
     asyncio.run(after())
+
+
+def test_a_lift_while_the_driver_writes_its_target_file_never_leaves_a_record_live_in_both(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The driver waits for ``dead_letter.target`` to be durable before its commit. A
+    lift that lands during that wait must not release the records it is about to commit
+    (they would be delivered from the source while their copy lands in the dead-letter
+    topic): they are in flight from before the wait, so the commit settles them. (Found
+    by a review: they joined ``dead_flight`` only after the wait.)"""
+    import threading
+
+    p = _partition(tmp_path, 2)
+    p.max_deliveries = 1
+    for x in p.reserve(100.0, 2, 30.0, 1024, 1024):
+        assert p.nack(x.offset, x.nonce, 100.1)
+    assert sorted(p.dead) == [0, 1]
+    writing = threading.Event()
+    real = DL.write_target
+
+    def slow(*a: Any) -> None:
+        writing.set()
+        time.sleep(0.3)
+        real(*a)
+
+    monkeypatch.setattr(DL, "write_target", slow)
+
+    async def main() -> None:
+        b = _DriverBroker(p, asyncio.get_running_loop())
+        p.written_gen = max(p.dead.values())
+        task = asyncio.create_task(DL.DeadLetterDriver(b)._drain(p))
+        while not writing.is_set():
+            await asyncio.sleep(0.005)
+        assert not p.follow_max(0)  # the lift lands during the write: nothing released
+        assert sorted(p.dead) == [0, 1]
+        await task
+        assert b.committed == [0, 1] and not p.dead
+        assert p.reserve(200.0, 2, 30.0, 1024, 1024) == []  # settled, never delivered from the source
+
+    asyncio.run(main())

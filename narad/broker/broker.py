@@ -613,9 +613,8 @@ class Broker:
         self._drained.discard((topic.name, index, topic.id))
         d = topic_dir(self.data_dir, topic.name, topic.id) / f"p{index:05d}"
         p = await self.loop.run_in_executor(self.io, self._open_sync, topic, index, d)
-        # Lifted: restored marks go, unless their dead-letter topic exists (their move is finished).
-        p.follow_max(topic.max_deliveries if topic.dead_letter_topic else 0,
-                     DL.finish_target(self.store, p) is not None)
+        # Lifted: restored marks go, except those sent to a dead-letter topic still there (finished).
+        p.follow_max(topic.max_deliveries if topic.dead_letter_topic else 0, DL.finish_keep(self.store, p))
         lbl = (topic.name, str(index))
         m = self.m
         p.meter(m.messages_produced.labels(*lbl), m.bytes_produced.labels(*lbl), m.fsync_seconds.labels(*lbl))
@@ -641,7 +640,9 @@ class Broker:
                 p.freeze_token, p.freeze_until = frozen[0], time.monotonic() + left_s
                 log.info("partition opened frozen for a move (a freeze made before a restart)", extra={
                     "topic": topic.name, "partition": index, "ttl_left_s": round(left_s, 1)})
-        p.dlq_target = DL.read_target(d)  # (the settings are followed on the loop: ``_open``)
+        tgt = DL.read_target(d)  # (the settings are followed on the loop: ``_open``)
+        if tgt is not None:
+            p.dlq_target, p.dlq_sent = (tgt[0], tgt[1]), tgt[2]
         # Idempotent produce: the keys committed within the window, from the log itself.
         p.idem_window_ms = topic.idem_window_ms
         p.idem_marked = (d / IDEM.MARKER).exists()
@@ -2353,11 +2354,11 @@ class Broker:
     def _delivery_settings(self, p: Partition, t: TopicRecord) -> None:
         """A topic change may have set, raised or lifted max_deliveries (PATCH): the
         partition follows; lifted, what it held for the dead-letter topic goes out
-        again, and raised, what was held below the new maximum. The idempotency
+        again, and raised, what was held below the new maximum, except what its driver
+        sent to a dead-letter topic still there (``deadletter.finish_keep``). The idempotency
         window follows too (the 5 s poller expires keys by it, between commits)."""
         p.idem_window_ms = t.idem_window_ms
-        if p.follow_max(t.max_deliveries if t.dead_letter_topic else 0,
-                        DL.finish_target(self.store, p) is not None):
+        if p.follow_max(t.max_deliveries if t.dead_letter_topic else 0, DL.finish_keep(self.store, p)):
             self._on_released(p)
 
     # ---- partition moves --------------------------------------------------------------------------------

@@ -18,13 +18,15 @@ lost, never live in both: the source copy is never delivered again once held,
 as the hold is marked in the offset file before the commit and a restart holds a
 marked record again whatever max_deliveries has become).
 
-Before its first commit into a dead-letter topic, a partition's driver makes the
-topic's name and id durable in ``dead_letter.target`` (``write_target``). A restart
-that finds marked records with dead-lettering lifted meanwhile (max_deliveries 0, or
-no dead-letter topic) finishes their move into that topic while it exists (its copy
-may be there already; ``Partition.follow_max``'s `finish`); with that topic deleted
-(or made again: another id) they go out again, as nothing of them can be left there.
-A move's destination has no such file: a lift there releases the marks it installed.
+Before a commit, the driver makes durable in ``dead_letter.target``
+(``write_target``) the dead-letter topic's name and id and the offsets it sends, with
+those sent before whose settle a load could still miss. A sent record's copy may be
+there (after a kill -9 before its settle was written, or a commit that failed
+without an answer), so a lift or a raise never releases it while that topic exists
+(``finish_keep``, ``Partition.follow_max``'s `keep`): the driver finishes its move
+into that topic; with the topic deleted (or made again: another id) it goes out
+again, as nothing of it can be left there. A move's destination has no such file: a
+lift there releases the marks it installed.
 
 The driver takes only holds whose count reached the offset file (the
 committer's next 100 ms tick; ``Partition.written_gen``), so a kill -9 right
@@ -34,9 +36,8 @@ the offsets held and is retried every ``RETRY`` s; each failure is counted
 (``narad_dead_letter_failures_total``) and logged at most once a minute per topic.
 A frozen partition (a move's source) is left alone; its counts travel with the
 move and the destination holds the records again. Lowering ``max_deliveries`` to
-0 releases what is held (delivered again); raising it releases what is held below
-the new maximum, and a pass releases those a raise found in flight once their
-commit failed.
+0 releases what is held and was never sent (delivered again); raising it releases
+what is held below the new maximum and was never sent.
 
 Test seam: NARAD_FAULT_DLQ_HOLD_SETTLE_MS (a pause between the commit and the settle).
 
@@ -83,40 +84,44 @@ UNWRITTEN_GRACE = 10.0  # a held record whose count the slot had no room for wai
 UNWRITTEN_RECHECK = 0.12  # a hold whose count is not in the offset file yet: looked at again after this
 
 
-TARGET_FILE = "dead_letter.target"  # in a partition directory: the dead-letter topic last committed to
+TARGET_FILE = "dead_letter.target"  # in a partition directory: where its driver sent what
 
 
-def read_target(d: Path) -> tuple[str, str] | None:
-    """The (name, id) ``dead_letter.target`` in partition directory `d` names (None:
-    none, or unreadable: then a lift releases the marks, as before the file)."""
+def read_target(d: Path) -> tuple[str, str, set[int]] | None:
+    """What ``dead_letter.target`` in partition directory `d` says: the dead-letter
+    topic's name and id, and the offsets sent there whose settle may not be on disk.
+    None: no file, or an unreadable one (a lift then releases every mark, as before
+    the file existed)."""
     try:
         doc = json.loads((d / TARGET_FILE).read_bytes())
-        name, tid = doc["topic"], doc["id"]
+        name, tid, offs = doc["topic"], doc["id"], doc["offsets"]
     except (OSError, ValueError, TypeError, KeyError):
         return None
-    if not isinstance(name, str) or not isinstance(tid, str) or not name or not tid:
+    if (not isinstance(name, str) or not isinstance(tid, str) or not name or not tid
+            or not isinstance(offs, list) or not all(type(o) is int and o >= 0 for o in offs)):
         return None
-    return name, tid
+    return name, tid, set(offs)
 
 
-def write_target(d: Path, name: str, tid: str) -> None:
-    """Make ``dead_letter.target`` name (`name`, `tid`) durably (I/O thread; before a
-    dead-letter commit into that topic)."""
-    fileio.replace_durable(d / TARGET_FILE, json.dumps({"topic": name, "id": tid}, sort_keys=True).encode())
+def write_target(d: Path, name: str, tid: str, offsets: list[int]) -> None:
+    """Make ``dead_letter.target`` say (`name`, `tid`, `offsets`) durably (I/O thread;
+    before a dead-letter commit of any of `offsets` into that topic)."""
+    doc = {"topic": name, "id": tid, "offsets": offsets}
+    fileio.replace_durable(d / TARGET_FILE, json.dumps(doc, sort_keys=True).encode())
     fileio.fsync_dir(os.fspath(d))
 
 
-def finish_target(store: Any, p: Partition) -> Any:
-    """The dead-letter topic (a ``TopicRecord``) `p`'s marked records may have a copy
-    in (the one its driver last committed to, ``dead_letter.target``), if it still
-    exists as that incarnation: with dead-lettering lifted, their move is finished into
-    it. None when nothing is marked, no topic is named, or it is gone (nothing of them
-    can be there). `store`: the worker's ``MetaStore``."""
+def finish_keep(store: Any, p: Partition) -> set[int] | frozenset[int]:
+    """The offsets of `p` whose dead-letter copy may exist: sent by its driver to a
+    dead-letter topic that still exists as that incarnation (``dead_letter.target``),
+    their settle maybe not on disk. A lift or a raise keeps them held (and marked):
+    their move is finished into that topic. Empty when the topic is gone or made again
+    (nothing of them can be there). `store`: the worker's ``MetaStore``."""
     tgt = p.dlq_target
-    if tgt is None or not p.marked:
-        return None
+    if tgt is None or not p.dlq_sent:
+        return frozenset()
     t = store.topic(tgt[0])
-    return t if t is not None and t.id == tgt[1] else None
+    return p.dlq_sent if t is not None and t.id == tgt[1] else frozenset()
 
 
 def dead_letter_record(topic: str, partition: int, offset: int, deliveries: int, reason: str | None,
@@ -233,25 +238,27 @@ class DeadLetterDriver:
         t = b.store.topic(p.topic)
         if t is None or t.id != p.topic_id:
             return  # the topic watch retires the partition
+        keep = finish_keep(b.store, p)  # sent, the settle maybe not on disk: their move is finished
         finishing = False
         if t.max_deliveries <= 0 or not t.dead_letter_topic:
-            # Lifted: what is held goes out again, except marked records while the topic
-            # their copy may be in exists (``Partition.follow_max``): their move is finished.
+            # Lifted: what is held goes out again, except what was sent to a dead-letter
+            # topic that still exists (``Partition.follow_max``): finished into that one.
             p.max_deliveries = 0
-            dlt = finish_target(b.store, p)
-            if p.release_dead(keep_marked=dlt is not None) and p.on_released is not None:
+            if p.release_dead(keep=keep) and p.on_released is not None:
                 p.on_released(p)
-            if dlt is None or not p.dead:
+            fin = b.store.topic(p.dlq_target[0]) if keep and p.dlq_target is not None else None
+            if fin is None or p.dead.keys().isdisjoint(keep):
                 return
+            dlt = fin
             finishing = True
         else:
             maxd = t.max_deliveries
-            keep = p.marked
-            if any(p.deliveries.get(o, 0) < maxd for o in p.dead if o not in p.dead_flight and o not in keep):
+            if any(p.deliveries.get(o, 0) < maxd for o in p.dead
+                   if o not in p.dead_flight and o not in p.marked and o not in keep):
                 # Held below the maximum: a raise found them on their way to the dead-letter
                 # topic and that commit failed; they go out again now, as the raise let go of
-                # the rest (``Broker._delivery_settings``). A marked one stays held.
-                if p.release_dead(maxd) and p.on_released is not None:
+                # the rest (``Broker._delivery_settings``). A marked or sent one stays held.
+                if p.release_dead(maxd, keep) and p.on_released is not None:
                     p.on_released(p)
                 if not p.dead:
                     return
@@ -286,10 +293,9 @@ class DeadLetterDriver:
             log.warning("dead-lettering records whose delivery count is not in the offset file (its slot is "
                         "full): a kill -9 before their settle is written can deliver them again from the source",
                         extra={"topic": t.name, "partition": p.index, "records": late})
-        marked = p.marked
         offs = heapq.nsmallest(BATCH, (o for o, g in p.dead.items()
                                        if g <= p.written_gen and o not in flight
-                                       and (not finishing or o in marked)
+                                       and (not finishing or o in keep)
                                        and (o not in unwritten or now - waiting.get(o, now) >= UNWRITTEN_GRACE)))
         groups: dict[int, list[list[tuple[int, tuple[bytes | None, int, bytes]]]]] = {}
         sizes: dict[int, int] = {}  # the bytes of each partition's last chunk
@@ -323,23 +329,38 @@ class DeadLetterDriver:
             sizes[dp] += n
         if not groups:
             return
+        # In flight from here to the settle (a lift or a raise meanwhile leaves them held:
+        # ``Partition.release_dead``), the wait for the target file included.
+        sending = [off for chunks in groups.values() for recs in chunks for off, _ in recs]
+        flight.update(sending)
         target = (dlt.name, dlt.id)
-        if p.dlq_target != target:
-            # Named durably before any copy can be there: a restart that finds these records
-            # marked with dead-lettering lifted finishes their move into this topic.
+        if p.dlq_target != target or not p.dlq_sent.issuperset(sending):
+            # Named durably before any copy can be there: a restart (or a lift) that finds
+            # these records held finishes their move into this topic. Offsets sent before
+            # stay listed while a load could still find them marked (their settle not on
+            # disk); the rest are dropped.
+            if p.dlq_target == target:
+                live = p.dead.keys() | p.marked | flight | p.offsets.marks_recoverable()
+                sent = {o for o in p.dlq_sent if o in live}
+            else:
+                sent = set()  # (another topic now: what was sent to the last one is not tracked)
+            sent.update(sending)
             try:
-                await b.loop.run_in_executor(b.io, write_target, p.log.dir, *target)
+                await b.loop.run_in_executor(b.io, write_target, p.log.dir, *target, sorted(sent))
             except OSError as e:
-                self._failed(t.name, len(offs), f"could not write {TARGET_FILE}: {e}")
+                flight.difference_update(sending)
+                self._failed(t.name, len(sending), f"could not write {TARGET_FILE}: {e}")
                 return
+            except BaseException:
+                flight.difference_update(sending)
+                raise
+            p.dlq_target, p.dlq_sent = target, sent
             if p.closed:
+                flight.difference_update(sending)
                 return
-            p.dlq_target = target
 
         async def one(dp: int, recs: list[tuple[int, tuple[bytes | None, int, bytes]]]) -> None:
-            # In flight from here to the settle: a release meanwhile (max_deliveries lifted)
-            # leaves these held (``Partition.release_dead``), whatever the commit's outcome.
-            flight.update(off for off, _ in recs)
+            # (in flight since before the target write; dropped from it here whatever happens)
             try:
                 try:
                     await b.commit_to(dlt, dp, [r for _, r in recs])

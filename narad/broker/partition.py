@@ -196,13 +196,15 @@ class Partition:
         self.dead_flight: set[int] = set()  # held offsets whose dead-letter commit is on its way (the driver's)
         # Offsets the offset file said were held (a restart, a move's destination): held again
         # whatever their count says, and not released by a raised maximum (their dead-letter
-        # copy may exist). Lifting dead-lettering releases them, unless ``dlq_target`` names
-        # a dead-letter topic that still exists: their move is finished into it
-        # (``follow_max``'s `finish`), so a copy made before a crash is never live beside them.
+        # copy may exist). Lifting dead-lettering releases them, except those its driver sent
+        # to a dead-letter topic that still exists (``follow_max``'s `keep`): their move is
+        # finished into it, so a copy made before a crash is never live beside them.
         self.marked: set[int] = set()
-        # The dead-letter topic (name, id) this partition's driver last committed to, from
-        # ``dead_letter.target`` (``deadletter.write_target``: durable before that commit).
+        # The dead-letter topic (name, id) this partition's driver commits to and the offsets it
+        # sent there whose settle may not be on disk yet, from ``dead_letter.target``
+        # (``deadletter.write_target``: durable before each commit that adds to them).
         self.dlq_target: tuple[str, str] | None = None
+        self.dlq_sent: set[int] = set()
         self.count_gen = 0  # bumped by every count change
         self.written_gen = 0  # the count_gen the offset file's last window write holds (the committer sets it)
         # ... except the counts of these offsets, left out of that write (its slot was full)
@@ -322,43 +324,46 @@ class Partition:
             self.on_released(self)  # its in-flight slot is free
         return True
 
-    def follow_max(self, maxd: int, finish: bool = False) -> bool:
+    def follow_max(self, maxd: int, keep: Collection[int] = ()) -> bool:
         """The topic's max_deliveries (0: dead-lettering lifted) at an open or after a
         change: lifted, what was held goes out again, and so does what was marked held (a
         mark a restart found would otherwise hold a record at the first nack after a
-        later re-enable), except with `finish` (``dlq_target`` names a dead-letter topic
-        that still exists: the broker checks): a marked record's copy may be there
-        already, so it stays held and the driver finishes its move into that topic;
-        raised, what was held below the new maximum. True if anything was released."""
+        later re-enable); raised, what was held below the new maximum. Except the offsets
+        in `keep` (``deadletter.finish_keep``: sent to a dead-letter topic that still
+        exists, their settle maybe not on disk): their copy may be there already, so they
+        stay held (and marked) and the driver finishes their move. True if anything was
+        released."""
         old = self.max_deliveries
         self.max_deliveries = maxd
         if maxd <= 0:
-            if finish:
-                return bool(self.dead) and self.release_dead(keep_marked=True)
-            return bool(self.dead or self.marked) and self.release_dead()
+            return bool(self.dead or self.marked) and self.release_dead(keep=keep)
         if 0 < old < maxd and self.dead:
-            return self.release_dead(maxd)
+            return self.release_dead(maxd, keep)
         return False  # set or lowered: the next reserve holds the records already past it
 
-    def release_dead(self, below: int = 0, keep_marked: bool = False) -> bool:
+    def release_dead(self, below: int = 0, keep: Collection[int] = ()) -> bool:
         """max_deliveries was lowered to 0 (or the topic lost its dead-letter topic), or
         raised to `below`: what was held (with `below`, each record leased fewer times
         than that) goes out again, except offsets whose dead-letter commit is on its
         way (``dead_flight``): the dead-letter topic may hold them already, so they stay
-        held until that commit settles them (or, failed, the driver's next pass releases
-        them). Never live in both. A raise keeps what a restart or a move found marked
-        held (``marked``: its dead-letter copy may exist); lifting releases that too,
-        unless `keep_marked` (its move is finished: ``follow_max``).
-        True if anything was released or unmarked."""
+        held until that commit settles them. Never live in both. A raise keeps what a
+        restart or a move found marked held (``marked``: its dead-letter copy may
+        exist); lifting releases that too. Offsets in `keep` (sent before: their commit
+        may have landed, ``deadletter.finish_keep``) stay held and marked either way:
+        the driver finishes their move. True if anything was released or unmarked."""
         flight = self.dead_flight
         counts = self.deliveries
         changed = False
-        if below <= 0 and self.marked and not keep_marked:
-            self.marked.clear()
-            changed = True
-        keep = self.marked
-        for off in [o for o in self.dead
-                    if o not in flight and o not in keep and (below <= 0 or counts.get(o, 0) < below)]:
+        marked = self.marked
+        if below <= 0 and marked:
+            n = len(marked)
+            if keep:
+                marked.intersection_update(keep)  # (in place: a reserve's local is this set)
+            else:
+                marked.clear()
+            changed = len(marked) != n
+        for off in [o for o in self.dead if o not in flight and o not in marked and o not in keep
+                    and (below <= 0 or counts.get(o, 0) < below)]:
             heapq.heappush(self._redeliver, off)
             del self.dead[off]
             changed = True

@@ -458,6 +458,16 @@ class OffsetFile:
         self.held: set[int] = set()  # the offsets ``load`` found held for the dead-letter topic
         self._level_on_disk = -1  # what consumer.offset holds
 
+    def marks_recoverable(self) -> set[int]:
+        """The held marks a load could find now: those of the window last written whole
+        (what a process crash leaves) and of the anchor (what a power loss may leave)."""
+        with self._lock:
+            out: set[int] = set()
+            for st in (self._window, self._anchored):
+                if st is not None:
+                    out |= st[4]
+            return out
+
     def load(self, max_frontier: int | None = None) -> tuple[int, list[int]]:
         """Open (priming the file) and return (frontier, acked-ahead offsets).
 

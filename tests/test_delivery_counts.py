@@ -701,3 +701,62 @@ def test_a_lift_while_the_driver_writes_its_target_file_never_leaves_a_record_li
         assert p.reserve(200.0, 2, 30.0, 1024, 1024) == []  # settled, never delivered from the source
 
     asyncio.run(main())
+
+
+def test_a_sent_record_is_held_at_an_open_even_when_the_offset_file_lost_its_mark(tmp_path: Path) -> None:
+    """After a power loss the offset file may come back from before a record's hold (no
+    mark, a lower count), while ``dead_letter.target``, synced before the dead-letter
+    commit, lists it as sent: the open marks it held (``Partition.mark_sent``), so it is
+    moved again, never delivered from its source. Offsets the file settled are not."""
+    p = _partition(tmp_path, 3)
+    p.max_deliveries = 1
+    got = p.reserve(100.0, 3, 30.0, 1024, 1024)
+    assert p.nack(got[0].offset, got[0].nonce, 100.1) and p.ack(got[2].offset, got[2].nonce, 100.1)
+    assert sorted(p.dead) == [0]
+    f, a = p.snapshot_offsets()
+    p.offsets.write_window(f, a)  # (a window of the acks alone: what the disk kept)
+    _kill9(p)
+    q = _reopen(tmp_path)
+    assert q.marked == set() and q.acked_ahead == {2}
+    q.mark_sent({0, 2})  # the target file lists 0 (and 2, whose settle is on disk)
+    assert q.marked == {0}
+    q.max_deliveries = 0
+    assert sorted(x.offset for x in q.reserve(200.0, 3, 30.0, 1024, 1024)) == [1]  # 0 held, 2 acked
+    assert sorted(q.dead) == [0]
+
+
+def test_records_sent_to_one_dead_letter_topic_stay_tracked_when_it_is_changed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Records whose commit into D1 failed without an answer (it may have landed) are
+    listed as sent. The dead-letter topic is changed to D2 and a pass sends one of them
+    there: the file still lists all three (now finished into D2), so a lift then keeps
+    every one held instead of delivering two from the source. (Found by a review: the
+    list was started afresh for the new topic.)"""
+    p = _partition(tmp_path, 3)
+    p.max_deliveries = 1
+    for x in p.reserve(100.0, 3, 30.0, 1024, 1024):
+        assert p.nack(x.offset, x.nonce, 100.1)
+    _written(p)
+
+    async def main() -> None:
+        b = _DriverBroker(p, asyncio.get_running_loop())
+
+        async def lost(*_a: Any) -> int:
+            raise ConnectionError("the link was cut: the commit may have landed")
+
+        b.commit_to = lost  # type: ignore[method-assign]
+        p.written_gen = max(p.dead.values())
+        await DL.DeadLetterDriver(b)._drain(p)  # all three sent to t-dlq, no answer
+        assert p.dlq_sent == {0, 1, 2} and sorted(p.dead) == [0, 1, 2]
+        d2 = TopicRecord("t-dlq2", "33" * 8, 1, 0, 30_000, 1024, 1024, 0)
+        src = msgspec.structs.replace(b.store.topic(p.topic), dead_letter_topic="t-dlq2")
+        topics = {p.topic: src, "t-dlq": b.store.topic("t-dlq"), "t-dlq2": d2}
+        b.store = SimpleNamespace(topic=topics.get)
+        monkeypatch.setattr(DL, "BATCH", 1)
+        await DL.DeadLetterDriver(b)._drain(p)  # 0 sent to t-dlq2
+        assert DL.read_target(tmp_path) == ("t-dlq2", "33" * 8, {0, 1, 2})
+        topics[p.topic] = msgspec.structs.replace(src, max_deliveries=0, dead_letter_topic=None)
+        assert not p.follow_max(0, DL.finish_keep(b.store, p))  # the lift: nothing released
+        assert sorted(p.dead) == [0, 1, 2]
+
+    asyncio.run(main())

@@ -234,3 +234,23 @@ def test_close_persists_and_levels(tmp_path: Path) -> None:
     assert (tmp_path / "consumer.offset").read_bytes() == (41).to_bytes(8, "big")
     assert not (tmp_path / "consumer.offset.tmp").exists()
     assert loaded(tmp_path)[1] == (41, [43, 50])
+
+
+def test_marks_recoverable_holds_every_window_written_since_the_last_sync(tmp_path: Path) -> None:
+    """Held marks a load could bring back: a power loss may leave any window written
+    since the last sync (the kernel writes the page back when it likes), not only the
+    last one. A mark written then cleared before a sync stays recoverable until the
+    sync that makes a window without it the anchor. (The dead-letter driver keeps an
+    offset listed as sent while a load could still find it marked.)"""
+    f = OffsetFile(tmp_path)
+    f.load()
+    assert f.marks_recoverable() == set()
+    f.write_window(-1, [], {5: 1, 6: 1}, {}, [5, 6])  # W1: 5 and 6 held
+    f.write_window(-1, [5], {6: 1}, {}, [6])  # W2: 5 settled, 6 still held
+    assert f.marks_recoverable() == {5, 6}  # W1 may be what a power loss leaves
+    f.writeout()  # W2 is the anchor now
+    assert f.marks_recoverable() == {6}
+    f.write_window(6, [], {}, {}, [])  # 6 settled, not synced yet
+    assert f.marks_recoverable() == {6}
+    f.writeout()
+    assert f.marks_recoverable() == set()

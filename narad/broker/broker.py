@@ -613,8 +613,11 @@ class Broker:
         self._drained.discard((topic.name, index, topic.id))
         d = topic_dir(self.data_dir, topic.name, topic.id) / f"p{index:05d}"
         p = await self.loop.run_in_executor(self.io, self._open_sync, topic, index, d)
-        # Lifted: restored marks go, except those sent to a dead-letter topic still there (finished).
-        p.follow_max(topic.max_deliveries if topic.dead_letter_topic else 0, DL.finish_keep(self.store, p))
+        # Sent to a dead-letter topic still there: held (their copy may be there), even when
+        # lifted, and their move finished; other restored marks go when lifted.
+        keep = DL.finish_keep(self.store, p)
+        p.mark_sent(keep)
+        p.follow_max(topic.max_deliveries if topic.dead_letter_topic else 0, keep)
         lbl = (topic.name, str(index))
         m = self.m
         p.meter(m.messages_produced.labels(*lbl), m.bytes_produced.labels(*lbl), m.fsync_seconds.labels(*lbl))

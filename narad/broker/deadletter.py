@@ -331,6 +331,8 @@ class DeadLetterDriver:
             return
         # In flight from here to the settle (a lift or a raise meanwhile leaves them held:
         # ``Partition.release_dead``), the wait for the target file included.
+        if p.closed:
+            return
         sending = [off for chunks in groups.values() for recs in chunks for off, _ in recs]
         flight.update(sending)
         target = (dlt.name, dlt.id)
@@ -338,12 +340,10 @@ class DeadLetterDriver:
             # Named durably before any copy can be there: a restart (or a lift) that finds
             # these records held finishes their move into this topic. Offsets sent before
             # stay listed while a load could still find them marked (their settle not on
-            # disk); the rest are dropped.
-            if p.dlq_target == target:
-                live = p.dead.keys() | p.marked | flight | p.offsets.marks_recoverable()
-                sent = {o for o in p.dlq_sent if o in live}
-            else:
-                sent = set()  # (another topic now: what was sent to the last one is not tracked)
+            # disk), whatever topic they went to (now finished into this one: at least once
+            # into a dead-letter topic, never live in the source); the rest are dropped.
+            live = p.dead.keys() | p.marked | flight | p.offsets.marks_recoverable()
+            sent = {o for o in p.dlq_sent if o in live}
             sent.update(sending)
             try:
                 await b.loop.run_in_executor(b.io, write_target, p.log.dir, *target, sorted(sent))

@@ -324,6 +324,15 @@ class Partition:
             self.on_released(self)  # its in-flight slot is free
         return True
 
+    def mark_sent(self, sent: Collection[int]) -> None:
+        """At an open: offsets ``dead_letter.target`` lists as sent to a dead-letter topic
+        that still exists (``deadletter.finish_keep``), unsettled here, are marked held
+        like those the offset file marked: their copy may be there. (After a power loss
+        the offset file may come back from before their hold; the target file, synced
+        before their commit, still lists them.)"""
+        hwm = self.log.hwm
+        self.marked.update(o for o in sent if self.committed < o < hwm and o not in self.acked_ahead)
+
     def follow_max(self, maxd: int, keep: Collection[int] = ()) -> bool:
         """The topic's max_deliveries (0: dead-lettering lifted) at an open or after a
         change: lifted, what was held goes out again, and so does what was marked held (a

@@ -453,19 +453,22 @@ class OffsetFile:
         self._lock = threading.Lock()
         self._anchored: tuple[int, list[int], Counts, Reasons, set[int]] | None = None  # what the anchor slot says
         self._window: tuple[int, list[int], Counts, Reasons, set[int]] | None = None  # the window, once written whole
+        # The held marks of every window written (or tried) since the last sync: the kernel
+        # may have written back any of them before a power loss (``marks_recoverable``).
+        self._unsynced_marks: set[int] = set()
         self.counts: Counts = {}  # the delivery counts ``load`` recovered
         self.reasons: Reasons = {}  # the nack reasons ``load`` recovered
         self.held: set[int] = set()  # the offsets ``load`` found held for the dead-letter topic
         self._level_on_disk = -1  # what consumer.offset holds
 
     def marks_recoverable(self) -> set[int]:
-        """The held marks a load could find now: those of the window last written whole
-        (what a process crash leaves) and of the anchor (what a power loss may leave)."""
+        """The held marks a load could find now: those of the anchor and of every window
+        written or tried since the last sync (a process crash leaves the last one whole;
+        a power loss whichever of them the kernel wrote back, or the anchor)."""
         with self._lock:
-            out: set[int] = set()
-            for st in (self._window, self._anchored):
-                if st is not None:
-                    out |= st[4]
+            out = set(self._unsynced_marks)
+            if self._anchored is not None:
+                out |= self._anchored[4]
             return out
 
     def load(self, max_frontier: int | None = None) -> tuple[int, list[int]]:
@@ -548,9 +551,11 @@ class OffsetFile:
         # a failed (possibly torn) write must not be synced and made the anchor.
         self.dirty_since_sync = False
         self._window = None
+        marks = _marks(frontier, ahead, first)
+        self._unsynced_marks |= marks  # (before the write: a failed one may have left part of it)
         fileio.pwrite_all(self._fd, _encode(self._seq, frontier, ahead, counts, reasons, dropped, first),
                           (1 - self._anchor) * SLOT)
-        self._window = (frontier, list(ahead), dict(counts), dict(reasons), _marks(frontier, ahead, first))
+        self._window = (frontier, list(ahead), dict(counts), dict(reasons), marks)
         self.dirty_since_sync = True
         return dropped
 
@@ -566,6 +571,7 @@ class OffsetFile:
         self._anchor = 1 - self._anchor
         self._anchored = self._window
         self.dirty_since_sync = False
+        self._unsynced_marks = set()  # (the synced window, the newest, is what a load finds now)
 
     def level(self, frontier: int) -> None:
         with self._lock:

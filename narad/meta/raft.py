@@ -674,6 +674,7 @@ class RaftNode:
         self._known_config: tuple[str, ...] = ()
         self._obj: _NaradSyncObj | None = None
         self._completions: list[tuple[asyncio.Future[ApplyResult], ApplyResult]] = []
+        self._transfer_to: tuple[str | None] | None = None  # a hand-over asked for, made on the tick thread
         self._last_contact: float | None = None
         self._leader_commit_seen = 0
         self._applied_through = 0
@@ -804,6 +805,8 @@ class RaftNode:
             notifier = getattr(obj, "_SyncObj__pipeNotifier", None)
             if notifier is not None:
                 notifier.notify()
+        if self._transfer_to is not None:
+            self._transfer_now(obj)
 
     # ---- membership (tick thread for the handlers) -----------------------------------
     @property
@@ -1130,8 +1133,27 @@ class RaftNode:
         return out
 
     def transfer_leadership(self, target: str | None = None) -> None:
-        if self._obj is not None and self._obj._isLeader():
-            self._obj.transferLeadership(target)
+        """Ask for a hand-over of leadership (Raft TimeoutNow to `target`, or to the most
+        caught-up follower), made on the tick thread at its next tick: pysyncobj's
+        transport is not thread-safe, and a send from this thread raced the tick
+        thread's own write to the same connection (``BufferError: Existing exports of
+        data`` at a graceful shutdown: the supervisor exited 1)."""
+        obj = self._obj
+        if obj is not None and obj._isLeader():
+            self._transfer_to = (target,)
+            notifier = getattr(obj, "_SyncObj__pipeNotifier", None)
+            if notifier is not None:
+                notifier.notify()
+
+    def _transfer_now(self, obj: Any) -> None:
+        """Tick thread: the hand-over ``transfer_leadership`` asked for, if still leader."""
+        req, self._transfer_to = self._transfer_to, None
+        if req is None or not obj._isLeader():
+            return
+        try:
+            obj.transferLeadership(req[0])
+        except Exception as e:  # best effort: the stop goes on, an election follows
+            log.warning("raft: leadership transfer failed", extra={"err": repr(e)})
 
     def close(self) -> None:
         """Stop Raft: the tick thread closes the transport and the journal, then exits; a

@@ -760,3 +760,22 @@ def test_records_sent_to_one_dead_letter_topic_stay_tracked_when_it_is_changed(
         assert sorted(p.dead) == [0, 1, 2]
 
     asyncio.run(main())
+
+
+def test_a_move_listing_carries_the_dead_letter_target_with_the_offsets_in_flight(tmp_path: Path) -> None:
+    """A move's freeze (and listing) answer carries the source's ``dead_letter.target``:
+    the offsets sent and those whose commit may be starting now (in flight), which the
+    destination's install writes (``moves._dlq`` checks a peer's values)."""
+    from narad.broker import moves as MV
+    from narad.broker import peers as P
+
+    p = _partition(tmp_path, 0)
+    assert MV._sent(p) == (None, [])
+    p.dlq_target, p.dlq_sent = ("t-dlq", "11" * 8), {3, 1}
+    p.dead_flight.add(7)
+    target, sent = MV._sent(p)
+    assert (target, sent) == (("t-dlq", "11" * 8), [1, 3, 7])
+    resp = P.MoveFreezeResp("tok", 10, -1, [], [], [], 0, [], [], [1, 3, 7], target, sent)
+    back = msgspec.msgpack.decode(msgspec.msgpack.encode(resp), type=P.MoveFreezeResp)
+    assert MV._dlq(back) == ("t-dlq", "11" * 8, [1, 3, 7])
+    assert MV._dlq(P.MoveFreezeResp("tok")) is None  # (an older source: none)

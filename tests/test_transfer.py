@@ -640,3 +640,21 @@ def test_install_writes_the_held_records_counts_first_when_the_slot_is_short(tmp
     _f, _a, kept = OFF.peek_counts(final, max_frontier=hwm - 1)
     assert len(kept) < len(counts)  # the slot was short
     assert all(kept.get(o) == 2 for o in dead), {o: kept.get(o) for o in dead}
+
+
+def test_install_carries_the_dead_letter_target_and_clears_a_leftover_one(tmp_path: Path) -> None:
+    """A move's install writes the source's ``dead_letter.target`` (the dead-letter
+    topic and the offsets sent there) beside the held marks: at the new owner a lift
+    then keeps a sent record held, whose copy may exist, instead of delivering it. An
+    install without one leaves none behind from an interrupted earlier try."""
+    from narad.storage import dlq_target as DT
+
+    st, final, hwm = verified_copy(tmp_path, [1000, 1000])
+    DT.write(st.dir, "stale", "00" * 8, [0])  # (an interrupted earlier install's)
+    st.install(hwm=hwm, frontier=-1, ahead=[], cursors={}, marker={}, seg_mtimes={}, dead=[hwm - 1],
+               dlq=("t-dlq", "11" * 8, [hwm - 1]))
+    assert DT.read(final) == ("t-dlq", "11" * 8, {hwm - 1})
+    st2, final2, hwm2 = verified_copy(tmp_path / "b", [1000])
+    DT.write(st2.dir, "stale", "00" * 8, [0])
+    st2.install(hwm=hwm2, frontier=-1, ahead=[], cursors={}, marker={}, seg_mtimes={})
+    assert DT.read(final2) is None

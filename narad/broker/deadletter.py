@@ -25,8 +25,8 @@ there (after a kill -9 before its settle was written, or a commit that failed
 without an answer), so a lift or a raise never releases it while that topic exists
 (``finish_keep``, ``Partition.follow_max``'s `keep`): the driver finishes its move
 into that topic; with the topic deleted (or made again: another id) it goes out
-again, as nothing of it can be left there. A move's destination has no such file: a
-lift there releases the marks it installed.
+again, as nothing of it can be left there. A move carries the file to the partition's
+new owner (its install writes it beside the held marks).
 
 The driver takes only holds whose count reached the offset file (the
 committer's next 100 ms tick; ``Partition.written_gen``), so a kill -9 right
@@ -45,7 +45,7 @@ Records of a topic with an owner are written on that owner's behalf: while the
 owner may not produce to the dead-letter topic (a grant taken away, or the name
 deleted and created again by someone else), they are held (counted, logged).
 
-Imports narad.storage.frames, narad.storage.partition_log (errors), narad.metrics,
+Imports narad.storage.{frames,dlq_target}, narad.storage.partition_log (errors), narad.metrics,
 narad.meta.grants, narad.broker.{partition,routing}; the broker hands itself in (no
 import of broker.py).
 """
@@ -55,16 +55,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import heapq
-import json
 import logging
 import os
 import time
-from pathlib import Path
 from typing import Any
 
 from narad import metrics
 from narad.meta import grants as G
-from narad.storage import fileio
+from narad.storage import dlq_target as DT
 from narad.storage import frames as FR
 from narad.storage.partition_log import CorruptRecord, LogClosed, NotVisible, OffsetGone
 
@@ -84,31 +82,9 @@ UNWRITTEN_GRACE = 10.0  # a held record whose count the slot had no room for wai
 UNWRITTEN_RECHECK = 0.12  # a hold whose count is not in the offset file yet: looked at again after this
 
 
-TARGET_FILE = "dead_letter.target"  # in a partition directory: where its driver sent what
-
-
-def read_target(d: Path) -> tuple[str, str, set[int]] | None:
-    """What ``dead_letter.target`` in partition directory `d` says: the dead-letter
-    topic's name and id, and the offsets sent there whose settle may not be on disk.
-    None: no file, or an unreadable one (a lift then releases every mark, as before
-    the file existed)."""
-    try:
-        doc = json.loads((d / TARGET_FILE).read_bytes())
-        name, tid, offs = doc["topic"], doc["id"], doc["offsets"]
-    except (OSError, ValueError, TypeError, KeyError):
-        return None
-    if (not isinstance(name, str) or not isinstance(tid, str) or not name or not tid
-            or not isinstance(offs, list) or not all(type(o) is int and o >= 0 for o in offs)):
-        return None
-    return name, tid, set(offs)
-
-
-def write_target(d: Path, name: str, tid: str, offsets: list[int]) -> None:
-    """Make ``dead_letter.target`` say (`name`, `tid`, `offsets`) durably (I/O thread;
-    before a dead-letter commit of any of `offsets` into that topic)."""
-    doc = {"topic": name, "id": tid, "offsets": offsets}
-    fileio.replace_durable(d / TARGET_FILE, json.dumps(doc, sort_keys=True).encode())
-    fileio.fsync_dir(os.fspath(d))
+TARGET_FILE = DT.FILE  # in a partition directory: where its driver sent what (narad.storage.dlq_target)
+read_target = DT.read
+write_target = DT.write  # (looked up at each call: a test seam)
 
 
 def finish_keep(store: Any, p: Partition) -> set[int] | frozenset[int]:

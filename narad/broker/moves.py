@@ -62,7 +62,7 @@ from narad.storage import transfer as TR
 
 from . import peers as P
 from .fanout import partition_dir
-from .partition import MAX_REASON_CHARS, rfc3339_ms
+from .partition import MAX_REASON_CHARS, Partition, rfc3339_ms
 
 log = logging.getLogger("narad.broker.moves")
 T = TypeVar("T")
@@ -92,6 +92,22 @@ HOLD_PRECOPY = float(os.environ.get("NARAD_FAULT_MOVE_HOLD_PRECOPY_MS", "0")) / 
 def _reasons(pairs: list[tuple[int, str]]) -> dict[int, str]:
     """A source's last nack reasons, each cut to the API's bound (a peer's strings)."""
     return {o: r[:MAX_REASON_CHARS] for o, r in pairs}
+
+
+def _sent(p: Partition) -> tuple[tuple[str, str] | None, list[int]]:
+    """The source's ``dead_letter.target`` for a listing: the dead-letter topic and the
+    offsets sent there, with those whose commit may be starting now (in flight)."""
+    if p.dlq_target is None:
+        return None, []
+    return p.dlq_target, sorted(p.dlq_sent | p.dead_flight)
+
+
+def _dlq(r: P.MoveListResp | P.MoveFreezeResp) -> tuple[str, str, list[int]] | None:
+    """A listing's ``dead_letter.target`` for the install (a peer's values, checked)."""
+    t = r.dlq_target
+    if t is None or not t[0] or not t[1] or len(t[0]) > 1024 or len(t[1]) > 64:
+        return None
+    return t[0], t[1], sorted({o for o in r.dlq_sent if o >= 0})
 
 
 class _Aborted(Exception):
@@ -183,7 +199,8 @@ class MoveSource:
         cursors = await self.b.loop.run_in_executor(self.b.io, read_cursors, d)
         hwm, segs = await self.b.loop.run_in_executor(self.b.io, TR.list_open, p.log)
         return P.MoveListResp(hwm, [(s.base, s.size, s.mtime_ms) for s in segs], int(time.time() * 1000),
-                              p.frozen(), frontier, ahead, cursors, counts, reasons, sorted(p.held_marks()))
+                              p.frozen(), frontier, ahead, cursors, counts, reasons, sorted(p.held_marks()),
+                              *_sent(p))
 
     async def vouch(self, m: P.MoveVouchReq) -> P.MoveVouchResp:
         """What this node (the owner, its replica says) holds of a partition another
@@ -252,7 +269,7 @@ class MoveSource:
         hwm, segs = await loop.run_in_executor(self.b.io, TR.list_open, p.log)
         return P.MoveFreezeResp(p.freeze_token or "", hwm, frontier, ahead, cursors,
                                 [(s.base, s.size, s.mtime_ms) for s in segs], int(time.time() * 1000), counts,
-                                reasons, sorted(p.held_marks()))
+                                reasons, sorted(p.held_marks()), *_sent(p))
 
     async def thaw(self, m: P.MoveThawReq) -> P.MoveFreezeResp:
         p = self.b.partitions.get((m.topic, m.partition))
@@ -635,7 +652,8 @@ class MoveRunner:
                       "token": mv.token, "forced": False}
             qdir = await self._io(st.install, hwm=hwm, frontier=fz.frontier, ahead=list(fz.ahead),
                                   cursors={c: (e, n) for c, e, n in fz.cursors}, marker=marker, seg_mtimes=mtimes,
-                                  counts=dict(fz.counts), reasons=_reasons(fz.reasons), dead=fz.dead)
+                                  counts=dict(fz.counts), reasons=_reasons(fz.reasons), dead=fz.dead,
+                                  dlq=_dlq(fz))
             if qdir is not None:
                 log.error("an older copy of the partition was in the way of the install; quarantined",
                           extra={"topic": name, "partition": part, "dir": str(qdir)})
@@ -708,7 +726,8 @@ class MoveRunner:
         self.b.forget_partition(name, part, mv.topic_id)
         await self._io(st.install, hwm=reached, frontier=last.frontier, ahead=list(last.ahead),
                        cursors={c: (e, n) for c, e, n in last.cursors}, marker=marker, seg_mtimes={},
-                       counts=dict(last.counts), reasons=_reasons(last.reasons), dead=last.dead)
+                       counts=dict(last.counts), reasons=_reasons(last.reasons), dead=last.dead,
+                       dlq=_dlq(last))
         self.b.forget_partition(name, part, mv.topic_id)
         mv.phase = "flip_pending"
         mv.blocked = None

@@ -209,6 +209,9 @@ class MoveListResp(msgspec.Struct, array_like=True):
     counts: list[tuple[int, int]] = []  # delivery counts (offset, deliveries) of unacked offsets; trailing
     reasons: list[tuple[int, str]] = []  # last nack reasons (offset, reason) of unacked offsets; trailing
     dead: list[int] = []  # offsets held for the dead-letter topic: installed marked held, counts first; trailing
+    # ``dead_letter.target``: the dead-letter topic (name, id) and the offsets sent there; trailing
+    dlq_target: tuple[str, str] | None = None
+    dlq_sent: list[int] = []
 
 
 class MoveVouchReq(msgspec.Struct, tag=True, array_like=True):
@@ -262,6 +265,9 @@ class MoveFreezeResp(msgspec.Struct, array_like=True):
     counts: list[tuple[int, int]] = []  # delivery counts (offset, deliveries) of unacked offsets; trailing
     reasons: list[tuple[int, str]] = []  # last nack reasons (offset, reason) of unacked offsets; trailing
     dead: list[int] = []  # offsets held for the dead-letter topic: installed marked held, counts first; trailing
+    # ``dead_letter.target``: the dead-letter topic (name, id) and the offsets sent there; trailing
+    dlq_target: tuple[str, str] | None = None
+    dlq_sent: list[int] = []
 
 
 class MoveThawReq(msgspec.Struct, tag=True, array_like=True):

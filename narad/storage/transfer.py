@@ -32,7 +32,7 @@ a source's directory after the flip to ``<partition dir>.moved-<token>``.
 
 Everything is synchronous (callers run it on I/O threads). Writes and syncs
 go through narad.storage.fileio (the fault-injection seam).
-Imports msgspec and narad.storage.{fileio,frames,partition_log,offsets,cursor_file}.
+Imports msgspec and narad.storage.{fileio,frames,partition_log,offsets,cursor_file,dlq_target}.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ from pathlib import Path
 import msgspec
 
 from narad.storage import cursor_file as CF
+from narad.storage import dlq_target as DT
 from narad.storage import fileio
 from narad.storage import frames as FR
 from narad.storage import partition_log as PL
@@ -492,7 +493,7 @@ class Staging:
     def install(self, *, hwm: int, frontier: int, ahead: list[int], cursors: dict[str, tuple[str, int]],
                 marker: dict[str, object], seg_mtimes: dict[int, int],
                 counts: dict[int, int] | None = None, reasons: dict[int, str] | None = None,
-                dead: list[int] | None = None) -> Path | None:
+                dead: list[int] | None = None, dlq: tuple[str, str, list[int]] | None = None) -> Path | None:
         """Write positions (clamped below `hwm`), the hwm file, segment ages and
         move.marker, make everything durable, then rename the staging directory to
         the partition directory. Returns where an existing directory holding records
@@ -503,7 +504,9 @@ class Staging:
         marked held here too (held again whatever ``max_deliveries`` is here: their
         dead-letter copy may exist), their counts written first when the offset slot
         has no room for all (a held record whose count were dropped would be
-        delivered again here)."""
+        delivered again here); `dlq`: the source's ``dead_letter.target`` (the
+        dead-letter topic's name and id, the offsets sent there), written here too, so
+        a lift here does not release a record whose copy may be there."""
         # Everything that can be refused is refused before anything is written.
         if self._verified is None or self._verified != hwm:
             raise ValueError(f"the staged copy was not verified at hwm {hwm} (call verify(hwm) first)")
@@ -524,7 +527,7 @@ class Staging:
             # Leftovers of an interrupted install: every one is written again below.
             for e in list(os.scandir(d)):
                 n = e.name
-                if n in ("hwm", "consumer.ahead", "consumer.offset", MARKER_FILE) or n.endswith(".tmp") or (
+                if n in ("hwm", "consumer.ahead", "consumer.offset", MARKER_FILE, DT.FILE) or n.endswith(".tmp") or (
                         n.startswith("fanout-") and n.endswith(".offset")):
                     os.unlink(e.path)
             self._durable()
@@ -539,6 +542,8 @@ class Staging:
             for child, (epoch, nxt) in sorted(clamped.items()):
                 CF.CursorFile(d, child).anchor(epoch, nxt)
             _write_file_durable(d, "hwm", PL._U64.pack(hwm))
+            if dlq is not None:
+                DT.write(d, *dlq)
             fileio.fsync_dir(d)
             doc = dict(marker)
             doc["hwm"] = hwm

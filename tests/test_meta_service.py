@@ -246,3 +246,36 @@ def test_a_flow_write_that_timed_out_is_seen_by_the_next_cycle_check(tmp_path: P
             versions.close()
 
     asyncio.run(main())
+
+
+def test_a_leadership_transfer_is_sent_from_the_raft_tick_thread(tmp_path: Path) -> None:
+    """pysyncobj's transport is not thread-safe: ``transfer_leadership`` called on the
+    supervisor's loop (a graceful stop, a leader's decommission) only asks, and the tick
+    thread sends the TimeoutNow at its next tick. Sent from the loop it raced the tick
+    thread's write to the same connection (``BufferError`` at a graceful stop: exit 1)."""
+    import threading
+
+    async def main() -> None:
+        _meta, raft, fsm, versions = await _service(tmp_path)
+        try:
+            obj = raft._obj
+            assert obj is not None
+            seen: list[tuple[str, object]] = []
+            obj.transferLeadership = lambda node=None, callback=None: seen.append(  # type: ignore[method-assign]
+                (threading.current_thread().name, node))
+            raft.transfer_leadership("127.0.0.1:1")
+            deadline = time.monotonic() + 5
+            while not seen:
+                assert time.monotonic() < deadline, "the transfer was never made"
+                await asyncio.sleep(0.01)
+            tick = getattr(obj, "_SyncObj__thread", None)
+            assert tick is not None and seen == [(tick.name, "127.0.0.1:1")], seen
+            assert threading.current_thread() is not tick
+            await asyncio.sleep(0.1)
+            assert len(seen) == 1  # made once
+        finally:
+            raft.close()
+            fsm.close()
+            versions.close()
+
+    asyncio.run(main())

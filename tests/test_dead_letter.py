@@ -733,6 +733,24 @@ def test_a_kill9_between_the_dead_letter_commit_and_the_settle_gives_a_duplicate
         n.close()
 
 
+def moved_again_never_delivered(n: Node, name: str, dlt: str, offset: int, payload: str) -> None:
+    """After a restart that found the record's dead-letter move unfinished: it is never
+    delivered from its source, a second copy lands in the dead-letter topic, the source
+    settles, and both copies name the source offset."""
+    deadline = time.monotonic() + 2
+    while time.monotonic() < deadline:
+        r = consume(n, name, "wait=200ms")
+        assert r.status == 204, f"delivered from its source after its dead-letter commit: {r}"
+    wait_for(lambda: sum(x["high_watermark"] for x in n.get(f"/v1/topics/{dlt}").json()["partition_stats"]) == 2,
+             15, 0.05, "the move finished: a second dead-letter copy")
+    wait_for(lambda: all(x["lag"] == 0 for x in n.get(f"/v1/topics/{name}").json()["partition_stats"]), 10,
+             0.05, "settled in the source")
+    assert consume(n, name).status == 204
+    copies: list[dict[str, Any]] = []
+    wait_for(lambda: copies.extend(take(n, dlt, "max=10")["messages"]) or len(copies) >= 2, 10, 0.0, "both")
+    assert [(c["payload"], c["dead_letter"]["offset"]) for c in copies] == [(payload, offset)] * 2
+
+
 def test_a_raise_during_the_dead_letter_commit_then_a_kill9_never_leaves_the_record_live_in_both(
         tmp_path: Any) -> None:
     """The window the held mark closes: the dead-letter commit has landed, the source
@@ -754,17 +772,7 @@ def test_a_raise_during_the_dead_letter_commit_then_a_kill9_never_leaves_the_rec
         n.kill9()
         n.extra_env = {}
         n.start()
-        deadline = time.monotonic() + 2
-        while time.monotonic() < deadline:
-            r = consume(n, name, "wait=200ms")
-            assert r.status == 204, f"delivered from its source after its dead-letter commit: {r}"
-        wait_for(lambda: dlt_records() == 2, 15, 0.05, "the second dead-letter copy")
-        wait_for(lambda: all(x["lag"] == 0 for x in n.get(f"/v1/topics/{name}").json()["partition_stats"]), 10,
-                 0.05, "settled in the source")
-        assert consume(n, name).status == 204
-        copies: list[dict[str, Any]] = []
-        wait_for(lambda: copies.extend(take(n, dlt, "max=10")["messages"]) or len(copies) >= 2, 10, 0.0, "both")
-        assert [(c["payload"], c["dead_letter"]["offset"]) for c in copies] == [("twice", m["offset"])] * 2
+        moved_again_never_delivered(n, name, dlt, m["offset"], "twice")
     finally:
         n.close()
 
@@ -803,17 +811,7 @@ def test_a_lift_during_the_dead_letter_commit_then_a_kill9_never_leaves_the_reco
             again = take(n, name)
             assert again["payload"] == "lifted" and again["offset"] == m["offset"]
             return
-        deadline = time.monotonic() + 2
-        while time.monotonic() < deadline:
-            r = consume(n, name, "wait=200ms")
-            assert r.status == 204, f"delivered from its source after its dead-letter commit: {r}"
-        wait_for(lambda: dlt_records() == 2, 15, 0.05, "the move finished: a second dead-letter copy")
-        wait_for(lambda: all(x["lag"] == 0 for x in n.get(f"/v1/topics/{name}").json()["partition_stats"]), 10,
-                 0.05, "settled in the source")
-        assert consume(n, name).status == 204
-        copies: list[dict[str, Any]] = []
-        wait_for(lambda: copies.extend(take(n, dlt, "max=10")["messages"]) or len(copies) >= 2, 10, 0.0, "both")
-        assert [(c["payload"], c["dead_letter"]["offset"]) for c in copies] == [("lifted", m["offset"])] * 2
+        moved_again_never_delivered(n, name, dlt, m["offset"], "lifted")
         # Lifted for good: a record nacked now is delivered again, never held.
         produce(n, name, b"after")
         x = take(n, name)

@@ -1048,13 +1048,16 @@ def scenarios(args: argparse.Namespace) -> list[Scenario]:
     if args.only:
         out = [x for x in out if re.search(args.only, f"{x.name} w{x.workers}")]
     if args.features:
-        # Each selected run, then the same run with each feature on: back to back, same sitting.
         feats = [f for f in args.features.split(",") if f]
         bad = [f for f in feats if f not in FEATURES]
         if bad:
             raise SystemExit(f"--features: unknown {bad}; choose from {', '.join(FEATURES)}")
+        # A plain run on either side of each feature run (plain, f1, plain, f2, plain): each
+        # feature is compared with the mean of its two neighbours, so a drift of the host (or
+        # of the node: its page cache, its logs growing) over the sequence cancels out.
         out = [v for x in out if x.mode != "latency"
-               for v in [x, *(dataclasses.replace(x, name=f"{x.name} +{f}", feature=f) for f in feats)]]
+               for v in [x, *(y for f in feats for y in (dataclasses.replace(x, name=f"{x.name} +{f}", feature=f),
+                                                          x))]]
     in_flight = args.procs * args.batch_conns * CONSUME_MAX
     if any(x.mode == "flow_batch" for x in out) and in_flight > CONSUME_CAP:
         raise SystemExit(f"--procs x --batch-conns x max={CONSUME_MAX} = {in_flight} concurrent batch-consume slots: "
@@ -1111,15 +1114,16 @@ def main() -> None:
     ap.add_argument("--latency-count", type=int, default=2000)
     ap.add_argument("--only", help="regex on '<scenario> w<workers>', e.g. 'flow' or 'batch.*w2'")
     ap.add_argument("--features", metavar="LIST",
-                    help=f"comma list of {', '.join(FEATURES)}: every selected run again with the feature on, back "
-                         f"to back, and the server CPU per message each adds (issue 14)")
+                    help=f"comma list of {', '.join(FEATURES)}: every selected run again with the feature on, a "
+                         f"plain run between each two, and the server CPU per message each adds against the plain "
+                         f"runs either side (issue 14)")
     ap.add_argument("--rate", type=float, default=0.0, metavar="MSGS",
                     help="batch runs: offer MSGS messages/s in all (each connection paced open-loop) instead of "
                          "sending as fast as answers come; with --features, the plain and feature runs then carry "
                          "the same load and batching, so the server CPU per message compares like with like")
     ap.add_argument("--quiet-other", type=float, default=15.0, metavar="PCT",
-                    help="with --repeat: also the feature costs over the pairs whose runs both had at most PCT %% "
-                         "of other load on the machine (default 15)")
+                    help="with --repeat: also the feature costs over the feature runs that had, with their plain "
+                         "neighbours, at most PCT %% of other load on the machine (default 15)")
     ap.add_argument("--repeat", type=int, default=1, metavar="N",
                     help="run the whole selection N times in turn (plain and feature runs interleaved); "
                          "feature costs are then printed as the median [range] of the N differences")
@@ -1201,22 +1205,23 @@ def main() -> None:
                 print(f"#   {'':<18}     commit rounds: {r.rounds[0] / r.msgs * 100:.1f} per 100 messages, "
                       f"{r.rounds[1] / r.rounds[0]:.2f} partition commits each (counted each second)")
     if args.features:
-        print("\n# feature cost: server µs/msg with the feature on minus the plain run just before it "
-              "(and in % of it); msgs/s the same")
-        plain: Result | None = None
+        print("\n# feature cost: server µs/msg with the feature on minus the mean of the plain runs just before "
+              "and after it (and in % of that mean); msgs/s the same")
         deltas: dict[tuple[str, int], list[tuple[float, float]]] = {}
         quiet: dict[tuple[str, int], list[tuple[float, float]]] = {}  # pairs with little other load
-        for r in results:
+        for i, r in enumerate(results):
             if not r.sc.feature:
-                plain = r
                 continue
-            if plain is None or not r.msgs or not plain.msgs or r.failure or plain.failure:
+            sides = [x for x in (results[i - 1] if i else None, results[i + 1] if i + 1 < len(results) else None)
+                     if x is not None and not x.sc.feature and x.sc.mode == r.sc.mode and x.sc.workers == r.sc.workers]
+            if not sides or not r.msgs or r.failure or any(not x.msgs or x.failure for x in sides):
                 print(f"#   {r.sc.name:<28} w{r.sc.workers}: no figure (a run failed)")
                 continue
-            us, us0 = r.server_cpu / r.msgs * 1e6, plain.server_cpu / plain.msgs * 1e6
-            rate, rate0 = r.msgs / r.wall, plain.msgs / plain.wall
+            us = r.server_cpu / r.msgs * 1e6
+            us0 = statistics.fmean(x.server_cpu / x.msgs * 1e6 for x in sides)
+            rate, rate0 = r.msgs / r.wall, statistics.fmean(x.msgs / x.wall for x in sides)
             deltas.setdefault((r.sc.name, r.sc.workers), []).append((us - us0, (us - us0) / us0 * 100))
-            other = max(r.other_cpu / r.wall, plain.other_cpu / plain.wall) * 100
+            other = max([r.other_cpu / r.wall, *(x.other_cpu / x.wall for x in sides)]) * 100
             if other <= args.quiet_other:
                 quiet.setdefault((r.sc.name, r.sc.workers), []).append((us - us0, (us - us0) / us0 * 100))
             print(f"#   {r.sc.name:<28} w{r.sc.workers}: {us - us0:+.1f} µs/msg ({(us - us0) / us0 * 100:+.0f}%), "
@@ -1224,7 +1229,7 @@ def main() -> None:
                   f"other load up to {other:.0f}%")
         if CPROFILE_DIR is not None:
             print("\n# --cprofile: where each feature run's extra CPU goes (against the plain run just before it)")
-            plain = None
+            plain: Result | None = None
             for r in results:
                 if not r.sc.feature:
                     plain = r

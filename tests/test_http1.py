@@ -474,6 +474,29 @@ def test_head_has_content_length_but_no_body(serve: Callable[..., Harness]) -> N
     c.close()
 
 
+def test_a_short_answer_kept_whole_is_sent_whole_each_time_and_head_gets_none(serve: Callable[..., Harness]) -> None:
+    """A short 2xx body is kept with its head (``SMALL_BODY``): every GET gets the body,
+    a HEAD of the same answer only the head, and an error's short body is built each time."""
+    h = serve()
+    c = Raw(h.port)
+    c.send(get("/hello") + b"HEAD /hello HTTP/1.1\r\nHost: t\r\n\r\n" + get("/hello") + get("/nope") + get("/hello"))
+    assert c.response()[::2] == (200, b"hello world")
+    status, headers, body = c.response(head=True)
+    assert (status, headers["content-length"], body) == (200, "11", b"")
+    for _ in range(2):
+        status, headers, body = c.response()
+        if status == 404:
+            assert body == b"404 page not found\n"
+            continue
+        assert (status, headers["content-length"], body) == (200, "11", b"hello world")
+    assert c.response()[::2] == (200, b"hello world")
+    kept = [k for k in h.server._heads if k[0] == 200]  # type: ignore[attr-defined]
+    assert sorted(k[3] for k in kept) == [False, True]  # the GET's and the HEAD's, body-keyed
+    assert all(k[5] == b"hello world" for k in kept)
+    assert not any(k[0] == 404 for k in h.server._heads)  # type: ignore[attr-defined]
+    c.close()
+
+
 def test_204_has_no_body(serve: Callable[..., Harness]) -> None:
     h = serve()
     c = Raw(h.port)

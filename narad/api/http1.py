@@ -60,6 +60,7 @@ class Http1Limits:
 # destroy it ("lingering close"). Bounded in time and bytes.
 _LINGER_SECONDS = 2.0
 _LINGER_MAX_BYTES = 4 << 20
+SMALL_BODY = 64  # an answer's body up to this long is kept whole with its head (``_write``)
 
 _STATUS_LINES: dict[int, str] = {s.value: f"HTTP/1.1 {s.value} {s.phrase}\r\n" for s in HTTPStatus}
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
@@ -545,17 +546,19 @@ class _Conn(asyncio.Protocol):
     def _write(self, resp: Response, head: bool, close: bool, keep: int) -> None:
         status = resp.status
         hdrs = resp.headers
-        if not resp.body and len(hdrs) <= 4:
-            # a bodiless answer (202 of a produce, 204): its bytes repeat
-            k = (status, resp.content_type, 0 if close else keep, head, tuple(hdrs) if hdrs else ())
+        body = resp.body
+        if (not body or (status < 300 and len(body) <= SMALL_BODY)) and len(hdrs) <= 4:
+            # a bodiless answer (202 of a produce, 204) or a short one (``{"duplicate":false}``,
+            # ``{"accepted":100}``): its bytes repeat, kept whole (head and body) by their content
+            k = (status, resp.content_type, 0 if close else keep, head, tuple(hdrs) if hdrs else (), body)
             heads = self._srv._heads
             try:
                 hb = heads.get(k)
             except TypeError:  # a header given as a list: not a key
-                self._transport.write(self._head(resp, head, close, keep))  # type: ignore[union-attr]
+                self._transport.write(self._head(resp, head, close, keep, True))  # type: ignore[union-attr]
                 return
             if hb is None:
-                hb = self._head(resp, head, close, keep)
+                hb = self._head(resp, head, close, keep, True)
                 if len(heads) < 256:
                     heads[k] = hb
             self._transport.write(hb)  # type: ignore[union-attr]
@@ -662,7 +665,7 @@ class Http1Server:
         self._tails = (f"{alt}Connection: close\r\n\r\n", f"{alt}\r\n", f"{alt}Connection: keep-alive\r\n\r\n")
         # (status, content type, keep-alive flag, HEAD, headers) -> the bytes of a bodiless response with at
         # most 4 headers of its own (a produce's 202, a 204); bounded (first come)
-        self._heads: dict[tuple[int, str | None, int, bool, tuple[tuple[str, str], ...]], bytes] = {}
+        self._heads: dict[tuple[int, str | None, int, bool, tuple[tuple[str, str], ...], bytes], bytes] = {}
         self._loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]  # set by start()
         self._conns: set[_Conn] = set()
         self._orphans: set[_Conn] = set()  # connection gone, handler still running (keeps the task alive)

@@ -187,6 +187,28 @@ def test_a_failed_direct_commit_hands_its_records_to_the_wal(tmp_path: Any) -> N
         n.close()
 
 
+def test_a_failed_direct_commit_of_one_idempotent_record_takes_the_wal_with_its_verdict(tmp_path: Any) -> None:
+    """A single produce with an idempotency key is committed directly without a plan
+    (``Broker.direct_one``); when that commit fails (every second one here), the WAL takes
+    the record and the answer still carries the owner's verdict: stored once, repeats
+    answered as repeats whichever path the first copy took."""
+    n = Node(tmp_path / "data", workers=1, env={"NARAD_FAULT_DIRECT_COMMIT_FAIL_EVERY": "2"}).start()
+    try:
+        assert n.post("/v1/topics", {"name": "onefail", "partitions": 3}).status == 201
+        for i in range(20):
+            r = n.request("POST", f"/v1/topics/onefail/produce?idempotency_key=k{i}", f"v-{i}".encode(),
+                          headers=OCTET)
+            assert r.status == 202 and r.json() == {"duplicate": False}, (i, r)
+        direct = n.metric(DIRECT)
+        assert 0 < direct < 20, f"{direct} of 20 committed directly: the fault seam did not split them"
+        for i in range(20):
+            r = n.request("POST", f"/v1/topics/onefail/produce?idempotency_key=k{i}", b"again", headers=OCTET)
+            assert r.status == 202 and r.json() == {"duplicate": True}, (i, r)
+        assert sorted(drain(n, "onefail", 20)) == sorted(f"v-{i}" for i in range(20))
+    finally:
+        n.close()
+
+
 def test_an_idempotent_produce_frees_its_in_flight_share_once_durable(tmp_path: Any) -> None:
     """The per-identity produce cap counts a produce until it is durable, not while it
     waits for its WAL records' verdicts: a batch with one record committed directly and

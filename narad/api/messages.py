@@ -51,7 +51,7 @@ from narad.api.context import NESTED_TOO_DEEP, ApiContext, decode_why, parse_int
 from narad.api.hangup import cancel_on_hangup
 from narad.api.router import Reply, Request, Response, Router, empty, json_response
 from narad.broker import caps as CAPS
-from narad.broker.broker import ACK, EXTEND, NACK, DirectBatch
+from narad.broker.broker import ACK, EXTEND, NACK, DirectBatch, hop_unknown
 from narad.broker.dispatcher import Watch
 from narad.broker.peers import Item
 from narad.broker.validation import ValidationCapacity
@@ -136,6 +136,14 @@ def idem_key(raw: str) -> bytes:
     if not 1 <= len(b) <= MAX_IDEM_KEY:
         raise BadRequest(f"invalid argument: idempotency_key must be 1 to {MAX_IDEM_KEY} bytes, got {len(b)}")
     return b
+
+
+_DUP_BODIES = (msgspec.json.encode({"duplicate": False}), msgspec.json.encode({"duplicate": True}))
+
+
+def dup_answer(dup: bool) -> Response:
+    """``json_response(202, {"duplicate": dup})`` from bytes encoded once."""
+    return Response(202, _DUP_BODIES[dup], "application/json", [])
 
 
 MAX_DURATION_CHARS = 100  # a Go duration string longer than this is refused unread
@@ -691,6 +699,7 @@ class MessagesAPI:
                                       f"(limit {self.produce_cap} per node)")
         w: Watch | None = None
         plan: DirectBatch | None = None
+        one = False  # ``Broker.direct_one`` took the record (no plan)
         unknown = False  # a hop that may have committed it was given up: its verdict is not known
 
         def give_back() -> None:
@@ -741,6 +750,9 @@ class MessagesAPI:
             try:
                 if direct is not None:
                     fut: asyncio.Future[Any] | None = self.broker.commit_direct(t, direct, entries)
+                elif n == 1 and entries[0].key is None:  # one record, no order to keep: no plan
+                    fut = self.broker.direct_one(t, entries[0])
+                    one = True
                 else:
                     plan = self.broker.direct(t, entries)
                     fut = plan.done if plan is not None and not plan.rest else None
@@ -756,7 +768,11 @@ class MessagesAPI:
                         return
                     exc = f.exception()
                     if exc is None and (plan is None or not plan.failed):
-                        if plan is not None and watched:
+                        if one:
+                            give_back()
+                            self.m.messages_accepted.labels(t.name).inc(1)
+                            reply(dup_answer(bool(f.result()[1])))
+                        elif plan is not None and watched:
                             give_back()
                             self.m.messages_accepted.labels(t.name).inc(n)
                             reply(json_response(202, {"duplicate": plan.dup[0]}))
@@ -766,6 +782,7 @@ class MessagesAPI:
                     if exc is not None:
                         log.debug("direct commit refused; through the WAL", extra={
                             "topic": t.name, "partition": entries[0].partition, "err": repr(exc)})
+                        unknown = one and hop_unknown(exc)
                     elif plan is not None:
                         unknown = bool(plan.unknown)
                     to_wal()

@@ -163,6 +163,12 @@ def _chain(proxy: asyncio.Future[Any], f: asyncio.Future[Any]) -> None:
         proxy.set_result(f.result())
 
 
+def hop_unknown(exc: BaseException) -> bool:
+    """A direct commit's failure after which its records may have been committed after
+    all: a hop to another worker given up or cut off (or the waiter cancelled)."""
+    return isinstance(exc, (GatewayTimeout, ConnectionLost, asyncio.CancelledError))
+
+
 class DirectBatch:
     """A produce's direct commits (``Broker.direct``): its records grouped by partition,
     each group committed straight into its partition on this node (here, or at another
@@ -901,6 +907,39 @@ class Broker:
         plan.rest = rest
         return plan
 
+    def direct_one(self, t: TopicRecord, e: Entry) -> asyncio.Future[Committed] | None:
+        """``direct`` for one entry without a message key (a single produce with an
+        idempotency key: no order to keep): its commit straight into its partition on this
+        node (this worker's, or another worker's one hop away), without ``DirectBatch``.
+        Returns the commit's future (its (base, dups): ``dups`` non-empty when the record
+        was dropped as a repeat of its key), or None (the caller takes the WAL). A future
+        that fails committed nothing (``commit_direct``), unless ``hop_unknown`` says a
+        hop given up or cut off may have: the caller then sends it through the WAL, where
+        it is found as a repeat of itself, and its verdict is not known."""
+        if self.wal.failed is not None or not self.routes_trusted():
+            return None
+        part = e.partition
+        if e.key or not 0 <= part < t.partitions or e.incarnation.hex() != t.id:
+            return None
+        fut = self._direct_submit(t, part, [(None, e.flags, e.payload)])
+        if fut is None:
+            return None
+        self.direct_in_flight += 1
+        fut.add_done_callback(self._direct_one_done)
+        return fut
+
+    def _direct_one_done(self, f: asyncio.Future[Committed]) -> None:
+        self.direct_in_flight -= 1
+        exc: BaseException | None = asyncio.CancelledError() if f.cancelled() else f.exception()
+        if exc is None:
+            self.m_direct.inc(1)
+            return
+        log.debug("direct commit failed; through the WAL", extra={"records": 1, "err": f"{type(exc).__name__}: {exc}"})
+        if hop_unknown(exc):
+            log.warning("direct commit at another worker given up; its records go through the WAL "
+                        "(they may be stored twice)", extra={"records": 1, "err": str(exc)})
+            metrics.get().errors.labels("broker", "direct_hop_unknown").inc()
+
     def _direct_target(self, t: TopicRecord, part: int) -> Partition | int | None:
         """Where a direct commit of partition `part` goes now: the open Partition (this
         worker), another worker's index (its link up), or None (the WAL's)."""
@@ -1088,7 +1127,7 @@ class Broker:
                 log.debug("direct commit failed; through the WAL", extra={
                     "records": len(idx), "err": f"{type(exc).__name__}: {exc}"})
                 plan.failed.extend(idx)
-                if isinstance(exc, (GatewayTimeout, ConnectionLost, asyncio.CancelledError)):
+                if hop_unknown(exc):
                     plan.unknown.update(idx)  # a hop given up or cut off: it may have committed them
                     log.warning("direct commit at another worker given up; its records go through the WAL "
                                 "(they may be stored twice)", extra={"records": len(idx), "err": str(exc)})

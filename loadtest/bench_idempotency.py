@@ -11,7 +11,10 @@
     on its I/O thread: wall time and records per second;
 (d) the owner's commit cycle CPU per record, keyed against keyless
     (``Partition.commit`` on a temp log, 1000-record batches; fsync included, so
-    the difference is the figure).
+    the difference is the figure);
+(e) the table at steady state: CPU per key added to a full table (each add drops the
+    oldest key, counted as evicted) and per key committed and expired by the window
+    (33-key commits, as a 100-message batch spread over 3 partitions), both at 100k keys.
 
 Throughput and server CPU per message with and without keys on a real node:
 ``loadtest/bench.py --only produce --features idem`` (each run, then the same with keys).
@@ -125,6 +128,32 @@ def main() -> None:
                   f"(client-side pack_ext included in keyed)")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    at_cap, by_window = steady_state()
+    print(f"# (e) table at steady state, 100k keys: {at_cap:.2f} µs per key added at the cap (the oldest dropped), "
+          f"{by_window:.2f} µs per key committed and expired by the window (33 keys a commit)")
+
+
+def steady_state(n: int = IDEM.DEFAULT_CAP) -> tuple[float, float]:
+    """CPU µs per key: adds to a full table; then commits of 33 fresh keys, each followed
+    by an expiry of the keys older than the last n (the window's cut)."""
+    keys = [f"{i:016x}" for i in range(3 * n)]
+    t = IDEM.IdemTable(n)
+    for i in range(n):
+        t.add(keys[i], i)
+    c0 = time.process_time()
+    for i in range(n, 2 * n):
+        t.add(keys[i], i)
+    at_cap = (time.process_time() - c0) / n * 1e6
+    t = IDEM.IdemTable(10 * n)
+    for i in range(n):
+        t.add(keys[i], i)
+    fresh = [{keys[j]: j for j in range(i, min(i + 33, 3 * n))} for i in range(n, 3 * n, 33)]
+    c0 = time.process_time()
+    for f in fresh:
+        t.add_fresh(f)
+        t.expire(next(reversed(f.values())) - n)
+    by_window = (time.process_time() - c0) / (2 * n) * 1e6
+    return at_cap, by_window
 
 
 if __name__ == "__main__":

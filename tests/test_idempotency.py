@@ -372,6 +372,22 @@ def test_the_table_is_bounded_oldest_first_and_expires_by_the_window() -> None:
     assert list(t.keys) == ["d", "c", "e"] and t.evicted == 1
     t.add_fresh({"f": 3001, "g": 3001})
     assert list(t.keys) == ["e", "f", "g"] and t.evicted == 3
+    # A key committed again while held leaves a stale place in the commit order behind: the
+    # window and the cap skip it (the key goes by its newest place only).
+    t = IDEM.IdemTable(cap=3)
+    t.add("x", 1)
+    t.add("y", 2)
+    t.add("x", 3)
+    assert list(t.keys) == ["y", "x"]
+    t.expire(2)  # x's old place (1) is passed over: x was committed again at 3
+    assert list(t.keys) == ["y", "x"]
+    t.add("z", 4)
+    t.add("w", 5)  # at the cap: y goes, the oldest held, not x
+    assert list(t.keys) == ["x", "z", "w"] and t.evicted == 1
+    t.expire(4)
+    assert list(t.keys) == ["z", "w"]
+    t.add("z", 4)  # the same key at the same commit time (a rebuild reading it twice): no change
+    assert t.trim(1) == 1 and list(t.keys) == ["w"] and t.evicted == 2
     # A worker's budget over its partitions: each keeps its share, oldest dropped first.
     big, small = IDEM.IdemTable(), IDEM.IdemTable()
     for i in range(300):

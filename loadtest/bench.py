@@ -197,7 +197,7 @@ FEATURE_HEADERS = {"traceparent": TRACEPARENT, "tenant": "acme"}
 # "key": the placement an idempotency key implies, without it; "same": nothing changed, the plain run
 # again (an A/A control: the cost that the order of the runs and the noise alone make up); "bytes":
 # each batched message's payload longer by what "headers" adds to its JSON (a control for size).
-FEATURES = ("headers", "dlq", "idem", "key", "same", "bytes")
+FEATURES = ("headers", "dlq", "idem", "idem1s", "key", "same", "bytes")
 DLQ_TOPIC = "bench-dlq"
 
 
@@ -206,13 +206,18 @@ def topic_body(feature: str) -> dict[str, Any]:
     body: dict[str, Any] = {"name": TOPIC, "partitions": PARTITIONS}
     if feature == "dlq":
         body.update(max_deliveries=5, dead_letter_topic=DLQ_TOPIC)
+    if feature == "idem1s":  # the shortest window: from the run's second second on, keys expire as they come
+        body.update(idempotency_window_ms=1000)
     return body
 
 
 class Requests:
     """Pre-rendered request bytes for one topic on one node. ``feature``: "" (plain),
     "headers" (two headers per message, 80 bytes: a traceparent and a tenant),
-    "idem" (an idempotency key per message: its id), "key" (a message key per message,
+    "idem" (an idempotency key per message: its id), "idem1s" (the same on a topic whose
+    idempotency window is 1 s: the owners' key tables at steady state, expiring a key for
+    each one committed, as every table does once a topic has taken keys for longer than its
+    window; a run of "idem" is shorter than the default 5 min), "key" (a message key per message,
     its id: each message goes to the partition its key hashes to, as a keyed one with an
     idempotency key does, but nothing is deduplicated), "dlq" (no change to requests:
     the topic has max_deliveries and a dead-letter topic), "same" (no change at all),
@@ -230,6 +235,8 @@ class Requests:
             self._extra = b',"headers":' + msgspec.json.encode(FEATURE_HEADERS)
         hdr_len = len(b',"headers":' + msgspec.json.encode(FEATURE_HEADERS))
         self._pad_more = b"y" * hdr_len if feature == "bytes" else b""
+        if feature == "idem1s":
+            feature = self.feature = "idem"  # (the same requests; only the topic differs)
         self._idem_head = (f"POST {base}/produce?{'key' if feature == 'key' else 'idempotency_key'}=").encode()
         self._idem_tail = (f" HTTP/1.1\r\n{common}Content-Type: application/json\r\n"
                            f"Content-Length: {MSG_SIZE}\r\n\r\n").encode()

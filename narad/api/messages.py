@@ -710,7 +710,7 @@ class MessagesAPI:
             assert w is not None
             self.broker.unwatch(w)
             dup = w.dup[0]
-            reply(json_response(202, {"duplicate": None, "pending": True} if dup is None else {"duplicate": dup}))
+            reply(json_response(202, {"duplicate": None, "pending": True}) if dup is None else dup_answer(dup))
 
         def done(err: OSError | None) -> None:
             give_back()
@@ -775,7 +775,7 @@ class MessagesAPI:
                         elif plan is not None and watched:
                             give_back()
                             self.m.messages_accepted.labels(t.name).inc(n)
-                            reply(json_response(202, {"duplicate": plan.dup[0]}))
+                            reply(dup_answer(plan.dup[0]))
                         else:
                             done(None)
                         return
@@ -877,7 +877,7 @@ class MessagesAPI:
         dup = (await self._append(req, t, [entry], [entry], spread=True))[0]
         if dup is None:
             return json_response(202, {"duplicate": None, "pending": True})
-        return json_response(202, {"duplicate": dup})
+        return dup_answer(dup)
 
     def _batch_error(self, e: Exception) -> BadRequest:
         msg = str(e)

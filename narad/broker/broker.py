@@ -169,6 +169,20 @@ def hop_unknown(exc: BaseException) -> bool:
     return isinstance(exc, (GatewayTimeout, ConnectionLost, asyncio.CancelledError))
 
 
+def _direct_failed(exc: BaseException, records: int) -> bool:
+    """Log a failed direct commit of `records` records (they go through the WAL); a hop
+    that may have committed them is also counted in ``direct_hop_unknown``. Returns
+    ``hop_unknown(exc)``."""
+    log.debug("direct commit failed; through the WAL", extra={"records": records,
+                                                               "err": f"{type(exc).__name__}: {exc}"})
+    if not hop_unknown(exc):
+        return False
+    log.warning("direct commit at another worker given up; its records go through the WAL "
+                "(they may be stored twice)", extra={"records": records, "err": str(exc)})
+    metrics.get().errors.labels("broker", "direct_hop_unknown").inc()
+    return True
+
+
 class DirectBatch:
     """A produce's direct commits (``Broker.direct``): its records grouped by partition,
     each group committed straight into its partition on this node (here, or at another
@@ -934,11 +948,7 @@ class Broker:
         if exc is None:
             self.m_direct.inc(1)
             return
-        log.debug("direct commit failed; through the WAL", extra={"records": 1, "err": f"{type(exc).__name__}: {exc}"})
-        if hop_unknown(exc):
-            log.warning("direct commit at another worker given up; its records go through the WAL "
-                        "(they may be stored twice)", extra={"records": 1, "err": str(exc)})
-            metrics.get().errors.labels("broker", "direct_hop_unknown").inc()
+        _direct_failed(exc, 1)
 
     def _direct_target(self, t: TopicRecord, part: int) -> Partition | int | None:
         """Where a direct commit of partition `part` goes now: the open Partition (this
@@ -1124,14 +1134,9 @@ class Broker:
                     plan.dup[idx[j]] = True
                 self.m_direct.inc(len(idx))
             else:
-                log.debug("direct commit failed; through the WAL", extra={
-                    "records": len(idx), "err": f"{type(exc).__name__}: {exc}"})
                 plan.failed.extend(idx)
-                if hop_unknown(exc):
+                if _direct_failed(exc, len(idx)):
                     plan.unknown.update(idx)  # a hop given up or cut off: it may have committed them
-                    log.warning("direct commit at another worker given up; its records go through the WAL "
-                                "(they may be stored twice)", extra={"records": len(idx), "err": str(exc)})
-                    metrics.get().errors.labels("broker", "direct_hop_unknown").inc()
             plan.left -= 1
             if plan.left == 0 and not plan.done.done():
                 plan.failed.sort()

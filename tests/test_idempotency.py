@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -136,6 +137,29 @@ def test_batches_count_duplicates_inside_and_across_calls(node: Node) -> None:
     # The owners' tables are measured: the keys they hold (a gauge set by the 5 s poller).
     wait_for(lambda: node.metric("narad_idempotency_keys") >= 2, 20, 0.2, "the idempotency keys gauge")
     assert node.metric("narad_idempotency_keys_evicted_total") == 0  # far below the 100k cap
+
+
+def test_a_keyed_batch_on_a_topic_with_a_schema_and_headers(node: Node) -> None:
+    """A keyed message's body is read from the request's buffer (no copy of its own): the
+    schema still checks it, headers beside the key still come back, and the bodies stored
+    are the ones sent, at every key length (fixstr, str8 such as a UUID, longer)."""
+    name = mk(node, "idem-schema", schema={"type": "object", "required": ["n"]})
+    bad = [{"payload": {"n": 1}, "idempotency_key": "s1"}, {"payload": {"m": 2}, "idempotency_key": "s2"}]
+    r = node.post(f"/v1/topics/{name}/produce/batch", {"messages": bad})
+    assert r.status == 400 and r.json()["error"].startswith("message 1: invalid argument"), r
+    keys = ["k", "u" * 31, "0f8fad5b-d9cb-469f-a165-70867728950e", "v" * 122, "w" * 128]
+    msgs = [{"payload": {"n": i, "pad": "x" * 300}, "idempotency_key": k} for i, k in enumerate(keys)]
+    msgs.append({"payload": {"n": 9}, "idempotency_key": "h", "headers": {"tenant": "acme"}})
+    msgs.append({"payload": {"n": 10}})
+    r = node.post(f"/v1/topics/{name}/produce/batch", {"messages": msgs})
+    assert r.status == 202 and r.json() == {"accepted": 7, "duplicates": 0}, r
+    r = node.post(f"/v1/topics/{name}/produce/batch", {"messages": msgs[:6]})
+    assert r.status == 202 and r.json() == {"accepted": 6, "duplicates": 6}, r
+    wait_for(lambda: stored(node, name) == 7, 10, 0.02, "seven records committed")
+    got = {m["payload"]["n"]: m for m in drain(node, name)}
+    assert sorted(got) == [0, 1, 2, 3, 4, 9, 10]
+    assert all(got[i]["payload"] == {"n": i, "pad": "x" * 300} for i in range(5))
+    assert got[9]["headers"] == {"tenant": "acme"} and "headers" not in got[10]
 
 
 def test_produces_without_keys_answer_byte_for_byte_as_before(node: Node) -> None:
@@ -356,6 +380,56 @@ def test_partition_commit_drops_repeats_and_answers_their_indexes(tmp_path: Path
     assert set(table.keys) == {"a", "b", "c"} and read == 6
     empty, _ = IDEM.rebuild(p.log, 1, int(time.time() * 1000) + 10_000)  # all older than the window
     assert not empty.keys
+
+
+def test_a_failed_commit_takes_its_claimed_keys_back(tmp_path: Path) -> None:
+    """The commit claims each new key in the table at the check; a frame whose write fails
+    must leave none of them held, or the producer's retry would be answered as a repeat of a
+    record that was never stored (lost). Keys held before stay held, and a cap over a frame
+    drops the oldest, counted."""
+    from tests.test_partition import _partition
+
+    p = _partition(tmp_path, 0)
+    p.idem = IDEM.IdemTable(cap=4)
+    real = p.log.write_commit
+    fail = [True]
+
+    def write_commit(envs: list[bytes]) -> Any:
+        if fail[0]:
+            raise OSError(5, "injected write failure")
+        return real(envs)
+
+    p.log.write_commit = write_commit  # type: ignore[method-assign]
+
+    async def go() -> list[Any]:
+        p.loop = asyncio.get_running_loop()
+        with ThreadPoolExecutor(1) as ex:
+            fail[0] = False
+            a = await p.commit([_rec("a", b"1")], ex)
+            fail[0] = True
+            with pytest.raises(OSError, match="injected"):
+                await p.commit([_rec("b", b"2"), _rec("a", b"3"), _rec("c", b"4")], ex)
+            after_fail = set(p.idem.keys)
+            fail[0] = False
+            b = await p.commit([_rec("b", b"5"), _rec("c", b"6"), _rec("a", b"7"), _rec("b", b"8")], ex)
+            c = await p.commit([_rec("d", b"9"), _rec("e", b"10")], ex)
+            snap = (p.log.hwm, list(p.idem.keys), p.idem.evicted)
+            # Keys of every length the commit reads in place (a fixstr, a str8 such as a UUID) or
+            # not (over 122 bytes): each held once, its repeat dropped.
+            p.idem = IDEM.IdemTable()
+            long_keys = ["u" * 31, str(uuid.UUID(int=7)), "v" * 122, "w" * 123, "é" * 64]
+            e = await p.commit([_rec(k, b"x") for k in long_keys] + [_rec(k, b"y") for k in long_keys], ex)
+            assert set(p.idem.keys) == set(long_keys)
+            return [a, after_fail, b, c, e, snap]
+
+    a, after_fail, b, c, e, snap = asyncio.run(go())
+    assert e == (5, [5, 6, 7, 8, 9])
+    assert a == (0, [])
+    assert after_fail == {"a"}  # b and c were claimed by the failed frame and taken back
+    assert b == (1, [2, 3])  # stored this time; a (held) and the frame's own repeat of b dropped
+    assert c == (3, [])
+    assert snap == (5, ["b", "c", "d", "e"], 1)  # the cap dropped a, the oldest
+    assert [FR.read_ext(p.log.read(i)[3]).i for i in range(5)] == ["a", "b", "c", "d", "e"]
 
 
 def test_the_table_is_bounded_oldest_first_and_expires_by_the_window() -> None:

@@ -54,6 +54,7 @@ from narad.broker import caps as CAPS
 from narad.broker.broker import ACK, EXTEND, NACK, DirectBatch, hop_unknown
 from narad.broker.dispatcher import Watch
 from narad.broker.peers import Item
+from narad.broker.routing import key_partition
 from narad.broker.validation import ValidationCapacity
 from narad.errors import (
     BadRequest,
@@ -323,14 +324,17 @@ def render_leased(topic: str, it: Item) -> MessageOut | _Leased | _LeasedKey:
     if f & FR.F_EXT:
         # ``plain_block``'s two commonest cases inline (a call less a message): headers alone,
         # their JSON text 1 to 122 bytes (bin8, the block's length in one byte), and an
-        # idempotency key alone under 32 bytes (a fixstr); anything else goes through it.
+        # idempotency key alone of 1 to 122 bytes (a fixstr or a str8); anything else goes
+        # through it.
         head = body[1:5]
         if head == _HDR_BIN8 and 5 < (b0 := body[0]) < min(0x80, len(body)) and body[5] == b0 - 5 \
                 and body[6] == 0x7B and body[b0] == 0x7D:
             hdr = msgspec.Raw(body[6 : b0 + 1])
             body = body[b0 + 1 :]
-        elif head[:3] == _KEY_ALONE and 35 >= (b0 := body[0]) >= 4 and len(body) > b0 and body[4] == 0x9C + b0:
-            body = body[b0 + 1 :]
+        elif head[:3] == _KEY_ALONE and len(body) > (b0 := body[0]) and (
+                (35 >= b0 >= 4 and body[4] == 0x9C + b0)
+                or (37 <= b0 < 0x80 and body[4] == 0xD9 and body[5] == b0 - 5)):
+            body = body[b0 + 1 :]  # (a key under 32 bytes, a fixstr; or 32 to 122, a str8: a UUID)
         else:
             hs, he, pos = FR.plain_block(body)
             if pos < 0 or (he > hs and (body[hs] != 0x7B or body[he - 1] != 0x7D)):
@@ -646,12 +650,19 @@ class MessagesAPI:
         once, and those whose direct commit failed after it; ``durable()`` is called once
         every entry is (before the WAL's verdicts are waited for), and this returns every
         entry's verdict as ``_append`` gives it."""
-        wanted = {id(e) for e in watch} if watch else None
+        # The watched entries, by identity: every entry (the common case: every message has an
+        # idempotency key) needs no set (built only when some entry is not watched).
+        every = watch is not None and len(watch) == len(entries)
+        wanted = {id(e) for e in watch} if watch and not every else None
+
+        def watched(e: Entry) -> bool:
+            return every or (wanted is not None and id(e) in wanted)
+
         waits: list[tuple[asyncio.Future[None], Watch | None, list[int]]] = []
 
         def to_wal(idx: list[int]) -> None:
             es = [entries[i] for i in idx]
-            fut, w = self.broker.stage(es, [e for e in es if id(e) in wanted] if wanted else None, IDEM_WAIT_S)
+            fut, w = self.broker.stage(es, [e for e in es if watched(e)] if watch else None, IDEM_WAIT_S)
             waits.append((fut, w, idx))
 
         out: list[bool | None] = []
@@ -659,8 +670,8 @@ class MessagesAPI:
             if plan.rest:
                 to_wal(plan.rest)
             await asyncio.shield(plan.done)  # a hang-up does not cancel the commits under the other waiters
-            if wanted:
-                out = [bool(d) for d in plan.dup]  # (the direct commits' verdicts; the WAL's below)
+            if watch:
+                out = list(plan.dup)  # (the direct commits' verdicts, bools; the WAL's below)
             if plan.failed:
                 to_wal(plan.failed)
             for fut, _w, _idx in waits:
@@ -671,7 +682,7 @@ class MessagesAPI:
                     continue
                 got = iter(await self.broker.verdicts(w))
                 for i in idx:
-                    if id(entries[i]) in wanted:  # type: ignore[operator]
+                    if watched(entries[i]):
                         v = next(got)  # (in order: one per watched entry of this append)
                         out[i] = None if i in plan.unknown else v
         finally:
@@ -946,11 +957,13 @@ class MessagesAPI:
         for i, m in enumerate(msgs):
             if m.payload is msgspec.UNSET:
                 raise BadRequest(f"message {i}: payload required")
-            raw = bytes(m.payload)  # type: ignore[arg-type]
             flags = F_JSON | F_UTF8  # a value taken from a JSON document is one valid JSON text
             if m.payload_encoding is None:
-                payload = raw
+                # (with an idempotency key the stored payload is a new bytes anyway, its block
+                # and the body joined: the body is read from the request's buffer, no copy)
+                payload = m.payload if m.idempotency_key is not None else bytes(m.payload)  # type: ignore[arg-type]
             elif m.payload_encoding == "base64":
+                raw = bytes(m.payload)  # type: ignore[arg-type]
                 try:
                     s = msgspec.json.decode(raw, type=str)
                     payload = base64.b64decode(s, validate=True)
@@ -989,7 +1002,7 @@ class MessagesAPI:
                 raise BadRequest(f"message {i}: invalid argument: partition out of range")
         v = await self._validator(t)
         if v is not None:
-            bad = await self._validation.check_many(v, [p for p, _k, _part, _f, _h, _i in prepared])
+            bad = await self._validation.check_many(v, [bytes(p) for p, _k, _part, _f, _h, _i in prepared])
             if bad is not None:
                 self.m.produce_rejections.labels(t.name, "schema").inc()
                 raise BadRequest(f"message {bad[0]}: invalid argument: {bad[1]}")
@@ -998,6 +1011,7 @@ class MessagesAPI:
         chosen: set[int] = set()  # keyless partitions chosen here; one alone (sticky) may commit directly
         placed = False  # a key, an idempotency key or a partition from the client
         keyless = -1  # the keyless choice: sticky, the same for every keyless message of this pass (asked once)
+        nparts = t.partitions
         for payload, key, part, flags, hdrs, idem in prepared:
             if part is None:
                 if key is None and idem is None:
@@ -1005,8 +1019,8 @@ class MessagesAPI:
                         keyless = self.broker.choose_partition(t, None)
                         chosen.add(keyless)
                     part = keyless
-                else:
-                    part = self.broker.choose_partition(t, key, idem)
+                else:  # (``choose_partition``'s hash of a key, else of an idempotency key: a call less)
+                    part = key_partition(key or idem, nparts)  # type: ignore[arg-type]
                     placed = True
             else:
                 placed = True
@@ -1026,8 +1040,8 @@ class MessagesAPI:
             await self._append(req, t, entries, direct=direct)
             return json_response(202, {"accepted": len(entries)})
         got = await self._append(req, t, entries, watch, spread=True)
-        out: dict[str, int] = {"accepted": len(entries), "duplicates": sum(1 for d in got if d)}
-        pending = sum(1 for d in got if d is None)
+        out: dict[str, int] = {"accepted": len(entries), "duplicates": got.count(True)}
+        pending = got.count(None)
         if pending:
             out["pending"] = pending
         return json_response(202, out)

@@ -150,6 +150,27 @@ class IdemTable:
         for k, ts in fresh.items():
             self.add(k, ts)
 
+    def committed(self, claimed: list[str], ts_ms: int) -> None:
+        """The commit of a frame whose new keys were claimed in ``keys`` at the check
+        (``keys.setdefault(k, ts_ms)``: one lookup a key, the dup test and the insert
+        together) is durable: they join the commit order, and the cap drops the oldest
+        keys, counted, as ``add`` would one by one."""
+        self._ok.extend(claimed)
+        self._ot.extend([ts_ms] * len(claimed))
+        keys = self.keys
+        if len(keys) > self.cap:
+            over = len(keys) - self.cap
+            for _ in range(over):
+                self._drop_oldest()
+            self.evicted += over
+
+    def unclaim(self, claimed: list[str]) -> None:
+        """The commit of a frame whose new keys were claimed failed: they are taken back
+        (nothing of the frame is visible, so its keys were never committed here)."""
+        keys = self.keys
+        for k in claimed:
+            keys.pop(k, None)
+
     def trim(self, n: int) -> int:
         """Drop the oldest keys until at most `n` remain (counted as evicted); how many."""
         k = max(0, len(self.keys) - max(0, n))

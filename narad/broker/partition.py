@@ -648,39 +648,58 @@ class Partition:
                 envs: list[bytes] = []
                 decoded: list[Record] = []
                 dups: list[list[int]] = []
-                fresh: dict[str, int] | None = None  # idempotency keys this frame commits
+                # Idempotency keys: each new one is claimed in the table at once (one
+                # lookup a key: ``setdefault`` is the repeat test and the insert; the table
+                # grew, so it was new), and taken back if the frame fails (``unclaim``).
+                claimed: list[str] | None = None
                 table = self.idem
                 seen = table.keys  # (expired in place at the first key)
+                held = 0
                 ext = FR.F_EXT
-                hdr_alone = FR.HEADERS_ALONE
-                key_alone = FR.KEY_ALONE
-                for batch, _ in queue:
-                    dl: list[int] = []
-                    for j, (key, flags, payload) in enumerate(batch):
-                        if flags & ext and (head := payload[1:4]) != hdr_alone:  # (headers alone: no key)
-                            b0 = payload[0]
-                            if head == key_alone and 35 >= b0 >= 4 and len(payload) > b0 and payload[4] == 0x9C + b0:
-                                # ``key_of``'s common case read in place: a key alone under 32
-                                # bytes (a fixstr of b0 - 4 bytes ending where the block does;
-                                # a longer key's str8 head can pass the type test, not the bound)
-                                try:
-                                    k: str | None = payload[5 : b0 + 1].decode()
-                                except UnicodeDecodeError:
-                                    k = None
-                            else:
-                                k = key_of(flags, payload)
-                            if k is not None:
-                                if fresh is None:
-                                    table.expire(ts - self.idem_window_ms)
-                                    fresh = {}
-                                if k in fresh or k in seen:
-                                    dl.append(j)
-                                    payload_bytes -= len(payload)
-                                    continue
-                                fresh[k] = ts
-                        envs.append(FR.encode_record(key, ts, flags, payload))
-                        decoded.append((key, ts, flags, payload))
-                    dups.append(dl)
+                heads, heads8 = FR.IDEM_HEADS, FR.IDEM_HEADS8
+                idem_map_key = FR.IDEM_MAP_KEY
+                try:
+                    for batch, _ in queue:
+                        dl: list[int] = []
+                        for j, (key, flags, payload) in enumerate(batch):
+                            if flags & ext and payload:
+                                b0 = payload[0]
+                                if 4 <= b0 < 36 and payload.startswith(heads[b0 - 4]) and len(payload) > b0:
+                                    # ``key_of``'s common case read in place: a key alone under 32
+                                    # bytes (its whole head is fixed by the length byte; the key
+                                    # ends where the block does)
+                                    try:
+                                        k: str | None = payload[5 : b0 + 1].decode()
+                                    except UnicodeDecodeError:
+                                        k = None
+                                elif 37 <= b0 < 0x80 and payload.startswith(heads8[b0 - 37]) and len(payload) > b0:
+                                    try:  # the same for a key of 32 to 122 bytes (a str8: a UUID)
+                                        k = payload[6 : b0 + 1].decode()
+                                    except UnicodeDecodeError:
+                                        k = None
+                                elif b0 < 0x80 and not payload.startswith(idem_map_key, 2):
+                                    k = None  # a block whose first key is not "i" (headers alone): no key
+                                else:
+                                    k = key_of(flags, payload)
+                                if k is not None:
+                                    if claimed is None:
+                                        table.expire(ts - self.idem_window_ms)
+                                        claimed = []
+                                        held = len(seen)
+                                    seen.setdefault(k, ts)
+                                    if len(seen) == held:  # held already (or claimed by this frame): a repeat
+                                        dl.append(j)
+                                        payload_bytes -= len(payload)
+                                        continue
+                                    held += 1
+                                    claimed.append(k)
+                            envs.append(FR.encode_record(key, ts, flags, payload))
+                            decoded.append((key, ts, flags, payload))
+                        dups.append(dl)
+                except BaseException:  # (a bug: the keys this frame claimed are not left held)
+                    if claimed:
+                        table.unclaim(claimed)
+                    raise
                 ndup = sum(len(dl) for dl in dups)
                 if not envs:  # every record was a duplicate: nothing to write
                     for (_, f), dl in zip(queue, dups, strict=True):
@@ -690,7 +709,7 @@ class Partition:
                         self.m_dups.value += ndup
                     continue
                 try:
-                    if fresh and not self.idem_marked:  # the first keyed record here: the marker first
+                    if claimed and not self.idem_marked:  # the first keyed record here: the marker first
                         await _off_loop(loop, executor, idem_mark, self.log.dir)
                         self.idem_marked = True
                     if isinstance(executor, CommitRounds):
@@ -698,6 +717,8 @@ class Partition:
                     else:
                         res = await _off_loop(loop, executor, self.log.write_commit, envs)
                 except OSError as e:
+                    if claimed:
+                        table.unclaim(claimed)
                     log.error("partition commit failed", extra={"topic": self.topic, "partition": self.index,
                                                                 "err": str(e)})
                     metrics.get().errors.labels(
@@ -707,6 +728,8 @@ class Partition:
                             f.set_exception(OSError(e.errno or 5, f"partition commit failed: {e}"))
                     continue
                 except BaseException as e:  # a bug or a cancellation: every waiter of the batch is answered
+                    if claimed:
+                        table.unclaim(claimed)
                     if not isinstance(e, asyncio.CancelledError):
                         log.exception("partition commit failed", extra={"topic": self.topic,
                                                                         "partition": self.index})
@@ -718,9 +741,9 @@ class Partition:
                         raise
                     continue
                 base, seg, pos, fsize, rolled = res
-                if fresh:
+                if claimed:
                     before = table.evicted
-                    table.add_fresh(fresh)
+                    table.committed(claimed, ts)
                     if self.m_evicted is not None and table.evicted != before:
                         self.m_evicted.value += table.evicted - before
                 try:

@@ -266,6 +266,16 @@ def pack_headers(hjson: bytes, body: bytes) -> bytes:
 # Length byte and map head of an idempotency-key-only block whose key is n < 32 bytes
 # of UTF-8 (a fixstr; the block, 4 + n bytes, has a one-byte length).
 _IDEM_HEADS = [bytes((4 + n, 0x81, 0xA1, 0x69, 0xA0 | n)) for n in range(32)]
+# The same, public: a commit and a consume read a short key's block in place by
+# ``stored.startswith(IDEM_HEADS[stored[0] - 4])`` (the length byte fixes the whole head).
+IDEM_HEADS = tuple(_IDEM_HEADS)
+# Length byte and map head of an idempotency-key-only block whose key is 32 <= n <= 122
+# bytes (a str8: a UUID's 36 characters are the common case; the block, 6 + n bytes, still
+# has a one-byte length): ``IDEM_HEADS8[n - 32]``, read as ``IDEM_HEADS8[stored[0] - 37]``.
+IDEM_HEADS8 = tuple(bytes((5 + n, 0x81, 0xA1, 0x69, 0xD9, n)) for n in range(32, 123))
+# A block with a one-byte length whose map's first key is not "i" (``stored[2:4]`` is not
+# this) holds no idempotency key (``has_idem``).
+IDEM_MAP_KEY = _IDEM_KEY
 
 
 def pack_idem(key: bytes, body: bytes) -> bytes:
@@ -275,6 +285,8 @@ def pack_idem(key: bytes, body: bytes) -> bytes:
     n = len(key)
     if n < 32:
         return b"".join((_IDEM_HEADS[n], key, body))
+    if n < 123:
+        return b"".join((IDEM_HEADS8[n - 32], key, body))
     if n < 0x100:
         return b"".join((uvarint(5 + n), b"\x81\xa1i\xd9", bytes((n,)), key, body))
     return pack_ext(Ext(i=key.decode()), body)

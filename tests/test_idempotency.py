@@ -441,10 +441,16 @@ def test_the_table_is_bounded_oldest_first_and_expires_by_the_window() -> None:
     assert list(t.keys) == ["c", "d"]
     t.add("c", 2000)  # committed again after its window: moves to the back
     assert list(t.keys) == ["d", "c"]
-    # A commit's fresh keys in one go: as many adds (in order; the cap drops the oldest, counted).
-    t.add_fresh({"e": 3000})
+    # A commit's keys, claimed at its check and committed in one go: as many adds (in order;
+    # the cap drops the oldest, counted).
+    def commit(keys: list[str], ts: int) -> None:
+        for k in keys:
+            t.keys.setdefault(k, ts)
+        t.committed(keys, ts)
+
+    commit(["e"], 3000)
     assert list(t.keys) == ["d", "c", "e"] and t.evicted == 1
-    t.add_fresh({"f": 3001, "g": 3001})
+    commit(["f", "g"], 3001)
     assert list(t.keys) == ["e", "f", "g"] and t.evicted == 3
     # A key committed again while held leaves a stale place in the commit order behind: the
     # window and the cap skip it (the key goes by its newest place only).
@@ -462,6 +468,15 @@ def test_the_table_is_bounded_oldest_first_and_expires_by_the_window() -> None:
     assert list(t.keys) == ["z", "w"]
     t.add("z", 4)  # the same key at the same commit time (a rebuild reading it twice): no change
     assert t.trim(1) == 1 and list(t.keys) == ["w"] and t.evicted == 2
+    # A commit's claims in flight (held, not yet in the commit order) are never dropped by a
+    # trim or the cap, and are not counted as evicted.
+    t = IDEM.IdemTable(cap=10)
+    for i, k in enumerate("abc"):
+        t.add(k, i)
+    t.keys.setdefault("x", 5)
+    assert t.trim(0) == 3 and list(t.keys) == ["x"] and t.evicted == 3
+    t.unclaim(["x"])
+    assert not t.keys
     # A worker's budget over its partitions: each keeps its share, oldest dropped first.
     big, small = IDEM.IdemTable(), IDEM.IdemTable()
     for i in range(300):

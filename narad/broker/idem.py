@@ -90,7 +90,13 @@ class IdemTable:
     reading a dict's first key after deleting from its front walks every deleted slot
     before it until the dict is resized (measured on CPython 3.11 with 100k keys: 18 us a
     key added at the cap, 31 us a key expiring by the window). A deque entry
-    whose key was committed again (``add``: moved to the back) is stale and skipped."""
+    whose key was committed again (``add``: moved to the back) is stale and skipped.
+
+    A commit claims each new key in ``keys`` at its check (``setdefault``: the repeat test
+    and the insert in one lookup, the table's largest cost a key on a busy owner), then
+    ``committed`` puts the frame's claims in the commit order, or ``unclaim`` takes them
+    back when the frame failed. Between the two a claimed key is in ``keys`` but not in the
+    deques: the window and the cap never drop it (``_drop_oldest`` reads the deques)."""
 
     __slots__ = ("_ok", "_ot", "cap", "evicted", "keys")
 
@@ -112,13 +118,15 @@ class IdemTable:
             if keys.get(k) == ot.popleft():
                 del keys[k]
 
-    def _drop_oldest(self) -> None:
+    def _drop_oldest(self) -> bool:
+        """Drop the oldest committed key; False when there is none (claims are not dropped)."""
         keys, ok, ot = self.keys, self._ok, self._ot
         while ok:
             k = ok.popleft()
             if keys.get(k) == ot.popleft():
                 del keys[k]
-                return
+                return True
+        return False
 
     def seen(self, key: str) -> bool:
         return key in self.keys
@@ -130,25 +138,11 @@ class IdemTable:
             if old == ts_ms:
                 return  # (its place stands: the same commit time)
             del keys[key]  # an expired key committed again moves to the back (its old entry is stale)
-        elif len(keys) >= self.cap:
-            self._drop_oldest()
+        elif len(keys) >= self.cap and self._drop_oldest():
             self.evicted += 1
         keys[key] = ts_ms
         self._ok.append(key)
         self._ot.append(ts_ms)
-
-    def add_fresh(self, fresh: dict[str, int]) -> None:
-        """``add`` of every key of `fresh`, none of which the table holds (a commit
-        checked them, and nothing but the commit adds keys): one ``update`` when the cap
-        leaves room for all of them."""
-        keys = self.keys
-        if len(keys) + len(fresh) <= self.cap:
-            keys.update(fresh)
-            self._ok.extend(fresh)
-            self._ot.extend(fresh.values())
-            return
-        for k, ts in fresh.items():
-            self.add(k, ts)
 
     def committed(self, claimed: list[str], ts_ms: int) -> None:
         """The commit of a frame whose new keys were claimed in ``keys`` at the check
@@ -157,12 +151,10 @@ class IdemTable:
         keys, counted, as ``add`` would one by one."""
         self._ok.extend(claimed)
         self._ot.extend([ts_ms] * len(claimed))
-        keys = self.keys
-        if len(keys) > self.cap:
-            over = len(keys) - self.cap
-            for _ in range(over):
-                self._drop_oldest()
-            self.evicted += over
+        over = len(self.keys) - self.cap
+        while over > 0 and self._drop_oldest():
+            over -= 1
+            self.evicted += 1
 
     def unclaim(self, claimed: list[str]) -> None:
         """The commit of a frame whose new keys were claimed failed: they are taken back
@@ -173,9 +165,11 @@ class IdemTable:
 
     def trim(self, n: int) -> int:
         """Drop the oldest keys until at most `n` remain (counted as evicted); how many."""
-        k = max(0, len(self.keys) - max(0, n))
-        for _ in range(k):
-            self._drop_oldest()
+        k = 0
+        for _ in range(max(0, len(self.keys) - max(0, n))):
+            if not self._drop_oldest():
+                break  # (the rest are a commit's claims, in flight)
+            k += 1
         self.evicted += k
         return k
 

@@ -927,7 +927,7 @@ def test_the_commits_in_place_key_read_agrees_with_key_of(recs: list[tuple[str |
 
 @FAST
 @given(st.sampled_from([0, FR.F_JSON | FR.F_UTF8, FR.F_UTF8, FR.F_JSON]), st.booleans(),
-       st.sampled_from(["none", "headers", "idem", "both", "dead"]), st.one_of(st.none(), st.binary(max_size=12)),
+       st.sampled_from(["none", "headers", "idem", "uuid", "both", "dead"]), st.one_of(st.none(), st.binary(max_size=12)),
        st.binary(max_size=60), st.integers(0, 7), st.integers(0, 2**63 - 1), st.integers(0, 400), st.integers(-1, 255))
 def test_the_consume_paths_template_renders_what_render_does(flags: int, ext: bool, block: str, key: bytes | None,
                                                              body: bytes, deliveries: int, nonce: int, at: int,
@@ -943,6 +943,7 @@ def test_the_consume_paths_template_renders_what_render_does(flags: int, ext: bo
         stored = {"none": lambda: FR.pack_ext(FR.Ext(), body),
                   "headers": lambda: FR.pack_headers(b'{"a":"1"}', body),
                   "idem": lambda: FR.pack_idem(b"k1", body),
+                  "uuid": lambda: FR.pack_idem(b"0f8fad5b-d9cb-469f-a165-70867728950e", body),
                   "both": lambda: FR.pack_ext(FR.Ext(i="k", h=b'{"t":"x"}'), body),
                   "dead": lambda: FR.pack_ext(FR.Ext(d=FR.DeadLetter("src", 1, 2, 3)), body)}[block]()
         if byte >= 0:
@@ -978,6 +979,9 @@ def test_the_consume_paths_inline_blocks_agree_with_render_at_their_edges() -> N
         bytes([0x0E]) + hb + b"\x09" + b'["a","1"]' + body,  # not an object
         bytes([0x7F]) + hb + b"\x7a" + b"{}",  # runs past the record
         FR.pack_idem(b"k" * 31, body), FR.pack_idem(b"k" * 32, body), FR.pack_idem(b"", body),
+        FR.pack_idem(b"k" * 36, body), FR.pack_idem(b"k" * 122, body), FR.pack_idem(b"k" * 123, body),
+        bytes([0x29]) + b"\x81\xa1i\xd9\x25" + b"k" * 36 + body,  # a str8 whose length says one more
+        bytes([0x29]) + b"\x81\xa1i\xd9\x24" + b"k" * 35,  # runs past the record
         bytes([0x8A]) + b"\x81\xa1i\xa6" + b"kkkkkk" + body,
     ]
 
@@ -993,9 +997,11 @@ def test_the_consume_paths_inline_blocks_agree_with_render_at_their_edges() -> N
 
 
 def test_a_block_that_starts_as_headers_alone_never_carries_an_idempotency_key() -> None:
-    """The commit skips ``key_of`` when ``stored[1:4]`` is ``HEADERS_ALONE``: that is only
-    sound if ``key_of`` answers None for every such payload (as written, a key-only block
-    whose "i" became "h", a two-entry map with "i" second, a block with a runaway length)."""
+    """The commit answers "no key" without ``key_of`` when the block's length is one byte
+    (under 0x80) and ``stored[3]``, the map's first key, is not "i" (headers alone): that is
+    only sound if ``key_of`` answers None for every such payload (as written, a key-only
+    block whose "i" became "h", a two-entry map with "i" second, a block with a runaway
+    length, which the commit hands to ``key_of``)."""
     from narad.broker import idem as IDEM
 
     body = b'{"a":1}'
@@ -1007,6 +1013,6 @@ def test_a_block_that_starts_as_headers_alone_never_carries_an_idempotency_key()
         b"\xff\x81\xa1h\x00\x00\xa1i\xa1k" + body,
     ]
     for s in cases:
-        assert s[1:4] == FR.HEADERS_ALONE
+        assert s[1:4] == FR.HEADERS_ALONE and (s[0] >= 0x80 or s[3] != 0x69)
         assert IDEM.key_of(FR.F_EXT, s) is None, s
     assert IDEM.key_of(FR.F_EXT, keyed) == "order-1" and keyed[1:4] != FR.HEADERS_ALONE

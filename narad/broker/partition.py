@@ -657,19 +657,22 @@ class Partition:
                 held = 0
                 ext = FR.F_EXT
                 heads, heads8 = FR.IDEM_HEADS, FR.IDEM_HEADS8
-                idem_map_key = FR.IDEM_MAP_KEY
                 try:
                     for batch, _ in queue:
                         dl: list[int] = []
                         for j, (key, flags, payload) in enumerate(batch):
                             if flags & ext and payload:
                                 b0 = payload[0]
-                                if 4 <= b0 < 36 and payload.startswith(heads[b0 - 4]) and len(payload) > b0:
+                                if b0 < 0x80 and (len(payload) < 4 or payload[3] != 0x69):
+                                    # A block whose map's first key is not "i" (headers alone, the
+                                    # common case): no key (``has_idem``), decided in two byte reads.
+                                    k: str | None = None
+                                elif 4 <= b0 < 36 and payload.startswith(heads[b0 - 4]) and len(payload) > b0:
                                     # ``key_of``'s common case read in place: a key alone under 32
                                     # bytes (its whole head is fixed by the length byte; the key
                                     # ends where the block does)
                                     try:
-                                        k: str | None = payload[5 : b0 + 1].decode()
+                                        k = payload[5 : b0 + 1].decode()
                                     except UnicodeDecodeError:
                                         k = None
                                 elif 37 <= b0 < 0x80 and payload.startswith(heads8[b0 - 37]) and len(payload) > b0:
@@ -677,8 +680,6 @@ class Partition:
                                         k = payload[6 : b0 + 1].decode()
                                     except UnicodeDecodeError:
                                         k = None
-                                elif b0 < 0x80 and not payload.startswith(idem_map_key, 2):
-                                    k = None  # a block whose first key is not "i" (headers alone): no key
                                 else:
                                     k = key_of(flags, payload)
                                 if k is not None:

@@ -273,9 +273,6 @@ IDEM_HEADS = tuple(_IDEM_HEADS)
 # bytes (a str8: a UUID's 36 characters are the common case; the block, 6 + n bytes, still
 # has a one-byte length): ``IDEM_HEADS8[n - 32]``, read as ``IDEM_HEADS8[stored[0] - 37]``.
 IDEM_HEADS8 = tuple(bytes((5 + n, 0x81, 0xA1, 0x69, 0xD9, n)) for n in range(32, 123))
-# A block with a one-byte length whose map's first key is not "i" (``stored[2:4]`` is not
-# this) holds no idempotency key (``has_idem``).
-IDEM_MAP_KEY = _IDEM_KEY
 
 
 def pack_idem(key: bytes, body: bytes) -> bytes:

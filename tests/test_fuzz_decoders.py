@@ -927,7 +927,8 @@ def test_the_commits_in_place_key_read_agrees_with_key_of(recs: list[tuple[str |
 
 @FAST
 @given(st.sampled_from([0, FR.F_JSON | FR.F_UTF8, FR.F_UTF8, FR.F_JSON]), st.booleans(),
-       st.sampled_from(["none", "headers", "idem", "uuid", "both", "dead"]), st.one_of(st.none(), st.binary(max_size=12)),
+       st.sampled_from(["none", "headers", "idem", "uuid", "both", "dead"]),
+       st.one_of(st.none(), st.binary(max_size=12)),
        st.binary(max_size=60), st.integers(0, 7), st.integers(0, 2**63 - 1), st.integers(0, 400), st.integers(-1, 255))
 def test_the_consume_paths_template_renders_what_render_does(flags: int, ext: bool, block: str, key: bytes | None,
                                                              body: bytes, deliveries: int, nonce: int, at: int,

@@ -368,8 +368,10 @@ class Load:
         st.produced += self.sc.count + 100
 
     async def produce(self, c: HttpConn, gid: int) -> None:
-        r, st, seq = self.r, self.st, 0
+        r, st, seq, pace = self.r, self.st, 0, self.pacer(gid, 1)
         while time.monotonic() < self.deadline:
+            if pace:
+                await pace.wait()
             req = r.produce((gid << 32) | seq)
             t = time.perf_counter()
             s, b = await c.request(req)
@@ -391,11 +393,12 @@ class Load:
         self.st.requests += 1
         self.st.produced += n
 
-    def pacer(self, gid: int) -> Pacer | None:
-        """--rate: this connection's share of the offered load, its first batch staggered among the others."""
+    def pacer(self, gid: int, per: int = 0) -> Pacer | None:
+        """--rate: this connection's share of the offered load, its first request staggered among the
+        others; `per`: messages a request (0: the scenario's batch)."""
         if not self.sc.rate:
             return None
-        interval = self.sc.batch * self.sc.procs * self.sc.conns / self.sc.rate  # seconds between its batches
+        interval = (per or self.sc.batch) * self.sc.procs * self.sc.conns / self.sc.rate  # seconds between sends
         slot = (gid // 1000) * self.sc.conns + gid % 1000  # this connection's index over all processes
         return Pacer(self.st.t0 + interval * slot / (self.sc.procs * self.sc.conns), interval)
 
@@ -408,8 +411,10 @@ class Load:
             seq += n
 
     async def flow(self, c: HttpConn, gid: int) -> None:
-        r, st, seq = self.r, self.st, 0
+        r, st, seq, pace = self.r, self.st, 0, self.pacer(gid, 1)
         while time.monotonic() < self.deadline:
+            if pace:
+                await pace.wait()
             mid = (gid << 32) | seq
             seq += 1
             req = r.produce(mid)
@@ -1045,11 +1050,11 @@ def scenarios(args: argparse.Namespace) -> list[Scenario]:
     for w in workers:
         out.append(Scenario("latency single", "latency", w, 1, 1, s, count=args.latency_count))
     for w in workers:
-        out.append(Scenario("produce single", "produce", w, args.procs, args.conns, s))
+        out.append(Scenario("produce single", "produce", w, args.procs, args.conns, s, rate=args.rate))
         out.append(Scenario(f"produce batch{args.batch}", "produce_batch", w, args.procs, args.batch_conns, s,
                             batch=args.batch, rate=args.rate))
     for w in workers:
-        out.append(Scenario("flow single", "flow", w, args.procs, args.conns, s))
+        out.append(Scenario("flow single", "flow", w, args.procs, args.conns, s, rate=args.rate))
         out.append(Scenario(f"flow batch{args.batch}", "flow_batch", w, args.procs, args.batch_conns, s,
                             batch=args.batch, rate=args.rate))
     if args.only:
@@ -1125,7 +1130,8 @@ def main() -> None:
                          f"plain run between each two, and the server CPU per message each adds against the plain "
                          f"runs either side (issue 14)")
     ap.add_argument("--rate", type=float, default=0.0, metavar="MSGS",
-                    help="batch runs: offer MSGS messages/s in all (each connection paced open-loop) instead of "
+                    help="offer MSGS messages/s in all (each connection paced open-loop: a batch, or in the single "
+                         "produce and single flow runs a message, at a time) instead of "
                          "sending as fast as answers come; with --features, the plain and feature runs then carry "
                          "the same load and batching, so the server CPU per message compares like with like")
     ap.add_argument("--quiet-other", type=float, default=15.0, metavar="PCT",

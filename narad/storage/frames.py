@@ -222,11 +222,12 @@ _HDR_KEY = b"\xa1h"  # fixstr "h": the headers' key
 _IDEM_FIXMAP = b"\x81\xa1i"  # a one-entry map {"i": ...}: an idempotency key alone
 _HDR_BIN8 = b"\x81\xa1h\xc4"  # a one-entry map {"h": bin8}: headers alone, their text under 256 bytes
 # ``stored[1:4]`` of a block holding headers alone (a one-byte length, a one-entry map
-# whose key is "h"): it has no idempotency key, and ``idem.key_of`` answers None for
-# every payload that starts so (a malformed one too), so a commit need not ask it.
+# whose key is "h"): a consume reads its headers in place after it. (It has no
+# idempotency key: a commit answers None without ``idem.key_of`` for any block with a
+# one-byte length whose ``stored[3]``, the map's first key, is not "i".)
 HEADERS_ALONE = b"\x81\xa1h"
 # ``stored[1:4]`` of a block that starts as an idempotency key alone (a one-byte length, a
-# one-entry map whose key is "i"): a commit reads a short key in place after it.
+# one-entry map whose key is "i"): a consume skips a key of up to 122 bytes in place after it.
 KEY_ALONE = _IDEM_FIXMAP
 
 
@@ -265,10 +266,9 @@ def pack_headers(hjson: bytes, body: bytes) -> bytes:
 
 # Length byte and map head of an idempotency-key-only block whose key is n < 32 bytes
 # of UTF-8 (a fixstr; the block, 4 + n bytes, has a one-byte length).
-_IDEM_HEADS = [bytes((4 + n, 0x81, 0xA1, 0x69, 0xA0 | n)) for n in range(32)]
-# The same, public: a commit and a consume read a short key's block in place by
-# ``stored.startswith(IDEM_HEADS[stored[0] - 4])`` (the length byte fixes the whole head).
-IDEM_HEADS = tuple(_IDEM_HEADS)
+# A commit reads a short key's block in place by ``stored.startswith(IDEM_HEADS[stored[0] - 4])``
+# (the length byte fixes the whole head).
+IDEM_HEADS = tuple(bytes((4 + n, 0x81, 0xA1, 0x69, 0xA0 | n)) for n in range(32))
 # Length byte and map head of an idempotency-key-only block whose key is 32 <= n <= 122
 # bytes (a str8: a UUID's 36 characters are the common case; the block, 6 + n bytes, still
 # has a one-byte length): ``IDEM_HEADS8[n - 32]``, read as ``IDEM_HEADS8[stored[0] - 37]``.
@@ -281,7 +281,7 @@ def pack_idem(key: bytes, body: bytes) -> bytes:
     idempotent produce's block. `key` is the key's UTF-8."""
     n = len(key)
     if n < 32:
-        return b"".join((_IDEM_HEADS[n], key, body))
+        return b"".join((IDEM_HEADS[n], key, body))
     if n < 123:
         return b"".join((IDEM_HEADS8[n - 32], key, body))
     if n < 0x100:

@@ -338,6 +338,7 @@ class Stats:
     consumed: int = 0
     acked: int = 0
     empty: int = 0
+    consumes: int = 0  # consume requests that returned messages (flow runs)
     ack_bad: Counter[int] = field(default_factory=Counter)
     ack_bad_example: str = ""
     lat: array = field(default_factory=lambda: array("d"))  # produce request latencies, seconds
@@ -495,6 +496,7 @@ async def consume_and_ack(c: HttpConn, r: Requests, st: Stats, req: bytes) -> in
     msgs = _batch_dec.decode(b).messages
     if not msgs:
         raise BenchFailure(f"{_line(req)} -> 200 with an empty messages list")
+    st.consumes += 1
     st.consumed += len(msgs)
     st.consumed_ids.extend([id_of(m.payload) for m in msgs])
     ack = r.ack_many([m.receipt_handle for m in msgs])
@@ -640,6 +642,7 @@ class Result:
     failure: str = ""
     profiles: list[Path] = field(default_factory=list)
     cprofile: str = ""  # --cprofile: the prefix of the workers' cProfile files of this run
+    pids: dict[int, str] = field(default_factory=dict)  # the node's processes: pid -> supervisor / workerN
 
 
 def _node_procs(node: Node) -> list[psutil.Process]:
@@ -691,6 +694,7 @@ def _pct(values: list[float], p: float) -> float:
 
 
 NODE_ENV: dict[str, str] = {}  # --node-env: settings for every node this run starts
+NODE_WRAP: list[str] = []  # a command every node runs under (loadtest/bench_instructions.py: valgrind)
 CPROFILE_DIR: Path | None = None  # --cprofile: every worker runs under cProfile, its stats written here
 _cprofile_runs = itertools.count()
 
@@ -702,7 +706,7 @@ def run(sc: Scenario, profile_dir: Path | None, profile_which: str = "flow", pro
     if CPROFILE_DIR is not None:
         res.cprofile = str(CPROFILE_DIR / f"{sc.name.replace(' ', '_')}-w{sc.workers}-{next(_cprofile_runs)}")
         env["NARAD_WORKER_CPROFILE"] = res.cprofile
-    node = Node(tmp / "data", workers=sc.workers, env=env)
+    node = Node(tmp / "data", workers=sc.workers, env=env, wrap=NODE_WRAP or None)
     spies: list[subprocess.Popen[bytes]] = []
     try:
         node.start()
@@ -753,6 +757,7 @@ def run(sc: Scenario, profile_dir: Path | None, profile_which: str = "flow", pro
         res.wall = max(s.t1 for s in stats) - min(s.t0 for s in stats)
         names = {pid: f"worker{i}" for i, pid in worker_pids(node).items()}
         names[procs[0].pid] = "supervisor"
+        res.pids = dict(names)
         split: Counter[str] = Counter()
         for pid, (u, sy) in cpu1.items():
             u0, s0 = cpu0.get(pid, (0.0, 0.0))
@@ -785,6 +790,9 @@ def run(sc: Scenario, profile_dir: Path | None, profile_which: str = "flow", pro
             clat = [x for s in stats for x in s.clat]
             res.check.text += (f"; consume p50 {_pct(clat, 0.5) * 1e3:.1f} p99 {_pct(clat, 0.99) * 1e3:.1f} "
                                f"max {max(clat, default=math.nan) * 1e3:.0f} ms")
+            nc = sum(s.consumes for s in stats)
+            if nc and sc.mode == "flow_batch":
+                res.check.text += f"; {sum(s.consumed for s in stats) / nc:.0f} msgs a consume"
             empty = sum(s.empty for s in stats)
             if empty:
                 res.check.text += f"; {empty} consumes found nothing in {CONSUME_WAIT}"

@@ -126,8 +126,13 @@ class Node:
         ports: list[int] | None = None,
         tmpfs_mb: int = 0,
         tmpfs_sub: str = "",
+        wrap: list[str] | None = None,
     ) -> None:
         self.data_dir = data_dir
+        # wrap: a command the node runs under (valgrind, for loadtest/bench_instructions.py);
+        # its start and stop are then given ten times as long.
+        self.wrap = wrap or []
+        self.slow = 10.0 if wrap else 1.0
         self.workers = workers
         self.security = security
         self.node_id = node_id
@@ -154,6 +159,7 @@ class Node:
         if not self.security:
             cmd.append("--dev")
         cmd += self.extra_args
+        cmd = [*self.wrap, *cmd]
         if self.tmpfs_mb:
             ns = ["unshare", "--mount"] if os.geteuid() == 0 else ["unshare", "--user", "--map-root-user", "--mount"]
             target = self.data_dir / self.tmpfs_sub if self.tmpfs_sub else self.data_dir
@@ -204,6 +210,7 @@ class Node:
                 return False
 
         try:
+            timeout *= self.slow
             wait_for(ready, timeout, 0.05, "the node to be ready")
         except RuntimeError as e:
             raise AssertionError(str(e)) from None
@@ -212,6 +219,7 @@ class Node:
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
         assert self.proc is not None
+        timeout *= self.slow
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
         try:

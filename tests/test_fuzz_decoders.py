@@ -984,6 +984,10 @@ def test_the_consume_paths_inline_blocks_agree_with_render_at_their_edges() -> N
         bytes([0x29]) + b"\x81\xa1i\xd9\x25" + b"k" * 36 + body,  # a str8 whose length says one more
         bytes([0x29]) + b"\x81\xa1i\xd9\x24" + b"k" * 35,  # runs past the record
         bytes([0x8A]) + b"\x81\xa1i\xa6" + b"kkkkkk" + body,
+        # Records too short for the blocks they start as (read byte by byte: never past the end).
+        b"", b"\x05", b"\x05\x81\xa1", b"\x05\x81\xa1i", b"\x05\x81\xa1i\xa1", b"\x05\x81\xa1i\xa1k",
+        b"\x04\x81\xa1i\xa0", b"\x06\x81\xa1h\xc4", b"\x06\x81\xa1h\xc4\x01", b"\x07\x81\xa1h\xc4\x02{}",
+        b"\x07\x81\xa1h\xc4\x02{}x", b"\x05\x81\xa1x\xa1kx",
     ]
 
     def enc(f: Any) -> tuple[str, bytes]:

@@ -188,6 +188,9 @@ def test_bad_idempotency_keys_are_400s(node: Node) -> None:
     b = base + "/batch"
     assert "message 1: " in error(node.post(b, {"messages": [{"payload": 1}, {"payload": 2, "idempotency_key": ""}]}))
     assert "1 to 128 bytes" in error(node.post(b, {"messages": [{"payload": 2, "idempotency_key": "k" * 129}]}))
+    two = [{"payload": 1, "idempotency_key": "a"}, {"payload": 2, "idempotency_key": "é" * 65}]
+    r = node.post(b, {"messages": two})
+    assert error(r).startswith("message 1: ") and "1 to 128 bytes, got 130" in error(r)  # bytes, not characters
     error(node.post(b, b'{"messages":[{"payload":2,"idempotency_key":"\\ud800"}]}',  # msgspec refuses it
                     headers={"Content-Type": "application/json"}))
     assert error(node.post(b, {"messages": [{"payload": 2, "idempotency_key": 7}]})).startswith("message 0: ")
@@ -430,6 +433,60 @@ def test_a_failed_commit_takes_its_claimed_keys_back(tmp_path: Path) -> None:
     assert c == (3, [])
     assert snap == (5, ["b", "c", "d", "e"], 1)  # the cap dropped a, the oldest
     assert [FR.read_ext(p.log.read(i)[3]).i for i in range(5)] == ["a", "b", "c", "d", "e"]
+
+
+def test_keys_given_by_the_producer_and_keys_read_from_blocks_are_one_table(tmp_path: Path) -> None:
+    """A producer's direct commit hands its records' keys over (``ikeys``: no block is read);
+    a commit from the WAL or a hop reads them from the blocks. Either finds the other's keys
+    as repeats, a repeat within one frame is dropped, a keyless record among them is stored,
+    and a failed frame takes the keys it was given back, as it does those it read."""
+    from tests.test_partition import _partition
+
+    p = _partition(tmp_path, 0)
+    real = p.log.write_commit
+    fail = [False]
+
+    def write_commit(envs: list[bytes]) -> Any:
+        if fail[0]:
+            raise OSError(5, "injected write failure")
+        return real(envs)
+
+    p.log.write_commit = write_commit  # type: ignore[method-assign]
+    u = str(uuid.UUID(int=9))
+
+    async def go() -> list[Any]:
+        p.loop = asyncio.get_running_loop()
+        with ThreadPoolExecutor(1) as ex:
+            a = await p.commit([_rec("a", b"1"), _rec(None, b"2"), _rec(u, b"3"), _rec("a", b"4")], ex,
+                               ["a", None, u, "a"])
+            b = await p.commit([_rec(u, b"5"), _rec("b", b"6"), _rec("a", b"7")], ex)  # read from the blocks
+            c = await p.commit([_rec("b", b"8"), _rec("c", b"9")], ex, ["b", "c"])
+            fail[0] = True
+            with pytest.raises(OSError, match="injected"):
+                await p.commit([_rec("d", b"10")], ex, ["d"])
+            fail[0] = False
+            d = await p.commit([_rec("d", b"11")], ex)
+            # Every key new and none twice: claimed at once (then found from the blocks).
+            e = await p.commit([_rec("e", b"12"), _rec(None, b"13"), _rec("f", b"14")], ex, ["e", None, "f"])
+            f = await p.commit([_rec("f", b"15"), _rec("e", b"16"), _rec("g", b"17")], ex)
+            fail[0] = True
+            with pytest.raises(OSError, match="injected"):
+                await p.commit([_rec("h", b"18"), _rec("i", b"19")], ex, ["h", "i"])
+            fail[0] = False
+            g = await p.commit([_rec("i", b"20")], ex)
+            return [a, b, c, d, e, f, g, sorted(p.idem.keys), p.log.hwm]
+
+    a, b, c, d, e, f, g, keys, hwm = asyncio.run(go())
+    assert (e, f, g) == ((6, []), (9, [0, 1]), (10, []))  # h and i went with their failed frame
+    assert keys == sorted(["a", u, "b", "c", "d", "e", "f", "g", "i"]) and hwm == 11
+    assert a == (0, [3])  # the frame's own repeat of "a" dropped; the keyless record stored
+    assert b == (3, [0, 2])  # u and "a" were given by the producer: found here from the blocks
+    assert c == (4, [0])  # "b" was read from a block: found here from the keys given
+    assert d == (5, [])  # "d" went with its failed frame: stored now
+    stored = [p.log.read(i) for i in range(6)]
+    assert [(IDEM.key_of(r[2], r[3]), r[3].endswith(want)) for r, want in
+            zip(stored, (b"1", b"2", b"3", b"6", b"9", b"11"), strict=True)] == [
+        ("a", True), (None, True), (u, True), ("b", True), ("c", True), ("d", True)]
 
 
 def test_the_table_is_bounded_oldest_first_and_expires_by_the_window() -> None:

@@ -309,10 +309,6 @@ class _LeasedKey(msgspec.Struct, omit_defaults=True):
     headers: msgspec.Raw | None = None
 
 
-_KEY_ALONE = FR.KEY_ALONE
-_HDR_BIN8 = FR.HEADERS_ALONE + b"\xc4"
-
-
 def render_leased(topic: str, it: Item) -> MessageOut | _Leased | _LeasedKey:
     """``render(topic, it, True)``, encoding to the same bytes, for a consume: the
     common records (a JSON or UTF-8 body, a UTF-8 key or none, no extension block or
@@ -326,15 +322,18 @@ def render_leased(topic: str, it: Item) -> MessageOut | _Leased | _LeasedKey:
         # their JSON text 1 to 122 bytes (bin8, the block's length in one byte), and an
         # idempotency key alone of 1 to 122 bytes (a fixstr or a str8); anything else goes
         # through it.
-        head = body[1:5]
-        if head == _HDR_BIN8 and 5 < (b0 := body[0]) < min(0x80, len(body)) and body[5] == b0 - 5 \
-                and body[6] == 0x7B and body[b0] == 0x7D:
-            hdr = msgspec.Raw(body[6 : b0 + 1])
-            body = body[b0 + 1 :]
-        elif head[:3] == _KEY_ALONE and len(body) > (b0 := body[0]) and (
+        # Read byte by byte (int compares; no slice is made until the body's): a one-entry
+        # map whose key is one letter (``KEY_ALONE``, ``HEADERS_ALONE``), then that letter.
+        n = len(body)
+        c = body[3] if n > 4 and body[1] == 0x81 and body[2] == 0xA1 else 0
+        if c == 0x69 and n > (b0 := body[0]) and (
                 (35 >= b0 >= 4 and body[4] == 0x9C + b0)
                 or (37 <= b0 < 0x80 and body[4] == 0xD9 and body[5] == b0 - 5)):
             body = body[b0 + 1 :]  # (a key under 32 bytes, a fixstr; or 32 to 122, a str8: a UUID)
+        elif c == 0x68 and body[4] == 0xC4 and 5 < (b0 := body[0]) < min(0x80, n) \
+                and body[5] == b0 - 5 and body[6] == 0x7B and body[b0] == 0x7D:
+            hdr = msgspec.Raw(body[6 : b0 + 1])
+            body = body[b0 + 1 :]
         else:
             hs, he, pos = FR.plain_block(body)
             if pos < 0 or (he > hs and (body[hs] != 0x7B or body[he - 1] != 0x7D)):
@@ -583,7 +582,9 @@ class MessagesAPI:
 
     async def _append(self, req: Request, t: TopicRecord, entries: list[Entry],
                       watch: list[Entry] | None = None, direct: int | None = None,
-                      spread: bool = False) -> list[bool | None]:
+                      spread: bool = False,
+                      plan: tuple[list[str | None], dict[int, list[int]], bool] | None = None
+                      ) -> list[bool | None]:
         """Durable (202 follows), else the error. ``watch``: entries with an idempotency
         key; returns the verdict of every entry (True: dropped as a repeat of its key;
         False: stored, or no key; None: not known within ``IDEM_WAIT_S``), or [] without
@@ -594,7 +595,8 @@ class MessagesAPI:
         on this node are committed there without the WAL when they can
         (``Broker.direct``). Everything else takes the WAL: keyed records without an
         idempotency key do (one WAL fsync answers them sooner than rounds syncing each
-        partition they hash to: measured)."""
+        partition they hash to: measured). ``plan``: what the producer knows for
+        ``Broker.direct`` (its ``ikeys``, ``groups`` and ``keyed``)."""
         ident = None
         if self.produce_cap > 0 and self.caps is not None:
             ident = self._identity_key(req)
@@ -621,13 +623,13 @@ class MessagesAPI:
                         self.m.messages_accepted.labels(t.name).inc(len(entries))
                         return []
             elif spread:
-                plan = self.broker.direct(t, entries)
-                if plan is not None:
+                dplan = self.broker.direct(t, entries, *plan) if plan is not None else self.broker.direct(t, entries)
+                if dplan is not None:
                     def durable() -> None:
                         release()
                         self.m.messages_accepted.labels(t.name).inc(len(entries))
 
-                    return await self._append_plan(entries, watch, plan, durable)
+                    return await self._append_plan(entries, watch, dplan, durable)
             w = await self.broker.produce(entries, watch, IDEM_WAIT_S)
         except WALFailed as e:
             self.m.wal_failed.set(1)
@@ -694,13 +696,14 @@ class MessagesAPI:
         return out
 
     def _append_cb(self, req: Request, t: TopicRecord, entries: list[Entry], reply: Reply,
-                   watched: bool = False, direct: int | None = None, spread: bool = False) -> None:
+                   watched: bool = False, direct: int | None = None, spread: bool = False,
+                   ikey: str | None = None) -> None:
         """``_append`` for the synchronous entry: the WAL calls back when the group's sync
         returned and ``reply`` gets the same answer the async path gives (202, or 500).
         ``watched`` (one entry with an idempotency key): the answer waits, by callback, for
         the owner's duplicate verdict, as the async path's does. ``direct`` and ``spread``:
         as ``_append``'s (a direct commit's callback answers, or hands the entries to the
-        WAL)."""
+        WAL). ``ikey``: the one entry's idempotency key as given (``Broker.direct_one``)."""
         ident = None
         n = len(entries)
         if self.produce_cap > 0 and self.caps is not None:
@@ -762,7 +765,7 @@ class MessagesAPI:
                 if direct is not None:
                     fut: asyncio.Future[Any] | None = self.broker.commit_direct(t, direct, entries)
                 elif n == 1 and entries[0].key is None:  # one record, no order to keep: no plan
-                    fut = self.broker.direct_one(t, entries[0])
+                    fut = self.broker.direct_one(t, entries[0], ikey)
                     one = True
                 else:
                     plan = self.broker.direct(t, entries)
@@ -845,7 +848,7 @@ class MessagesAPI:
         if t.schema_version:
             return False  # its check may run on the validation thread: the async path
         body, key, partition = self._produce_args(req, t)
-        idem = None
+        idem = raw_idem = None
         if req.query and IDEM_PARAM in req.query:
             raw_idem = self._single_query(req, IDEM_PARAM)
             idem = idem_key(raw_idem) if raw_idem is not None else None
@@ -859,7 +862,8 @@ class MessagesAPI:
         if hdrs is not None or idem is not None:
             flags, stored = with_ext(flags, body, hdrs, idem)
         entry = Entry(t.name, self._incarnation(t), partition, int(time.time() * 1000), flags, key, stored)
-        self._append_cb(req, t, [entry], reply, watched=idem is not None, direct=direct, spread=idem is not None)
+        self._append_cb(req, t, [entry], reply, watched=idem is not None, direct=direct, spread=idem is not None,
+                        ikey=raw_idem if idem is not None else None)
         return True
 
     async def produce(self, req: Request) -> Response:
@@ -953,15 +957,17 @@ class MessagesAPI:
         now = int(time.time() * 1000)
         inc = bytes.fromhex(t.id)
         prepared: list[tuple[bytes, bytes | None, int | None, int, bytes | None, bytes | None]] = []
+        keys_given = False  # an idempotency key in some message
         # Pass 1: the format of every message.
         for i, m in enumerate(msgs):
             if m.payload is msgspec.UNSET:
                 raise BadRequest(f"message {i}: payload required")
             flags = F_JSON | F_UTF8  # a value taken from a JSON document is one valid JSON text
+            ik = m.idempotency_key
             if m.payload_encoding is None:
                 # (with an idempotency key the stored payload is a new bytes anyway, its block
                 # and the body joined: the body is read from the request's buffer, no copy)
-                payload = m.payload if m.idempotency_key is not None else bytes(m.payload)  # type: ignore[arg-type]
+                payload = m.payload if ik is not None else bytes(m.payload)  # type: ignore[arg-type]
             elif m.payload_encoding == "base64":
                 raw = bytes(m.payload)  # type: ignore[arg-type]
                 try:
@@ -992,7 +998,13 @@ class MessagesAPI:
                 raise BadRequest(f"message {i}: invalid argument: partition out of range")
             try:  # (the message's index is named only in an answer: no prefix built a message)
                 hdrs = headers_text(m.headers) if m.headers else None
-                idem = idem_key(m.idempotency_key) if m.idempotency_key is not None else None
+                if ik is None:
+                    idem = None
+                else:  # ``idem_key`` inline (a JSON string holds no lone surrogate: msgspec refuses one)
+                    idem = ik.encode()
+                    keys_given = True
+                    if not 0 < len(idem) <= MAX_IDEM_KEY:
+                        idem_key(ik)  # (raises its 400, naming the bound)
             except BadRequest as e:
                 raise BadRequest(f"message {i}: {e.message}") from None
             prepared.append((payload, key, m.partition, flags, hdrs, idem))
@@ -1007,39 +1019,64 @@ class MessagesAPI:
                 self.m.produce_rejections.labels(t.name, "schema").inc()
                 raise BadRequest(f"message {bad[0]}: invalid argument: {bad[1]}")
         entries = []
-        watch: list[Entry] = []
-        chosen: set[int] = set()  # keyless partitions chosen here; one alone (sticky) may commit directly
-        placed = False  # a key, an idempotency key or a partition from the client
         keyless = -1  # the keyless choice: sticky, the same for every keyless message of this pass (asked once)
+        if not keys_given:  # (the common case)
+            chosen: set[int] = set()  # keyless partitions chosen here; one alone (sticky) may commit directly
+            placed = False  # a key or a partition from the client
+            for payload, key, part, flags, hdrs, _idem in prepared:
+                if part is None:
+                    if key is None:
+                        if keyless < 0:
+                            keyless = self.broker.choose_partition(t, None)
+                            chosen.add(keyless)
+                        part = keyless
+                    else:  # (``choose_partition``'s hash of a key: a call less)
+                        part = key_partition(key, t.partitions)
+                        placed = True
+                else:
+                    placed = True
+                fl, stored = (flags, payload) if hdrs is None else (flags | FR.F_EXT, FR.pack_headers(hdrs, payload))
+                entries.append(Entry(t.name, inc, part, now, fl, key, stored))
+            direct = next(iter(chosen)) if len(chosen) == 1 and not placed else None
+            await self._append(req, t, entries, direct=direct)
+            return json_response(202, {"accepted": len(entries)})
+        # With idempotency keys: the direct commits are planned here as the entries are
+        # built (``Broker.direct``'s groups; the keys handed to the commits as given).
+        watch: list[Entry] = []
+        groups: dict[int, list[int]] = {}
+        keyed = False  # a message key: its order is kept (``Broker.direct``)
         nparts = t.partitions
-        for payload, key, part, flags, hdrs, idem in prepared:
+        heads = FR.IDEM_HEADS
+        for i, (payload, key, part, flags, hdrs, idem) in enumerate(prepared):
             if part is None:
                 if key is None and idem is None:
                     if keyless < 0:
                         keyless = self.broker.choose_partition(t, None)
-                        chosen.add(keyless)
                     part = keyless
                 else:  # (``choose_partition``'s hash of a key, else of an idempotency key: a call less)
                     part = key_partition(key or idem, nparts)  # type: ignore[arg-type]
-                    placed = True
-            else:
-                placed = True
+            if key is not None:
+                keyed = True
             # (with_ext's cases, a call less a message)
             if idem is None:
                 fl, stored = (flags, payload) if hdrs is None else (flags | FR.F_EXT, FR.pack_headers(hdrs, payload))
-            elif hdrs is None:
-                fl, stored = flags | FR.F_EXT, FR.pack_idem(idem, payload)
+            elif hdrs is None:  # (``pack_idem`` inline for a key under 32 bytes)
+                n = len(idem)
+                fl, stored = flags | FR.F_EXT, (b"".join((heads[n], idem, payload)) if n < 32
+                                                else FR.pack_idem(idem, payload))
             else:
                 fl, stored = with_ext(flags, payload, hdrs, idem)
             e = Entry(t.name, inc, part, now, fl, key, stored)
             entries.append(e)
+            g = groups.get(part)
+            if g is None:
+                groups[part] = [i]
+            else:
+                g.append(i)
             if idem is not None:
                 watch.append(e)
-        if not watch:
-            direct = next(iter(chosen)) if len(chosen) == 1 and not placed else None
-            await self._append(req, t, entries, direct=direct)
-            return json_response(202, {"accepted": len(entries)})
-        got = await self._append(req, t, entries, watch, spread=True)
+        ikeys = [m.idempotency_key for m in msgs]  # (the commits' keys, as given)
+        got = await self._append(req, t, entries, watch, spread=True, plan=(ikeys, groups, keyed))
         out: dict[str, int] = {"accepted": len(entries), "duplicates": got.count(True)}
         pending = got.count(None)
         if pending:

@@ -870,7 +870,8 @@ class Broker:
         fut.add_done_callback(done)
         return fut
 
-    def direct(self, t: TopicRecord, entries: list[Entry]) -> DirectBatch | None:
+    def direct(self, t: TopicRecord, entries: list[Entry], ikeys: list[str | None] | None = None,
+               groups: dict[int, list[int]] | None = None, keyed: bool = True) -> DirectBatch | None:
         """Produce without the WAL for a produce with idempotency keys (its records may
         also carry message keys or partitions, and span partitions; its answer waits for
         their commits anyway): each partition's
@@ -891,22 +892,30 @@ class Broker:
         ``unknown`` and are sent again through the WAL (an idempotent record is then
         found as a repeat of itself, and its answer says the verdict is pending; any
         other may be stored twice, as after a crash: counted in
-        ``narad_errors_total{component="broker", kind="direct_hop_unknown"}`` and logged)."""
+        ``narad_errors_total{component="broker", kind="direct_hop_unknown"}`` and logged).
+
+        What the producer knows already is not worked out again here: ``ikeys`` (each
+        entry's idempotency key as its block holds it, None for none) goes to the commits
+        here, which then read no block; ``groups`` (partition -> the indexes of its entries,
+        in batch order) is the grouping; ``keyed`` False says no entry has a message key
+        (no order to keep)."""
         if not entries or self.wal.failed is not None or not self.routes_trusted():
             return None
-        groups: dict[int, list[int]] = {}
-        for i, e in enumerate(entries):
-            g = groups.get(e.partition)
-            if g is None:
-                groups[e.partition] = [i]
-            else:
-                g.append(i)
+        if groups is None:
+            groups = {}
+            for i, e in enumerate(entries):
+                g = groups.get(e.partition)
+                if g is None:
+                    groups[e.partition] = [i]
+                else:
+                    g.append(i)
         plan: DirectBatch | None = None
         rest: list[int] = []
         inc = entries[0].incarnation
         for part, idx in groups.items():
             es = [entries[i] for i in idx]
-            fut = self._direct_group(t, part, inc, es)
+            fut = self._direct_group(t, part, inc, es, [ikeys[i] for i in idx] if ikeys is not None else None,
+                                     keyed)
             if fut is None:
                 rest.extend(idx)
                 continue
@@ -921,7 +930,7 @@ class Broker:
         plan.rest = rest
         return plan
 
-    def direct_one(self, t: TopicRecord, e: Entry) -> asyncio.Future[Committed] | None:
+    def direct_one(self, t: TopicRecord, e: Entry, ikey: str | None = None) -> asyncio.Future[Committed] | None:
         """``direct`` for one entry without a message key (a single produce with an
         idempotency key: no order to keep): its commit straight into its partition on this
         node (this worker's, or another worker's one hop away), without ``DirectBatch``.
@@ -929,13 +938,14 @@ class Broker:
         was dropped as a repeat of its key), or None (the caller takes the WAL). A future
         that fails committed nothing (``commit_direct``), unless ``hop_unknown`` says a
         hop given up or cut off may have: the caller then sends it through the WAL, where
-        it is found as a repeat of itself, and its verdict is not known."""
+        it is found as a repeat of itself, and its verdict is not known. ``ikey``: its
+        idempotency key, as ``direct``'s ``ikeys``."""
         if self.wal.failed is not None or not self.routes_trusted():
             return None
         part = e.partition
         if e.key or not 0 <= part < t.partitions or e.incarnation.hex() != t.id:
             return None
-        fut = self._direct_submit(t, part, [(None, e.flags, e.payload)])
+        fut = self._direct_submit(t, part, [(None, e.flags, e.payload)], [ikey] if ikey is not None else None)
         if fut is None:
             return None
         self.direct_in_flight += 1
@@ -963,15 +973,15 @@ class Broker:
             return p
         return worker if self.links.connected(worker) else None
 
-    def _direct_group(self, t: TopicRecord, part: int, inc: bytes, es: list[Entry]
-                      ) -> asyncio.Future[Committed] | None:
+    def _direct_group(self, t: TopicRecord, part: int, inc: bytes, es: list[Entry],
+                      iks: list[str | None] | None = None, keyed: bool = True) -> asyncio.Future[Committed] | None:
         """One partition's records of ``direct``: the future of their commit, or None
         (the WAL takes them)."""
         if not 0 <= part < t.partitions or inc.hex() != t.id or self._direct_target(t, part) is None:
             return None
         records = [(e.key, e.flags, e.payload) for e in es]
         key = (t.name, inc, part)
-        if any(r[0] for r in records) and not self._order_clear(key):
+        if keyed and any(r[0] for r in records) and not self._order_clear(key):
             # A key's records still on their way through this worker's WAL: this group waits
             # for them (a later group of the partition waits behind it: _order_clear says no).
             proxy: asyncio.Future[Committed] = self.loop.create_future()
@@ -980,7 +990,7 @@ class Broker:
                 if proxy.done():
                     return
                 try:
-                    f = self._direct_submit(t, part, records) if clear else None
+                    f = self._direct_submit(t, part, records, iks) if clear else None
                 except Exception as e:  # never left unanswered: the WAL takes the records
                     log.exception("direct commit failed to start")
                     proxy.set_exception(OSError(5, f"direct commit failed to start: {e!r}"))
@@ -993,10 +1003,12 @@ class Broker:
 
             self._order_wait(key, go)
             return proxy
-        return self._direct_submit(t, part, records)
+        return self._direct_submit(t, part, records, iks)
 
-    def _direct_submit(self, t: TopicRecord, part: int, records: list[tuple[bytes | None, int, bytes]]
-                       ) -> asyncio.Future[Committed] | None:
+    def _direct_submit(self, t: TopicRecord, part: int, records: list[tuple[bytes | None, int, bytes]],
+                       iks: list[str | None] | None = None) -> asyncio.Future[Committed] | None:
+        """``iks``: the records' idempotency keys (``Partition.submit``); a hop to another
+        worker does not carry them (its commit reads them from the blocks)."""
         target = self._direct_target(t, part)
         if target is None:
             return None
@@ -1006,7 +1018,7 @@ class Broker:
         if isinstance(target, Partition):
             target.idem_window_ms = t.idem_window_ms  # a PATCH may have changed it (as commit_local does)
             try:
-                return target.submit(records, self.commit_rounds)
+                return target.submit(records, self.commit_rounds, iks)
             except (OSError, NaradError):
                 return None
         return self._hop_commit(target, P.CommitReq(t.name, t.id, part, records))

@@ -180,7 +180,9 @@ class Partition:
         self.closed = False
         self.last_used = time.monotonic()  # the last reserve, settle or commit (stats never stamp it)
         # Commit combining: batches queued while a commit runs go out together.
-        self._commit_queue: list[tuple[list[tuple[bytes | None, int, bytes]], asyncio.Future[Committed]]] = []
+        # (a batch, its waiter, and its records' idempotency keys when the producer gave them: ``submit``)
+        self._commit_queue: list[tuple[list[tuple[bytes | None, int, bytes]], asyncio.Future[Committed],
+                                       list[str | None] | None]] = []
         self._committing = False
         self._task: asyncio.Task[None] | None = None
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]  # set by the broker
@@ -600,18 +602,22 @@ class Partition:
 
     # ---- commit (owner side) ------------------------------------------------------------
     async def commit(self, batch: list[tuple[bytes | None, int, bytes]],
-                     executor: Runner) -> Committed:
+                     executor: Runner, ikeys: list[str | None] | None = None) -> Committed:
         """Append (key, flags, payload) records; returns (the first offset, the
         indexes in `batch` of the records dropped as duplicates of an idempotency
         key) once they are durable, read back intact and visible. Batches that
         arrive while a commit runs are combined into the next one (one frame, one
         fsync)."""
-        return await self.submit(batch, executor)
+        return await self.submit(batch, executor, ikeys)
 
-    def submit(self, batch: list[tuple[bytes | None, int, bytes]], executor: Runner) -> asyncio.Future[Committed]:
+    def submit(self, batch: list[tuple[bytes | None, int, bytes]], executor: Runner,
+               ikeys: list[str | None] | None = None) -> asyncio.Future[Committed]:
         """``commit`` without the coroutine: queues the batch and returns the future of
         its commit (raises at once when the partition is closed or frozen). A waiter
-        that cancels the future does not take the batch back: it is committed anyway."""
+        that cancels the future does not take the batch back: it is committed anyway.
+        ``ikeys`` (a producer's direct commit): each record's idempotency key, the one
+        its extension block holds (None: none), so the commit reads no block; without
+        it the keys are read from the blocks."""
         if self.closed:
             raise OSError(9, "partition closed")
         self.last_used = time.monotonic()
@@ -619,7 +625,7 @@ class Partition:
             raise self.moving_error()
         loop = self.loop
         fut: asyncio.Future[Committed] = loop.create_future()
-        self._commit_queue.append((batch, fut))
+        self._commit_queue.append((batch, fut, ikeys))
         if not self._committing:
             self._committing = True
             self._task = loop.create_task(self._commit_cycle(executor))
@@ -632,12 +638,13 @@ class Partition:
                 if self.frozen():
                     # Frozen meanwhile (a move): what is queued is refused, to land at the new owner.
                     err = self.moving_error()
-                    for _, f in self._commit_queue:
+                    for _, f, _k in self._commit_queue:
                         if not f.done():
                             f.set_exception(err)
                     self._commit_queue.clear()
                     break
-                queue: list[tuple[list[tuple[bytes | None, int, bytes]], asyncio.Future[Committed]]] = []
+                queue: list[tuple[list[tuple[bytes | None, int, bytes]], asyncio.Future[Committed],
+                                  list[str | None] | None]] = []
                 size = 0
                 while self._commit_queue and (not queue or size < MAX_COMBINED_BYTES):
                     item = self._commit_queue.pop(0)
@@ -658,8 +665,40 @@ class Partition:
                 ext = FR.F_EXT
                 heads, heads8 = FR.IDEM_HEADS, FR.IDEM_HEADS8
                 try:
-                    for batch, _ in queue:
+                    for batch, _, iks in queue:
                         dl: list[int] = []
+                        if iks is not None:  # the producer's keys (its direct commit): no block read
+                            if claimed is None:
+                                table.expire(ts - self.idem_window_ms)
+                                claimed = []
+                            fresh = dict.fromkeys(iks, ts)
+                            fresh.pop(None, None)  # (keyless records among them)
+                            if len(fresh) == len(iks) - iks.count(None) and seen.keys().isdisjoint(fresh):
+                                # Every key new and none twice (the common case): claimed at once,
+                                # in C loops; then the records as a keyless batch's.
+                                seen.update(fresh)
+                                claimed.extend(fresh)
+                                held = len(seen)
+                                for key, flags, payload in batch:
+                                    envs.append(FR.encode_record(key, ts, flags, payload))
+                                    decoded.append((key, ts, flags, payload))
+                                dups.append(dl)
+                                continue
+                            held = len(seen)
+                            for j, (key, flags, payload) in enumerate(batch):
+                                k = iks[j]
+                                if k is not None:
+                                    seen.setdefault(k, ts)
+                                    if len(seen) == held:  # (as below)
+                                        dl.append(j)
+                                        payload_bytes -= len(payload)
+                                        continue
+                                    held += 1
+                                    claimed.append(k)
+                                envs.append(FR.encode_record(key, ts, flags, payload))
+                                decoded.append((key, ts, flags, payload))
+                            dups.append(dl)
+                            continue
                         for j, (key, flags, payload) in enumerate(batch):
                             if flags & ext and payload:
                                 b0 = payload[0]
@@ -703,7 +742,7 @@ class Partition:
                     raise
                 ndup = sum(len(dl) for dl in dups)
                 if not envs:  # every record was a duplicate: nothing to write
-                    for (_, f), dl in zip(queue, dups, strict=True):
+                    for (_, f, _k), dl in zip(queue, dups, strict=True):
                         if not f.done():
                             f.set_result((self.log.hwm, dl))
                     if self.m_dups is not None:
@@ -724,7 +763,7 @@ class Partition:
                                                                 "err": str(e)})
                     metrics.get().errors.labels(
                         "storage", "fsync_poisoned" if self.log.poisoned is not None else "commit_failed").inc()
-                    for _, f in queue:
+                    for _, f, _k in queue:
                         if not f.done():
                             f.set_exception(OSError(e.errno or 5, f"partition commit failed: {e}"))
                     continue
@@ -735,7 +774,7 @@ class Partition:
                         log.exception("partition commit failed", extra={"topic": self.topic,
                                                                         "partition": self.index})
                         metrics.get().errors.labels("storage", "commit_failed").inc()
-                    for _, f in queue:
+                    for _, f, _k in queue:
                         if not f.done():
                             f.set_exception(OSError(5, f"partition commit failed: {e!r}"))
                     if isinstance(e, asyncio.CancelledError):
@@ -757,7 +796,7 @@ class Partition:
                     # Failed, not committed: a clean close writes the high watermark below the
                     # frame, which stays hidden; the waiters' records take another way (the
                     # WAL). Only a crash before that close can show the frame too: a duplicate.
-                    for _, f in queue:
+                    for _, f, _k in queue:
                         if not f.done():
                             f.set_exception(OSError(5, f"partition publish failed: {e}"))
                     break
@@ -768,7 +807,7 @@ class Partition:
                 if ndup and self.m_dups is not None:
                     self.m_dups.value += ndup
                 off = base
-                for (batch, f), dl in zip(queue, dups, strict=True):
+                for (batch, f, _k), dl in zip(queue, dups, strict=True):
                     if not f.done():
                         f.set_result((off, dl))
                     off += len(batch) - len(dl)
@@ -778,7 +817,7 @@ class Partition:
             # Whatever is still queued (closed, frozen or a cancellation) is refused and
             # dropped: its waiters take another way, and a later cycle never commits it.
             self._committing = False
-            for _, f in self._commit_queue:
+            for _, f, _k in self._commit_queue:
                 if not f.done():
                     f.set_exception(OSError(9, "partition closed"))
             self._commit_queue.clear()

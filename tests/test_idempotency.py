@@ -160,6 +160,11 @@ def test_a_keyed_batch_on_a_topic_with_a_schema_and_headers(node: Node) -> None:
     assert sorted(got) == [0, 1, 2, 3, 4, 9, 10]
     assert all(got[i]["payload"] == {"n": i, "pad": "x" * 300} for i in range(5))
     assert got[9]["headers"] == {"tenant": "acme"} and "headers" not in got[10]
+    # Placed by the key's hash (the batch applies ``key_partition`` inline): where a retry lands.
+    from narad.broker.routing import key_partition
+
+    assert [got[i]["partition"] for i in range(5)] == [key_partition(k.encode(), PARTS) for k in keys]
+    assert got[9]["partition"] == key_partition(b"h", PARTS)
 
 
 def test_produces_without_keys_answer_byte_for_byte_as_before(node: Node) -> None:

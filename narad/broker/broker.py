@@ -977,7 +977,10 @@ class Broker:
                       iks: list[str | None] | None = None, keyed: bool = True) -> asyncio.Future[Committed] | None:
         """One partition's records of ``direct``: the future of their commit, or None
         (the WAL takes them)."""
-        if not 0 <= part < t.partitions or inc.hex() != t.id or self._direct_target(t, part) is None:
+        if not 0 <= part < t.partitions or inc.hex() != t.id:
+            return None
+        target = self._direct_target(t, part)
+        if target is None:
             return None
         records = [(e.key, e.flags, e.payload) for e in es]
         key = (t.name, inc, part)
@@ -1003,13 +1006,16 @@ class Broker:
 
             self._order_wait(key, go)
             return proxy
-        return self._direct_submit(t, part, records, iks)
+        return self._direct_submit(t, part, records, iks, target)
 
     def _direct_submit(self, t: TopicRecord, part: int, records: list[tuple[bytes | None, int, bytes]],
-                       iks: list[str | None] | None = None) -> asyncio.Future[Committed] | None:
+                       iks: list[str | None] | None = None, target: Partition | int | None = None
+                       ) -> asyncio.Future[Committed] | None:
         """``iks``: the records' idempotency keys (``Partition.submit``); a hop to another
-        worker does not carry them (its commit reads them from the blocks)."""
-        target = self._direct_target(t, part)
+        worker does not carry them (its commit reads them from the blocks). ``target``:
+        ``_direct_target``'s answer when the caller has just asked it (in the same loop step)."""
+        if target is None:
+            target = self._direct_target(t, part)
         if target is None:
             return None
         failed = self._seam_failure()

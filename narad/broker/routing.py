@@ -23,6 +23,9 @@ def owner_worker(topic: str, partition: int, workers: int) -> int:
 
 
 def key_partition(key: bytes, partitions: int) -> int:
+    """A key's partition (a message key's, else an idempotency key's UTF-8). The batch
+    produce applies it inline (``crc32c(key) % partitions``): one rule, kept equal
+    (tests/test_idempotency.py checks where a keyed batch's records land)."""
     return crc32c(key) % partitions
 
 

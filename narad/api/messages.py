@@ -330,7 +330,7 @@ def render_leased(topic: str, it: Item) -> MessageOut | _Leased | _LeasedKey:
                 (35 >= b0 >= 4 and body[4] == 0x9C + b0)
                 or (37 <= b0 < 0x80 and body[4] == 0xD9 and body[5] == b0 - 5)):
             body = body[b0 + 1 :]  # (a key under 32 bytes, a fixstr; or 32 to 122, a str8: a UUID)
-        elif c == 0x68 and body[4] == 0xC4 and 5 < (b0 := body[0]) < min(0x80, n) \
+        elif c == 0x68 and body[4] == 0xC4 and 5 < (b0 := body[0]) < 0x80 and b0 < n \
                 and body[5] == b0 - 5 and body[6] == 0x7B and body[b0] == 0x7D:
             hdr = msgspec.Raw(body[6 : b0 + 1])
             body = body[b0 + 1 :]

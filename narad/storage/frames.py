@@ -253,7 +253,7 @@ def pack_headers(hjson: bytes, body: bytes) -> bytes:
     bin8 or bin16, as msgspec writes it), without building the struct: the produce
     path's common block."""
     n = len(hjson)
-    if n < len(_SHORT_HEADS):
+    if n < 0x7B:  # (``len(_SHORT_HEADS)``: the block's length still fits in one byte)
         return b"".join((_SHORT_HEADS[n], hjson, body))
     if n < 0x100:
         head = b"\x81\xa1h\xc4" + bytes((n,))

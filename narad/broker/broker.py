@@ -118,6 +118,10 @@ _FAULT_TASK = os.environ.get("NARAD_FAULT_TASK_FAIL", "")
 TASK_PAUSE_MAX = 8.0  # a failing background loop starts again after 1 s, doubling up to this (< V.FAULT_HOLD)
 # A direct commit at another worker of this node not answered by then is given up: the WAL takes it.
 DIRECT_HOP_TIMEOUT = 5.0
+# A deleted incarnation's data whose removal was not confirmed at its retire (this
+# node's replica not caught up, the leader not reachable in time) is asked again
+# after these pauses, not only at the next cold walk (minutes).
+GONE_RETRY_S = (1.0, 2.0, 4.0, 8.0, 16.0)
 # A keyed direct commit waits this long at most for its key's records still in the WAL, then joins them.
 ORDER_WAIT_S = 1.0
 REAP_EVERY = 60.0
@@ -296,6 +300,7 @@ class Broker:
         # Direct commits for another worker queued in this loop pass (``_hop_commit``): one hop each pass.
         self._hops: dict[int, list[tuple[P.CommitReq, asyncio.Future[Committed]]]] = {}
         self._hop_tasks: set[asyncio.Task[None]] = set()
+        self._gone_retries: dict[tuple[str, str], asyncio.Task[None]] = {}  # (topic, id) -> its removal retry
         self._route_cache: dict[tuple[str, int], int] = {}
         self._owned_cache: dict[Any, _Placement] = {}
         self._name_slots: dict[str, int] = {}  # topic name -> its slot in the version array
@@ -426,7 +431,7 @@ class Broker:
         await self.mover.stop()  # its staging copies stay and resume at the next start
         await self.fanout.stop()  # cursors first: their files stay where the last committed slab left them
         await self.deadletters.stop()  # what it holds stays unsettled: dead-lettered again after the restart
-        for t in [*self._tasks, *self._late]:
+        for t in [*self._tasks, *self._late, *self._gone_retries.values()]:
             t.cancel()
         await self.dispatcher.close()
         for q in self._waiters.values():
@@ -805,6 +810,28 @@ class Broker:
             await self.loop.run_in_executor(self.io, _remove_partition_dir, d)
             log.info("removed data of a deleted topic partition", extra={"topic": p.topic, "id": p.topic_id,
                                                                         "partition": p.index})
+        elif (p.topic, p.topic_id) not in self._gone_retries:
+            task = self.loop.create_task(self._remove_dead_later(p.topic, p.topic_id))
+            self._gone_retries[(p.topic, p.topic_id)] = task
+            task.add_done_callback(lambda _t, k=(p.topic, p.topic_id): self._gone_retries.pop(k, None))
+
+    async def _remove_dead_later(self, name: str, tid: str) -> None:
+        """A retire whose removal was not confirmed: ``_remove_dead`` again after each of
+        GONE_RETRY_S (the same rule: the supervisor's confirmation first), until this
+        worker holds no directory of the incarnation; the cold walk covers what is left."""
+        base = self.data_dir / "topics" / f"{name}@{tid}"
+        for pause in GONE_RETRY_S:
+            await asyncio.sleep(pause)
+            try:
+                await self._remove_dead(name, tid)
+                left = await self.loop.run_in_executor(self.io, _list_dirs, base)
+            except Exception:
+                log.exception("removing a deleted incarnation's data failed; tried again",
+                              extra={"topic": name, "id": tid})
+                continue
+            if not [d for d in left if len(d) == 6 and d[0] == "p" and d[1:].isdigit()
+                    and self.route(name, int(d[1:])) == self.index]:
+                return
 
     # ---- commit (owner side) -------------------------------------------------------------------
     async def commit_local(self, topic: str, topic_id: str, partition: int,

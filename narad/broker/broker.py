@@ -819,19 +819,14 @@ class Broker:
         """A retire whose removal was not confirmed: ``_remove_dead`` again after each of
         GONE_RETRY_S (the same rule: the supervisor's confirmation first), until this
         worker holds no directory of the incarnation; the cold walk covers what is left."""
-        base = self.data_dir / "topics" / f"{name}@{tid}"
         for pause in GONE_RETRY_S:
             await asyncio.sleep(pause)
             try:
-                await self._remove_dead(name, tid)
-                left = await self.loop.run_in_executor(self.io, _list_dirs, base)
+                if await self._remove_dead(name, tid):
+                    return
             except Exception:
                 log.exception("removing a deleted incarnation's data failed; tried again",
                               extra={"topic": name, "id": tid})
-                continue
-            if not [d for d in left if len(d) == 6 and d[0] == "p" and d[1:].isdigit()
-                    and self.route(name, int(d[1:])) == self.index]:
-                return
 
     # ---- commit (owner side) -------------------------------------------------------------------
     async def commit_local(self, topic: str, topic_id: str, partition: int,
@@ -2372,30 +2367,34 @@ class Broker:
                                                                            "records": n})
             await self._evict([(key, p)], used_before=opened_at)
 
-    async def _remove_dead(self, name: str, tid: str) -> None:
+    async def _remove_dead(self, name: str, tid: str) -> bool:
         """Partition directories of a deleted incarnation that this worker serves
         (by worker routing: the node's assignments of a deleted topic are gone) and
-        holds no open partition of: removed once the supervisor confirms it gone."""
+        holds no open partition of: removed once the supervisor confirms it gone.
+        Returns whether none of this worker's is left."""
         base = self.data_dir / "topics" / f"{name}@{tid}"
         parts = await self.loop.run_in_executor(self.io, _list_dirs, base)
         mine = [d for d in parts if len(d) == 6 and d[0] == "p" and d[1:].isdigit()
                 and self.route(name, int(d[1:])) == self.index]
         if not mine:
-            return
+            return True
         try:
             gone = await self.confirm_gone(name, tid)
         except Exception:
             gone = False
         if not gone:
-            return
+            return False
+        left = False
         for d in mine:
             key = (name, int(d[1:]))
             q = self.partitions.get(key)
             if (q is not None and q.topic_id == tid) or key in self._opening or key in self._closing:
+                left = True
                 continue  # open (or opening / closing) here: the topic watch retires it
             await self.loop.run_in_executor(self.io, _remove_partition_dir, base / d)
             log.info("removed data of a deleted topic partition closed as idle",
                      extra={"topic": name, "id": tid, "partition": int(d[1:])})
+        return not left
 
     async def _topic_watch(self) -> None:
         """A deleted or recreated topic: close its partitions here and answer

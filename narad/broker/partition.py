@@ -684,21 +684,9 @@ class Partition:
                                     decoded.append((key, ts, flags, payload))
                                 dups.append(dl)
                                 continue
+                            # A key held already or given twice (rare): record by record below,
+                            # the keys read from the blocks (the same keys: the producer packed them).
                             held = len(seen)
-                            for j, (key, flags, payload) in enumerate(batch):
-                                k = iks[j]
-                                if k is not None:
-                                    seen.setdefault(k, ts)
-                                    if len(seen) == held:  # (as below)
-                                        dl.append(j)
-                                        payload_bytes -= len(payload)
-                                        continue
-                                    held += 1
-                                    claimed.append(k)
-                                envs.append(FR.encode_record(key, ts, flags, payload))
-                                decoded.append((key, ts, flags, payload))
-                            dups.append(dl)
-                            continue
                         for j, (key, flags, payload) in enumerate(batch):
                             if flags & ext and payload:
                                 b0 = payload[0]

@@ -55,6 +55,26 @@ def worker_instructions(out: Path, res: bench.Result) -> int:
     return int(m.group(1))
 
 
+def worker_file(out: Path, res: bench.Result) -> Path:
+    pid = next(p for p, name in res.pids.items() if name == "worker0")
+    return out / f"cg.{pid}"
+
+
+def function_counts(path: Path) -> dict[str, int]:
+    """Instructions by function (``fn=`` blocks of a cachegrind file, every file's lines summed)."""
+    out: dict[str, int] = {}
+    fn = ""
+    with path.open("rb") as f:
+        for line in f:
+            if line[:3] == b"fn=":
+                fn = line[3:].strip().decode(errors="replace")
+            elif line[:1].isdigit() and fn:
+                parts = line.split()
+                if len(parts) >= 2:
+                    out[fn] = out.get(fn, 0) + int(parts[1])
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     ap.add_argument("--features", default="idem", help="comma-separated, from bench.py's FEATURES")
@@ -64,6 +84,10 @@ def main() -> None:
     ap.add_argument("--partitions", type=int, default=3)
     ap.add_argument("--mode", default="flow_batch", choices=("flow_batch", "produce_batch"))
     ap.add_argument("--batch", type=int, default=100)
+    ap.add_argument("--functions", type=int, default=0, metavar="N",
+                    help="also print the N C functions (of the interpreter and its modules) whose "
+                         "instructions per message the feature moves most, against the plain run before it")
+    ap.add_argument("--keep", type=Path, metavar="DIR", help="keep the cachegrind files in DIR")
     args = ap.parse_args()
     if shutil.which("valgrind") is None:
         raise SystemExit("valgrind is not installed (apt-get install valgrind)")
@@ -79,11 +103,14 @@ def main() -> None:
     print(f"# worker instructions per message under cachegrind: {name}, 1 worker, {args.partitions} partitions, "
           f"{args.rate:.0f} msgs/s paced, windows of {args.short:.0f} s and {args.long:.0f} s, "
           f"{time.strftime('%Y-%m-%d %H:%M')}, code {bench.code_version()}")
-    tmp = Path(tempfile.mkdtemp(prefix="narad-instr-"))
+    tmp = Path(tempfile.mkdtemp(prefix="narad-instr-")) if args.keep is None else args.keep
+    tmp.mkdir(parents=True, exist_ok=True)
     per: list[tuple[str, float]] = []
+    by_fn: list[dict[str, float]] = []  # per scenario: function -> instructions/msg (--functions)
     try:
         for feat in order:
             counts = []
+            files: list[Path] = []
             for secs in (args.short, args.long):
                 out = tmp / f"{feat or 'plain'}-{secs:g}-{len(per)}"
                 out.mkdir()
@@ -95,15 +122,20 @@ def main() -> None:
                 if res.failure or res.check.failed:
                     raise SystemExit(f"{sc.name} ({secs:g} s) failed:\n{res.failure or res.check.text}")
                 counts.append((res.msgs, worker_instructions(out, res)))
+                files.append(worker_file(out, res))
             (m1, i1), (m2, i2) = counts
             if m2 <= m1:
                 raise SystemExit(f"{feat or 'plain'}: the longer window carried no more messages ({m1} -> {m2})")
             ir = (i2 - i1) / (m2 - m1)
             per.append((feat, ir))
+            if args.functions:
+                a, b = function_counts(files[0]), function_counts(files[1])
+                by_fn.append({f: (b.get(f, 0) - a.get(f, 0)) / (m2 - m1) for f in a.keys() | b.keys()})
             print(f"#   {name + (' +' + feat if feat else ''):<24} {ir:>10,.0f} instructions/msg "
                   f"({m1:,} and {m2:,} msgs)", flush=True)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if args.keep is None:
+            shutil.rmtree(tmp, ignore_errors=True)
     print("# feature cost: its instructions/msg minus the mean of the plain runs either side of it")
     for i, (feat, ir) in enumerate(per):
         if not feat:
@@ -111,6 +143,13 @@ def main() -> None:
         base = statistics.fmean([per[i - 1][1], per[i + 1][1]])
         print(f"#   +{feat:<10} {ir - base:>+9,.0f} instructions/msg ({(ir - base) / base * 100:+.1f}% of "
               f"{base:,.0f}; the plain runs {per[i - 1][1]:,.0f} and {per[i + 1][1]:,.0f})")
+        if args.functions:
+            plain, with_f = by_fn[i - 1], by_fn[i]
+            moved = sorted(plain.keys() | with_f.keys(), key=lambda f: -abs(with_f.get(f, 0) - plain.get(f, 0)))
+            print(f"#     by C function, +{feat} against the plain run before it (instructions/msg):")
+            for f in moved[: args.functions]:
+                print(f"#       {with_f.get(f, 0) - plain.get(f, 0):>+9,.0f}  {plain.get(f, 0):>9,.0f} -> "
+                      f"{with_f.get(f, 0):>9,.0f}  {f[:90]}")
 
 
 if __name__ == "__main__":

@@ -74,7 +74,7 @@ from narad.meta.records import TopicRecord
 from narad.meta.schemas import PayloadValidator
 from narad.meta.validate import INT64_MAX, INT64_MIN, strict_int
 from narad.storage import frames as FR
-from narad.storage.frames import F_JSON, F_UTF8
+from narad.storage.frames import F_EXT, F_JSON, F_UTF8
 from narad.storage.wal import Entry, WALFailed
 
 log = logging.getLogger("narad.api.messages")
@@ -317,7 +317,7 @@ def render_leased(topic: str, it: Item) -> MessageOut | _Leased | _LeasedKey:
     f = it.flags
     body = it.payload
     hdr = None
-    if f & FR.F_EXT:
+    if f & F_EXT:
         # ``plain_block``'s two commonest cases inline (a call less a message): headers alone,
         # their JSON text 1 to 122 bytes (bin8, the block's length in one byte), and an
         # idempotency key alone of 1 to 122 bytes (a fixstr or a str8); anything else goes

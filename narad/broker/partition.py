@@ -652,7 +652,7 @@ class Partition:
                     size += sum(len(p) for _, _, p in item[0])
                 payload_bytes = size
                 ts = self.log.committed_at()
-                envs: list[bytes] = []
+                laid = FR.Laid()  # the frame's records, laid out (``FR.lay``), joined once at the write
                 decoded: list[Record] = []
                 dups: list[list[int]] = []
                 # Idempotency keys: each new one is claimed in the table at once (one
@@ -679,15 +679,14 @@ class Partition:
                                 seen.update(fresh)
                                 claimed.extend(fresh)
                                 held = len(seen)
-                                for key, flags, payload in batch:
-                                    envs.append(FR.encode_record(key, ts, flags, payload))
-                                    decoded.append((key, ts, flags, payload))
+                                FR.lay(laid, batch, ts, decoded)
                                 dups.append(dl)
                                 continue
                             # A key held already or given twice (rare): record by record below,
                             # the keys read from the blocks (the same keys: the producer packed them).
                             held = len(seen)
-                        for j, (key, flags, payload) in enumerate(batch):
+                        kept = batch  # the records written: a copy only once one is dropped as a repeat
+                        for j, (_key, flags, payload) in enumerate(batch):
                             if flags & ext and payload:
                                 b0 = payload[0]
                                 if b0 < 0x80 and (len(payload) < 4 or payload[3] != 0x69):
@@ -716,20 +715,23 @@ class Partition:
                                         held = len(seen)
                                     seen.setdefault(k, ts)
                                     if len(seen) == held:  # held already (or claimed by this frame): a repeat
+                                        if kept is batch:
+                                            kept = batch[:j]
                                         dl.append(j)
                                         payload_bytes -= len(payload)
                                         continue
                                     held += 1
                                     claimed.append(k)
-                            envs.append(FR.encode_record(key, ts, flags, payload))
-                            decoded.append((key, ts, flags, payload))
+                            if kept is not batch:
+                                kept.append(batch[j])
+                        FR.lay(laid, kept, ts, decoded)
                         dups.append(dl)
                 except BaseException:  # (a bug: the keys this frame claimed are not left held)
                     if claimed:
                         table.unclaim(claimed)
                     raise
                 ndup = sum(len(dl) for dl in dups)
-                if not envs:  # every record was a duplicate: nothing to write
+                if not laid.count:  # every record was a duplicate: nothing to write
                     for (_, f, _k), dl in zip(queue, dups, strict=True):
                         if not f.done():
                             f.set_result((self.log.hwm, dl))
@@ -741,9 +743,9 @@ class Partition:
                         await _off_loop(loop, executor, idem_mark, self.log.dir)
                         self.idem_marked = True
                     if isinstance(executor, CommitRounds):
-                        res = await executor.commit(loop, self.log, envs)
+                        res = await executor.commit(loop, self.log, laid)
                     else:
-                        res = await _off_loop(loop, executor, self.log.write_commit, envs)
+                        res = await _off_loop(loop, executor, self.log.write_commit, laid)
                 except OSError as e:
                     if claimed:
                         table.unclaim(claimed)

@@ -38,7 +38,7 @@ cut; if the cut fails, the log is poisoned); the thread does not die.
 
 Plain jobs (``run``) execute on the same thread between rounds.
 
-Imports narad.storage.{fileio,iothreads,partition_log}.
+Imports narad.storage.{fileio,frames,iothreads,partition_log}.
 """
 
 from __future__ import annotations
@@ -54,13 +54,14 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from narad.storage import fileio
+from narad.storage import frames as FR
 from narad.storage.iothreads import batch_class
 from narad.storage.partition_log import PartitionLog, Staged
 
 log = logging.getLogger("narad.storage.commit_rounds")
 T = TypeVar("T")
 Done = tuple[asyncio.Future[Any], Any, BaseException | None]
-Commit = tuple[asyncio.AbstractEventLoop, asyncio.Future[Any], PartitionLog, list[bytes]]
+Commit = tuple[asyncio.AbstractEventLoop, asyncio.Future[Any], PartitionLog, list[bytes] | FR.Laid]
 Job = tuple[asyncio.AbstractEventLoop, asyncio.Future[Any], Callable[..., Any], tuple[Any, ...]]
 
 
@@ -95,7 +96,7 @@ class CommitRounds:
         self.group_syncs = 0
 
     # ---- event-loop side ------------------------------------------------------------
-    def commit(self, loop: asyncio.AbstractEventLoop, plog: PartitionLog, records: list[bytes]
+    def commit(self, loop: asyncio.AbstractEventLoop, plog: PartitionLog, records: list[bytes] | FR.Laid
                ) -> asyncio.Future[tuple[Any, ...]]:
         """``plog.write_commit(records)`` in the next round: an asyncio future with its result."""
         fut: asyncio.Future[tuple[Any, ...]] = loop.create_future()

@@ -241,14 +241,14 @@ class PartitionLog:
         self._last_committed_ms = now
         return now
 
-    def write_commit(self, records: list[bytes]) -> tuple[int, Segment, int, int, Segment | None]:
+    def write_commit(self, records: list[bytes] | FR.Laid) -> tuple[int, Segment, int, int, Segment | None]:
         """I/O thread: write one frame with `records` at next_offset, sync, read
         back. Returns (base offset, segment, position, frame size, the new
         segment if this commit rolled). Raises OSError (the frame is gone)."""
         with self._io_lock:
             return self._write_commit(records)
 
-    def _write_commit(self, records: list[bytes]) -> tuple[int, Segment, int, int, Segment | None]:
+    def _write_commit(self, records: list[bytes] | FR.Laid) -> tuple[int, Segment, int, int, Segment | None]:
         st = self.stage_commit(records)
         t_sync = time.perf_counter()
         try:
@@ -265,7 +265,7 @@ class PartitionLog:
     def io_lock(self) -> threading.Lock:
         return self._io_lock
 
-    def stage_commit(self, records: list[bytes]) -> Staged:
+    def stage_commit(self, records: list[bytes] | FR.Laid) -> Staged:
         """I/O thread, under ``io_lock``: write one frame with `records` at
         next_offset (not yet synced). Raises OSError (nothing is left written)."""
         if self.poisoned is not None:

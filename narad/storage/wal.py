@@ -59,6 +59,7 @@ from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from crc32c import crc32c
 
 from narad.storage import fileio, iothreads
@@ -90,21 +91,22 @@ class WALFailed(OSError):
     pass
 
 
-class Entry:
-    """One accepted message as the WAL and the dispatcher see it."""
+class Entry(msgspec.Struct, gc=False, eq=False):
+    """One accepted message as the WAL and the dispatcher see it.
 
-    __slots__ = ("flags", "incarnation", "key", "partition", "payload", "seq", "topic", "ts_ms")
+    A msgspec Struct: built in C (about 80 ns against 340 for a class with ``__slots__``
+    and an ``__init__``, on this host; one is built for every message produced),
+    compared and hashed by identity (``eq=False``), and not tracked by the garbage
+    collector (``gc=False``: its fields are strings, bytes and ints, never a cycle)."""
 
-    def __init__(self, topic: str, incarnation: bytes, partition: int, ts_ms: int, flags: int,
-                 key: bytes | None, payload: bytes, seq: int = 0) -> None:
-        self.topic = topic
-        self.incarnation = incarnation
-        self.partition = partition
-        self.ts_ms = ts_ms
-        self.flags = flags
-        self.key = key
-        self.payload = payload
-        self.seq = seq
+    topic: str
+    incarnation: bytes
+    partition: int
+    ts_ms: int
+    flags: int
+    key: bytes | None
+    payload: bytes
+    seq: int = 0
 
     def head(self) -> bytes:
         """The record's bytes before the message."""

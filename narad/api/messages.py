@@ -309,6 +309,19 @@ class _LeasedKey(msgspec.Struct, omit_defaults=True):
     headers: msgspec.Raw | None = None
 
 
+# ``render_leased``'s table of the two commonest blocks, by their first five bytes (the
+# block's one-byte length, a one-entry map, its one-letter key and the value's type):
+# an idempotency key alone, 0 to 31 bytes (a fixstr: the head fixes the key's length) or
+# 32 to 122 (a str8: its length byte, the sixth, is checked), -> the block's bytes with
+# its length byte; headers alone whose JSON text is 1 to 122 bytes (a bin8: its length
+# byte is checked, and the text's braces) -> the same, negated.
+_BLOCK_HEADS: dict[bytes, int] = {
+    **{bytes((4 + n, 0x81, 0xA1, 0x69, 0xA0 | n)): 5 + n for n in range(32)},
+    **{bytes((5 + n, 0x81, 0xA1, 0x69, 0xD9)): 6 + n for n in range(32, 123)},
+    **{bytes((5 + m, 0x81, 0xA1, 0x68, 0xC4)): -(6 + m) for m in range(1, 123)},
+}
+
+
 def render_leased(topic: str, it: Item) -> MessageOut | _Leased | _LeasedKey:
     """``render(topic, it, True)``, encoding to the same bytes, for a consume: the
     common records (a JSON or UTF-8 body, a UTF-8 key or none, no extension block or
@@ -318,22 +331,16 @@ def render_leased(topic: str, it: Item) -> MessageOut | _Leased | _LeasedKey:
     body = it.payload
     hdr = None
     if f & F_EXT:
-        # ``plain_block``'s two commonest cases inline (a call less a message): headers alone,
-        # their JSON text 1 to 122 bytes (bin8, the block's length in one byte), and an
-        # idempotency key alone of 1 to 122 bytes (a fixstr or a str8); anything else goes
-        # through it.
-        # Read byte by byte (int compares; no slice is made until the body's): a one-entry
-        # map whose key is one letter (``KEY_ALONE``, ``HEADERS_ALONE``), then that letter.
-        n = len(body)
-        c = body[3] if n > 4 and body[1] == 0x81 and body[2] == 0xA1 else 0
-        if c == 0x69 and n > (b0 := body[0]) and (
-                (35 >= b0 >= 4 and body[4] == 0x9C + b0)
-                or (37 <= b0 < 0x80 and body[4] == 0xD9 and body[5] == b0 - 5)):
-            body = body[b0 + 1 :]  # (a key under 32 bytes, a fixstr; or 32 to 122, a str8: a UUID)
-        elif c == 0x68 and body[4] == 0xC4 and 5 < (b0 := body[0]) < 0x80 and b0 < n \
-                and body[5] == b0 - 5 and body[6] == 0x7B and body[b0] == 0x7D:
-            hdr = msgspec.Raw(body[6 : b0 + 1])
-            body = body[b0 + 1 :]
+        # ``plain_block``'s two commonest cases inline (a call less a message): an idempotency
+        # key alone and headers alone, named by the block's first five bytes in one lookup
+        # (``_BLOCK_HEADS``: the block's bytes with its length byte, negated for headers), the
+        # bytes after them checked here; anything else goes through ``plain_block``.
+        cut = _BLOCK_HEADS.get(body[:5], 0)
+        if cut > 0 and len(body) >= cut and (cut < 38 or body[5] == cut - 6):
+            body = body[cut:]  # (a key under 32 bytes, a fixstr; or 32 to 122, a str8: a UUID)
+        elif cut < 0 and len(body) >= -cut and body[5] == -cut - 6 and body[6] == 0x7B and body[-cut - 1] == 0x7D:
+            hdr = msgspec.Raw(body[6:-cut])
+            body = body[-cut:]
         else:
             hs, he, pos = FR.plain_block(body)
             if pos < 0 or (he > hs and (body[hs] != 0x7B or body[he - 1] != 0x7D)):

@@ -716,7 +716,7 @@ class Partition:
                                     seen.setdefault(k, ts)
                                     if len(seen) == held:  # held already (or claimed by this frame): a repeat
                                         if kept is batch:
-                                            kept = batch[:j]
+                                            kept = list(batch[:j])
                                         dl.append(j)
                                         payload_bytes -= len(payload)
                                         continue

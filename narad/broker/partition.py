@@ -415,8 +415,19 @@ class Partition:
         md, marked = self.max_deliveries, self.marked
         expiry = now + visibility_s
         push = heapq.heappush
+        # Read once, then kept in step: the records in flight (``busy``), whether the acked-ahead
+        # cap is reached, the log's oldest offset. Only the rare branches below (a skip to the
+        # oldest, a spent record held, an unreadable one settled) change them otherwise: they set
+        # ``busy`` to -1 and all three are read again.
+        busy = -1
+        ahead_full = False
+        oldest = 0
         while len(out) < max_n:
-            if len(leases) + len(delayed) + len(dead) >= max_in_flight:
+            if busy < 0:
+                busy = len(leases) + len(delayed) + len(dead)
+                ahead_full = len(self.acked_ahead) >= max_acked_ahead
+                oldest = log.oldest
+            if busy >= max_in_flight:
                 break  # a delayed nack (a dead-letter hold) keeps its in-flight slot until it is due (settled)
             off = self.cursor
             if (red or off <= self.committed or off >= log.hwm or off in leases or off in self.acked_ahead
@@ -424,11 +435,12 @@ class Partition:
                 off = self._candidate()  # the cursor itself is not the next record (the common case is)
                 if off is None:
                     break
-            if off < log.oldest:
+            if off < oldest:
                 self._skip_to_oldest()
                 leases, dead, marked = self.leases, self.dead, self.marked  # rebound there
+                busy = -1
                 continue
-            if len(self.acked_ahead) >= max_acked_ahead and off != self.committed + 1:
+            if ahead_full and off != self.committed + 1:
                 break  # at the acked-ahead cap only the frontier message goes out
             if (md > 0 and deliveries.get(off, 0) >= md) or (marked and off in marked):
                 # its count (restored, or a lowered maximum) is used up, or it was held before a restart
@@ -438,6 +450,7 @@ class Partition:
                 elif off == self.cursor:
                     self.cursor = off + 1
                 self._hold_if_spent(off)
+                busy = -1
                 continue
             nonce = new_nonce()
             leases[off] = (nonce, expiry)
@@ -451,10 +464,12 @@ class Partition:
                 del leases[off]
                 self._skip_to_oldest()
                 leases, dead, marked = self.leases, self.dead, self.marked  # rebound there
+                busy = -1
                 continue
             except CorruptRecord:
                 del leases[off]
                 self._settle_unreadable(off)
+                busy = -1
                 continue
             except (LogClosed, NotVisible):
                 # Closing (delete, recreate, shutdown): give the lease back, never
@@ -470,6 +485,7 @@ class Partition:
             item = make(index, off, nonce, rec)
             item.deliveries = count
             out.append(item)
+            busy += 1
         self._compact_expiry()
         return out
 

@@ -1816,13 +1816,19 @@ class Broker:
         vis = (dur_ms if mode == EXTEND and dur_ms > 0 else t.visibility_timeout_ms) / 1000.0
         delay = dur_ms / 1000.0 if mode == NACK else 0.0
         out = []
+        # Acks tell the partition's waiters once a batch (``_on_released`` with the count, after
+        # the loop: no consumer runs in between, so the state after the last ack is the one a
+        # woken consumer finds), not once a record.
+        acked: dict[Partition, int] = {}
         for part, off, nonce in items:
             p = self.partitions.get((t.name, part))
             if p is None or p.topic_id != t.id or p.closed:
                 out.append(410)
                 continue
             if mode == ACK:
-                ok = p.ack(off, nonce, now)
+                ok = p.ack(off, nonce, now, False)
+                if ok:
+                    acked[p] = acked.get(p, 0) + 1
             elif mode == EXTEND:
                 ok = p.extend(off, nonce, now, vis)
             elif mode == GIVE_BACK:
@@ -1830,6 +1836,9 @@ class Broker:
             else:
                 ok = p.nack(off, nonce, now, delay, reason)
             out.append(204 if ok else 410)
+        for p, k in acked.items():
+            if p.on_released is not None:
+                self._on_released(p, k)
         if mode == EXTEND:
             self.m.ack_extended.labels(t.name).inc(sum(1 for s in out if s == 204))
         elif mode in (NACK, GIVE_BACK):  # (Narad counts give-backs too: a batch consume's overflow, and here a

@@ -561,13 +561,14 @@ class Partition:
         cur = self.leases.get(off)
         return cur is not None and cur[0] == nonce and cur[1] > now
 
-    def ack(self, off: int, nonce: int, now: float) -> bool:
+    def ack(self, off: int, nonce: int, now: float, notify: bool = True) -> bool:
+        """``notify`` False: the caller tells ``on_released`` itself, once for a batch."""
         self.last_used = now
         if not self._lease_ok(off, nonce, now):
             return False
         del self.leases[off]
         self._settle(off)
-        if self.on_released is not None:
+        if notify and self.on_released is not None:
             self.on_released(self)  # a cap slot may have freed
         return True
 

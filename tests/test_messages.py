@@ -397,6 +397,49 @@ def test_in_flight_and_acked_ahead_caps(node: Node) -> None:
     assert consume(node, "ahead", "?partition=0").json()["offset"] == 4
 
 
+def test_a_batch_ack_that_frees_the_in_flight_cap_wakes_a_parked_consumer(tmp_path: Path) -> None:
+    """A batch ack tells the partition's waiters once, with the count of records it settled
+    (not once a record): a consumer parked while the in-flight cap was full is woken by it
+    and takes both records the cap held back. A parked poll's own re-check is set to 60 s
+    here, beyond its 10 s wait: without the wake it would find them only at the end of it."""
+    node = Node(tmp_path / "data", workers=1, env={"NARAD_FAULT_PARK_RECHECK_MS": "60000"}).start()
+    try:
+        _batch_ack_wakes(node)
+    finally:
+        node.stop()
+
+
+def _batch_ack_wakes(node: Node) -> None:
+    name = "inflight-batch"
+    mk(node, name, partitions=3, max_in_flight_per_partition=2)
+    for _ in range(4):
+        assert produce(node, name, b"m", "?partition=0").status == 202
+    wait_for(lambda: node.get(f"/v1/topics/{name}?partition=0").json()["partition_stats"][0]["high_watermark"] == 4)
+    hdr = {"X-Narad-Client": "t"}
+    held = consume(node, name, "?partition=0&max=2", headers=hdr).json()["messages"]
+    assert sorted(m["offset"] for m in held) == [0, 1]
+    assert consume(node, name, "?partition=0").status == 204  # the cap is full
+    out: dict[str, Any] = {}
+
+    def park() -> None:
+        t0 = time.monotonic()
+        out["r"] = consume(node, name, "?partition=0&wait=10s&max=2", headers=hdr)
+        out["secs"] = time.monotonic() - t0
+
+    parked = node.metric("narad_consume_waiters")
+    th = threading.Thread(target=park)
+    th.start()
+    node.wait_parked(int(parked) + 1)
+    r = node.request("POST", f"/v1/topics/{name}/ack",
+                     json.dumps({"receipt_handles": [m["receipt_handle"] for m in held]}).encode(), headers=JSON)
+    assert r.status == 200 and [x["status"] for x in r.json()["results"]] == [204, 204]
+    th.join(30)
+    assert out["r"].status == 200, out
+    assert sorted(m["offset"] for m in out["r"].json()["messages"]) == [2, 3]
+    # woken, not found by the last look at the end of its wait (10 s: the node's maximum)
+    assert out["secs"] < 5, out
+
+
 def test_topic_delete_answers_parked_long_polls_and_recreate_starts_empty(node: Node) -> None:
     mk(node, "doomed")
     for i in range(5):

@@ -130,7 +130,9 @@ CLOSE_BATCH = 16  # partition closes run this many at a time
 DRAINED_LIMIT = 1 << 17  # closed-and-drained partitions remembered (a cache of "no need to open")
 TOPIC_CHECK_EVERY = 0.05
 LEVEL_EVERY = 30.0
-PARK_RECHECK = 1.0
+# A parked long poll looks again this often even if nothing woke it (test seam: a test that must
+# tell a wake from this re-check sets it long, NARAD_FAULT_PARK_RECHECK_MS).
+PARK_RECHECK = int(os.environ.get("NARAD_FAULT_PARK_RECHECK_MS", "1000") or 1000) / 1000
 PROBE_MAX = 1000  # records one coalesced consume probe asks another worker for
 ACK_MAX = 1000  # receipt handles one coalesced AckReq carries
 WATCH_TTL = 1.0  # a node holding our watch token is asked again after this even without a ReadyNote

@@ -1818,9 +1818,10 @@ class Broker:
         vis = (dur_ms if mode == EXTEND and dur_ms > 0 else t.visibility_timeout_ms) / 1000.0
         delay = dur_ms / 1000.0 if mode == NACK else 0.0
         out = []
-        # Acks tell the partition's waiters once a batch (``_on_released`` with the count, after
-        # the loop: no consumer runs in between, so the state after the last ack is the one a
-        # woken consumer finds), not once a record.
+        # Acks and nacks tell the partition's waiters once a batch (``_on_released`` with the
+        # count, after the loop: no consumer runs in between, so the state after the last one is
+        # the one a woken consumer finds; the count only bounds the wakes, which are as many as
+        # records are deliverable then), not once a record.
         acked: dict[Partition, int] = {}
         for part, off, nonce in items:
             p = self.partitions.get((t.name, part))
@@ -1833,10 +1834,13 @@ class Broker:
                     acked[p] = acked.get(p, 0) + 1
             elif mode == EXTEND:
                 ok = p.extend(off, nonce, now, vis)
-            elif mode == GIVE_BACK:
-                ok = p.nack(off, nonce, now, uncount=True)
             else:
-                ok = p.nack(off, nonce, now, delay, reason)
+                if mode == GIVE_BACK:
+                    ok = p.nack(off, nonce, now, uncount=True, notify=False)
+                else:
+                    ok = p.nack(off, nonce, now, delay, reason, notify=False)
+                if ok:
+                    acked[p] = acked.get(p, 0) + 1
             out.append(204 if ok else 410)
         for p, k in acked.items():
             if p.on_released is not None:

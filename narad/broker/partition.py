@@ -583,12 +583,13 @@ class Partition:
         return True
 
     def nack(self, off: int, nonce: int, now: float, delay_s: float = 0.0, reason: str = "",
-             uncount: bool = False) -> bool:
+             uncount: bool = False, notify: bool = True) -> bool:
         """Give the lease back: delivered again at once, or (``delay_s`` > 0) not
         before ``now + delay_s`` (the due-time heap; the sweep or a touch moves it).
         A record whose deliveries are used up goes to the dead-letter driver instead
         (``reason``, if any, is kept for its dead-letter record). ``uncount``: a give-back
-        (the consumer never saw this delivery): its count is taken back."""
+        (the consumer never saw this delivery): its count is taken back. ``notify``
+        False: the caller tells ``on_released`` itself, once for a batch."""
         self.last_used = now
         if not self._lease_ok(off, nonce, now):
             return False
@@ -613,7 +614,7 @@ class Partition:
             heapq.heappush(self._delayed, (due, off))
             return True  # nothing deliverable yet: the wake comes when it falls due
         heapq.heappush(self._redeliver, off)
-        if self.on_released is not None:
+        if notify and self.on_released is not None:
             self.on_released(self)
         return True
 

@@ -1378,12 +1378,13 @@ def test_a_redrive_whose_second_origin_is_made_again_produces_nothing_twice(tmp_
     call checks its schema: every origin is checked before anything is produced, so the
     call answers 503 with the first origin's record still only in the dead-letter topic
     (it was produced to its origin and given back in the dead-letter topic as well: a
-    duplicate with no crash; found by a review). The check is held 5 s (the delete and
-    the create must both land within it: a CI run on a loaded host once took longer than
-    the 1.5 s held before)."""
+    duplicate with no crash; found by a review). Known intermittent failure (2026-12-06: twice
+    in seven full runs, once on an idle host): the call answers 200 with the second record
+    skipped, as when y is already gone when the call reaches its record; a 5 s hold did not
+    help, so the race is elsewhere (not found yet)."""
     import threading
 
-    n = Node(tmp_path / "data", workers=1, env={"NARAD_FAULT_SCHEMA_HOLD_MS": "5000"}).start()
+    n = Node(tmp_path / "data", workers=1, env={"NARAD_FAULT_SCHEMA_HOLD_MS": "1500"}).start()
     try:
         d, x, y = "r5-dlt", "r5-x", "r5-y"
         assert n.post("/v1/topics", {"name": d, "partitions": PARTS}).status == 201

@@ -1834,11 +1834,9 @@ class Broker:
                     acked[p] = acked.get(p, 0) + 1
             elif mode == EXTEND:
                 ok = p.extend(off, nonce, now, vis)
-            else:
-                if mode == GIVE_BACK:
-                    ok = p.nack(off, nonce, now, uncount=True, notify=False)
-                else:
-                    ok = p.nack(off, nonce, now, delay, reason, notify=False)
+            else:  # NACK, or GIVE_BACK (its count taken back)
+                ok = p.nack(off, nonce, now, delay, reason if mode == NACK else "", uncount=mode == GIVE_BACK,
+                            notify=False)
                 if ok:
                     acked[p] = acked.get(p, 0) + 1
             out.append(204 if ok else 410)

@@ -1378,10 +1378,13 @@ def test_a_redrive_whose_second_origin_is_made_again_produces_nothing_twice(tmp_
     call checks its schema: every origin is checked before anything is produced, so the
     call answers 503 with the first origin's record still only in the dead-letter topic
     (it was produced to its origin and given back in the dead-letter topic as well: a
-    duplicate with no crash; found by a review). Known intermittent failure (2026-12-06: twice
-    in seven full runs, once on an idle host): the call answers 200 with the second record
-    skipped, as when y is already gone when the call reaches its record; a 5 s hold did not
-    help, so the race is elsewhere (not found yet)."""
+    duplicate with no crash; found by a review). The delete waits until the call is in y's
+    schema check (the validation gauge), not merely holding leases: the call's consume
+    can still be awaiting (opening the dead-letter topic's other, empty, partitions) after
+    it leased both records, and a delete landing then makes y's record a skip (200, one
+    redriven, one skipped: right for the node, wrong for this test). With the old wait it
+    failed twice in seven full runs and once in eight alone beside two busy loops; with
+    this one, none in ten beside them (2026-12-06)."""
     import threading
 
     n = Node(tmp_path / "data", workers=1, env={"NARAD_FAULT_SCHEMA_HOLD_MS": "1500"}).start()
@@ -1406,7 +1409,8 @@ def test_a_redrive_whose_second_origin_is_made_again_produces_nothing_twice(tmp_
         out: dict[str, Any] = {}
         t = threading.Thread(target=lambda: out.update(r=n.post(f"/v1/topics/{d}/redrive?max=10")))
         t.start()
-        wait_for(lambda: stats(d, "in_flight") > 0, 10, 0.01, "the redrive holding its leases")
+        wait_for(lambda: stats(d, "in_flight") == 2 and n.metric("narad_schema_validations_in_flight") >= 1,
+                 10, 0.01, "the redrive holding both leases and checking y's schema")
         assert n.request("DELETE", f"/v1/topics/{y}").status == 204
         assert n.post("/v1/topics", {"name": y, "partitions": PARTS}).status == 201
         t.join(60)

@@ -666,3 +666,83 @@ def test_without_idem_takes_the_key_out_and_keeps_the_rest() -> None:
     assert FR.without_idem(FR.F_JSON, body) == (FR.F_JSON, body)
     bad = b"\x05\x81\xa1i\xc1\x00" + body  # a malformed block that starts like a key: left as it is
     assert FR.without_idem(flags, bad) == (flags, bad)
+
+
+def test_a_batch_spanning_both_workers_is_checked_at_each_owner_and_its_ack_settles_each(node: Node) -> None:
+    """A batch received by worker 0 whose keys hash to both workers' partitions: worker
+    1's share crosses the hop with its keys (``CommitReq.ikeys``), repeats inside the
+    batch and across calls are found at both owners, and one ack of records from both
+    workers' partitions (grouped by owner once a partition) settles each, in request
+    order, and only once."""
+    name = mk(node, "idem-span")
+    by_worker: dict[int, list[str]] = {0: [], 1: []}
+    for i in range(400):
+        k = f"s{i}"
+        w = owner_worker(name, key_partition(k.encode(), PARTS), 2)
+        if len(by_worker[w]) < 6:
+            by_worker[w].append(k)
+    keys = [k for pair in zip(by_worker[0], by_worker[1], strict=True) for k in pair]  # alternating owners
+    msgs = [{"payload": {"k": k}, "idempotency_key": k} for k in keys]
+    msgs += [{"payload": {"k": "again"}, "idempotency_key": by_worker[1][0]},  # a repeat in the batch, at worker 1
+             {"payload": {"k": "again"}, "idempotency_key": by_worker[0][0]}]  # and at worker 0
+    w0 = node.worker_connection(0)
+    r = node.post(f"/v1/topics/{name}/produce/batch", {"messages": msgs}, conn=w0)
+    assert r.status == 202 and r.json() == {"accepted": 14, "duplicates": 2}, r
+    r = node.post(f"/v1/topics/{name}/produce/batch", {"messages": msgs[:12]}, conn=w0)
+    assert r.status == 202 and r.json() == {"accepted": 12, "duplicates": 12}, r
+    fresh = {"payload": {"k": "new"}, "idempotency_key": "fresh-key"}
+    r = node.post(f"/v1/topics/{name}/produce/batch", {"messages": [msgs[1], fresh]}, conn=w0)
+    assert r.status == 202 and r.json() == {"accepted": 2, "duplicates": 1}, r
+    assert stored(node, name) == 13
+    # One ack of records from both workers' partitions, with a stale handle in between
+    got: list[dict[str, Any]] = []
+
+    def take() -> bool:
+        c = node.get(f"/v1/topics/{name}/consume?max=100&wait=200ms", headers={"X-Narad-Client": "tests"}, conn=w0)
+        assert c.status in (200, 204), c
+        if c.status == 200:
+            got.extend(c.json()["messages"])
+        return len(got) >= 13
+
+    wait_for(take, 20, 0.05, "every record consumed")
+    assert sorted(m["payload"]["k"] for m in got) == sorted([*keys, "new"])
+    assert {owner_worker(name, m["partition"], 2) for m in got} == {0, 1}
+    handles = [m["receipt_handle"] for m in got]
+    p0 = got[0]["partition"]
+    stale = f"{p0}:{got[0]['offset']}:12345"
+    mixed = [*handles[:5], stale, *handles[5:]]
+    a = node.post(f"/v1/topics/{name}/ack", {"receipt_handles": mixed}, conn=w0)
+    assert a.status == 200 and [x["status"] for x in a.json()["results"]] == [204] * 5 + [410] + [204] * 8, a
+    a = node.post(f"/v1/topics/{name}/ack", {"receipt_handles": handles}, conn=w0)
+    assert a.status == 200 and [x["status"] for x in a.json()["results"]] == [410] * 13, a
+
+
+def test_a_hops_idempotency_keys_stand_in_for_its_blocks_only_from_a_worker_of_this_node() -> None:
+    """``hop_ikeys_ok``: a ``CommitReq``'s keys are used only when it came over a local
+    worker link (``narad.ipc.rpc.Connection``) with one key a record; from another node
+    (its peer object) or with a count that does not match, the owner reads the blocks."""
+    from narad.broker.broker import hop_ikeys_ok
+    from narad.cluster.rpc_server import NodePeer
+    from narad.ipc.rpc import Connection
+
+    recs = [_rec("a", b"x"), _rec(None, b"y")]
+    local = object.__new__(Connection)  # (no loop needed: only its type is read)
+    assert hop_ikeys_ok(P.CommitReq("t", "id", 0, recs, ["a", None]), local)
+    assert not hop_ikeys_ok(P.CommitReq("t", "id", 0, recs, ["a"]), local)
+    assert not hop_ikeys_ok(P.CommitReq("t", "id", 0, recs, None), local)
+    assert not hop_ikeys_ok(P.CommitReq("t", "id", 0, recs, ["a", None]), object.__new__(NodePeer))
+    assert not hop_ikeys_ok(P.CommitReq("t", "id", 0, recs, ["a", None]), None)
+    # On the wire: trailing and defaulted, so an older worker's request decodes without it and
+    # an older worker decodes a newer one, ignoring it.
+    enc = msgspec.msgpack.Encoder()
+
+    class OldCommitReq(msgspec.Struct, tag="CommitReq", array_like=True):
+        topic: str
+        topic_id: str
+        partition: int
+        records: list[P.RecordTuple]
+
+    new = P.CommitReq("t", "id", 2, recs, ["a", None])
+    assert msgspec.msgpack.decode(enc.encode(new), type=OldCommitReq).records == recs
+    assert msgspec.msgpack.decode(enc.encode(OldCommitReq("t", "id", 2, recs)), type=P.CommitReq).ikeys is None
+    assert msgspec.msgpack.decode(enc.encode(new), type=P.CommitReq).ikeys == ["a", None]

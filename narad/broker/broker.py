@@ -91,7 +91,7 @@ from narad.broker.partition import (
 )
 from narad.broker.routing import RoundRobin, key_partition, owner_worker
 from narad.errors import BadGateway, Conflict, GatewayTimeout, NaradError, NotFound, Unavailable, error_for_status
-from narad.ipc.rpc import ConnectionLost
+from narad.ipc.rpc import Connection, ConnectionLost
 from narad.meta import versions as V
 from narad.meta.records import TopicRecord
 from narad.meta.requests import ConfirmEpochReq, ConfirmEpochResp, QuarantinedCopy
@@ -215,14 +215,23 @@ class _Placement:
     """The partitions of a topic this worker owns, and which workers of this node
     and which other nodes own any of them."""
 
-    __slots__ = ("mine", "mine_set", "nodes", "peers", "workers")
+    __slots__ = ("locs", "mine", "mine_set", "nodes", "peers", "workers")
 
-    def __init__(self, mine: list[int], workers: list[int], nodes: list[str], index: int) -> None:
+    def __init__(self, mine: list[int], workers: list[int], nodes: list[str], index: int,
+                 locs: tuple[tuple[str | None, int], ...] = ()) -> None:
+        self.locs = locs  # partition -> ``Broker.where``'s (owner node, worker)
         self.mine = mine
         self.mine_set = frozenset(mine)
         self.workers = workers
         self.peers = [w for w in workers if w != index]  # the other workers of this node owning some
         self.nodes = nodes
+
+
+def hop_ikeys_ok(m: P.CommitReq, conn: object) -> bool:
+    """Whether a ``CommitReq``'s idempotency keys may stand in for its records' blocks:
+    it came over a link from a worker of this node (the same build, whose producer packed
+    those keys into those blocks; never from another node) and gives one key a record."""
+    return isinstance(conn, Connection) and m.ikeys is not None and len(m.ikeys) == len(m.records)
 
 
 def topic_dir(data_dir: Path, name: str, topic_id: str) -> Path:
@@ -480,15 +489,17 @@ class Broker:
             mine: list[int] = []
             workers: set[int] = set()
             nodes: set[str] = set()
+            locs: list[tuple[str | None, int]] = []
             for i in range(t.partitions):
-                node, w = self.where(t, i)
+                node, w = loc = self.where(t, i)
+                locs.append(loc)
                 if node == self.node_id:
                     workers.add(w)
                     if w == self.index:
                         mine.append(i)
                 elif node is not None:
                     nodes.add(node)
-            pl = self._owned_cache[key] = _Placement(mine, sorted(workers), sorted(nodes), self.index)
+            pl = self._owned_cache[key] = _Placement(mine, sorted(workers), sorted(nodes), self.index, tuple(locs))
         return pl
 
     def owned(self, t: TopicRecord) -> list[int]:
@@ -832,7 +843,11 @@ class Broker:
 
     # ---- commit (owner side) -------------------------------------------------------------------
     async def commit_local(self, topic: str, topic_id: str, partition: int,
-                           records: list[tuple[bytes | None, int, bytes]]) -> Committed:
+                           records: list[tuple[bytes | None, int, bytes]],
+                           ikeys: list[str | None] | None = None) -> Committed:
+        """Commit `records` into this worker's partition (a hop's or the dispatcher's
+        commit). ``ikeys``: each record's idempotency key as its block holds it, from a
+        worker of this node (``CommitReq.ikeys``); without them the commit reads the blocks."""
         t = self.store.topic(topic)
         if t is None or t.id != topic_id:
             raise Conflict(f'topic incarnation mismatch for "{topic}": records are for {topic_id}, '
@@ -852,7 +867,7 @@ class Broker:
                               f"{self.index}; retry", code="partition_moving")
         p = await self.partition(t, partition)
         p.idem_window_ms = t.idem_window_ms  # a PATCH may have changed it
-        return await p.commit(records, self.commit_rounds)
+        return await p.commit(records, self.commit_rounds, ikeys)
 
     def commit_direct(self, t: TopicRecord, partition: int, entries: list[Entry]) -> asyncio.Future[Committed] | None:
         """Produce without the WAL: keyless records whose partition was chosen here (so it
@@ -1035,8 +1050,8 @@ class Broker:
     def _direct_submit(self, t: TopicRecord, part: int, records: list[tuple[bytes | None, int, bytes]],
                        iks: list[str | None] | None = None, target: Partition | int | None = None
                        ) -> asyncio.Future[Committed] | None:
-        """``iks``: the records' idempotency keys (``Partition.submit``); a hop to another
-        worker does not carry them (its commit reads them from the blocks). ``target``:
+        """``iks``: the records' idempotency keys (``Partition.submit``), carried by a hop
+        to another worker too (``CommitReq.ikeys``: its commit reads no block). ``target``:
         ``_direct_target``'s answer when the caller has just asked it (in the same loop step)."""
         if target is None:
             target = self._direct_target(t, part)
@@ -1051,7 +1066,7 @@ class Broker:
                 return target.submit(records, self.commit_rounds, iks)
             except (OSError, NaradError):
                 return None
-        return self._hop_commit(target, P.CommitReq(t.name, t.id, part, records))
+        return self._hop_commit(target, P.CommitReq(t.name, t.id, part, records, iks))
 
     def _hop_commit(self, worker: int, req: P.CommitReq) -> asyncio.Future[Committed]:
         """A direct commit at another worker: the future of its (base, dups). The ones
@@ -1856,14 +1871,29 @@ class Broker:
         down or unknown, 502 a forwarded call got no answer. Items of this
         worker's own partitions are settled here at once (no task, no hop);
         the rest go to their owners, one call per owner."""
-        mine = self._placement(t).mine_set
+        pl = self._placement(t)
+        mine = pl.mine_set
         if all(it[0] in mine for it in items):
             return self.settle_owned(t, items, mode, dur_ms, reason)
         result = [410] * len(items)
+        # By owner: each partition's owner read once from the placement (as ``where`` says
+        # it), not once an item (a batch ack of records from several workers' partitions).
+        by_part: dict[int, list[int]] = {}
+        for i, it in enumerate(items):
+            g = by_part.get(it[0])
+            if g is None:
+                by_part[it[0]] = [i]
+            else:
+                g.append(i)
         groups: dict[tuple[str | None, int], list[int]] = {}
-        for i, (part, _, _) in enumerate(items):
+        locs = pl.locs
+        for part, idxs in sorted(by_part.items()):
             if 0 <= part < t.partitions:
-                groups.setdefault(self.where(t, part), []).append(i)
+                g = groups.get(locs[part])
+                if g is None:
+                    groups[locs[part]] = idxs
+                else:
+                    g.extend(idxs)
 
         async def one(loc: tuple[str | None, int], idxs: list[int]) -> None:
             node, worker = loc
@@ -2037,16 +2067,18 @@ class Broker:
         nodes (scope NODE, landing on any worker of this node)."""
         s = self.links.service
 
-        async def commit(m: P.CommitReq, _c: Any) -> P.CommitResp:
+        async def commit(m: P.CommitReq, c: Any) -> P.CommitResp:
+            if m.ikeys is not None and not hop_ikeys_ok(m, c):
+                m.ikeys = None  # (the owner reads the keys from the blocks)
             w = self.route(m.topic, m.partition)
             if w != self.index:
                 return await self.links.call(w, m, P.CommitResp, timeout=30)
-            base, dups = await self.commit_local(m.topic, m.topic_id, m.partition, m.records)
+            base, dups = await self.commit_local(m.topic, m.topic_id, m.partition, m.records, m.ikeys)
             return P.CommitResp(base, dups)
 
-        async def commit_part(m: P.CommitReq) -> P.CommitPart:
+        async def commit_part(m: P.CommitReq, c: Any) -> P.CommitPart:
             try:
-                r = await commit(m, None)
+                r = await commit(m, c)
             except NaradError as e:
                 return P.CommitPart(status=e.status, message=e.message, code=e.code)
             except Exception as e:  # as the link answers a single CommitReq that failed so
@@ -2054,9 +2086,9 @@ class Broker:
                 return P.CommitPart(status=500, message=f"internal error: {e}")
             return P.CommitPart(r.base, r.dups)
 
-        async def commit_many(m: P.CommitManyReq, _c: Any) -> P.CommitManyResp:
+        async def commit_many(m: P.CommitManyReq, c: Any) -> P.CommitManyResp:
             # Every part starts in this pass (one commit round takes them together) and is answered on its own.
-            return P.CommitManyResp(list(await asyncio.gather(*(commit_part(x) for x in m.parts))))
+            return P.CommitManyResp(list(await asyncio.gather(*(commit_part(x, c) for x in m.parts))))
 
         async def consume(m: P.ConsumeReq, _c: Any) -> P.ConsumeResp:
             t = self._topic_for(m.topic, m.topic_id)

@@ -38,6 +38,12 @@ class CommitReq(msgspec.Struct, tag=True, array_like=True):
     topic_id: str
     partition: int
     records: list[RecordTuple]
+    # A direct commit's hop between workers of one node (issue 14): each record's
+    # idempotency key as its block holds it (None: none), so the owner reads no block
+    # (``Partition.submit``'s ``ikeys``). Honoured from a worker of this node only, and
+    # only one a record; the WAL's hops and other nodes leave it out (the owner then
+    # reads the blocks). Trailing and defaulted: an older peer ignores it.
+    ikeys: list[str | None] | None = None
 
 
 class CommitResp(msgspec.Struct, array_like=True):

@@ -746,3 +746,33 @@ def test_a_hops_idempotency_keys_stand_in_for_its_blocks_only_from_a_worker_of_t
     assert msgspec.msgpack.decode(enc.encode(new), type=OldCommitReq).records == recs
     assert msgspec.msgpack.decode(enc.encode(OldCommitReq("t", "id", 2, recs)), type=P.CommitReq).ikeys is None
     assert msgspec.msgpack.decode(enc.encode(new), type=P.CommitReq).ikeys == ["a", None]
+
+
+def test_a_commit_told_its_records_carry_no_keys_looks_into_no_block(tmp_path: Path) -> None:
+    """``Partition.submit(..., NO_KEYS)`` (a keyless produce's direct commit, whose records
+    can hold headers but never an idempotency key) lays the records out as they are: the
+    same records committed without it are checked against the key table from their blocks
+    (here, blocks that do hold keys: the repeats are dropped), with it nothing is dropped
+    and no key is claimed, and combined with other batches each keeps its own rule."""
+    from narad.broker.partition import NO_KEYS
+    from tests.test_partition import _partition
+
+    p = _partition(tmp_path, 2)
+    recs = [_rec("a", b"1"), _rec("a", b"2"), (None, FR.F_EXT, FR.pack_headers(b'{"h":"v"}', b"3"))]
+
+    async def go() -> list[Any]:
+        p.loop = asyncio.get_running_loop()
+        with ThreadPoolExecutor(1) as ex:
+            told = await p.submit(list(recs), ex, NO_KEYS)
+            held = set(p.idem.keys)
+            read = await p.commit(list(recs), ex)  # the blocks read: "a" is claimed, its repeat dropped
+            both = await asyncio.gather(p.submit(list(recs), ex, NO_KEYS), p.commit([_rec("a", b"9")], ex))
+            return [told, held, read, *both]
+
+    told, held, read, mixed_told, mixed_read = asyncio.run(go())
+    assert told == (2, []) and held == set()
+    assert read == (5, [1])
+    assert mixed_told == (7, []) and mixed_read == (10, [0])
+    assert p.log.hwm == 10
+    assert [p.log.read(i)[3] for i in range(2, 5)] == [r[2] for r in recs]
+    assert NO_KEYS == []  # (never appended to)

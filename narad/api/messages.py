@@ -338,16 +338,18 @@ def render_leased(topic: str, it: Item) -> MessageOut | _Leased | _LeasedKey:
         cut = _BLOCK_HEADS.get(body[:5], 0)
         if cut > 0 and len(body) >= cut and (cut < 38 or body[5] == cut - 6):
             body = body[cut:]  # (a key under 32 bytes, a fixstr; or 32 to 122, a str8: a UUID)
-        elif cut < 0 and len(body) >= -cut and body[5] == -cut - 6 and body[6] == 0x7B and body[-cut - 1] == 0x7D:
-            hdr = msgspec.Raw(body[6:-cut])
-            body = body[-cut:]
         else:
-            hs, he, pos = FR.plain_block(body)
-            if pos < 0 or (he > hs and (body[hs] != 0x7B or body[he - 1] != 0x7D)):
-                return render(topic, it, True)
-            if he > hs:
-                hdr = msgspec.Raw(body[hs:he])
-            body = body[pos:]
+            c = -cut  # (headers alone: the block's length, negated in the table)
+            if c > 0 and len(body) >= c and body[5] == c - 6 and body[6] == 0x7B and body[c - 1] == 0x7D:
+                hdr = msgspec.Raw(body[6:c])
+                body = body[c:]
+            else:
+                hs, he, pos = FR.plain_block(body)
+                if pos < 0 or (he > hs and (body[hs] != 0x7B or body[he - 1] != 0x7D)):
+                    return render(topic, it, True)
+                if he > hs:
+                    hdr = msgspec.Raw(body[hs:he])
+                body = body[pos:]
     if f & F_JSON:
         pay: Any = msgspec.Raw(body)
     elif f & F_UTF8:
@@ -972,9 +974,9 @@ class MessagesAPI:
             flags = F_JSON | F_UTF8  # a value taken from a JSON document is one valid JSON text
             ik = m.idempotency_key
             if m.payload_encoding is None:
-                # (with an idempotency key the stored payload is a new bytes anyway, its block
-                # and the body joined: the body is read from the request's buffer, no copy)
-                payload = m.payload if ik is not None else bytes(m.payload)  # type: ignore[arg-type]
+                # (with an idempotency key or headers the stored payload is a new bytes anyway,
+                # its block and the body joined: the body is read from the request's buffer, no copy)
+                payload = m.payload if ik is not None or m.headers else bytes(m.payload)  # type: ignore[arg-type]
             elif m.payload_encoding == "base64":
                 raw = bytes(m.payload)  # type: ignore[arg-type]
                 try:

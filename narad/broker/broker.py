@@ -83,6 +83,7 @@ from narad.broker.fanout import FanoutEngine, FanoutSettings
 from narad.broker.moves import MoveRunner, MoveSource
 from narad.broker.partition import (
     MAX_REASON_CHARS,
+    NO_KEYS,
     Committed,
     Partition,
     finish_stats,
@@ -891,7 +892,8 @@ class Broker:
         if failed is not None:
             return failed
         try:
-            fut = p.submit([(None, e.flags, e.payload) for e in entries], self.commit_rounds)
+            # (a keyless produce's records carry no idempotency key: the commit looks into no block)
+            fut = p.submit([(None, e.flags, e.payload) for e in entries], self.commit_rounds, NO_KEYS)
         except (OSError, NaradError):
             return None
         n = len(entries)

@@ -103,6 +103,9 @@ MAX_REASON_CHARS = 256  # a nack reason is at most 256 bytes of UTF-8 (the API c
 log = logging.getLogger("narad.broker.partition")
 
 MAX_COMBINED_BYTES = 16 << 20
+# ``submit``'s `ikeys` for records that carry no idempotency key (a keyless produce's direct
+# commit): laid out without looking into their blocks. Compared by identity; never mutated.
+NO_KEYS: list[str | None] = []
 EXPIRY_SLACK = 1024  # stale expiry-heap entries allowed beyond the leases' count before a rebuild
 
 Committed = tuple[int, list[int]]  # first offset, indexes of the batch's duplicates (idempotent produce)
@@ -634,8 +637,9 @@ class Partition:
         its commit (raises at once when the partition is closed or frozen). A waiter
         that cancels the future does not take the batch back: it is committed anyway.
         ``ikeys`` (a producer's direct commit): each record's idempotency key, the one
-        its extension block holds (None: none), so the commit reads no block; without
-        it the keys are read from the blocks."""
+        its extension block holds (None: none), so the commit reads no block, or
+        ``NO_KEYS`` when no record has one (a keyless produce); without it the keys are
+        read from the blocks."""
         if self.closed:
             raise OSError(9, "partition closed")
         self.last_used = time.monotonic()
@@ -684,6 +688,10 @@ class Partition:
                 heads, heads8 = FR.IDEM_HEADS, FR.IDEM_HEADS8
                 try:
                     for batch, _, iks in queue:
+                        if iks is NO_KEYS:  # (no record of it has a key: no block is looked into)
+                            FR.lay(laid, batch, ts, decoded)
+                            dups.append([])
+                            continue
                         dl: list[int] = []
                         if iks is not None:  # the producer's keys (its direct commit): no block read
                             if claimed is None:

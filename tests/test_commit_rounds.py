@@ -297,3 +297,36 @@ def test_syncfs_is_trusted_only_where_it_reports_write_errors(tmp_path: Path) ->
     assert not ok and "proc" in why
     ok, why = fileio.syncfs_reports_errors(tmp_path)
     assert ok == any(fs in why for fs in fileio.SYNCFS_FILESYSTEMS), why
+
+
+def test_the_round_thread_is_profiled_beside_the_worker_when_asked(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The diagnostic of ``loadtest/bench.py --cprofile``: with NARAD_WORKER_CPROFILE set,
+    the round thread runs under cProfile and writes ``<prefix>.rounds.<pid>`` when it ends,
+    holding its rounds (``_round``); without it, nothing is written."""
+    import pstats
+
+    prefix = tmp_path / "prof" / "run"
+    prefix.parent.mkdir()
+    for asked in (False, True):
+        if asked:
+            monkeypatch.setenv("NARAD_WORKER_CPROFILE", str(prefix))
+        else:
+            monkeypatch.delenv("NARAD_WORKER_CPROFILE", raising=False)
+        plogs = logs(tmp_path / ("on" if asked else "off"), 2)
+        rounds = CommitRounds("t", tmp_path)
+
+        async def main(rounds: CommitRounds = rounds, plogs: list[PartitionLog] = plogs) -> None:
+            assert [e for _, e in await one_round(rounds, plogs)] == [None, None]
+
+        asyncio.run(main())
+        rounds.stop()
+        for p in plogs:
+            p.close()
+        files = list(prefix.parent.iterdir())
+        if not asked:
+            assert files == []
+            continue
+        assert [f.name for f in files] == [f"run.rounds.{os.getpid()}"]
+        names = {name for (_file, _line, name) in pstats.Stats(str(files[0])).stats}  # type: ignore[attr-defined]
+        assert "_round" in names

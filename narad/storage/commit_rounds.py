@@ -161,6 +161,24 @@ class CommitRounds:
                         extra={"when": why, "err": str(e)})
 
     def _serve(self) -> None:
+        # A diagnostic (loadtest/bench.py --cprofile sets it for the workers): this thread
+        # under cProfile too, its stats written beside the worker's as <prefix>.rounds.<pid>.
+        prefix = os.environ.get("NARAD_WORKER_CPROFILE")
+        if not prefix:
+            self._serve_rounds()
+            return
+        import cProfile
+
+        prof = cProfile.Profile()
+        prof.enable()
+        try:
+            self._serve_rounds()
+        finally:
+            prof.disable()
+            with contextlib.suppress(OSError):
+                prof.dump_stats(f"{prefix}.rounds.{os.getpid()}")
+
+    def _serve_rounds(self) -> None:
         batch_class()
         self._advance_cursor("start")
         cond = self._cond

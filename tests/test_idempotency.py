@@ -672,7 +672,7 @@ def test_a_batch_spanning_both_workers_is_checked_at_each_owner_and_its_ack_sett
     """A batch received by worker 0 whose keys hash to both workers' partitions: worker
     1's share crosses the hop with its keys (``CommitReq.ikeys``), repeats inside the
     batch and across calls are found at both owners, and one ack of records from both
-    workers' partitions (grouped by owner once a partition) settles each, in request
+    workers' partitions (grouped by owner from the cached placement) settles each, in request
     order, and only once."""
     name = mk(node, "idem-span")
     by_worker: dict[int, list[str]] = {0: [], 1: []}

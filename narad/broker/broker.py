@@ -219,7 +219,7 @@ class _Placement:
     __slots__ = ("locs", "mine", "mine_set", "nodes", "peers", "workers")
 
     def __init__(self, mine: list[int], workers: list[int], nodes: list[str], index: int,
-                 locs: tuple[tuple[str | None, int], ...] = ()) -> None:
+                 locs: tuple[tuple[str | None, int], ...]) -> None:
         self.locs = locs  # partition -> ``Broker.where``'s (owner node, worker)
         self.mine = mine
         self.mine_set = frozenset(mine)
@@ -1878,24 +1878,13 @@ class Broker:
         if all(it[0] in mine for it in items):
             return self.settle_owned(t, items, mode, dur_ms, reason)
         result = [410] * len(items)
-        # By owner: each partition's owner read once from the placement (as ``where`` says
-        # it), not once an item (a batch ack of records from several workers' partitions).
-        by_part: dict[int, list[int]] = {}
-        for i, it in enumerate(items):
-            g = by_part.get(it[0])
-            if g is None:
-                by_part[it[0]] = [i]
-            else:
-                g.append(i)
+        # By owner, each item's read from the placement (``where``'s answers, cached with it)
+        # instead of worked out again for every item of a batch ack spanning workers.
         groups: dict[tuple[str | None, int], list[int]] = {}
         locs = pl.locs
-        for part, idxs in sorted(by_part.items()):
+        for i, (part, _, _) in enumerate(items):
             if 0 <= part < t.partitions:
-                g = groups.get(locs[part])
-                if g is None:
-                    groups[locs[part]] = idxs
-                else:
-                    g.extend(idxs)
+                groups.setdefault(locs[part], []).append(i)
 
         async def one(loc: tuple[str | None, int], idxs: list[int]) -> None:
             node, worker = loc

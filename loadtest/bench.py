@@ -75,6 +75,7 @@ import httptools
 import msgspec
 import psutil
 import uvloop
+from crc32c import crc32c
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -197,7 +198,7 @@ FEATURE_HEADERS = {"traceparent": TRACEPARENT, "tenant": "acme"}
 # "key": the placement an idempotency key implies, without it; "same": nothing changed, the plain run
 # again (an A/A control: the cost that the order of the runs and the noise alone make up); "bytes":
 # each batched message's payload longer by what "headers" adds to its JSON (a control for size).
-FEATURES = ("headers", "dlq", "idem", "idem1s", "key", "same", "bytes")
+FEATURES = ("headers", "dlq", "idem", "idem1s", "idem1p", "key", "same", "bytes")
 DLQ_TOPIC = "bench-dlq"
 
 
@@ -211,13 +212,32 @@ def topic_body(feature: str) -> dict[str, Any]:
     return body
 
 
+def one_partition_keys(first: int, n: int) -> list[bytes]:
+    """Idempotency keys for messages ``first`` .. ``first + n - 1``, unique, each hashing
+    (the node's ``key_partition``: crc32c modulo the partitions) to the same partition,
+    which moves on batch after batch as a keyless batch's does."""
+    target = ((first & 0xFFFFFFFF) // max(1, n) + (first >> 32)) % PARTITIONS
+    out = []
+    for mid in range(first, first + n):
+        base = b"%016x" % mid
+        k, s = base, 0
+        while crc32c(k) % PARTITIONS != target:
+            s += 1
+            k = base + b"-%d" % s
+        out.append(k)
+    return out
+
+
 class Requests:
     """Pre-rendered request bytes for one topic on one node. ``feature``: "" (plain),
     "headers" (two headers per message, 80 bytes: a traceparent and a tenant),
     "idem" (an idempotency key per message: its id), "idem1s" (the same on a topic whose
     idempotency window is 1 s: the owners' key tables at steady state, expiring a key for
     each one committed, as every table does once a topic has taken keys for longer than its
-    window; a run of "idem" is shorter than the default 5 min), "key" (a message key per message,
+    window; a run of "idem" is shorter than the default 5 min), "idem1p" (an idempotency key
+    per message, each batch's keys chosen to hash to one partition, a different one batch
+    after batch: the keys' own cost without the spread of a batch over partitions, which
+    "idem" minus "idem1p" is; single produces as "idem"), "key" (a message key per message,
     its id: each message goes to the partition its key hashes to, as a keyed one with an
     idempotency key does, but nothing is deduplicated), "dlq" (no change to requests:
     the topic has max_deliveries and a dead-letter topic), "same" (no change at all),
@@ -237,6 +257,9 @@ class Requests:
         self._pad_more = b"y" * hdr_len if feature == "bytes" else b""
         if feature == "idem1s":
             feature = self.feature = "idem"  # (the same requests; only the topic differs)
+        self.one_part = feature == "idem1p"
+        if self.one_part:
+            feature = self.feature = "idem"  # (single produces the same; a batch's keys chosen below)
         self._idem_head = (f"POST {base}/produce?{'key' if feature == 'key' else 'idempotency_key'}=").encode()
         self._idem_tail = (f" HTTP/1.1\r\n{common}Content-Type: application/json\r\n"
                            f"Content-Length: {MSG_SIZE}\r\n\r\n").encode()
@@ -260,7 +283,10 @@ class Requests:
         return self.produce_head + payload(mid)
 
     def produce_batch(self, first: int, n: int) -> bytes:
-        if self.feature in ("idem", "key"):
+        if self.one_part:
+            rows = [b'{"payload":' + payload(first + i) + b',"idempotency_key":"' + k + b'"}'
+                    for i, k in enumerate(one_partition_keys(first, n))]
+        elif self.feature in ("idem", "key"):
             field = b"idempotency_key" if self.feature == "idem" else b"key"
             rows = [b'{"payload":' + payload(first + i) + b',"' + field + b'":"%016x"}' % (first + i)
                     for i in range(n)]

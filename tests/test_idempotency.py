@@ -167,6 +167,51 @@ def test_a_keyed_batch_on_a_topic_with_a_schema_and_headers(node: Node) -> None:
     assert got[9]["partition"] == key_partition(b"h", PARTS)
 
 
+def test_the_one_pass_keyed_batch_stores_what_the_general_passes_store(node: Node) -> None:
+    """A batch whose every message has an idempotency key and nothing unusual is built in
+    one pass (``MessagesAPI._keyed_entries``); any other batch takes the general passes.
+    The same keyed messages through each (the second batch ends with a keyless message,
+    which sends it the general way) are stored alike: payloads, message keys, partitions
+    (by the key's hash, the message key's, or the one given), repeats inside the batch
+    and across calls. A bad message anywhere is the general passes' 400, naming it, and
+    nothing of the batch is stored."""
+    fast, slow = mk(node, "idem-onepass-a"), mk(node, "idem-onepass-b")
+    keys = ["k1", "u" * 31, "0f8fad5b-d9cb-469f-a165-70867728950e", "v" * 122, "w" * 128, "é" * 20, "k1"]
+    msgs: list[dict[str, Any]] = [{"payload": {"n": i, "s": "x" * 50}, "idempotency_key": k}
+                                  for i, k in enumerate(keys)]
+    msgs[1]["key"] = "order-7"  # a message key places it (and keeps its order)
+    msgs[2]["partition"] = 2
+    msgs[3]["payload"] = "a string body"
+    msgs[4]["headers"] = {}  # (empty: no headers)
+    r = node.post(f"/v1/topics/{fast}/produce/batch", {"messages": msgs})
+    assert r.status == 202 and r.json() == {"accepted": 7, "duplicates": 1}, r
+    r = node.post(f"/v1/topics/{slow}/produce/batch", {"messages": [*msgs, {"payload": {"n": 99}}]})
+    assert r.status == 202 and r.json() == {"accepted": 8, "duplicates": 1}, r
+    for name in (fast, slow):  # a retry of the keyed messages stores nothing, either way
+        r = node.post(f"/v1/topics/{name}/produce/batch", {"messages": msgs})
+        assert r.status == 202 and r.json() == {"accepted": 7, "duplicates": 7}, r
+    wait_for(lambda: stored(node, fast) == 6 and stored(node, slow) == 7, 10, 0.02, "both batches committed")
+
+    def view(name: str) -> dict[int, tuple[Any, ...]]:
+        return {m["payload"]["n"] if isinstance(m["payload"], dict) else 3:
+                (m["payload"], m.get("key"), m["partition"], m.get("headers")) for m in drain(node, name)}
+
+    a, b = view(fast), view(slow)
+    assert b.pop(99)[1] is None  # (the keyless message that sent the second batch the general way)
+    assert a == b, (a, b)
+    assert sorted(a) == [0, 1, 2, 3, 4, 5]
+    assert a[0][2] == key_partition(b"k1", PARTS) and a[1][2] == key_partition(b"order-7", PARTS)
+    assert a[2][2] == 2 and a[5][2] == key_partition(("é" * 20).encode(), PARTS)
+    assert a[1][1] == "order-7" and a[3][0] == "a string body" and a[4][3] is None
+    # A bad message after good ones: the general passes' answer, and nothing stored.
+    bad = [{"payload": 1, "idempotency_key": "z1"}, {"payload": 2, "idempotency_key": "z2", "partition": PARTS}]
+    assert error(node.post(f"/v1/topics/{fast}/produce/batch", {"messages": bad})).startswith(
+        "message 1: invalid argument: partition out of range")
+    bad[1] = {"payload": 2, "idempotency_key": "z2", "payload_encoding": "base64"}
+    assert error(node.post(f"/v1/topics/{fast}/produce/batch", {"messages": bad})).startswith("message 1: ")
+    assert stored(node, fast) == 6
+
+
 def test_produces_without_keys_answer_byte_for_byte_as_before(node: Node) -> None:
     name = mk(node, "idem-plain")
     c = node.conn()

@@ -190,6 +190,12 @@ def _direct_failed(exc: BaseException, records: int) -> bool:
     return True
 
 
+DirectGroup = tuple[list[int], list[tuple[bytes | None, int, bytes]], list[str | None] | None]
+"""One partition's share of a produce for ``Broker.direct``: the indexes of its entries
+(batch order), their (key, flags, payload) records, and their idempotency keys as their
+blocks hold them (None: none; the list None: read them from the blocks)."""
+
+
 class DirectBatch:
     """A produce's direct commits (``Broker.direct``): its records grouped by partition,
     each group committed straight into its partition on this node (here, or at another
@@ -911,8 +917,8 @@ class Broker:
         fut.add_done_callback(done)
         return fut
 
-    def direct(self, t: TopicRecord, entries: list[Entry], ikeys: list[str | None] | None = None,
-               groups: dict[int, list[int]] | None = None, keyed: bool = True) -> DirectBatch | None:
+    def direct(self, t: TopicRecord, entries: list[Entry], groups: dict[int, DirectGroup] | None = None,
+               keyed: bool = True) -> DirectBatch | None:
         """Produce without the WAL for a produce with idempotency keys (its records may
         also carry message keys or partitions, and span partitions; its answer waits for
         their commits anyway): each partition's
@@ -935,28 +941,28 @@ class Broker:
         other may be stored twice, as after a crash: counted in
         ``narad_errors_total{component="broker", kind="direct_hop_unknown"}`` and logged).
 
-        What the producer knows already is not worked out again here: ``ikeys`` (each
-        entry's idempotency key as its block holds it, None for none) goes to the commits
-        here, which then read no block; ``groups`` (partition -> the indexes of its entries,
-        in batch order) is the grouping; ``keyed`` False says no entry has a message key
-        (no order to keep)."""
+        What the producer knows already is not worked out again here: ``groups``
+        (partition -> ``DirectGroup``: the indexes of its entries in batch order, their
+        records, and each one's idempotency key as its block holds it, None for none)
+        is the grouping, and the keys go to the commits, which then read no block;
+        ``keyed`` False says no entry has a message key (no order to keep)."""
         if not entries or self.wal.failed is not None or not self.routes_trusted():
             return None
         if groups is None:
-            groups = {}
+            by_part: dict[int, list[int]] = {}
             for i, e in enumerate(entries):
-                g = groups.get(e.partition)
+                g = by_part.get(e.partition)
                 if g is None:
-                    groups[e.partition] = [i]
+                    by_part[e.partition] = [i]
                 else:
                     g.append(i)
+            groups = {part: (idx, [(entries[i].key, entries[i].flags, entries[i].payload) for i in idx], None)
+                      for part, idx in by_part.items()}
         plan: DirectBatch | None = None
         rest: list[int] = []
         inc = entries[0].incarnation
-        for part, idx in groups.items():
-            es = [entries[i] for i in idx]
-            fut = self._direct_group(t, part, inc, es, [ikeys[i] for i in idx] if ikeys is not None else None,
-                                     keyed)
+        for part, (idx, records, iks) in groups.items():
+            fut = self._direct_group(t, part, inc, records, iks, keyed)
             if fut is None:
                 rest.extend(idx)
                 continue
@@ -1014,7 +1020,7 @@ class Broker:
             return p
         return worker if self.links.connected(worker) else None
 
-    def _direct_group(self, t: TopicRecord, part: int, inc: bytes, es: list[Entry],
+    def _direct_group(self, t: TopicRecord, part: int, inc: bytes, records: list[tuple[bytes | None, int, bytes]],
                       iks: list[str | None] | None = None, keyed: bool = True) -> asyncio.Future[Committed] | None:
         """One partition's records of ``direct``: the future of their commit, or None
         (the WAL takes them)."""
@@ -1023,7 +1029,6 @@ class Broker:
         target = self._direct_target(t, part)
         if target is None:
             return None
-        records = [(e.key, e.flags, e.payload) for e in es]
         key = (t.name, inc, part)
         if keyed and any(r[0] for r in records) and not self._order_clear(key):
             # A key's records still on their way through this worker's WAL: this group waits

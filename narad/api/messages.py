@@ -1144,6 +1144,8 @@ class MessagesAPI:
                 return None
             stored = b"".join((heads[n], idem, payload)) if n < 32 else FR.pack_idem(idem, payload)  # type: ignore[arg-type]
             entries.append(Entry(name, inc, part, now, fl, key, stored))
+            # (the general pass's grouping, inline as there: a call less a message; the two stay
+            # in step, test_the_one_pass_keyed_batch_stores_what_the_general_passes_store)
             g = groups.get(part)
             if g is None:
                 groups[part] = ([i], [(key, fl, stored)], [ik])

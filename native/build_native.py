@@ -17,6 +17,8 @@ ffibuilder.cdef(
     void set_base(uint64_t *b, size_t n);
     uint64_t load_i(size_t i);
     int set_pdeathsig(int sig, int expected_parent);
+    int headers_canonical(const char *text, size_t n);
+    long headers_canonical_all(const char *joined, size_t n, size_t count);
     """
 )
 _src = (Path(__file__).resolve().parent / "narad_native.c").read_text()

@@ -6,9 +6,15 @@
  * workers read them with acquire loads, one per request on the hot path.
  * load_i() keeps the base pointer in C so a read costs one call with one
  * integer argument.
+ *
+ * headers_canonical*() recognise the common text of a batch message's headers
+ * (issue 14) so that the produce path can store it as given: see the comment
+ * above them. They only ever say "yes, this exact shape" or "no"; every "no"
+ * goes through msgspec's decoder (narad.api.messages.batch_headers).
  */
 #include <stdint.h>
 #include <stddef.h>
+#include <string.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <unistd.h>
@@ -48,4 +54,103 @@ int set_pdeathsig(int sig, int expected_parent) {
         return 1;
     }
     return 0;
+}
+
+/* Headers (issue 14). A batch message's headers arrive as the JSON text of the
+ * value (msgspec.Raw: the body's decoder checked its syntax and refused raw
+ * control characters, but did not read its strings' UTF-8). The produce path
+ * stores the text as msgspec would encode the string-to-string dict it holds;
+ * these functions say when the text already is that encoding, byte for byte:
+ *   {"N":"V"} or {"N":"V","N":"V",...}   nothing else, no spaces
+ * with 1 to HDR_MAX_COUNT names, each 1 to HDR_MAX_NAME bytes of
+ * [A-Za-z0-9._-] and none twice, every value ASCII from 0x20 to 0x7f except
+ * '"' and '\\' (no escape: msgspec escapes only '"', '\\' and control
+ * characters and writes DEL as it is), and at most HDR_MAX_BYTES bytes in all.
+ * The bounds are narad.api.messages' MAX_HEADERS, MAX_HEADER_NAME and
+ * MAX_HEADERS_BYTES (a test checks they agree). */
+#define HDR_MAX_COUNT 32
+#define HDR_MAX_NAME 128
+#define HDR_MAX_BYTES 8192
+
+/* Byte classes: HDR_NAME for [A-Za-z0-9._-], HDR_VALUE for 0x20 to 0x7f except '"'
+ * and '\\'; one table read a byte
+ * (a test checks the table against those rules). */
+#define HDR_NAME 1
+#define HDR_VALUE 2
+static const unsigned char hdr_class[256] = {
+    0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+    2, 2, 0, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 2, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2,
+    2, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 2, 0, 2, 2, 3,
+    2, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2,
+    0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+    0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+    0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+    0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+};
+
+/* 1 when text[0..n) has the shape above, else 0. */
+int headers_canonical(const char *text, size_t n) {
+    const unsigned char *p = (const unsigned char *)text;
+    const unsigned char *names[HDR_MAX_COUNT];
+    size_t lens[HDR_MAX_COUNT];
+    int k = 0;
+    size_t i = 1;
+    if (n < 8 || n > HDR_MAX_BYTES || p[0] != '{' || p[n - 1] != '}') {
+        return 0;
+    }
+    for (;;) {
+        size_t s, len;
+        if (k == HDR_MAX_COUNT || i >= n || p[i] != '"') {
+            return 0;
+        }
+        s = ++i;
+        while (i < n && (hdr_class[p[i]] & HDR_NAME)) {
+            i++;
+        }
+        len = i - s;
+        if (len == 0 || len > HDR_MAX_NAME || i + 2 >= n || p[i] != '"' || p[i + 1] != ':' || p[i + 2] != '"') {
+            return 0;
+        }
+        for (int j = 0; j < k; j++) {
+            if (lens[j] == len && memcmp(names[j], p + s, len) == 0) {
+                return 0;
+            }
+        }
+        names[k] = p + s;
+        lens[k] = len;
+        k++;
+        i += 3;
+        while (i < n && (hdr_class[p[i]] & HDR_VALUE)) {
+            i++;
+        }
+        if (i + 1 >= n || p[i] != '"') {
+            return 0;
+        }
+        i++;
+        if (p[i] == ',') {
+            i++;
+            continue;
+        }
+        return (p[i] == '}' && i == n - 1) ? 1 : 0;
+    }
+}
+
+/* `count` texts joined by NUL bytes (which no JSON text holds): -1 when every
+ * one has the shape above, else the index of the first that has not. */
+long headers_canonical_all(const char *joined, size_t n, size_t count) {
+    size_t start = 0;
+    size_t idx = 0;
+    for (;;) {
+        const char *z = memchr(joined + start, 0, n - start);
+        size_t end = z != NULL ? (size_t)(z - joined) : n;
+        if (idx >= count || !headers_canonical(joined + start, end - start)) {
+            return (long)idx;
+        }
+        idx++;
+        if (z == NULL) {
+            break;
+        }
+        start = end + 1;
+    }
+    return idx == count ? -1 : (long)idx;
 }

@@ -1021,3 +1021,75 @@ def test_a_block_that_starts_as_headers_alone_never_carries_an_idempotency_key()
         assert s[1:4] == FR.HEADERS_ALONE and (s[0] >= 0x80 or s[3] != 0x69)
         assert IDEM.key_of(FR.F_EXT, s) is None, s
     assert IDEM.key_of(FR.F_EXT, keyed) == "order-1" and keyed[1:4] != FR.HEADERS_ALONE
+
+
+def _headers_the_dict_way(text: bytes) -> bytes | str | None:
+    """What a batch message's ``headers`` became before ``batch_headers``: decoded as a
+    string-to-string dict (null: none) and checked and encoded by ``headers_text``;
+    a refusal as "400"."""
+    try:
+        h = msgspec.json.decode(text, type=dict[str, str] | None)
+        return M.headers_text(h) if h else None
+    except (msgspec.DecodeError, M.BadRequest):
+        return "400"
+
+
+def _headers_the_raw_way(text: bytes) -> bytes | str | None:
+    try:
+        return M.batch_headers(msgspec.Raw(text))
+    except M.BadRequest:
+        return "400"
+
+
+_NAME_CHARS = st.sampled_from([*"abcXYZ09._-", " ", "é", ":", ",", '"', "\\", "{", "\x7f"])
+_VALUE_CHARS = st.sampled_from([*"ab1 .:,{}[]/", '"', "\\", "é", "\x01", "\x7f", "\u2028", "\U0001f600"])
+
+
+@FAST
+@given(st.lists(st.tuples(st.text(_NAME_CHARS, max_size=6), st.text(_VALUE_CHARS, max_size=8)), max_size=5),
+       st.sampled_from(["compact", "spaced", "escaped", "nested", "array"]), st.integers(0, 40))
+def test_batch_headers_fast_path_stores_what_the_dict_path_stores(pairs: list[tuple[str, str]], shape: str,
+                                                                   cut: int) -> None:
+    """A batch message's headers text taken as it is (``batch_headers``' fast path)
+    stores the bytes, or gives the 400, that decoding it into a dict and encoding that
+    gives: for compact texts (msgspec's own), texts with spaces, escapes, repeated
+    names (the pairs may repeat one), values that are objects or arrays, and texts
+    cut short."""
+    body = b"{" + b",".join(msgspec.json.encode(n) + b":" + msgspec.json.encode(v) for n, v in pairs) + b"}"
+    if shape == "spaced":
+        body = body.replace(b":", b" : ", 1)
+    elif shape == "escaped" and pairs:
+        body = body.replace(b'"', b'"\\u0061', 1)  # the first name gains an escaped "a"
+    elif shape == "nested" and pairs:
+        body = body[:-1] + b',"n":{"a":"b"}}'
+    elif shape == "array":
+        body = b'[' + body + b']'
+    try:  # only texts the body's decoder would take as a value reach ``batch_headers``
+        msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        body = body[: max(1, len(body) - cut)]
+        try:
+            msgspec.json.decode(body)
+        except msgspec.DecodeError:
+            return
+    assert _headers_the_raw_way(body) == _headers_the_dict_way(body), body
+
+
+def test_batch_headers_fast_path_cases() -> None:
+    """The fast path's edges, each against the dict path: a repeated name (the last
+    value kept), an empty object, null, the count and byte bounds, a bad name, a
+    name seen before, a non-string value, and invalid UTF-8 (which the body's
+    decoder does not read inside a value it skips)."""
+    cases = [b'{"a":"1","a":"2"}', b"{}", b"null", b'{"a":""}', b'{"":"x"}', b'{"a b":"x"}', b'{"a":1}',
+             b'{"a":"\xff"}', b'{"a":"\xc3\xa9"}', b'{"a":"b" ,"c":"d"}', b'{"a":"b", "c":"d"}',
+             b'{"a":":","b":","}', b'{"a":"\\"","b":"c"}',
+             b"{" + b",".join(b'"h%d":"v"' % i for i in range(32)) + b"}",
+             b"{" + b",".join(b'"h%d":"v"' % i for i in range(33)) + b"}",
+             b'{"a":"' + b"x" * 8188 + b'"}', b'{"a":"' + b"x" * 8200 + b'"}',
+             b'{"' + b"n" * 128 + b'":"v"}', b'{"' + b"n" * 129 + b'":"v"}', b'[{"a":"b"}]', b'"s"', b"12"]
+    for body in cases:
+        for _ in range(2):  # the second time, its names are ones seen before
+            assert _headers_the_raw_way(body) == _headers_the_dict_way(body), body
+    assert M.batch_headers(msgspec.Raw(b'{"a":"1","a":"2"}')) == b'{"a":"2"}'
+    with pytest.raises(M.BadRequest, match=r"at `\$\.headers"):
+        M.batch_headers(msgspec.Raw(b'{"a":1}'))

@@ -115,6 +115,62 @@ def test_batch_and_single_headers_come_back_on_consume(node: Node) -> None:
     assert r.status == 200 and r.json()["headers"] == {"kind": "single", "url": "http://h:1/x"}, r
 
 
+def test_a_batch_of_headers_texts_of_every_shape_stores_what_their_dicts_give(node: Node) -> None:
+    """A batch's headers texts are taken as given when they already are the stored form
+    (checked for the whole batch in one native call) and go through a dict otherwise,
+    from the first such text on: a batch mixing compact texts, spaces, an escape,
+    a repeated name (the last value kept), non-ASCII, null and an empty object (no
+    headers; the payload stored whole) comes back as each text's dict gives it, in
+    order, with every payload intact; a bad text after good ones is the 400 naming
+    its message, and nothing of that batch is stored."""
+    mk(node, "hd-shapes")  # (a keyless batch goes to one partition: its offsets are its order)
+    texts = [b'{"a":"1","b":"2"}', b'{"a" : "1"}', b'{"\\u0061":"x"}', b'{"a":"1","a":"2"}', b'{"a":"\xc3\xa9"}',
+             b"null", b"{}", b'{"t":"v"}', None]
+    rows = [b'{"payload":{"n":%d}' % i + (b',"headers":' + t if t is not None else b"") + b"}"
+            for i, t in enumerate(texts)]
+    body = b'{"messages":[' + b",".join(rows) + b"]}"
+    r = node.request("POST", "/v1/topics/hd-shapes/produce/batch", body, headers={"Content-Type": "application/json"})
+    assert r.status == 202 and r.json() == {"accepted": len(texts)}, r
+    got = sorted(take_all(node, "hd-shapes", len(texts)), key=lambda m: (m["partition"], m["offset"]))
+    assert [m["payload"] for m in got] == [{"n": i} for i in range(len(texts))]
+    want = [json.loads(t) if t is not None else None for t in texts]
+    assert [m.get("headers") for m in got] == [w or None for w in want]
+    assert got[3]["headers"] == {"a": "2"} and got[4]["headers"] == {"a": "é"}
+    for bad in (b'{"a":1}', b'{"sp ace":"1"}', b'[1]', b'{"a":"\xff"}'):
+        body = b'{"messages":[{"payload":1,"headers":{"ok":"1"}},{"payload":2,"headers":' + bad + b"}]}"
+        r = node.request("POST", "/v1/topics/hd-shapes/produce/batch", body,
+                         headers={"Content-Type": "application/json"})
+        assert r.status == 400 and r.json()["error"].startswith("message 1: "), (bad, r)
+    r = node.request("GET", "/v1/topics/hd-shapes/consume?max=10", headers=CLIENT)
+    assert r.status == 204, r
+
+
+def test_the_native_stored_form_check_keeps_the_bounds_of_the_python_side() -> None:
+    """``headers_canonical`` (native) and ``messages``' bounds agree: 32 names but not
+    33, a 128-byte name but not 129, 8192 bytes of text but not 8193 (a longer text
+    still goes through the dict, which counts names and values only)."""
+    from narad._native import lib
+
+    from narad.api import messages as M
+
+    def ok(t: bytes) -> bool:
+        return bool(lib.headers_canonical(t, len(t)))
+
+    def many(n: int) -> bytes:
+        return b"{" + b",".join(b'"h%d":"v"' % i for i in range(n)) + b"}"
+
+    assert ok(many(M.MAX_HEADERS)) and not ok(many(M.MAX_HEADERS + 1))
+    longest = M.MAX_HEADER_NAME
+    assert ok(b'{"' + b"n" * longest + b'":"v"}') and not ok(b'{"' + b"n" * (longest + 1) + b'":"v"}')
+    fill = M.MAX_HEADERS_BYTES - len(b'{"a":""}')
+    assert ok(b'{"a":"' + b"x" * fill + b'"}') and not ok(b'{"a":"' + b"x" * (fill + 1) + b'"}')
+    assert ok(b'{"a":"\x7f ~!#"}') and not ok(b'{"a":"\x1f"}') and not ok(b'{"a":"\x80"}')
+    for c in range(256):  # the byte classes: a name's by the name rule, a value's any ASCII but controls, '"' and '\\'
+        b = bytes((c,))
+        assert ok(b'{"' + b + b'":"v"}') == bool(M._HEADER_NAME.fullmatch(chr(c))), c
+        assert ok(b'{"a":"' + b + b'"}') == (0x20 <= c < 0x80 and b not in b'"\\'), c
+
+
 def test_single_produce_with_a_schema_keeps_headers_and_checks_only_the_body(node: Node) -> None:
     schema = {"type": "object", "required": ["id"]}
     mk(node, "hd-schema", schema=schema)

@@ -47,6 +47,7 @@ from typing import Annotated, Any
 
 import msgspec
 
+from narad._native import lib as native
 from narad.api.context import NESTED_TOO_DEEP, ApiContext, decode_why, parse_int
 from narad.api.hangup import cancel_on_hangup
 from narad.api.router import Reply, Request, Response, Router, empty, json_response
@@ -309,17 +310,24 @@ class _LeasedKey(msgspec.Struct, omit_defaults=True):
     headers: msgspec.Raw | None = None
 
 
-# ``render_leased``'s table of the two commonest blocks, by their first five bytes (the
-# block's one-byte length, a one-entry map, its one-letter key and the value's type):
-# an idempotency key alone, 0 to 31 bytes (a fixstr: the head fixes the key's length) or
-# 32 to 122 (a str8: its length byte, the sixth, is checked), -> the block's bytes with
-# its length byte; headers alone whose JSON text is 1 to 122 bytes (a bin8: its length
-# byte is checked, and the text's braces) -> the same, negated.
-_BLOCK_HEADS: dict[bytes, int] = {
-    **{bytes((4 + n, 0x81, 0xA1, 0x69, 0xA0 | n)): 5 + n for n in range(32)},
-    **{bytes((5 + n, 0x81, 0xA1, 0x69, 0xD9)): 6 + n for n in range(32, 123)},
-    **{bytes((5 + m, 0x81, 0xA1, 0x68, 0xC4)): -(6 + m) for m in range(1, 123)},
+# ``render_leased``'s tables of the two commonest blocks, read in place with slices built
+# once. Headers alone whose JSON text is 1 to 122 bytes (a bin8), by the block's first
+# seven bytes (its one-byte length 5 + m, a one-entry map, its key "h", bin8, the text's
+# length m and its opening brace) -> (the text's slice, the body's slice, the index of
+# the text's last byte, which must be its closing brace). An idempotency key alone, by
+# the block's first five bytes (its length, the map, "i" and the key's type: a fixstr
+# fixes the key's length, 0 to 31 bytes; a str8, 32 to 122, has its length in the sixth
+# byte) -> (the body's slice, the sixth byte wanted or -1). A record that ends within
+# its block leaves an empty body: ``plain_block`` then reads it.
+_HEADERS_HEADS: dict[bytes, tuple[slice, slice, int]] = {
+    bytes((5 + m, 0x81, 0xA1, 0x68, 0xC4, m, 0x7B)): (slice(6, 6 + m), slice(6 + m, None), 5 + m)
+    for m in range(1, 123)
 }
+_KEY_HEADS: dict[bytes, tuple[slice, int]] = {
+    **{bytes((4 + n, 0x81, 0xA1, 0x69, 0xA0 | n)): (slice(5 + n, None), -1) for n in range(32)},
+    **{bytes((5 + n, 0x81, 0xA1, 0x69, 0xD9)): (slice(6 + n, None), n) for n in range(32, 123)},
+}
+_Raw = msgspec.Raw
 
 
 def render_leased(topic: str, it: Item) -> MessageOut | _Leased | _LeasedKey:
@@ -331,27 +339,36 @@ def render_leased(topic: str, it: Item) -> MessageOut | _Leased | _LeasedKey:
     body = it.payload
     hdr = None
     if f & F_EXT:
-        # ``plain_block``'s two commonest cases inline (a call less a message): an idempotency
-        # key alone and headers alone, named by the block's first five bytes in one lookup
-        # (``_BLOCK_HEADS``: the block's bytes with its length byte, negated for headers), the
-        # bytes after them checked here; anything else goes through ``plain_block``.
-        cut = _BLOCK_HEADS.get(body[:5], 0)
-        if cut > 0 and len(body) >= cut and (cut < 38 or body[5] == cut - 6):
-            body = body[cut:]  # (a key under 32 bytes, a fixstr; or 32 to 122, a str8: a UUID)
-        else:
-            c = -cut  # (headers alone: the block's length, negated in the table)
-            if c > 0 and len(body) >= c and body[5] == c - 6 and body[6] == 0x7B and body[c - 1] == 0x7D:
-                hdr = msgspec.Raw(body[6:c])
-                body = body[c:]
+        # ``plain_block``'s two commonest cases inline (a call less a message): headers alone
+        # and an idempotency key alone, told apart by the map's first key (the fourth byte)
+        # and named by the block's first bytes in one lookup (``_HEADERS_HEADS``,
+        # ``_KEY_HEADS``); anything else, or a record shorter than its block, goes through
+        # ``plain_block``.
+        rest = None
+        try:
+            if body[3] == 0x68:
+                h = _HEADERS_HEADS.get(body[:7])
+                if h is not None:
+                    hs, cut, last = h
+                    if body[last] == 0x7D:
+                        hdr = _Raw(body[hs])
+                        rest = body[cut]
             else:
-                hs, he, pos = FR.plain_block(body)
-                if pos < 0 or (he > hs and (body[hs] != 0x7B or body[he - 1] != 0x7D)):
-                    return render(topic, it, True)
-                if he > hs:
-                    hdr = msgspec.Raw(body[hs:he])
-                body = body[pos:]
+                k = _KEY_HEADS.get(body[:5])
+                if k is not None and (k[1] < 0 or body[5] == k[1]):
+                    rest = body[k[0]]  # (a key under 32 bytes, a fixstr; or 32 to 122, a str8: a UUID)
+        except IndexError:  # (shorter than its block: ``plain_block`` says so)
+            pass
+        if rest:  # (empty: the record ends within its block, or is not one of these two)
+            body = rest
+        else:
+            hs, he, pos = FR.plain_block(body)
+            if pos < 0 or (he > hs and (body[hs] != 0x7B or body[he - 1] != 0x7D)):
+                return render(topic, it, True)
+            hdr = _Raw(body[hs:he]) if he > hs else None
+            body = body[pos:]
     if f & F_JSON:
-        pay: Any = msgspec.Raw(body)
+        pay: Any = _Raw(body)
     elif f & F_UTF8:
         pay = body.decode()
     else:
@@ -373,7 +390,9 @@ class BatchMsg(msgspec.Struct, forbid_unknown_fields=True):
     key: str | None = None
     key_encoding: str | None = None
     partition: Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)] | None = None
-    headers: dict[str, str] | None = None  # extension (issue 14)
+    # extension (issue 14): the JSON text as given (a string to string object, or null),
+    # checked and made the stored text by ``batch_headers``
+    headers: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
     idempotency_key: str | None = None  # extension (issue 14)
 
 
@@ -408,6 +427,32 @@ def headers_text(h: dict[str, str]) -> bytes:
     if len(text) > MAX_HEADERS_BYTES and sum(len(n) + len(v.encode()) for n, v in h.items()) > MAX_HEADERS_BYTES:
         raise BadRequest(f"invalid argument: headers larger than {MAX_HEADERS_BYTES} bytes in all")
     return text
+
+
+_hdr_dec = msgspec.json.Decoder(dict[str, str])
+
+
+def batch_headers(raw: msgspec.Raw) -> bytes | msgspec.Raw | None:
+    """A batch message's ``headers`` (the JSON text of the value as given; the body's
+    decoder checked its syntax) as ``headers_text`` stores them, or None (null or an
+    empty object), or the 400 naming what to fix. A text that already is what
+    ``headers_text`` would make of it (``headers_canonical`` in native/narad_native.c:
+    compact, ASCII without escapes, names by the rule and none twice, within the
+    bounds; the common case) is returned as it is, without decoding it into a dict and
+    encoding that again; any other goes through the dict, as a batch's headers did
+    before. ``headers_canonical_all`` checks a whole batch's texts in one call."""
+    t = bytes(raw)
+    if native.headers_canonical(t, len(t)):
+        return t
+    if t == b"null":
+        return None
+    try:
+        h = _hdr_dec.decode(t)
+    except msgspec.ValidationError as e:
+        raise BadRequest(f"invalid json: {str(e).replace('`$', '`$.headers', 1)}") from None
+    except msgspec.DecodeError as e:  # (invalid UTF-8: the body's decoder skipped the text unread)
+        raise BadRequest(f"invalid json: headers: {e}") from None
+    return headers_text(h) if h else None
 
 
 def _utf8_ok(v: str) -> bool:
@@ -971,18 +1016,21 @@ class MessagesAPI:
                 return await self._produce_keyed(req, t, entries_k, entries_k, groups_k, keyed_k)
         now = int(time.time() * 1000)
         inc = bytes.fromhex(t.id)
-        prepared: list[tuple[bytes, bytes | None, int | None, int, bytes | None, bytes | None]] = []
+        prepared: list[tuple[Any, bytes | None, int | None, int, Any, bytes | None]] = []
         keys_given = False  # an idempotency key in some message
+        unset = msgspec.UNSET
+        texts: list[msgspec.Raw] = []  # the headers' texts as given, in message order (checked after pass 1)
         # Pass 1: the format of every message.
         for i, m in enumerate(msgs):
-            if m.payload is msgspec.UNSET:
+            if m.payload is unset:
                 raise BadRequest(f"message {i}: payload required")
             flags = F_JSON | F_UTF8  # a value taken from a JSON document is one valid JSON text
             ik = m.idempotency_key
+            h = m.headers
             if m.payload_encoding is None:
                 # (with an idempotency key or headers the stored payload is a new bytes anyway,
                 # its block and the body joined: the body is read from the request's buffer, no copy)
-                payload = m.payload if ik is not None or m.headers else bytes(m.payload)  # type: ignore[arg-type]
+                payload = m.payload if ik is not None or h is not unset else bytes(m.payload)  # type: ignore[arg-type]
             elif m.payload_encoding == "base64":
                 raw = bytes(m.payload)  # type: ignore[arg-type]
                 try:
@@ -1011,8 +1059,12 @@ class MessagesAPI:
                 key = key or None
             if m.partition is not None and m.partition < 0:
                 raise BadRequest(f"message {i}: invalid argument: partition out of range")
+            if h is unset:
+                hdrs = None
+            else:  # (taken as given here; checked with the batch's others below, in one call)
+                hdrs = h
+                texts.append(h)
             try:  # (the message's index is named only in an answer: no prefix built a message)
-                hdrs = headers_text(m.headers) if m.headers else None
                 if ik is None:
                     idem = None
                 else:  # ``idem_key`` inline (a JSON string holds no lone surrogate: msgspec refuses one)
@@ -1023,6 +1075,8 @@ class MessagesAPI:
             except BadRequest as e:
                 raise BadRequest(f"message {i}: {e.message}") from None
             prepared.append((payload, key, m.partition, flags, hdrs, idem))
+        if texts:
+            self._batch_headers(msgs, prepared, texts)
         # Pass 2: partition range and schema.
         for i, (_payload, _key, part, _flags, _h, _idem) in enumerate(prepared):
             if part is not None and part >= t.partitions:
@@ -1037,6 +1091,7 @@ class MessagesAPI:
         keyless = -1  # the keyless choice: sticky, the same for every keyless message of this pass (asked once)
         if not keys_given:  # (the common case)
             chosen: set[int] = set()  # keyless partitions chosen here; one alone (sticky) may commit directly
+            hheads = FR.HEADERS_HEADS
             placed = False  # a key or a partition from the client
             for payload, key, part, flags, hdrs, _idem in prepared:
                 if part is None:
@@ -1050,7 +1105,12 @@ class MessagesAPI:
                         placed = True
                 else:
                     placed = True
-                fl, stored = (flags, payload) if hdrs is None else (flags | FR.F_EXT, FR.pack_headers(hdrs, payload))
+                if hdrs is None:
+                    fl, stored = flags, payload
+                elif (n := len(hdrs)) < 0x7B:  # (``pack_headers`` inline for a text under 123 bytes)
+                    fl, stored = flags | F_EXT, b"".join((hheads[n], hdrs, payload))
+                else:
+                    fl, stored = flags | F_EXT, FR.pack_headers(hdrs, payload)
                 entries.append(Entry(t.name, inc, part, now, fl, key, stored))
             direct = next(iter(chosen)) if len(chosen) == 1 and not placed else None
             await self._append(req, t, entries, direct=direct)
@@ -1080,7 +1140,7 @@ class MessagesAPI:
                 fl, stored = flags | FR.F_EXT, (b"".join((heads[n], idem, payload)) if n < 32
                                                 else FR.pack_idem(idem, payload))
             else:
-                fl, stored = with_ext(flags, payload, hdrs, idem)
+                fl, stored = with_ext(flags, payload, bytes(hdrs), idem)
             e = Entry(t.name, inc, part, now, fl, key, stored)
             entries.append(e)
             ik = msgs[i].idempotency_key  # (the commit's key, as given)
@@ -1094,6 +1154,28 @@ class MessagesAPI:
             if idem is not None:
                 watch.append(e)
         return await self._produce_keyed(req, t, entries, watch, groups, keyed)
+
+    @staticmethod
+    def _batch_headers(msgs: list[BatchMsg], prepared: list[Any], texts: list[msgspec.Raw]) -> None:
+        """Pass 1's headers, checked: every text at once (``headers_canonical_all``; the
+        common batch is done in that call, each message's text stored as given); from
+        the first text that is not already stored form on, each through
+        ``batch_headers`` (the 400 names its message; null and an empty object leave
+        the message without headers, its payload then a copy as any other's)."""
+        joined = b"\0".join(texts)
+        first = native.headers_canonical_all(joined, len(joined), len(texts))
+        if first < 0:
+            return
+        at = [i for i, m in enumerate(msgs) if m.headers is not msgspec.UNSET]
+        for i in at[first:]:
+            try:
+                hdrs = batch_headers(msgs[i].headers)  # type: ignore[arg-type]
+            except BadRequest as e:
+                raise BadRequest(f"message {i}: {e.message}") from None
+            payload, key, part, flags, _h, idem = prepared[i]
+            if hdrs is None and idem is None:
+                payload = bytes(payload)  # (no block to join it to: the request's buffer is not kept)
+            prepared[i] = (payload, key, part, flags, hdrs, idem)
 
     async def _produce_keyed(self, req: Request, t: TopicRecord, entries: list[Entry], watch: list[Entry],
                              groups: dict[int, DirectGroup], keyed: bool) -> Response:
@@ -1126,7 +1208,7 @@ class MessagesAPI:
         for i, m in enumerate(msgs):
             ik = m.idempotency_key
             payload = m.payload
-            if (ik is None or payload is unset or m.payload_encoding is not None or m.headers
+            if (ik is None or payload is unset or m.payload_encoding is not None or m.headers is not unset
                     or m.key_encoding is not None or not payload or len(payload) > MAX_MESSAGE):  # type: ignore[arg-type]
                 return None
             idem = ik.encode()

@@ -303,6 +303,7 @@ def pack_ext(ext: Ext, body: bytes) -> bytes:
 # Length byte and map head of a headers-only block whose JSON text is n < 123 bytes
 # (the block, 5 + n bytes, then has a one-byte length).
 _SHORT_HEADS = [bytes((5 + n, 0x81, 0xA1, 0x68, 0xC4, n)) for n in range(0x80 - 5)]
+HEADERS_HEADS = tuple(_SHORT_HEADS)  # (the produce path's ``pack_headers`` inline: ``HEADERS_HEADS[n] + hjson + body``)
 
 
 def pack_headers(hjson: bytes, body: bytes) -> bytes:
@@ -317,7 +318,7 @@ def pack_headers(hjson: bytes, body: bytes) -> bytes:
     elif n < 0x10000:
         head = b"\x81\xa1h\xc5" + n.to_bytes(2, "big")
     else:
-        return pack_ext(Ext(h=hjson), body)
+        return pack_ext(Ext(h=bytes(hjson)), body)
     return b"".join((uvarint(len(head) + n), head, hjson, body))
 
 

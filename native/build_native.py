@@ -19,6 +19,8 @@ ffibuilder.cdef(
     int set_pdeathsig(int sig, int expected_parent);
     int headers_canonical(const char *text, size_t n);
     long headers_canonical_all(const char *joined, size_t n, size_t count);
+    uint32_t crc32c_of(const char *p, size_t n, int force_sw);
+    int crc32c_parts(const char *joined, size_t n, size_t count, uint32_t nparts, uint32_t *out);
     """
 )
 _src = (Path(__file__).resolve().parent / "narad_native.c").read_text()

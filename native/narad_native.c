@@ -154,3 +154,94 @@ long headers_canonical_all(const char *joined, size_t n, size_t count) {
     }
     return idx == count ? -1 : (long)idx;
 }
+
+/* CRC-32C (Castagnoli, reflected polynomial 0x82F63B78, the crc32c package's and
+ * Go's crc32.Castagnoli), for placing a batch's idempotency keys in one call
+ * (crc32c_parts). SSE4.2's crc32 instruction when the CPU has it, else a table;
+ * tests check both against the crc32c package. */
+static uint32_t crc32c_table[256];
+static int crc32c_hw = -1; /* -1: not decided yet */
+
+static void crc32c_init(void) {
+    for (uint32_t i = 0; i < 256; i++) {
+        uint32_t c = i;
+        for (int j = 0; j < 8; j++) {
+            c = (c & 1) ? (c >> 1) ^ 0x82F63B78u : c >> 1;
+        }
+        crc32c_table[i] = c;
+    }
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    crc32c_hw = __builtin_cpu_supports("sse4.2") ? 1 : 0;
+#else
+    crc32c_hw = 0;
+#endif
+}
+
+static uint32_t crc32c_sw(const unsigned char *p, size_t n) {
+    uint32_t c = 0xFFFFFFFFu;
+    for (size_t i = 0; i < n; i++) {
+        c = crc32c_table[(c ^ p[i]) & 0xFF] ^ (c >> 8);
+    }
+    return c ^ 0xFFFFFFFFu;
+}
+
+#if defined(__x86_64__)
+__attribute__((target("sse4.2"))) static uint32_t crc32c_sse42(const unsigned char *p, size_t n) {
+    uint64_t c = 0xFFFFFFFFu;
+    while (n >= 8) {
+        uint64_t w;
+        memcpy(&w, p, 8);
+        c = __builtin_ia32_crc32di(c, w);
+        p += 8;
+        n -= 8;
+    }
+    uint32_t c32 = (uint32_t)c;
+    while (n > 0) {
+        c32 = __builtin_ia32_crc32qi(c32, *p);
+        p++;
+        n--;
+    }
+    return c32 ^ 0xFFFFFFFFu;
+}
+#endif
+
+/* The CRC-32C of p[0..n); `force_sw` uses the table whatever the CPU has (tests). */
+uint32_t crc32c_of(const char *p, size_t n, int force_sw) {
+    if (crc32c_hw < 0) {
+        crc32c_init(); /* (a race repeats the same writes) */
+    }
+#if defined(__x86_64__)
+    if (crc32c_hw == 1 && !force_sw) {
+        return crc32c_sse42((const unsigned char *)p, n);
+    }
+#endif
+    return crc32c_sw((const unsigned char *)p, n);
+}
+
+/* `count` keys joined by NUL bytes: out[i] = crc32c(key i) % nparts. Returns 0, or
+ * -1 when the joined bytes do not hold exactly `count` keys (a key holding a NUL:
+ * the caller places each key itself) or nparts is 0. */
+int crc32c_parts(const char *joined, size_t n, size_t count, uint32_t nparts, uint32_t *out) {
+    size_t start = 0;
+    size_t idx = 0;
+    if (nparts == 0) {
+        return -1;
+    }
+    if (crc32c_hw < 0) {
+        crc32c_init();
+    }
+    for (;;) {
+        const char *z = memchr(joined + start, 0, n - start);
+        size_t end = z != NULL ? (size_t)(z - joined) : n;
+        if (idx >= count) {
+            return -1;
+        }
+        out[idx++] = crc32c_of(joined + start, end - start, 0) % nparts;
+        if (z == NULL) {
+            break;
+        }
+        start = end + 1;
+    }
+    return idx == count ? 0 : -1;
+}

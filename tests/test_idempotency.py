@@ -10,6 +10,7 @@ partition commit in-process. Waits are conditions with deadlines, never sleeps."
 from __future__ import annotations
 
 import asyncio
+import random
 import sys
 import time
 import uuid
@@ -182,7 +183,7 @@ def test_the_one_pass_keyed_batch_stores_what_the_general_passes_store(node: Nod
     msgs[1]["key"] = "order-7"  # a message key places it (and keeps its order)
     msgs[2]["partition"] = 2
     msgs[3]["payload"] = "a string body"
-    msgs[4]["headers"] = {}  # (empty: no headers)
+    msgs[4]["payload"] = [4, "w"]  # (a list body; any headers field, even {}, sends a batch the general way)
     r = node.post(f"/v1/topics/{fast}/produce/batch", {"messages": msgs})
     assert r.status == 202 and r.json() == {"accepted": 7, "duplicates": 1}, r
     r = node.post(f"/v1/topics/{slow}/produce/batch", {"messages": [*msgs, {"payload": {"n": 99}}]})
@@ -193,7 +194,7 @@ def test_the_one_pass_keyed_batch_stores_what_the_general_passes_store(node: Nod
     wait_for(lambda: stored(node, fast) == 6 and stored(node, slow) == 7, 10, 0.02, "both batches committed")
 
     def view(name: str) -> dict[int, tuple[Any, ...]]:
-        return {m["payload"]["n"] if isinstance(m["payload"], dict) else 3:
+        return {m["payload"]["n"] if isinstance(m["payload"], dict) else 3 if isinstance(m["payload"], str) else 4:
                 (m["payload"], m.get("key"), m["partition"], m.get("headers")) for m in drain(node, name)}
 
     a, b = view(fast), view(slow)
@@ -210,6 +211,33 @@ def test_the_one_pass_keyed_batch_stores_what_the_general_passes_store(node: Nod
     bad[1] = {"payload": 2, "idempotency_key": "z2", "payload_encoding": "base64"}
     assert error(node.post(f"/v1/topics/{fast}/produce/batch", {"messages": bad})).startswith("message 1: ")
     assert stored(node, fast) == 6
+
+
+def test_a_keyed_batchs_partitions_are_each_keys_hash_also_for_keys_holding_a_nul(node: Node) -> None:
+    """The one-pass batch places every key in one native call over the keys joined by
+    NUL bytes (``crc32c_parts``); a key holding a NUL itself makes that call refuse and
+    each key is placed in Python. Either way each record lands where ``key_partition``
+    of its key says, and the native CRC-32C is the crc32c package's, with the CPU's
+    instruction and with the table."""
+    from crc32c import crc32c
+    from narad._native import ffi, lib
+
+    rng = random.Random(7)
+    for n in [*range(0, 40), 1000, 4097]:
+        data = rng.randbytes(n)
+        assert lib.crc32c_of(data, n, 0) == crc32c(data) == lib.crc32c_of(data, n, 1), n
+    keys = [b"", b"a", b"0000000000000001", b"x" * 300]
+    joined, out = b"\0".join(keys), ffi.new("uint32_t[]", 4)
+    assert lib.crc32c_parts(joined, len(joined), 4, 7, out) == 0 and list(out) == [crc32c(k) % 7 for k in keys]
+    assert lib.crc32c_parts(joined, len(joined), 3, 7, out) == -1 == lib.crc32c_parts(joined, len(joined), 5, 7, out)
+    for name, batch in (("idem-nul-a", [f"key-{i}" for i in range(40)]),
+                        ("idem-nul-b", [f"key-{i}" for i in range(39)] + ["nul\u0000inside"])):
+        mk(node, name)
+        r = node.post(f"/v1/topics/{name}/produce/batch",
+                      {"messages": [{"payload": {"i": i}, "idempotency_key": k} for i, k in enumerate(batch)]})
+        assert r.status == 202 and r.json() == {"accepted": 40, "duplicates": 0}, r
+        got = {m["payload"]["i"]: m["partition"] for m in drain(node, name)}
+        assert got == {i: key_partition(k.encode(), PARTS) for i, k in enumerate(batch)}, name
 
 
 def test_produces_without_keys_answer_byte_for_byte_as_before(node: Node) -> None:

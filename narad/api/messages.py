@@ -47,6 +47,7 @@ from typing import Annotated, Any
 
 import msgspec
 
+from narad._native import ffi as native_ffi
 from narad._native import lib as native
 from narad.api.context import NESTED_TOO_DEEP, ApiContext, decode_why, parse_int
 from narad.api.hangup import cancel_on_hangup
@@ -1205,6 +1206,18 @@ class MessagesAPI:
         name, inc, now = t.name, bytes.fromhex(t.id), int(time.time() * 1000)
         fl = F_JSON | F_UTF8 | FR.F_EXT
         unset = msgspec.UNSET
+        # Every key's partition in one native call (``key_partition`` of each: the crc32c of
+        # its UTF-8 modulo the partitions), used where a message has no message key.
+        count = len(msgs)
+        try:
+            joined = "\0".join([m.idempotency_key for m in msgs]).encode()  # type: ignore[misc]
+        except TypeError:  # (a message without one)
+            return None
+        out = native_ffi.new("uint32_t[]", count)
+        if native.crc32c_parts(joined, len(joined), count, nparts, out) == 0:
+            hashed = native_ffi.unpack(out, count)
+        else:  # (a key holding a NUL: each placed here)
+            hashed = [crc32c(m.idempotency_key.encode()) % nparts for m in msgs]  # type: ignore[union-attr]
         for i, m in enumerate(msgs):
             ik = m.idempotency_key
             payload = m.payload
@@ -1221,7 +1234,7 @@ class MessagesAPI:
                 key = m.key.encode()
                 keyed = True
             if part is None:
-                part = crc32c(key or idem) % nparts
+                part = hashed[i] if key is None else crc32c(key) % nparts
             elif part >= nparts:
                 return None
             stored = b"".join((heads[n], idem, payload)) if n < 32 else FR.pack_idem(idem, payload)  # type: ignore[arg-type]

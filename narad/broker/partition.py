@@ -698,8 +698,10 @@ class Partition:
                                 table.expire(ts - self.idem_window_ms)
                                 claimed = []
                             fresh = dict.fromkeys(iks, ts)
-                            fresh.pop(None, None)  # (keyless records among them)
-                            if len(fresh) == len(iks) - iks.count(None) and seen.keys().isdisjoint(fresh):
+                            keys_in = len(iks)
+                            if fresh.pop(None, -1) != -1:  # keyless records among them (counted only then:
+                                keys_in -= iks.count(None)  # a count compares every key with None)
+                            if len(fresh) == keys_in and seen.keys().isdisjoint(fresh):
                                 # Every key new and none twice (the common case): claimed at once,
                                 # in C loops; then the records as a keyless batch's.
                                 seen.update(fresh)

@@ -14,6 +14,7 @@
  */
 #include <stdint.h>
 #include <stddef.h>
+#include <stdlib.h>
 #include <string.h>
 #include <signal.h>
 #include <sys/prctl.h>
@@ -244,4 +245,41 @@ int crc32c_parts(const char *joined, size_t n, size_t count, uint32_t nparts, ui
         start = end + 1;
     }
     return idx == count ? 0 : -1;
+}
+
+/* A batch's records grouped by partition, in batch order within each (a stable
+ * counting sort): perm[starts[p] .. starts[p + 1]) are the indexes i of the records
+ * whose parts[i] is p (`starts` has nparts + 1 entries), and nonempty[0 .. k) the
+ * partitions that have any, ascending. Returns k, or -1 when a part is not below
+ * nparts (or memory is short): the caller groups them itself. */
+int group_by_part(const uint32_t *parts, size_t n, uint32_t nparts, uint32_t *perm, uint32_t *starts,
+                  uint32_t *nonempty) {
+    uint32_t *cursor;
+    int k = 0;
+    if (nparts == 0) {
+        return -1;
+    }
+    memset(starts, 0, sizeof(uint32_t) * ((size_t)nparts + 1));
+    for (size_t i = 0; i < n; i++) {
+        if (parts[i] >= nparts) {
+            return -1;
+        }
+        starts[parts[i] + 1]++;
+    }
+    for (uint32_t p = 0; p < nparts; p++) {
+        if (starts[p + 1] != 0) {
+            nonempty[k++] = p;
+        }
+        starts[p + 1] += starts[p];
+    }
+    cursor = malloc(sizeof(uint32_t) * nparts);
+    if (cursor == NULL) {
+        return -1;
+    }
+    memcpy(cursor, starts, sizeof(uint32_t) * nparts);
+    for (size_t i = 0; i < n; i++) {
+        perm[cursor[parts[i]]++] = (uint32_t)i;
+    }
+    free(cursor);
+    return k;
 }

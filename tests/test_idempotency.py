@@ -230,6 +230,14 @@ def test_a_keyed_batchs_partitions_are_each_keys_hash_also_for_keys_holding_a_nu
     joined, out = b"\0".join(keys), ffi.new("uint32_t[]", 4)
     assert lib.crc32c_parts(joined, len(joined), 4, 7, out) == 0 and list(out) == [crc32c(k) % 7 for k in keys]
     assert lib.crc32c_parts(joined, len(joined), 3, 7, out) == -1 == lib.crc32c_parts(joined, len(joined), 5, 7, out)
+    for n, nparts in ((1, 3), (100, 3), (257, 108)):  # the grouping: a stable counting sort by partition
+        parts = [rng.randrange(nparts) for _ in range(n)]
+        perm, starts, nonempty = ffi.new("uint32_t[]", n), ffi.new("uint32_t[]", nparts + 1), ffi.new("uint32_t[]", n)
+        k = lib.group_by_part(ffi.new("uint32_t[]", parts), n, nparts, perm, starts, nonempty)
+        want = {p: [i for i in range(n) if parts[i] == p] for p in sorted(set(parts))}
+        assert list(nonempty)[:k] == list(want)
+        assert {p: list(perm)[starts[p]:starts[p + 1]] for p in want} == want
+    assert lib.group_by_part(ffi.new("uint32_t[]", [0, 3]), 2, 3, perm, starts, nonempty) == -1
     for name, batch in (("idem-nul-a", [f"key-{i}" for i in range(40)]),
                         ("idem-nul-b", [f"key-{i}" for i in range(39)] + ["nul\u0000inside"])):
         mk(node, name)
@@ -238,6 +246,19 @@ def test_a_keyed_batchs_partitions_are_each_keys_hash_also_for_keys_holding_a_nu
         assert r.status == 202 and r.json() == {"accepted": 40, "duplicates": 0}, r
         got = {m["payload"]["i"]: m["partition"] for m in drain(node, name)}
         assert got == {i: key_partition(k.encode(), PARTS) for i, k in enumerate(batch)}, name
+    # A second batch repeating two of the first's keys among new ones: exactly the records
+    # with those keys are dropped (each record's key goes with it to its partition's commit),
+    # and every partition holds the rest in batch order.
+    again = [f"new-{i}" for i in range(40)]
+    again[7], again[30] = "key-5", "key-21"
+    r = node.post("/v1/topics/idem-nul-a/produce/batch",
+                  {"messages": [{"payload": {"i": 100 + i}, "idempotency_key": k} for i, k in enumerate(again)]})
+    assert r.status == 202 and r.json() == {"accepted": 40, "duplicates": 2}, r
+    rows = drain(node, "idem-nul-a")
+    assert sorted(m["payload"]["i"] for m in rows) == [100 + i for i in range(40) if i not in (7, 30)]
+    for part in range(PARTS):
+        mine = sorted((m["offset"], m["payload"]["i"]) for m in rows if m["partition"] == part)
+        assert [i for _o, i in mine] == sorted(i for _o, i in mine), part
 
 
 def test_produces_without_keys_answer_byte_for_byte_as_before(node: Node) -> None:

@@ -43,6 +43,7 @@ import re
 import time
 import zlib
 from collections.abc import Callable
+from operator import itemgetter
 from typing import Annotated, Any
 
 import msgspec
@@ -1212,15 +1213,17 @@ class MessagesAPI:
         # Every key's partition in one native call (``key_partition`` of each: the crc32c of
         # its UTF-8 modulo the partitions), used where a message has no message key.
         count = len(msgs)
+        iks = [m.idempotency_key for m in msgs]
         try:
-            joined = "\0".join([m.idempotency_key for m in msgs]).encode()  # type: ignore[misc]
+            joined = "\0".join(iks).encode()  # type: ignore[arg-type]
         except TypeError:  # (a message without one)
             return None
         out = native_ffi.new("uint32_t[]", count)
-        if native.crc32c_parts(joined, len(joined), count, nparts, out) == 0:
-            hashed = native_ffi.unpack(out, count)
-        else:  # (a key holding a NUL: each placed here)
-            hashed = [crc32c(m.idempotency_key.encode()) % nparts for m in msgs]  # type: ignore[union-attr]
+        if native.crc32c_parts(joined, len(joined), count, nparts, out) != 0:  # (a key holding a NUL)
+            for i, ik in enumerate(iks):
+                out[i] = crc32c(ik.encode()) % nparts  # type: ignore[union-attr]
+        hashed = native_ffi.unpack(out, count)
+        records: list[tuple[bytes | None, int, bytes]] = []
         for i, m in enumerate(msgs):
             ik = m.idempotency_key
             payload = m.payload
@@ -1236,21 +1239,34 @@ class MessagesAPI:
             if m.key:
                 key = m.key.encode()
                 keyed = True
+                if part is None:
+                    part = crc32c(key) % nparts
             if part is None:
-                part = hashed[i] if key is None else crc32c(key) % nparts
+                part = hashed[i]
             elif part >= nparts:
                 return None
+            elif part != hashed[i]:
+                out[i] = part  # (placed by its message key or as given: grouped where it goes)
             stored = b"".join((heads[n], idem, payload)) if n < 32 else FR.pack_idem(idem, payload)  # type: ignore[arg-type]
             entries.append(Entry(name, inc, part, now, fl, key, stored))
-            # (the general pass's grouping, inline as there: a call less a message; the two stay
-            # in step, test_the_one_pass_keyed_batch_stores_what_the_general_passes_store)
-            g = groups.get(part)
-            if g is None:
-                groups[part] = ([i], [(key, fl, stored)], [ik])
+            records.append((key, fl, stored))
+        # ``Broker.direct``'s groups: each partition's indexes in batch order, their records and
+        # keys, from one native counting sort over the placements (``out``).
+        perm_c, starts_c = native_ffi.new("uint32_t[]", count), native_ffi.new("uint32_t[]", nparts + 1)
+        parts_c = native_ffi.new("uint32_t[]", min(count, nparts))
+        k = native.group_by_part(out, count, nparts, perm_c, starts_c, parts_c)
+        if k < 0:
+            return None  # (cannot happen: every placement is below nparts; the general passes then)
+        perm, starts = native_ffi.unpack(perm_c, count), native_ffi.unpack(starts_c, nparts + 1)
+        for p in native_ffi.unpack(parts_c, k):
+            lo, hi = starts[p], starts[p + 1]
+            idx = perm[lo:hi]
+            if hi - lo == 1:
+                j = idx[0]
+                groups[p] = (idx, [records[j]], [iks[j]])
             else:
-                g[0].append(i)
-                g[1].append((key, fl, stored))
-                g[2].append(ik)  # type: ignore[union-attr]
+                pick = itemgetter(*idx)
+                groups[p] = (idx, list(pick(records)), list(pick(iks)))
         return entries, groups, keyed
 
     # ---- consume --------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ ffibuilder.cdef(
     int headers_canonical(const char *text, size_t n);
     long headers_canonical_all(const char *joined, size_t n, size_t count);
     uint32_t crc32c_of(const char *p, size_t n, int force_sw);
+    int crc32c_hardware(void);
     int crc32c_parts(const char *joined, size_t n, size_t count, uint32_t nparts, uint32_t *out);
     int group_by_part(const uint32_t *parts, size_t n, uint32_t nparts, uint32_t *perm, uint32_t *starts,
                       uint32_t *nonempty);

@@ -161,9 +161,11 @@ long headers_canonical_all(const char *joined, size_t n, size_t count) {
  * (crc32c_parts). SSE4.2's crc32 instruction when the CPU has it, else a table;
  * tests check both against the crc32c package. */
 static uint32_t crc32c_table[256];
-static int crc32c_hw = -1; /* -1: not decided yet */
+static int crc32c_hw = 0; /* 1: SSE4.2's crc32 (decided by crc32c_init at load) */
 
-static void crc32c_init(void) {
+/* Run when the module is loaded (one thread, under the import lock), so no two
+ * threads ever fill the table or decide the CPU's support at once. */
+__attribute__((constructor)) static void crc32c_init(void) {
     for (uint32_t i = 0; i < 256; i++) {
         uint32_t c = i;
         for (int j = 0; j < 8; j++) {
@@ -209,9 +211,6 @@ __attribute__((target("sse4.2"))) static uint32_t crc32c_sse42(const unsigned ch
 
 /* The CRC-32C of p[0..n); `force_sw` uses the table whatever the CPU has (tests). */
 uint32_t crc32c_of(const char *p, size_t n, int force_sw) {
-    if (crc32c_hw < 0) {
-        crc32c_init(); /* (a race repeats the same writes) */
-    }
 #if defined(__x86_64__)
     if (crc32c_hw == 1 && !force_sw) {
         return crc32c_sse42((const unsigned char *)p, n);
@@ -228,9 +227,6 @@ int crc32c_parts(const char *joined, size_t n, size_t count, uint32_t nparts, ui
     size_t idx = 0;
     if (nparts == 0) {
         return -1;
-    }
-    if (crc32c_hw < 0) {
-        crc32c_init();
     }
     for (;;) {
         const char *z = memchr(joined + start, 0, n - start);
@@ -282,4 +278,9 @@ int group_by_part(const uint32_t *parts, size_t n, uint32_t nparts, uint32_t *pe
     }
     free(cursor);
     return k;
+}
+
+/* 1 when crc32c_of uses SSE4.2's instruction (tests). */
+int crc32c_hardware(void) {
+    return crc32c_hw;
 }

@@ -223,6 +223,8 @@ def test_a_keyed_batchs_partitions_are_each_keys_hash_also_for_keys_holding_a_nu
     from narad._native import ffi, lib
 
     rng = random.Random(7)
+    with open("/proc/cpuinfo") as f:  # the instruction is used where the CPU has it
+        assert lib.crc32c_hardware() == int(" sse4_2" in f.read())
     for n in [*range(0, 40), 1000, 4097]:
         data = rng.randbytes(n)
         assert lib.crc32c_of(data, n, 0) == crc32c(data) == lib.crc32c_of(data, n, 1), n

@@ -434,13 +434,13 @@ def headers_text(h: dict[str, str]) -> bytes:
 _hdr_dec = msgspec.json.Decoder(dict[str, str])
 
 
-def batch_headers(raw: msgspec.Raw) -> bytes | msgspec.Raw | None:
+def batch_headers(raw: msgspec.Raw) -> bytes | None:
     """A batch message's ``headers`` (the JSON text of the value as given; the body's
     decoder checked its syntax) as ``headers_text`` stores them, or None (null or an
     empty object), or the 400 naming what to fix. A text that already is what
     ``headers_text`` would make of it (``headers_canonical`` in native/narad_native.c:
     compact, ASCII without escapes, names by the rule and none twice, within the
-    bounds; the common case) is returned as it is, without decoding it into a dict and
+    bounds; the common case) is stored as it is, without decoding it into a dict and
     encoding that again; any other goes through the dict, as a batch's headers did
     before. ``headers_canonical_all`` checks a whole batch's texts in one call."""
     t = bytes(raw)

@@ -301,9 +301,9 @@ def pack_ext(ext: Ext, body: bytes) -> bytes:
 
 
 # Length byte and map head of a headers-only block whose JSON text is n < 123 bytes
-# (the block, 5 + n bytes, then has a one-byte length).
-_SHORT_HEADS = [bytes((5 + n, 0x81, 0xA1, 0x68, 0xC4, n)) for n in range(0x80 - 5)]
-HEADERS_HEADS = tuple(_SHORT_HEADS)  # (the produce path's ``pack_headers`` inline: ``HEADERS_HEADS[n] + hjson + body``)
+# (the block, 5 + n bytes, then has a one-byte length). The batch produce path joins
+# ``HEADERS_HEADS[n] + hjson + body`` itself (``pack_headers`` inline).
+HEADERS_HEADS = tuple(bytes((5 + n, 0x81, 0xA1, 0x68, 0xC4, n)) for n in range(0x80 - 5))
 
 
 def pack_headers(hjson: bytes, body: bytes) -> bytes:
@@ -311,8 +311,8 @@ def pack_headers(hjson: bytes, body: bytes) -> bytes:
     bin8 or bin16, as msgspec writes it), without building the struct: the produce
     path's common block."""
     n = len(hjson)
-    if n < 0x7B:  # (``len(_SHORT_HEADS)``: the block's length still fits in one byte)
-        return b"".join((_SHORT_HEADS[n], hjson, body))
+    if n < 0x7B:  # (``len(HEADERS_HEADS)``: the block's length still fits in one byte)
+        return b"".join((HEADERS_HEADS[n], hjson, body))
     if n < 0x100:
         head = b"\x81\xa1h\xc4" + bytes((n,))
     elif n < 0x10000:

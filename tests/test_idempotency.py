@@ -517,7 +517,7 @@ def test_a_failed_commit_takes_its_claimed_keys_back(tmp_path: Path) -> None:
             fail[0] = False
             b = await p.commit([_rec("b", b"5"), _rec("c", b"6"), _rec("a", b"7"), _rec("b", b"8")], ex)
             c = await p.commit([_rec("d", b"9"), _rec("e", b"10")], ex)
-            snap = (p.log.hwm, list(p.idem.keys), p.idem.evicted)
+            snap = (p.log.hwm, p.idem.order(), p.idem.evicted)
             # Keys of every length the commit reads in place (a fixstr, a str8 such as a UUID) or
             # not (over 122 bytes): each held once, its repeat dropped.
             p.idem = IDEM.IdemTable()
@@ -594,45 +594,44 @@ def test_the_table_is_bounded_oldest_first_and_expires_by_the_window() -> None:
     t = IDEM.IdemTable(cap=3)
     for i, k in enumerate("abcd"):
         t.add(k, 1000 + i)
-    assert list(t.keys) == ["b", "c", "d"] and t.evicted == 1
+    assert t.order() == ["b", "c", "d"] and t.evicted == 1
     t.expire(1002)
-    assert list(t.keys) == ["c", "d"]
+    assert t.order() == ["c", "d"]
     t.add("c", 2000)  # committed again after its window: moves to the back
-    assert list(t.keys) == ["d", "c"]
+    assert t.order() == ["d", "c"]
     # A commit's keys, claimed at its check and committed in one go: as many adds (in order;
     # the cap drops the oldest, counted).
     def commit(keys: list[str], ts: int) -> None:
         for k in keys:
-            t.keys.setdefault(k, ts)
+            t.keys.add(k)
         t.committed(keys, ts)
 
     commit(["e"], 3000)
-    assert list(t.keys) == ["d", "c", "e"] and t.evicted == 1
+    assert t.order() == ["d", "c", "e"] and t.evicted == 1
     commit(["f", "g"], 3001)
-    assert list(t.keys) == ["e", "f", "g"] and t.evicted == 3
+    assert t.order() == ["e", "f", "g"] and t.evicted == 3
     # A key committed again while held leaves a stale place in the commit order behind: the
     # window and the cap skip it (the key goes by its newest place only).
     t = IDEM.IdemTable(cap=3)
     t.add("x", 1)
     t.add("y", 2)
     t.add("x", 3)
-    assert list(t.keys) == ["y", "x"]
+    assert t.order() == ["y", "x"]
     t.expire(2)  # x's old place (1) is passed over: x was committed again at 3
-    assert list(t.keys) == ["y", "x"]
+    assert t.order() == ["y", "x"]
     t.add("z", 4)
     t.add("w", 5)  # at the cap: y goes, the oldest held, not x
-    assert list(t.keys) == ["x", "z", "w"] and t.evicted == 1
+    assert t.order() == ["x", "z", "w"] and t.evicted == 1
     t.expire(4)
-    assert list(t.keys) == ["z", "w"]
-    t.add("z", 4)  # the same key at the same commit time (a rebuild reading it twice): no change
-    assert t.trim(1) == 1 and list(t.keys) == ["w"] and t.evicted == 2
+    assert t.order() == ["z", "w"]
+    assert t.trim(1) == 1 and t.order() == ["w"] and t.evicted == 2
     # A commit's claims in flight (held, not yet in the commit order) are never dropped by a
     # trim or the cap, and are not counted as evicted.
     t = IDEM.IdemTable(cap=10)
     for i, k in enumerate("abc"):
         t.add(k, i)
-    t.keys.setdefault("x", 5)
-    assert t.trim(0) == 3 and list(t.keys) == ["x"] and t.evicted == 3
+    t.keys.add("x")
+    assert t.trim(0) == 3 and t.order() == [] and t.keys == {"x"} and t.evicted == 3
     t.unclaim(["x"])
     assert not t.keys
     # A worker's budget over its partitions: each keeps its share, oldest dropped first.
@@ -643,7 +642,105 @@ def test_the_table_is_bounded_oldest_first_and_expires_by_the_window() -> None:
         small.add(f"s{i}", i)
     assert IDEM.trim_to_budget([big, small], 1000) == 0
     assert IDEM.trim_to_budget([big, small], 200) == 200
-    assert (len(big), len(small), next(iter(big.keys)), big.evicted) == (150, 50, "b150", 150)
+    assert (len(big), len(small), big.order()[0], big.evicted) == (150, 50, "b150", 150)
+
+
+class _ModelTable:
+    """The table's rules written plainly (a list of (key, committed-at) in commit order, a
+    set of claims): what ``IdemTable`` must agree with, operation by operation."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap, self.evicted = cap, 0
+        self.order: list[tuple[str, int]] = []
+        self.claims: set[str] = set()
+
+    def held(self) -> set[str]:
+        return {k for k, _ in self.order} | self.claims
+
+    def _drop_oldest(self) -> bool:
+        if not self.order:
+            return False
+        self.order.pop(0)
+        return True
+
+    def add(self, k: str, ts: int) -> None:
+        if k in {x for x, _ in self.order}:
+            self.order = [(x, t) for x, t in self.order if x != k]
+        elif len(self.held()) >= self.cap and self._drop_oldest():
+            self.evicted += 1
+        self.order.append((k, ts))
+
+    def claim(self, keys: list[str]) -> list[bool]:  # True: a repeat (held, or claimed just before)
+        out = []
+        for k in keys:
+            out.append(k in self.held())
+            if not out[-1]:
+                self.claims.add(k)
+        return out
+
+    def committed(self, claimed: list[str], ts: int) -> None:
+        self.order += [(k, ts) for k in claimed]
+        self.claims -= set(claimed)
+        over = len(self.held()) - self.cap
+        while over > 0 and self._drop_oldest():
+            over -= 1
+            self.evicted += 1
+
+    def expire(self, cutoff: int) -> None:
+        while self.order and self.order[0][1] < cutoff:
+            self.order.pop(0)
+
+    def trim(self, n: int) -> int:
+        k = 0
+        while len(self.held()) > max(0, n) and self._drop_oldest():
+            k += 1
+        self.evicted += k
+        return k
+
+
+def test_the_table_agrees_with_its_rules_over_random_operations() -> None:
+    """Adds (a rebuild's, keys repeated), commits (claims kept or taken back), the window and
+    trims in random order: the set held, the commit order, the evictions and each claim's
+    verdict are the model's after every step (the stale places a key committed again leaves
+    behind included)."""
+    rng = random.Random(14)
+    for _ in range(300):
+        cap = rng.randint(1, 8)
+        t, m = IDEM.IdemTable(cap=cap), _ModelTable(cap)
+        ts = 0
+        for _step in range(40):
+            ts += rng.randint(0, 2)
+            op = rng.random()
+            if op < 0.3:
+                k = rng.choice("abcdefgh")
+                t.add(k, ts)
+                m.add(k, ts)
+            elif op < 0.7:
+                keys = [rng.choice("abcdefghij") for _ in range(rng.randint(1, 4))]
+                want = m.claim(keys)
+                got, claimed = [], []
+                for k in keys:  # the commit's record-by-record check
+                    before = len(t.keys)
+                    t.keys.add(k)
+                    got.append(len(t.keys) == before)
+                    if not got[-1]:
+                        claimed.append(k)
+                assert got == want
+                if rng.random() < 0.8:
+                    t.committed(claimed, ts)
+                    m.committed(claimed, ts)
+                else:
+                    t.unclaim(claimed)
+                    m.claims -= set(claimed)
+            elif op < 0.85:
+                cutoff = ts - rng.randint(0, 4)
+                t.expire(cutoff)
+                m.expire(cutoff)
+            else:
+                n = rng.randint(0, cap)
+                assert t.trim(n) == m.trim(n)
+            assert t.keys == m.held() and t.order() == [k for k, _ in m.order]
+            assert t.evicted == m.evicted and len(t) == len(m.held())
 
 
 def test_memory_per_key_is_measured() -> None:

@@ -317,18 +317,21 @@ class _LeasedKey(msgspec.Struct, omit_defaults=True):
 # seven bytes (its one-byte length 5 + m, a one-entry map, its key "h", bin8, the text's
 # length m and its opening brace) -> (the text's slice, the body's slice, the index of
 # the text's last byte, which must be its closing brace). An idempotency key alone, by
-# the block's first five bytes (its length, the map, "i" and the key's type: a fixstr
-# fixes the key's length, 0 to 31 bytes; a str8, 32 to 122, has its length in the sixth
-# byte) -> (the body's slice, the sixth byte wanted or -1). A record that ends within
-# its block leaves an empty body: ``plain_block`` then reads it.
+# the block's first byte (its length b0: the body begins at b0 + 1) -> the head it must
+# begin with (b0, the map, "i" and the key's type: a fixstr of b0 - 4 bytes, 0 to 31; or a
+# str8 and its length b0 - 5, 32 to 122), None for a length no such block has; checked
+# with ``startswith`` (no head sliced off, hashed and looked up). A record that ends
+# within its block leaves an empty body: ``plain_block`` then reads it.
 _HEADERS_HEADS: dict[bytes, tuple[slice, slice, int]] = {
     bytes((5 + m, 0x81, 0xA1, 0x68, 0xC4, m, 0x7B)): (slice(6, 6 + m), slice(6 + m, None), 5 + m)
     for m in range(1, 123)
 }
-_KEY_HEADS: dict[bytes, tuple[slice, int]] = {
-    **{bytes((4 + n, 0x81, 0xA1, 0x69, 0xA0 | n)): (slice(5 + n, None), -1) for n in range(32)},
-    **{bytes((5 + n, 0x81, 0xA1, 0x69, 0xD9)): (slice(6 + n, None), n) for n in range(32, 123)},
-}
+_KEY_HEADS: list[bytes | None] = [None] * 256
+for _n in range(32):
+    _KEY_HEADS[4 + _n] = bytes((4 + _n, 0x81, 0xA1, 0x69, 0xA0 | _n))
+for _n in range(32, 123):
+    _KEY_HEADS[5 + _n] = bytes((5 + _n, 0x81, 0xA1, 0x69, 0xD9, _n))
+del _n
 _Raw = msgspec.Raw
 
 
@@ -343,9 +346,8 @@ def render_leased(topic: str, it: Item) -> MessageOut | _Leased | _LeasedKey:
     if f & F_EXT:
         # ``plain_block``'s two commonest cases inline (a call less a message): headers alone
         # and an idempotency key alone, told apart by the map's first key (the fourth byte)
-        # and named by the block's first bytes in one lookup (``_HEADERS_HEADS``,
-        # ``_KEY_HEADS``); anything else, or a record shorter than its block, goes through
-        # ``plain_block``.
+        # and named by the block's first bytes (``_HEADERS_HEADS``, ``_KEY_HEADS``); anything
+        # else, or a record shorter than its block, goes through ``plain_block``.
         rest = None
         try:
             if body[3] == 0x68:
@@ -356,9 +358,10 @@ def render_leased(topic: str, it: Item) -> MessageOut | _Leased | _LeasedKey:
                         hdr = _Raw(body[hs])
                         rest = body[cut]
             else:
-                k = _KEY_HEADS.get(body[:5])
-                if k is not None and (k[1] < 0 or body[5] == k[1]):
-                    rest = body[k[0]]  # (a key under 32 bytes, a fixstr; or 32 to 122, a str8: a UUID)
+                b0 = body[0]
+                kh = _KEY_HEADS[b0]
+                if kh is not None and body.startswith(kh):
+                    rest = body[b0 + 1 :]  # (a key under 32 bytes, a fixstr; or 32 to 122, a str8: a UUID)
         except IndexError:  # (shorter than its block: ``plain_block`` says so)
             pass
         if rest:  # (empty: the record ends within its block, or is not one of these two)

@@ -677,9 +677,9 @@ class Partition:
                 laid = FR.Laid()  # the frame's records, laid out (``FR.lay``), joined once at the write
                 decoded: list[Record] = []
                 dups: list[list[int]] = []
-                # Idempotency keys: each new one is claimed in the table at once (one
-                # lookup a key: ``setdefault`` is the repeat test and the insert; the table
-                # grew, so it was new), and taken back if the frame fails (``unclaim``).
+                # Idempotency keys: each new one is claimed in the table at once (added to
+                # its set: the set grew, so it was new), and taken back if the frame fails
+                # (``unclaim``).
                 claimed: list[str] | None = None
                 table = self.idem
                 seen = table.keys  # (expired in place at the first key)
@@ -697,19 +697,23 @@ class Partition:
                             if claimed is None:
                                 table.expire(ts - self.idem_window_ms)
                                 claimed = []
-                            fresh = dict.fromkeys(iks, ts)
-                            keys_in = len(iks)
-                            if fresh.pop(None, -1) != -1:  # keyless records among them (counted only then:
-                                keys_in -= iks.count(None)  # a count compares every key with None)
-                            if len(fresh) == keys_in and seen.keys().isdisjoint(fresh):
-                                # Every key new and none twice (the common case): claimed at once,
-                                # in C loops; then the records as a keyless batch's.
-                                seen.update(fresh)
-                                claimed.extend(fresh)
-                                held = len(seen)
-                                FR.lay(laid, batch, ts, decoded)
-                                dups.append(dl)
-                                continue
+                            if seen.isdisjoint(iks):
+                                # No key held already: all claimed at once, in C loops (a lookup and
+                                # an insert each); kept when none was given twice (the set grew by
+                                # every key), then the records as a keyless batch's.
+                                before = len(seen)
+                                seen.update(iks)
+                                keys_in = len(iks)
+                                if None in seen:  # keyless records among them (counted only then:
+                                    seen.discard(None)  # a count compares every key with None)
+                                    keys_in -= iks.count(None)
+                                if len(seen) - before == keys_in:
+                                    claimed.extend(iks if keys_in == len(iks) else [k for k in iks if k is not None])
+                                    held = len(seen)
+                                    FR.lay(laid, batch, ts, decoded)
+                                    dups.append(dl)
+                                    continue
+                                seen.difference_update(iks)  # a key given twice: every one was new here
                             # A key held already or given twice (rare): record by record below,
                             # the keys read from the blocks (the same keys: the producer packed them).
                             held = len(seen)
@@ -741,7 +745,7 @@ class Partition:
                                         table.expire(ts - self.idem_window_ms)
                                         claimed = []
                                         held = len(seen)
-                                    seen.setdefault(k, ts)
+                                    seen.add(k)
                                     if len(seen) == held:  # held already (or claimed by this frame): a repeat
                                         if kept is batch:
                                             kept = list(batch[:j])

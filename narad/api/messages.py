@@ -317,20 +317,20 @@ class _LeasedKey(msgspec.Struct, omit_defaults=True):
 # seven bytes (its one-byte length 5 + m, a one-entry map, its key "h", bin8, the text's
 # length m and its opening brace) -> (the text's slice, the body's slice, the index of
 # the text's last byte, which must be its closing brace). An idempotency key alone, by
-# the block's first byte (its length b0: the body begins at b0 + 1) -> the head it must
-# begin with (b0, the map, "i" and the key's type: a fixstr of b0 - 4 bytes, 0 to 31; or a
-# str8 and its length b0 - 5, 32 to 122), None for a length no such block has; checked
-# with ``startswith`` (no head sliced off, hashed and looked up). A record that ends
-# within its block leaves an empty body: ``plain_block`` then reads it.
+# the block's first byte (its length b0: the body begins at b0 + 1) -> (the slice of the
+# head, the head it must be: b0, the map, "i" and the key's type, a fixstr of b0 - 4
+# bytes, 0 to 31, or a str8 and its length b0 - 5, 32 to 122), None for a length no such
+# block has (a list index and one compare: no head hashed and looked up, no call). A
+# record that ends within its block leaves an empty body: ``plain_block`` then reads it.
 _HEADERS_HEADS: dict[bytes, tuple[slice, slice, int]] = {
     bytes((5 + m, 0x81, 0xA1, 0x68, 0xC4, m, 0x7B)): (slice(6, 6 + m), slice(6 + m, None), 5 + m)
     for m in range(1, 123)
 }
-_KEY_HEADS: list[bytes | None] = [None] * 256
+_KEY_HEADS: list[tuple[slice, bytes] | None] = [None] * 256
 for _n in range(32):
-    _KEY_HEADS[4 + _n] = bytes((4 + _n, 0x81, 0xA1, 0x69, 0xA0 | _n))
+    _KEY_HEADS[4 + _n] = (slice(0, 5), bytes((4 + _n, 0x81, 0xA1, 0x69, 0xA0 | _n)))
 for _n in range(32, 123):
-    _KEY_HEADS[5 + _n] = bytes((5 + _n, 0x81, 0xA1, 0x69, 0xD9, _n))
+    _KEY_HEADS[5 + _n] = (slice(0, 6), bytes((5 + _n, 0x81, 0xA1, 0x69, 0xD9, _n)))
 del _n
 _Raw = msgspec.Raw
 
@@ -360,7 +360,7 @@ def render_leased(topic: str, it: Item) -> MessageOut | _Leased | _LeasedKey:
             else:
                 b0 = body[0]
                 kh = _KEY_HEADS[b0]
-                if kh is not None and body.startswith(kh):
+                if kh is not None and body[kh[0]] == kh[1]:
                     rest = body[b0 + 1 :]  # (a key under 32 bytes, a fixstr; or 32 to 122, a str8: a UUID)
         except IndexError:  # (shorter than its block: ``plain_block`` says so)
             pass

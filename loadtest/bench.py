@@ -668,6 +668,7 @@ class Result:
     failure: str = ""
     profiles: list[Path] = field(default_factory=list)
     cprofile: str = ""  # --cprofile: the prefix of the workers' cProfile files of this run
+    opcount: str = ""  # --opcount: the prefix of the workers' opcode-count files of this run
     pids: dict[int, str] = field(default_factory=dict)  # the node's processes: pid -> supervisor / workerN
 
 
@@ -723,6 +724,7 @@ NODE_ENV: dict[str, str] = {}  # --node-env: settings for every node this run st
 NODE_WRAP: list[str] = []  # a command every node runs under (loadtest/bench_instructions.py: valgrind)
 CPROFILE_DIR: Path | None = None  # --cprofile: every worker runs under cProfile, its stats written here
 _cprofile_runs = itertools.count()
+OPCOUNT_DIR: Path | None = None  # --opcount: every worker counts its Python opcodes, written here
 
 
 def run(sc: Scenario, profile_dir: Path | None, profile_which: str = "flow", profile_rate: int = SPY_RATE) -> Result:
@@ -732,6 +734,9 @@ def run(sc: Scenario, profile_dir: Path | None, profile_which: str = "flow", pro
     if CPROFILE_DIR is not None:
         res.cprofile = str(CPROFILE_DIR / f"{sc.name.replace(' ', '_')}-w{sc.workers}-{next(_cprofile_runs)}")
         env["NARAD_WORKER_CPROFILE"] = res.cprofile
+    if OPCOUNT_DIR is not None:
+        res.opcount = str(OPCOUNT_DIR / f"{sc.name.replace(' ', '_')}-w{sc.workers}-{next(_cprofile_runs)}")
+        env["NARAD_WORKER_OPCOUNT"] = res.opcount
     node = Node(tmp / "data", workers=sc.workers, env=env, wrap=NODE_WRAP or None)
     spies: list[subprocess.Popen[bytes]] = []
     try:
@@ -917,6 +922,32 @@ def cprofile_diff(plain: Result, feat: Result, top: int = 25) -> str:
     for d, ta, tb, ca, cb, (fn, line, name) in rows[:top]:
         where = f"{fn.replace(str(ROOT) + '/', '')}:{line}({name})" if line else name
         out.append(f"#     {d * 1e6:+6.2f}  {ta * 1e6:6.2f} -> {tb * 1e6:6.2f}  ({ca:.2f} -> {cb:.2f})  {where[-80:]}")
+    return "\n".join(out)
+
+
+def opcount_diff(plain: Result, feat: Result, top: int = 30) -> str:
+    """Where run `feat`'s extra Python goes, by function, per message: the opcodes the
+    workers executed (``NARAD_WORKER_OPCOUNT``, all workers together) in `feat` minus those
+    in `plain`, each over its run's messages. Exact at the Python level (no sampling, no
+    clock); work in C does not show (count instructions for it: bench_instructions.py)."""
+    def load(r: Result) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for f in Path(r.opcount).parent.glob(Path(r.opcount).name + ".*"):
+            for k, v in json.loads(f.read_text()).items():
+                out[k] = out.get(k, 0) + v
+        return out
+
+    a, b = load(plain), load(feat)
+    if not a or not b or not plain.msgs or not feat.msgs:
+        return f"#   {feat.sc.name} w{feat.sc.workers}: no opcode files (a worker did not stop cleanly?)"
+    na, nb = plain.msgs, feat.msgs
+    rows = sorted(((b.get(k, 0) / nb - a.get(k, 0) / na, k) for k in a.keys() | b.keys()), key=lambda r: -abs(r[0]))
+    ta, tb = sum(a.values()) / na, sum(b.values()) / nb
+    out = [f"#   {feat.sc.name} w{feat.sc.workers} against {plain.sc.name}: {ta:,.0f} -> {tb:,.0f} opcodes/msg "
+           f"({tb - ta:+,.0f}); by function:"]
+    for d, k in rows[:top]:
+        out.append(f"#     {d:+8.1f}  {a.get(k, 0) / na:8.1f} -> {b.get(k, 0) / nb:8.1f}  "
+                   f"{k.replace(str(ROOT) + '/', '')[-90:]}")
     return "\n".join(out)
 
 
@@ -1188,6 +1219,10 @@ def main() -> None:
                     help="run every worker under cProfile (deterministic; about twice the CPU, so pace with "
                          "--rate well below the plain run's); with --features, print where each feature run's "
                          "extra CPU goes, by function, per message")
+    ap.add_argument("--opcount", type=Path, metavar="DIR",
+                    help="every worker counts the Python opcodes it executes, by function (sys.settrace: exact, "
+                         "about fifty times the CPU, so pace with a low --rate, e.g. 30); with --features, print "
+                         "each feature run's extra opcodes per message by function")
     ap.add_argument("--profile-light", action="store_true",
                     help="py-spy --nonblocking without native frames or idle threads: Python-level only, and far "
                          "less distortion of the node (use with --profile-diff)")
@@ -1208,6 +1243,10 @@ def main() -> None:
     if args.profile_diff:
         print(profile_diff(*args.profile_diff))
         return
+    if args.opcount is not None:
+        global OPCOUNT_DIR
+        args.opcount.mkdir(parents=True, exist_ok=True)
+        OPCOUNT_DIR = args.opcount.resolve()
     if args.cprofile is not None:
         global CPROFILE_DIR
         args.cprofile.mkdir(parents=True, exist_ok=True)
@@ -1282,6 +1321,14 @@ def main() -> None:
                     plain = r
                 elif plain is not None and not r.failure and not plain.failure:
                     print(cprofile_diff(plain, r))
+        if OPCOUNT_DIR is not None:
+            print("\n# --opcount: where each feature run's extra Python goes (against the plain run just before it)")
+            plain = None
+            for r in results:
+                if not r.sc.feature:
+                    plain = r
+                elif plain is not None and not r.failure and not plain.failure:
+                    print(opcount_diff(plain, r))
         if args.repeat > 1:
             print(f"# feature cost over the {args.repeat} repetitions, median [min, max]:")
             for (name, wk), ds in deltas.items():

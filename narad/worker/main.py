@@ -267,12 +267,26 @@ async def _main(spec: WorkerSpec, index: int, core: int | None) -> int:
     # at a clean stop. Unset (always, in production): nothing.
     prof_prefix = os.environ.get("NARAD_WORKER_CPROFILE")
     prof = None
+    # The same for loadtest/bench.py --opcount: NARAD_WORKER_OPCOUNT=<prefix> counts the Python
+    # bytecodes the worker runs, by function (narad.worker.opcount), written at a clean stop.
+    opc_prefix = os.environ.get("NARAD_WORKER_OPCOUNT")
+    opc = None
+    if opc_prefix:
+        from narad.worker.opcount import OpCounter
+
+        opc = OpCounter()
+        opc.start()
     if prof_prefix:
         import cProfile
 
         prof = cProfile.Profile()
         prof.enable()
     await stop.wait()
+    if opc is not None:
+        try:
+            opc.stop(f"{opc_prefix}.{index}.{os.getpid()}")
+        except OSError as e:
+            log.warning("could not write the worker's opcode counts", extra={"err": str(e)})
     if prof is not None:
         prof.disable()
         try:

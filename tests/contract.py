@@ -48,6 +48,7 @@ Only tests import this module; it touches nothing in narad/.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import http.client
 import itertools
@@ -70,6 +71,37 @@ NS = 1_000_000_000
 
 def now() -> int:
     return time.monotonic_ns()
+
+
+# The wall clock against the monotonic one, sampled as histories record (``sample_clock``):
+# (monotonic ns, wall minus monotonic ns). Nodes stamp commits and gate a delay child by the
+# wall clock, which on this VM runs ahead of the monotonic clock by up to ~1 ms a second, in
+# steps; ``wall_at`` puts a monotonic instant on the wall clock to judge such a gate.
+_CLOCK: list[tuple[int, int]] = []
+_CLOCK_LOCK = threading.Lock()
+
+
+def sample_clock() -> None:
+    t = time.monotonic_ns()
+    w = time.time_ns()
+    with _CLOCK_LOCK:
+        _CLOCK.append((t, w - t))
+        if len(_CLOCK) > 1_000_000:
+            del _CLOCK[: len(_CLOCK) // 2]
+
+
+def clock_samples() -> list[tuple[int, int]]:
+    """Every sample so far (and one now), in time order: ``wall_at``'s table."""
+    sample_clock()
+    with _CLOCK_LOCK:
+        return sorted(_CLOCK)
+
+
+def wall_at(t: int, samples: list[tuple[int, int]]) -> int:
+    """The wall clock (ns) at monotonic instant `t`, by the sample nearest to it."""
+    i = bisect.bisect_left(samples, (t, -(1 << 62)))
+    near = min((samples[j] for j in (i - 1, i) if 0 <= j < len(samples)), key=lambda s: abs(s[0] - t))
+    return t + near[1]
 
 
 @dataclass(frozen=True)
@@ -171,12 +203,14 @@ class History:
 
     # ---- recording ----------------------------------------------------------
     def produced(self, ids: Sequence[str], call: int, ret: int, status: int | None, node: str = "") -> None:
+        sample_clock()
         with self.lock:
             self.produces.append(Produce(tuple(ids), call, ret, status, node))
             if status == 202:
                 self.accepted.update(ids)
 
     def delivered(self, d: Delivery) -> None:
+        sample_clock()
         with self.lock:
             self.deliveries.append(d)
 

@@ -209,6 +209,48 @@ def test_a_failed_direct_commit_of_one_idempotent_record_takes_the_wal_with_its_
         n.close()
 
 
+def test_a_one_pass_keyed_batch_whose_direct_commits_fail_takes_the_wal_whole(tmp_path: Any) -> None:
+    """The one-pass keyed batch builds its WAL entries only when something needs them
+    (``DeferredEntries``): here every second direct commit fails, so some partitions'
+    records go to the WAL after the others committed. Every record is stored once, in
+    its key's partition, each answer counts no duplicates, and the same batches again
+    are all duplicates, whichever path each first copy took."""
+    from narad.broker.routing import key_partition
+
+    n = Node(tmp_path / "data", workers=1, env={"NARAD_FAULT_DIRECT_COMMIT_FAIL_EVERY": "2"}).start()
+    try:
+        assert n.post("/v1/topics", {"name": "keyedfail", "partitions": 3}).status == 201
+        batches = [[{"payload": f"b{b}-{j}", "idempotency_key": f"k-{b}-{j}"} for j in range(12)] for b in range(8)]
+        for msgs in batches:
+            r = n.post("/v1/topics/keyedfail/produce/batch", {"messages": msgs})
+            assert r.status == 202 and r.json() == {"accepted": 12, "duplicates": 0}, r
+        direct = n.metric(DIRECT)
+        assert 0 < direct < 96, f"{direct} of 96 committed directly: the fault seam did not split them"
+        for msgs in batches:
+            r = n.post("/v1/topics/keyedfail/produce/batch", {"messages": msgs})
+            assert r.status == 202 and r.json() == {"accepted": 12, "duplicates": 12}, r
+        got: dict[str, int] = {}
+
+        def more() -> bool:
+            r = n.request("GET", "/v1/topics/keyedfail/consume?max=100&wait=200ms", headers=CLIENT)
+            if r.status == 200:
+                ms = r.json()["messages"]
+                for m in ms:
+                    assert m["payload"] not in got, f"{m['payload']} delivered twice"
+                    got[m["payload"]] = m["partition"]
+                a = n.request("POST", "/v1/topics/keyedfail/ack",
+                              json.dumps({"receipt_handles": [m["receipt_handle"] for m in ms]}).encode(),
+                              headers={**CLIENT, "Content-Type": "application/json"})
+                assert a.status == 200, a
+            return len(got) >= 96
+
+        wait_for(more, 30, 0.01, "96 messages")
+        want = {m["payload"]: key_partition(m["idempotency_key"].encode(), 3) for msgs in batches for m in msgs}
+        assert got == want
+    finally:
+        n.close()
+
+
 def test_an_idempotent_produce_frees_its_in_flight_share_once_durable(tmp_path: Any) -> None:
     """The per-identity produce cap counts a produce until it is durable, not while it
     waits for its WAL records' verdicts: a batch with one record committed directly and

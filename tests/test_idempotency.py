@@ -429,6 +429,16 @@ def test_cluster_the_same_key_at_three_nodes_and_an_owner_down(tmp_path: Path) -
         answers = [single(c[x], name, f"from-{x}".encode(), "one").json() for x in c.ids]
         assert answers == [{"duplicate": False}, {"duplicate": True}, {"duplicate": True}], answers
         assert stored(c["n1"], name) == 1
+        # A one-pass keyed batch at one node: the partitions owned elsewhere take its WAL
+        # (their entries built then, ``DeferredEntries``), the rest commit here; the same
+        # batch at the other nodes is all duplicates.
+        batch = {"messages": [{"payload": {"b": j}, "idempotency_key": f"batch-{j}"} for j in range(30)]}
+        r = c["n1"].post(f"/v1/topics/{name}/produce/batch", batch)
+        assert r.status == 202 and r.json() == {"accepted": 30, "duplicates": 0}, r
+        for x in ("n2", "n3"):
+            r = c[x].post(f"/v1/topics/{name}/produce/batch", batch)
+            assert r.status == 202 and r.json() == {"accepted": 30, "duplicates": 30}, (x, r)
+        wait_for(lambda: stored(c["n1"], name) == 31, 20, 0.1, "the batch committed at its owners")
         # ---- the owner of a key's partition is down ----
         stats = c["n1"].get(f"/v1/topics/{name}").json()["partition_stats"]
         owner = {s["index"]: s["owner_node"] for s in stats}
@@ -446,7 +456,7 @@ def test_cluster_the_same_key_at_three_nodes_and_an_owner_down(tmp_path: Path) -
                  "the pending record committed at its owner")
         for z in c.ids:
             assert single(c[z], name, b"retry", key).json() == {"duplicate": True}
-        wait_for(lambda: stored(c[y], name) == 2, 20, 0.1, "two records in all")
+        wait_for(lambda: stored(c[y], name) == 32, 20, 0.1, "two records and the batch in all")
     finally:
         c.close()
 

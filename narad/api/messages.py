@@ -42,9 +42,9 @@ import os
 import re
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from operator import itemgetter
-from typing import Annotated, Any
+from typing import Annotated, Any, overload
 
 import msgspec
 
@@ -389,6 +389,46 @@ def render_leased(topic: str, it: Item) -> MessageOut | _Leased | _LeasedKey:
     return _LeasedKey(topic, p, o, ks, pay, it.ts_ms // 1000, f"{p}:{o}:{it.nonce}", it.deliveries or None, hdr)
 
 
+class DeferredEntries(Sequence[Entry]):
+    """A one-pass keyed batch's entries (``MessagesAPI._keyed_entries``), each message's
+    ``Entry`` built only when something reads one: the WAL, and what ``Broker.direct``
+    leaves to it (a partition owned elsewhere, a direct commit that failed). The direct
+    commits read the groups' records instead, so the common batch builds none (an
+    ``Entry`` and its append were about 1k instructions a message). Built from the groups
+    (each partition's indexes in batch order and their records), in batch order, once."""
+
+    __slots__ = ("_built", "_groups", "_inc", "_n", "_now", "_topic")
+
+    def __init__(self, n: int, groups: dict[int, DirectGroup], topic: str, inc: bytes, now: int) -> None:
+        self._n, self._groups, self._topic, self._inc, self._now = n, groups, topic, inc, now
+        self._built: list[Entry] | None = None
+
+    def __len__(self) -> int:
+        return self._n
+
+    def built(self) -> list[Entry]:
+        es = self._built
+        if es is None:
+            out: list[Entry | None] = [None] * self._n
+            topic, inc, now = self._topic, self._inc, self._now
+            for part, (idx, records, _iks) in self._groups.items():
+                for i, (key, flags, stored) in zip(idx, records, strict=True):
+                    out[i] = Entry(topic, inc, part, now, flags, key, stored)
+            assert None not in out, "every message is in one group"
+            es = self._built = out  # type: ignore[assignment]
+        return es
+
+    @overload
+    def __getitem__(self, i: int) -> Entry: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[Entry]: ...
+    def __getitem__(self, i: int | slice) -> Entry | list[Entry]:
+        return self.built()[i]
+
+    def __iter__(self) -> Iterator[Entry]:
+        return iter(self.built())
+
+
 class BatchMsg(msgspec.Struct, forbid_unknown_fields=True):
     payload: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
     payload_encoding: str | None = None
@@ -639,8 +679,8 @@ class MessagesAPI:
             raise BadRequest("invalid argument: partition out of range")
         return p
 
-    async def _append(self, req: Request, t: TopicRecord, entries: list[Entry],
-                      watch: list[Entry] | None = None, direct: int | None = None,
+    async def _append(self, req: Request, t: TopicRecord, entries: Sequence[Entry],
+                      watch: Sequence[Entry] | None = None, direct: int | None = None,
                       spread: bool = False,
                       plan: tuple[dict[int, DirectGroup], bool] | None = None
                       ) -> list[bool | None]:
@@ -682,13 +722,18 @@ class MessagesAPI:
                         self.m.messages_accepted.labels(t.name).inc(len(entries))
                         return []
             elif spread:
-                dplan = self.broker.direct(t, entries, *plan) if plan is not None else self.broker.direct(t, entries)
+                dplan = (self.broker.direct(t, entries, *plan, inc=bytes.fromhex(t.id)) if plan is not None
+                         else self.broker.direct(t, entries))
                 if dplan is not None:
                     def durable() -> None:
                         release()
                         self.m.messages_accepted.labels(t.name).inc(len(entries))
 
                     return await self._append_plan(entries, watch, dplan, durable)
+            if isinstance(entries, DeferredEntries):  # (the WAL keeps and reads a list of its own)
+                deferred, entries = entries, entries.built()
+                if watch is deferred:
+                    watch = entries
             w = await self.broker.produce(entries, watch, IDEM_WAIT_S)
         except WALFailed as e:
             self.m.wal_failed.set(1)
@@ -705,7 +750,7 @@ class MessagesAPI:
             out[at[id(e)]] = d
         return out
 
-    async def _append_plan(self, entries: list[Entry], watch: list[Entry] | None,
+    async def _append_plan(self, entries: Sequence[Entry], watch: Sequence[Entry] | None,
                            plan: DirectBatch, durable: Callable[[], None]) -> list[bool | None]:
         """``_append`` once ``Broker.direct`` took some entries: the rest go to the WAL at
         once, and those whose direct commit failed after it; ``durable()`` is called once
@@ -1182,7 +1227,7 @@ class MessagesAPI:
                 payload = bytes(payload)  # (no block to join it to: the request's buffer is not kept)
             prepared[i] = (payload, key, part, flags, hdrs, idem)
 
-    async def _produce_keyed(self, req: Request, t: TopicRecord, entries: list[Entry], watch: list[Entry],
+    async def _produce_keyed(self, req: Request, t: TopicRecord, entries: Sequence[Entry], watch: Sequence[Entry],
                              groups: dict[int, DirectGroup], keyed: bool) -> Response:
         """A batch with idempotency keys, its entries built: appended (``Broker.direct``'s
         plan given), and the answer with its duplicates."""
@@ -1197,15 +1242,15 @@ class MessagesAPI:
         return json_response(202, out)
 
     def _keyed_entries(self, t: TopicRecord, msgs: list[BatchMsg]
-                       ) -> tuple[list[Entry], dict[int, DirectGroup], bool] | None:
+                       ) -> tuple[DeferredEntries, dict[int, DirectGroup], bool] | None:
         """The common idempotent batch in one pass: every message a JSON payload (no
         ``payload_encoding``) with an idempotency key, no headers, a UTF-8 message key or
         none, a partition in range or none. Its entries, ``Broker.direct``'s groups and
         whether any message has a message key; None as soon as a message is anything else,
         an invalid one included (the general passes then check every message and answer
         what is wrong), so this path never decides a 400. The entries are the general
-        passes' byte for byte (same flags, blocks and partitions)."""
-        entries: list[Entry] = []
+        passes' byte for byte (same flags, blocks and partitions), built only when something
+        reads them (``DeferredEntries``: the direct commits read the groups' records)."""
         groups: dict[int, DirectGroup] = {}
         keyed = False
         nparts = t.partitions
@@ -1251,7 +1296,6 @@ class MessagesAPI:
             elif part != hashed[i]:
                 out[i] = part  # (placed by its message key or as given: grouped where it goes)
             stored = b"".join((heads[n], idem, payload)) if n < 32 else FR.pack_idem(idem, payload)  # type: ignore[arg-type]
-            entries.append(Entry(name, inc, part, now, fl, key, stored))
             records.append((key, fl, stored))
         # ``Broker.direct``'s groups: each partition's indexes in batch order, their records and
         # keys, from one native counting sort over the placements (``out``).
@@ -1270,7 +1314,7 @@ class MessagesAPI:
             else:
                 pick = itemgetter(*idx)
                 groups[p] = (idx, list(pick(records)), list(pick(iks)))
-        return entries, groups, keyed
+        return DeferredEntries(count, groups, name, inc, now), groups, keyed
 
     # ---- consume --------------------------------------------------------------------------------
     async def consume(self, req: Request) -> Response:

@@ -68,7 +68,7 @@ import resource
 import shutil
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -917,8 +917,8 @@ class Broker:
         fut.add_done_callback(done)
         return fut
 
-    def direct(self, t: TopicRecord, entries: list[Entry], groups: dict[int, DirectGroup] | None = None,
-               keyed: bool = True) -> DirectBatch | None:
+    def direct(self, t: TopicRecord, entries: Sequence[Entry], groups: dict[int, DirectGroup] | None = None,
+               keyed: bool = True, inc: bytes | None = None) -> DirectBatch | None:
         """Produce without the WAL for a produce with idempotency keys (its records may
         also carry message keys or partitions, and span partitions; its answer waits for
         their commits anyway): each partition's
@@ -945,7 +945,9 @@ class Broker:
         (partition -> ``DirectGroup``: the indexes of its entries in batch order, their
         records, and each one's idempotency key as its block holds it, None for none)
         is the grouping, and the keys go to the commits, which then read no block;
-        ``keyed`` False says no entry has a message key (no order to keep)."""
+        ``keyed`` False says no entry has a message key (no order to keep); ``inc``, the
+        entries' incarnation (then no entry is read: the producer may build them only for
+        what goes to the WAL, ``DeferredEntries``)."""
         if not entries or self.wal.failed is not None or not self.routes_trusted():
             return None
         if groups is None:
@@ -960,7 +962,8 @@ class Broker:
                       for part, idx in by_part.items()}
         plan: DirectBatch | None = None
         rest: list[int] = []
-        inc = entries[0].incarnation
+        if inc is None:
+            inc = entries[0].incarnation
         for part, (idx, records, iks) in groups.items():
             fut = self._direct_group(t, part, inc, records, iks, keyed)
             if fut is None:

@@ -473,3 +473,58 @@ def test_pub_takes_binary_arguments_or_says_what_must_be_text(node: Node, cfg: P
     assert base64.b64decode(m["payload"]) == b"\xff\xfe" == base64.b64decode(m["key"])
     assert "not UTF-8" in narad(node, cfg, "pub", "cb-src", "x", "-H", f"a:{bad}", code=2).stderr
     assert "UTF-8" in narad(node, cfg, "pub", "cb-src", "x", "--idempotency-key", bad, code=2).stderr
+
+
+def test_ack_nack_extend_by_handle_and_sub_visibility(node: Node, cfg: Path) -> None:
+    """``narad ack`` / ``nack`` / ``extend`` settle leases taken by ``sub --no-ack``
+    (issue 14's retry controls from the command line), and ``sub --visibility`` sets
+    one consume's lease. What the node does afterwards is asserted: a nack with
+    ``--delay`` is not delivered before it, an extended lease outlives the one it
+    replaced, an acked message never comes back (a second ack is a 410 and exit 1), a
+    1 s lease on a 60 s topic lapses within seconds, and the plain output shows a
+    redelivery's count and headers, and a dead-letter copy's origin and reason."""
+    narad(node, cfg, "topic", "add", "cs-dlt", "--partitions", "3")
+    narad(node, cfg, "topic", "add", "cs", "--partitions", "3", "--visibility", "60s", "--max-deliveries", "3",
+          "--dead-letter-topic", "cs-dlt")
+    for body in ("a", "b", "c"):
+        narad(node, cfg, "pub", "cs", body, "--partition", "0", "-H", "n:" + body)
+    first = lines(narad(node, cfg, "sub", "cs", "--partition", "0", "--max", "3", "--no-ack", "--visibility", "8s",
+                        "--json"))
+    by = {m["payload"]: m for m in first}
+    assert sorted(by) == ["a", "b", "c"] and all(m["delivery_count"] == 1 for m in first)
+    assert by["a"]["headers"] == {"n": "a"}
+    # A 60 s lease for "a", a nack of "b" for 2 s, an ack of "c" read from a `sub --json`
+    # line on standard input.
+    t0 = time.time()
+    r = narad(node, cfg, "extend", "cs", by["a"]["receipt_handle"], "--visibility", "60s")
+    assert "extended 1 of 1 message(s)" in r.stderr
+    narad(node, cfg, "nack", "cs", by["b"]["receipt_handle"], "--delay", "2s", "--reason", "slow")
+    r = narad(node, cfg, "ack", "cs", "-", "--json", input=json.dumps(by["c"]) + "\n")
+    assert lines(r) == [{"receipt_handle": by["c"]["receipt_handle"], "status": 204}]
+
+    def take() -> dict[str, Any] | None:
+        r = node.get("/v1/topics/cs/consume?partition=0")
+        return r.json() if r.status == 200 else None
+
+    b = wait_for(take, 10, 0.05, "the nacked message back")
+    assert b["payload"] == "b" and b["delivery_count"] == 2
+    assert time.time() - t0 >= 2.0, "delivered before its --delay"
+    r = narad(node, cfg, "ack", "cs", by["c"]["receipt_handle"], code=1)
+    assert "410" in r.stderr and "1 of 1 handle(s) not settled" in r.stderr
+    # The third delivery, in the plain form, under a 1 s lease: it lapses (the topic's
+    # 60 s would not, within the wait below) and, at max_deliveries, the record is
+    # dead-lettered with the last nack's reason. "a" stays leased past its first 8 s.
+    narad(node, cfg, "nack", "cs", b["receipt_handle"], "--reason", "again")
+    r = narad(node, cfg, "sub", "cs", "--partition", "0", "--max", "1", "--no-ack", "--visibility", "1s")
+    assert re.fullmatch(r'\[p0 @1\] delivery=3 headers=\{"n":"b"\} \d\d:\d\d:\d\d b', r.stdout.strip()), r.stdout
+    wait_for(lambda: sum(p["lag"] for p in node.get("/v1/topics/cs-dlt").json()["partition_stats"]) == 1, 15, 0.05,
+             "the dead-letter copy")
+    r = narad(node, cfg, "sub", "cs-dlt", "--max", "1")
+    assert ' dead-letter-of=cs/p0@1 after=3 reason="again" ' in r.stdout, r.stdout
+    wait_for(lambda: time.time() - t0 > 9, 15, 0.1, "the first lease's 8 s")
+    assert node.get("/v1/topics/cs/consume?partition=0").status == 204  # "a": extended to 60 s
+    # Bad input: a usage error (exit 2) naming what to fix, nothing sent.
+    r = narad(node, cfg, "nack", "cs", "not-a-handle", code=2)
+    assert "partition:offset:nonce" in r.stderr
+    r = narad(node, cfg, "ack", "cs", "-", input="\n", code=2)
+    assert "no receipt handle" in r.stderr

@@ -8,6 +8,7 @@ Imports narad.client.models, msgspec and the standard library.
 from __future__ import annotations
 
 import base64
+import json
 import math
 import re
 import time
@@ -83,10 +84,22 @@ def _key_text(key: bytes) -> str:
 
 def message_line(msg: Message) -> str:
     """The terminal form: ``[p0 @12] key=k 14:03:22 {"id":1}``; binary payloads as
-    ``(binary, N bytes)`` and hex on the next line."""
+    ``(binary, N bytes)`` and hex on the next line. The extensions a delivery or a
+    record has come before the time: ``delivery=N`` from the second delivery on,
+    ``headers={...}`` (compact JSON), ``dead-letter-of=topic/pP@O`` (and its count
+    and nack reason) for a dead-letter copy."""
     meta = f"[p{msg.partition} @{msg.offset}]"
     if msg.key is not None and msg.key != b"":
         meta += " key=" + _key_text(msg.key)
+    if msg.delivery_count is not None and msg.delivery_count > 1:
+        meta += f" delivery={msg.delivery_count}"
+    if msg.headers:
+        meta += " headers=" + json.dumps(msg.headers, separators=(",", ":"), ensure_ascii=False)
+    d = msg.dead_letter
+    if d is not None:
+        meta += f" dead-letter-of={d.topic}/p{d.partition}@{d.offset} after={d.delivery_count}"
+        if d.reason:
+            meta += " reason=" + json.dumps(d.reason, ensure_ascii=False)
     if msg.timestamp > 0:
         meta += " " + time.strftime("%H:%M:%S", time.localtime(msg.timestamp))
     if msg.payload_kind == "bytes":

@@ -21,7 +21,7 @@ from narad import BUILD, __version__
 from narad.cli.admin import cluster, ctx, user
 from narad.cli.base import EXIT_CODES, Failure, NaradCommand, NaradGroup, describe, emit, json_mode
 from narad.cli.bench import bench
-from narad.cli.messages import pub, replay, sub
+from narad.cli.messages import ack, extend, nack, pub, replay, sub
 from narad.cli.topics import topic
 from narad.client import NaradError
 
@@ -61,7 +61,7 @@ def cli() -> None:
     wins over the selected context."""
 
 
-for _cmd in (topic, pub, sub, replay, bench, user, cluster, ctx):
+for _cmd in (topic, pub, sub, ack, nack, extend, replay, bench, user, cluster, ctx):
     cli.add_command(_cmd)
 
 

@@ -1,5 +1,5 @@
-"""``narad pub``, ``narad sub`` and ``narad replay``: produce, consume (or watch) and
-read back messages, through narad.client.
+"""``narad pub``, ``narad sub``, ``narad replay`` and ``narad ack`` / ``nack`` / ``extend``:
+produce, consume (or watch), read back and settle messages, through narad.client.
 
 ``sub`` has two modes. Queue mode (the default) is a real consumer: it long-polls,
 prints each message and acks it, so what it takes is settled and it competes with
@@ -13,6 +13,7 @@ Imports narad.cli.{base,fmt}, narad.client, click and the standard library.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
 
@@ -32,6 +33,7 @@ from narad.cli.base import (
 )
 from narad.cli.fmt import message_json, message_line
 from narad.client import (
+    AckResult,
     ApiError,
     AsyncClient,
     Message,
@@ -41,7 +43,7 @@ from narad.client import (
     TransportError,
 )
 
-__all__ = ["pub", "replay", "sub"]
+__all__ = ["ack", "extend", "nack", "pub", "replay", "sub"]
 
 BATCH = 10  # leases one queue-mode poll takes at most without --max (each is printed, then acked)
 
@@ -356,3 +358,104 @@ def replay(topic: str, partition: int, from_: int | None, to: int | None, raw: b
         emit({"topic": topic, "partition": partition, "replayed": n, "from": start, "to": stop})
     else:
         click.echo(f"{n} message(s) replayed from p{partition} [{start}, {stop})", err=True)
+
+
+# ---- ack / nack / extend -------------------------------------------------------------------------
+def _handles(given: tuple[str, ...]) -> list[str]:
+    """The handles named, those on standard input in place of ``-``; a JSON line (``sub
+    --json``'s) gives its ``receipt_handle``. Blank lines are skipped."""
+    out: list[str] = []
+    for h in given:
+        if h != "-":
+            out.append(h.strip())
+            continue
+        for n, raw_line in enumerate(binary("stdin"), 1):
+            line = raw_line.decode("utf-8", "replace").strip()
+            if not line:
+                continue
+            if line.startswith("{"):
+                try:
+                    got = json.loads(line).get("receipt_handle")
+                except (ValueError, AttributeError):
+                    got = None
+                if not isinstance(got, str) or not got:
+                    raise click.BadParameter(f"stdin line {n} is JSON without a receipt_handle (a replayed "
+                                             "message has none)", param_hint="HANDLE")
+                line = got
+            out.append(line)
+    if not out:
+        raise click.UsageError("no receipt handle given (name them, or - for standard input)")
+    bad = [h for h in out if h.count(":") != 2]
+    if bad:
+        raise click.BadParameter(f"{bad[0]!r} is not a receipt handle (partition:offset:nonce)", param_hint="HANDLE")
+    return out
+
+
+def _settle(topic: str, handles: list[str], mode: str, past: str, **kw: float | str | None) -> None:
+    """Settle every handle (100 a request, ``AsyncClient.ack_batch``) and report each
+    one: ``--json`` a line per handle (its handle, status and error), otherwise the
+    failures and a count on stderr. Exit 1 when any handle was not settled (410: its
+    lease had lapsed already, so it will be, or was, delivered again)."""
+    c = connect()
+
+    async def go(cl: AsyncClient) -> list[AckResult]:
+        return await cl.ack_batch(topic, handles, mode=mode, **kw)  # type: ignore[arg-type]
+
+    results = call(c, go)
+    bad = [r for r in results if not r.ok]
+    for r in results:
+        if json_mode():
+            row: dict[str, object] = {"receipt_handle": r.receipt_handle, "status": r.status}
+            if r.error:
+                row["error"] = r.error
+            emit(row)
+        elif not r.ok:
+            why = "the lease had lapsed (it will be delivered again)" if r.status == 410 else (r.error or "")
+            warn(f"{r.receipt_handle}: {r.status} {why}".rstrip())
+    if not json_mode():
+        click.echo(f"{past} {len(results) - len(bad)} of {len(results)} message(s)", err=True)
+    if bad:
+        raise Failure(f"{len(bad)} of {len(results)} handle(s) not settled")
+
+
+@click.command("ack", cls=NaradCommand)
+@click.argument("topic")
+@click.argument("handle", nargs=-1, required=True)
+def ack(topic: str, handle: tuple[str, ...]) -> None:
+    """Ack messages by receipt handle (partition:offset:nonce, as 'sub --no-ack
+    --json' prints them; - reads them from standard input, one a line, as is or as
+    those JSON lines): they are never delivered again. A handle whose lease had
+    lapsed is reported (410) and the command exits 1."""
+    _settle(topic, _handles(handle), "ack", "acked")
+
+
+
+@click.command("nack", cls=NaradCommand)
+@click.argument("topic")
+@click.argument("handle", nargs=-1, required=True)
+@click.option("--delay", type=Duration(), metavar="DURATION",
+              help="Deliver again no sooner than this (0 to 12h; an extension a Narad node refuses). "
+                   "Default: at once.")
+@click.option("--reason", metavar="TEXT",
+              help="Why (at most 256 bytes): kept for the dead-letter copy if this was the last delivery "
+                   "the topic's max_deliveries allows.")
+def nack(topic: str, handle: tuple[str, ...], delay: int | None, reason: str | None) -> None:
+    """Give messages back by receipt handle (as for 'ack'; - reads standard input):
+    delivered again at once, or after --delay. Each delivery counts toward the
+    topic's max_deliveries."""
+    _settle(topic, _handles(handle), "nack", "nacked", delay=None if delay is None else delay / 1000, reason=reason)
+
+
+
+@click.command("extend", cls=NaradCommand)
+@click.argument("topic")
+@click.argument("handle", nargs=-1, required=True)
+@click.option("--visibility", type=Duration(), metavar="DURATION",
+              help="The lease runs this long from now (1s to 12h; an extension a Narad node refuses). "
+                   "Default: the topic's visibility timeout.")
+def extend(topic: str, handle: tuple[str, ...], visibility: int | None) -> None:
+    """Restart messages' leases by receipt handle (as for 'ack'; - reads standard
+    input), for the topic's visibility timeout or --visibility."""
+    _settle(topic, _handles(handle), "extend", "extended",
+            visibility=None if visibility is None else visibility / 1000)
+

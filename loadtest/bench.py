@@ -198,7 +198,13 @@ FEATURE_HEADERS = {"traceparent": TRACEPARENT, "tenant": "acme"}
 # "key": the placement an idempotency key implies, without it; "same": nothing changed, the plain run
 # again (an A/A control: the cost that the order of the runs and the noise alone make up); "bytes":
 # each batched message's payload longer by what "headers" adds to its JSON (a control for size).
-FEATURES = ("headers", "dlq", "idem", "idem1s", "idem1p", "key", "same", "bytes")
+# "vis": every consume sets its lease length (``visibility=30s``, the topic's own); "retry": every
+# message given back (a batch nack) at its first delivery and acked at its second (the redelivery and
+# its count); "retrydelay": the same nack with ``"delay":"20ms"`` (its cost against "retry" is the
+# delay's own: the due-time heap). The retry features are batched full-flow shapes only.
+FEATURES = ("headers", "dlq", "idem", "idem1s", "idem1p", "key", "same", "bytes", "vis", "retry", "retrydelay")
+RETRY_FEATURES = ("retry", "retrydelay")
+RETRY_DELAY = "20ms"
 DLQ_TOPIC = "bench-dlq"
 
 
@@ -267,10 +273,16 @@ class Requests:
                              f"Content-Length: {MSG_SIZE}\r\n\r\n").encode()
         self.batch_head = (f"POST {base}/produce/batch HTTP/1.1\r\n{common}Content-Type: application/json\r\n"
                            f"Content-Length: ").encode()
-        self.consume_one = f"GET {base}/consume?wait={CONSUME_WAIT} HTTP/1.1\r\n{common}\r\n".encode()
-        self.consume_many = (f"GET {base}/consume?wait={CONSUME_WAIT}&max={CONSUME_MAX} HTTP/1.1\r\n"
+        vis = "&visibility=30s" if feature == "vis" else ""
+        self.consume_one = f"GET {base}/consume?wait={CONSUME_WAIT}{vis} HTTP/1.1\r\n{common}\r\n".encode()
+        self.consume_many = (f"GET {base}/consume?wait={CONSUME_WAIT}&max={CONSUME_MAX}{vis} HTTP/1.1\r\n"
                              f"{common}\r\n").encode()
-        self.consume_now = f"GET {base}/consume?wait=0s&max={CONSUME_MAX} HTTP/1.1\r\n{common}\r\n".encode()
+        self.consume_now = f"GET {base}/consume?wait=0s&max={CONSUME_MAX}{vis} HTTP/1.1\r\n{common}\r\n".encode()
+        # retry, retrydelay: first deliveries are nacked (with a delay for retrydelay), the rest acked
+        self.retry = feature in RETRY_FEATURES
+        self._nack_extra = {"delay": RETRY_DELAY} if feature == "retrydelay" else {}
+        self.nack_many_head = (f"POST {base}/ack?extend=0 HTTP/1.1\r\n{common}Content-Type: application/json\r\n"
+                               f"Content-Length: ").encode()
         self.ack_one_head = f"POST {base}/ack?receipt_handle=".encode()
         self.ack_one_tail = f" HTTP/1.1\r\n{common}Content-Length: 0\r\n\r\n".encode()
         self.ack_many_head = (f"POST {base}/ack HTTP/1.1\r\n{common}Content-Type: application/json\r\n"
@@ -306,10 +318,15 @@ class Requests:
         body = _enc.encode({"receipt_handles": handles})
         return self.ack_many_head + b"%d\r\n\r\n" % len(body) + body
 
+    def nack_many(self, handles: list[str]) -> bytes:
+        body = _enc.encode({"receipt_handles": handles, **self._nack_extra})
+        return self.nack_many_head + b"%d\r\n\r\n" % len(body) + body
+
 
 class _Msg(msgspec.Struct):
     payload: msgspec.Raw
     receipt_handle: str = ""
+    delivery_count: int = 0
 
 
 class _Batch(msgspec.Struct):
@@ -365,6 +382,7 @@ class Stats:
     acked: int = 0
     empty: int = 0
     consumes: int = 0  # consume requests that returned messages (flow runs)
+    nacked: int = 0  # first deliveries given back (--features retry, retrydelay)
     ack_bad: Counter[int] = field(default_factory=Counter)
     ack_bad_example: str = ""
     lat: array = field(default_factory=lambda: array("d"))  # produce request latencies, seconds
@@ -487,8 +505,9 @@ class Load:
             seq += n
             self.backlog += n
             while True:
+                done = st.consumed
                 got = await consume_and_ack(c, r, st, r.consume_many)
-                self.backlog -= got
+                self.backlog -= st.consumed - done  # (a nacked first delivery is still to come)
                 if got == 0:
                     st.empty += 1
                     break
@@ -511,7 +530,9 @@ class Pacer:
 
 
 async def consume_and_ack(c: HttpConn, r: Requests, st: Stats, req: bytes) -> int:
-    """One batch consume and one batch ack of what it returned; returns the number of messages."""
+    """One batch consume and one batch ack of what it returned; returns the number of messages.
+    With ``r.retry``, first deliveries are nacked instead (one batch nack), and only the
+    messages acked count as consumed."""
     t = time.perf_counter()
     s, b = await c.request(req)
     st.clat.append(time.perf_counter() - t)
@@ -523,6 +544,21 @@ async def consume_and_ack(c: HttpConn, r: Requests, st: Stats, req: bytes) -> in
     if not msgs:
         raise BenchFailure(f"{_line(req)} -> 200 with an empty messages list")
     st.consumes += 1
+    delivered = len(msgs)
+    if r.retry:
+        first = [m.receipt_handle for m in msgs if m.delivery_count == 1]
+        if first:
+            nack = r.nack_many(first)
+            s, b = await c.request(nack)
+            st.requests += 1
+            expect(s, 200, nack, b)
+            res = _results_dec.decode(b).results
+            if len(res) != len(first) or any(x.status != 204 for x in res):
+                raise BenchFailure(f"{_line(nack)} -> 200 but not every nack settled: {b[:300]!r}")
+            st.nacked += len(first)
+            msgs = [m for m in msgs if m.delivery_count != 1]
+            if not msgs:
+                return delivered
     st.consumed += len(msgs)
     st.consumed_ids.extend([id_of(m.payload) for m in msgs])
     ack = r.ack_many([m.receipt_handle for m in msgs])
@@ -540,7 +576,7 @@ async def consume_and_ack(c: HttpConn, r: Requests, st: Stats, req: bytes) -> in
             st.ack_bad_example = st.ack_bad_example or f"{_line(ack)} -> 200, a result {b[:300]!r}"
         else:
             raise BenchFailure(f"{_line(ack)} -> 200 with result status {x.status}: {b[:600]!r}")
-    return len(msgs)
+    return delivered
 
 
 async def _client(sc: Scenario, port: int, auth: str, index: int, barrier: Any) -> Stats:
@@ -1133,8 +1169,8 @@ def scenarios(args: argparse.Namespace) -> list[Scenario]:
         # feature is compared with the mean of its two neighbours, so a drift of the host (or
         # of the node: its page cache, its logs growing) over the sequence cancels out.
         out = [v for x in out if x.mode != "latency"
-               for v in [x, *(y for f in feats for y in (dataclasses.replace(x, name=f"{x.name} +{f}", feature=f),
-                                                          x))]]
+               for v in [x, *(y for f in feats if f not in RETRY_FEATURES or x.mode == "flow_batch"
+                              for y in (dataclasses.replace(x, name=f"{x.name} +{f}", feature=f), x))]]
     in_flight = args.procs * args.batch_conns * CONSUME_MAX
     if any(x.mode == "flow_batch" for x in out) and in_flight > CONSUME_CAP:
         raise SystemExit(f"--procs x --batch-conns x max={CONSUME_MAX} = {in_flight} concurrent batch-consume slots: "

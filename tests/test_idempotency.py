@@ -954,6 +954,41 @@ def test_a_hops_idempotency_keys_stand_in_for_its_blocks_only_from_a_worker_of_t
     assert msgspec.msgpack.decode(enc.encode(new), type=OldCommitReq).records == recs
     assert msgspec.msgpack.decode(enc.encode(OldCommitReq("t", "id", 2, recs)), type=P.CommitReq).ikeys is None
     assert msgspec.msgpack.decode(enc.encode(new), type=P.CommitReq).ikeys == ["a", None]
+    # A body sent alone (the one-pass batch's: no block, its key in ikeys) is never taken
+    # keyless: such a hop is refused where its keys may not stand in for blocks.
+    from narad.broker.broker import hop_bodies_alone
+
+    body_alone = (None, FR.F_JSON | FR.F_UTF8, b'{"n":1}')
+    assert hop_bodies_alone(P.CommitReq("t", "id", 0, [body_alone, _rec(None, b"y")], ["a", None]))
+    assert not hop_bodies_alone(P.CommitReq("t", "id", 0, recs, ["a", None]))
+    assert not hop_bodies_alone(P.CommitReq("t", "id", 0, [body_alone], [None]))
+    assert not hop_bodies_alone(P.CommitReq("t", "id", 0, [body_alone], None))
+
+
+def test_a_body_laid_with_its_key_is_the_packed_record_on_disk_and_the_body_in_memory() -> None:
+    """``FR.lay_keyed``: a record sent as its body alone with its idempotency key is
+    written byte for byte as the same record packed with its key's block (``pack_idem``)
+    and laid by ``lay`` (so the disk, a restart's rebuild and a move see what they saw),
+    while the records kept in memory, what a consume reads, are the bodies alone. A
+    record that has its block already, or no key, is laid as ``lay`` lays it."""
+    keys: list[str | None] = ["k", "u" * 31, "0f8fad5b-d9cb-469f-a165-70867728950e", "v" * 122, "w" * 128,
+                              "é" * 20, None, "z"]
+    plain = [(None if i % 3 else b"mk%d" % i, FR.F_JSON | FR.F_UTF8, b'{"n":%d}' % i) for i in range(len(keys))]
+    packed = [(k, f | FR.F_EXT, FR.pack_idem(ik.encode(), body)) if ik is not None else (k, f, body)
+              for (k, f, body), ik in zip(plain, keys, strict=True)]
+    a, b, c = FR.Laid(), FR.Laid(), FR.Laid()
+    da: list[Any] = []
+    db: list[Any] = []
+    dc: list[Any] = []
+    FR.lay(a, packed, 1234, da)
+    FR.lay_keyed(b, plain, keys, 1234, db)
+    FR.lay_keyed(c, packed, keys, 1234, dc)
+    frame = FR.encode_frame(7, a)
+    assert FR.encode_frame(7, b) == frame == FR.encode_frame(7, c)
+    assert db == [(k, 1234, f, body) for k, f, body in plain]
+    assert dc == da == [(k, 1234, f, body) for k, f, body in packed]
+    back = [FR.decode_record(r) for r in FR.split_records(frame[FR.HEADER_SIZE:], len(keys))]
+    assert [(k, ts, f & ~FR.F_KEY, bytes(p)) for k, ts, f, p in back] == da
 
 
 def test_a_commit_told_its_records_carry_no_keys_looks_into_no_block(tmp_path: Path) -> None:

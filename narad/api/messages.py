@@ -395,7 +395,9 @@ class DeferredEntries(Sequence[Entry]):
     leaves to it (a partition owned elsewhere, a direct commit that failed). The direct
     commits read the groups' records instead, so the common batch builds none (an
     ``Entry`` and its append were about 1k instructions a message). Built from the groups
-    (each partition's indexes in batch order and their records), in batch order, once."""
+    (each partition's indexes in batch order, their records and keys), in batch order,
+    once; a record that is the body alone (no ``F_EXT``, a key) gets its key's block, as
+    the WAL stores it."""
 
     __slots__ = ("_built", "_groups", "_inc", "_n", "_now", "_topic")
 
@@ -411,9 +413,13 @@ class DeferredEntries(Sequence[Entry]):
         if es is None:
             out: list[Entry | None] = [None] * self._n
             topic, inc, now = self._topic, self._inc, self._now
-            for part, (idx, records, _iks) in self._groups.items():
-                for i, (key, flags, stored) in zip(idx, records, strict=True):
-                    out[i] = Entry(topic, inc, part, now, flags, key, stored)
+            ext = FR.F_EXT
+            for part, (idx, records, iks) in self._groups.items():
+                for i, (key, flags, body), ik in zip(idx, records, iks or [None] * len(idx), strict=True):
+                    if ik is not None and not flags & ext:  # (the body alone: the WAL stores its block too)
+                        out[i] = Entry(topic, inc, part, now, flags | ext, key, FR.pack_idem(ik.encode(), body))
+                    else:
+                        out[i] = Entry(topic, inc, part, now, flags, key, body)
             assert None not in out, "every message is in one group"
             es = self._built = out  # type: ignore[assignment]
         return es
@@ -1254,9 +1260,10 @@ class MessagesAPI:
         groups: dict[int, DirectGroup] = {}
         keyed = False
         nparts = t.partitions
-        heads = FR.IDEM_HEADS
         name, inc, now = t.name, bytes.fromhex(t.id), int(time.time() * 1000)
-        fl = F_JSON | F_UTF8 | FR.F_EXT
+        # The body alone, without its key's block: the commit writes the block from the key
+        # (``FR.lay_keyed``) and keeps the body alone in memory, what a consume reads.
+        fl = F_JSON | F_UTF8
         unset = msgspec.UNSET
         # Every key's partition in one native call (``key_partition`` of each: the crc32c of
         # its UTF-8 modulo the partitions), used where a message has no message key.
@@ -1295,8 +1302,7 @@ class MessagesAPI:
                 return None
             elif part != hashed[i]:
                 out[i] = part  # (placed by its message key or as given: grouped where it goes)
-            stored = b"".join((heads[n], idem, payload)) if n < 32 else FR.pack_idem(idem, payload)  # type: ignore[arg-type]
-            records.append((key, fl, stored))
+            records.append((key, fl, bytes(payload)))  # type: ignore[arg-type]
         # ``Broker.direct``'s groups: each partition's indexes in batch order, their records and
         # keys, from one native counting sort over the placements (``out``).
         perm_c, starts_c = native_ffi.new("uint32_t[]", count), native_ffi.new("uint32_t[]", nparts + 1)

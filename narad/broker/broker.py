@@ -91,7 +91,16 @@ from narad.broker.partition import (
     stats_from_disk,
 )
 from narad.broker.routing import RoundRobin, key_partition, owner_worker
-from narad.errors import BadGateway, Conflict, GatewayTimeout, NaradError, NotFound, Unavailable, error_for_status
+from narad.errors import (
+    BadGateway,
+    BadRequest,
+    Conflict,
+    GatewayTimeout,
+    NaradError,
+    NotFound,
+    Unavailable,
+    error_for_status,
+)
 from narad.ipc.rpc import Connection, ConnectionLost
 from narad.meta import versions as V
 from narad.meta.records import TopicRecord
@@ -101,6 +110,7 @@ from narad.storage import iothreads
 from narad.storage import partition_log as PL
 from narad.storage import transfer as TR
 from narad.storage.commit_rounds import CommitRounds
+from narad.storage.frames import F_EXT
 from narad.storage.offsets import OffsetFile
 from narad.storage.partition_log import OffsetGone, PartitionLog
 from narad.storage.wal import Entry, IngressWAL
@@ -239,6 +249,16 @@ def hop_ikeys_ok(m: P.CommitReq, conn: object) -> bool:
     it came over a link from a worker of this node (the same build, whose producer packed
     those keys into those blocks; never from another node) and gives one key a record."""
     return isinstance(conn, Connection) and m.ikeys is not None and len(m.ikeys) == len(m.records)
+
+
+def hop_bodies_alone(m: P.CommitReq) -> bool:
+    """Whether a ``CommitReq`` holds a record sent as its body alone, its idempotency key
+    in ``ikeys`` and no extension block (the one-pass idempotent batch's: the commit
+    writes the block, ``FR.lay_keyed``). Such records need their keys: a hop whose keys
+    may not stand in for blocks (``hop_ikeys_ok``) is refused, never committed keyless."""
+    ik = m.ikeys
+    return ik is not None and any(k is not None and not r[1] & F_EXT
+                                  for r, k in zip(m.records, ik, strict=False))
 
 
 def topic_dir(data_dir: Path, name: str, topic_id: str) -> Path:
@@ -2068,6 +2088,10 @@ class Broker:
 
         async def commit(m: P.CommitReq, c: Any) -> P.CommitResp:
             if m.ikeys is not None and not hop_ikeys_ok(m, c):
+                if hop_bodies_alone(m):
+                    # A body sent without its key's block (``FR.lay_keyed``) is taken only with its
+                    # key, from a worker of this node: anything else would commit it keyless.
+                    raise BadRequest("records without their idempotency-key blocks, from outside this node")
                 m.ikeys = None  # (the owner reads the keys from the blocks)
             w = self.route(m.topic, m.partition)
             if w != self.index:

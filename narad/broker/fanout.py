@@ -29,9 +29,11 @@ Runs in every worker, for the parent partitions that worker owns
   (an idle parent log may close; a commit reopens it and wakes the cursor).
 * **Re-key**: keyed records go to ``key_partition(key, child.partitions)``;
   keyless ones keep the parent partition index when the counts match, else
-  go by their idempotency key when they have one (a copy made twice lands at
-  one child partition, whose commit drops the second), else round-robin per
-  child. Buckets are committed concurrently (at most 16 in
+  go round-robin per child. (Until 2026-12-07 a keyless record with an
+  idempotency key went by that key; copies carry no key, so nothing in the
+  child ever dropped a second copy, and a record read from the owner's memory
+  right after a one-pass idempotent batch's commit is its body alone, without
+  the block that held the key.) Buckets are committed concurrently (at most 16 in
   flight) with ``Broker.commit_to`` (local, another worker, or node RPC), key
   and flags kept. Only when every bucket was acknowledged does the cursor
   file advance (in place). A failed bucket is kept (only its records), retried
@@ -47,7 +49,7 @@ Runs in every worker, for the parent partitions that worker owns
   parent records that cannot be read back intact.
 
 Imports narad.storage, narad.meta (read side and request types), narad.broker
-(routing, partition, idem), narad.metrics.
+(routing, partition), narad.metrics.
 """
 
 from __future__ import annotations
@@ -62,7 +64,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from narad import metrics
-from narad.broker.idem import key_of
 from narad.broker.routing import RoundRobin, key_partition
 from narad.meta import versions as V
 from narad.meta.records import TopicRecord
@@ -731,8 +732,6 @@ class Cursor:
                 cp = key_partition(key, n)
             elif same:
                 cp = self.spec.partition
-            elif r[1] & F_EXT and (ik := key_of(r[1], r[2])) is not None:
-                cp = key_partition(ik.encode(), n)  # an idempotency key: a copy made again lands where the first did
             else:
                 cp = self.e.rr.pick(child.name, n)
             b = out.get(cp)
@@ -756,8 +755,7 @@ class Cursor:
                 async with sem:
                     try:
                         # A copy carries no idempotency key: the parent decided what it holds, and
-                        # the child's own table (another window) must not drop any of it. Placed
-                        # by the key above, before it is taken out.
+                        # the child's own table (another window) must not drop any of it.
                         await self.b.commit_to(child, cp, _without_idem(recs))
                         return None
                     except Exception as e:

@@ -751,16 +751,19 @@ class Partition:
                                 if len(seen) - before == keys_in:
                                     claimed.extend(iks if keys_in == len(iks) else [k for k in iks if k is not None])
                                     held = len(seen)
-                                    FR.lay(laid, batch, ts, decoded)
+                                    FR.lay_keyed(laid, batch, iks, ts, decoded)
                                     dups.append(dl)
                                     continue
                                 seen.difference_update(iks)  # a key given twice: every one was new here
                             # A key held already or given twice (rare): record by record below,
-                            # the keys read from the blocks (the same keys: the producer packed them).
+                            # each record's key the producer's (its record may have no block yet).
                             held = len(seen)
                         kept = batch  # the records written: a copy only once one is dropped as a repeat
+                        kept_iks = iks
                         for j, (_key, flags, payload) in enumerate(batch):
-                            if flags & ext and payload:
+                            if iks is not None:
+                                k = iks[j]
+                            elif flags & ext and payload:
                                 b0 = payload[0]
                                 if b0 < 0x80 and (len(payload) < 4 or payload[3] != 0x69):
                                     # A block whose map's first key is not "i" (headers alone, the
@@ -781,23 +784,31 @@ class Partition:
                                         k = None
                                 else:
                                     k = key_of(flags, payload)
-                                if k is not None:
-                                    if claimed is None:
-                                        table.expire(ts - self.idem_window_ms)
-                                        claimed = []
-                                        held = len(seen)
-                                    seen.add(k)
-                                    if len(seen) == held:  # held already (or claimed by this frame): a repeat
-                                        if kept is batch:
-                                            kept = list(batch[:j])
-                                        dl.append(j)
-                                        payload_bytes -= len(payload)
-                                        continue
-                                    held += 1
-                                    claimed.append(k)
+                            else:
+                                k = None
+                            if k is not None:
+                                if claimed is None:
+                                    table.expire(ts - self.idem_window_ms)
+                                    claimed = []
+                                    held = len(seen)
+                                seen.add(k)
+                                if len(seen) == held:  # held already (or claimed by this frame): a repeat
+                                    if kept is batch:
+                                        kept = list(batch[:j])
+                                        kept_iks = None if iks is None else list(iks[:j])
+                                    dl.append(j)
+                                    payload_bytes -= len(payload)
+                                    continue
+                                held += 1
+                                claimed.append(k)
                             if kept is not batch:
                                 kept.append(batch[j])
-                        FR.lay(laid, kept, ts, decoded)
+                                if kept_iks is not None:
+                                    kept_iks.append(iks[j])  # type: ignore[index]
+                        if kept_iks is None:
+                            FR.lay(laid, kept, ts, decoded)
+                        else:
+                            FR.lay_keyed(laid, kept, kept_iks, ts, decoded)
                         dups.append(dl)
                 except BaseException:  # (a bug: the keys this frame claimed are not left held)
                     if claimed:

@@ -347,6 +347,51 @@ def pack_idem(key: bytes, body: bytes) -> bytes:
     return pack_ext(Ext(i=key.decode()), body)
 
 
+def idem_block(key: bytes) -> bytes:
+    """The key-alone extension block ``pack_idem`` puts in front of a body, alone (its
+    length and map head, then `key`, the key's UTF-8)."""
+    n = len(key)
+    if n < 32:
+        return IDEM_HEADS[n] + key
+    if n < 123:
+        return IDEM_HEADS8[n - 32] + key
+    return pack_idem(key, b"")
+
+
+def lay_keyed(laid: Laid, records: list[tuple[bytes | None, int, bytes]], ikeys: list[str | None],
+              committed_ms: int, decoded: list[tuple[bytes | None, int, int, bytes]]) -> None:
+    """``lay`` for a producer's direct commit (``ikeys``: each record's idempotency key):
+    a record with a key and no ``F_EXT`` came without its block (the one-pass idempotent
+    batch sends the body alone). It is written as ``pack_idem`` makes it (flags |
+    ``F_EXT``, the key-alone block in front of the body: the same bytes on disk) and kept
+    in `decoded` as given, so what a consume reads from memory is the body alone (no block
+    to cut off); read from disk it has its block, which a consume cuts off. Any other
+    record is laid as ``lay`` lays it."""
+    ts8 = _U64.pack(committed_ms)
+    parts = laid.parts
+    u32 = _U32.pack
+    heads: dict[int, bytes] = {}  # a keyless record's head by its flags on disk (a batch has one or two)
+    n = 0
+    for (key, flags, payload), ik in zip(records, ikeys, strict=True):
+        if ik is not None and not flags & F_EXT:
+            block = idem_block(ik.encode())
+            dflags = flags | F_EXT
+        else:
+            block = b""
+            dflags = flags
+        if key:
+            h = bytes((RECORD_VERSION, dflags | F_KEY)) + uvarint(len(key)) + key + ts8
+        else:
+            h = heads.get(dflags)  # type: ignore[assignment]
+            if h is None:
+                h = heads[dflags] = bytes((RECORD_VERSION, dflags & ~F_KEY, 0)) + ts8
+        parts.append(u32(len(h) + len(block) + len(payload)) + h + block)
+        parts.append(payload)
+        decoded.append((key, committed_ms, flags, payload))
+        n += 1
+    laid.count += n
+
+
 def idem_span(stored: bytes) -> tuple[int, int]:
     """Where the idempotency key's UTF-8 lies in `stored` (flags with ``F_EXT``) when
     its block is a key alone (fixstr or str8, ending where the block ends), else

@@ -366,28 +366,43 @@ def lay_keyed(laid: Laid, records: list[tuple[bytes | None, int, bytes]], ikeys:
     ``F_EXT``, the key-alone block in front of the body: the same bytes on disk) and kept
     in `decoded` as given, so what a consume reads from memory is the body alone (no block
     to cut off); read from disk it has its block, which a consume cuts off. Any other
-    record is laid as ``lay`` lays it."""
+    record is laid as ``lay`` lays it. As in ``lay``, nothing is joined here: a keyless
+    record's envelope head depends only on its flags and size (built once a batch for
+    each), and the block's head, the key and the body are parts of their own."""
     ts8 = _U64.pack(committed_ms)
     parts = laid.parts
+    append = parts.append
     u32 = _U32.pack
-    heads: dict[int, bytes] = {}  # a keyless record's head by its flags on disk (a batch has one or two)
+    short, long8 = IDEM_HEADS, IDEM_HEADS8
+    last = -1
+    pre: dict[int, bytes] = {}
+    head = b""
     n = 0
     for (key, flags, payload), ik in zip(records, ikeys, strict=True):
-        if ik is not None and not flags & F_EXT:
-            block = idem_block(ik.encode())
-            dflags = flags | F_EXT
+        if ik is None or flags & F_EXT:
+            lay(laid, ((key, flags, payload),), committed_ms, decoded)
+            n -= 1  # (counted by lay)
         else:
-            block = b""
-            dflags = flags
-        if key:
-            h = bytes((RECORD_VERSION, dflags | F_KEY)) + uvarint(len(key)) + key + ts8
-        else:
-            h = heads.get(dflags)  # type: ignore[assignment]
+            kb = ik.encode()
+            m = len(kb)
+            if key or m >= 123:  # (a message key, or a key of 123 bytes or more: packed, then laid)
+                lay(laid, ((key, flags | F_EXT, pack_idem(kb, payload)),), committed_ms, [])
+                decoded.append((key, committed_ms, flags, payload))
+                continue
+            bh = short[m] if m < 32 else long8[m - 32]
+            if flags != last:  # (a batch's flags are nearly always one value)
+                last = flags
+                pre = {}
+                head = bytes((RECORD_VERSION, (flags | F_EXT) & ~F_KEY, 0)) + ts8
+            size = len(bh) + m + len(payload)
+            h = pre.get(size)
             if h is None:
-                h = heads[dflags] = bytes((RECORD_VERSION, dflags & ~F_KEY, 0)) + ts8
-        parts.append(u32(len(h) + len(block) + len(payload)) + h + block)
-        parts.append(payload)
-        decoded.append((key, committed_ms, flags, payload))
+                h = pre[size] = u32(len(head) + size) + head
+            append(h)
+            append(bh)
+            append(kb)
+            append(payload)
+            decoded.append((None, committed_ms, flags, payload))
         n += 1
     laid.count += n
 

@@ -429,7 +429,6 @@ def ack(topic: str, handle: tuple[str, ...]) -> None:
     _settle(topic, _handles(handle), "ack", "acked")
 
 
-
 @click.command("nack", cls=NaradCommand)
 @click.argument("topic")
 @click.argument("handle", nargs=-1, required=True)
@@ -444,7 +443,6 @@ def nack(topic: str, handle: tuple[str, ...], delay: int | None, reason: str | N
     delivered again at once, or after --delay. Each delivery counts toward the
     topic's max_deliveries."""
     _settle(topic, _handles(handle), "nack", "nacked", delay=None if delay is None else delay / 1000, reason=reason)
-
 
 
 @click.command("extend", cls=NaradCommand)

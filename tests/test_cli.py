@@ -528,3 +528,5 @@ def test_ack_nack_extend_by_handle_and_sub_visibility(node: Node, cfg: Path) -> 
     assert "partition:offset:nonce" in r.stderr
     r = narad(node, cfg, "ack", "cs", "-", input="\n", code=2)
     assert "no receipt handle" in r.stderr
+    r = narad(node, cfg, "ack", "cs", "-", input='{"a":' + "[" * 100_000 + "\n", code=2)  # (too deep for json)
+    assert "without a receipt_handle" in r.stderr

@@ -376,7 +376,7 @@ def _handles(given: tuple[str, ...]) -> list[str]:
             if line.startswith("{"):
                 try:
                     got = json.loads(line).get("receipt_handle")
-                except (ValueError, AttributeError):
+                except (ValueError, AttributeError, RecursionError):  # (not JSON, not an object, too deep)
                     got = None
                 if not isinstance(got, str) or not got:
                     raise click.BadParameter(f"stdin line {n} is JSON without a receipt_handle (a replayed "

@@ -347,17 +347,6 @@ def pack_idem(key: bytes, body: bytes) -> bytes:
     return pack_ext(Ext(i=key.decode()), body)
 
 
-def idem_block(key: bytes) -> bytes:
-    """The key-alone extension block ``pack_idem`` puts in front of a body, alone (its
-    length and map head, then `key`, the key's UTF-8)."""
-    n = len(key)
-    if n < 32:
-        return IDEM_HEADS[n] + key
-    if n < 123:
-        return IDEM_HEADS8[n - 32] + key
-    return pack_idem(key, b"")
-
-
 def lay_keyed(laid: Laid, records: list[tuple[bytes | None, int, bytes]], ikeys: list[str | None],
               committed_ms: int, decoded: list[tuple[bytes | None, int, int, bytes]]) -> None:
     """``lay`` for a producer's direct commit (``ikeys``: each record's idempotency key):

@@ -308,7 +308,9 @@ class Verdict:
             f"{self.allowed['dup_after_ack']}; double leases allowed in fault windows {self.allowed['double_lease']}; "
             f"delivery counts not rising allowed in fault windows {self.allowed['count_not_rising']}); "
             f"acks 204 {c.get('acks_204', 0)} / 410 {c.get('acks_410', 0)} / ambiguous {c.get('acks_ambiguous', 0)}; "
-            f"extends {c.get('extends', 0)}, nacks {c.get('nacks', 0)}; faults {c.get('faults', 0)} "
+            f"extends {c.get('extends', 0)}, nacks {c.get('nacks', 0)} (with a delay {c.get('delayed_nacks', 0)}, "
+            f"back after it {c.get('delayed_back', 0)}; delivered early allowed in fault windows "
+            f"{self.allowed['delayed_early']}); faults {c.get('faults', 0)} "
             f"(run inside fault windows + grace: {self.fault_coverage:.0%}); violations {viol or 0}"
         ]
         for f in self.faults:
@@ -518,12 +520,15 @@ def check(h: History, mode: str = "strict", *, grace_s: float | None = None, sla
                         f"no lease expiry, nack or 410 to explain it")
 
     # (f) a nack with a delay: that copy is not delivered again before the delay ran out
+    delayed_back = 0  # delayed nacks whose copy was delivered again (each such redelivery judged)
     for copy, ds in by_copy.items():
         for d in ds:
             for s in by_handle.get(d.handle, []):
                 if s.kind != "nack" or not s.ok or s.delay_ns <= 0:
                     continue
                 not_before = s.call + s.delay_ns  # the owner applied the nack after its call
+                if any(d2.nonce != d.nonce and d2.ret > s.call for d2 in ds):
+                    delayed_back += 1
                 for d2 in ds:
                     if d2.nonce == d.nonce or d2.ret <= s.call or d2.ret + slack >= not_before:
                         continue
@@ -588,6 +593,8 @@ def check(h: History, mode: str = "strict", *, grace_s: float | None = None, sla
         "acks_ambiguous": sum(1 for s in settles if s.kind == "ack" and s.ambiguous),
         "extends": sum(1 for s in settles if s.kind == "extend"),
         "nacks": sum(1 for s in settles if s.kind == "nack"),
+        "delayed_nacks": sum(1 for s in settles if s.kind == "nack" and s.ok and s.delay_ns > 0),
+        "delayed_back": delayed_back,
         "faults": len(faults),
         "dead_lettered": len(dead_at),
         "lost": len(v.violations["lost"]),
@@ -726,14 +733,17 @@ class Traffic:
     """Producer and consumer threads against a set of nodes, every answer recorded.
     ``nodes()`` gives the nodes to use now (a thread moves to the next one after an
     error). Consumers ack in batches; every ``extend_every``-th delivery is extended
-    first, every ``nack_every``-th nacked instead, every ``abandon_every``-th never
-    settled (its lease must run out and bring it back). ``rotate_every``: a thread moves
-    to the next node after that many calls (so restarted nodes get traffic again)."""
+    first, every ``nack_every``-th nacked instead (with a delay of ``nack_delay_s`` when
+    set: the ``delayed_early`` rule then judges every one of them), every
+    ``abandon_every``-th never settled (its lease must run out and bring it back).
+    ``rotate_every``: a thread moves to the next node after that many calls (so
+    restarted nodes get traffic again)."""
 
     def __init__(self, history: History, topic: str, nodes: Callable[[], Sequence[Any]], *, producers: int = 3,
                  consumers: int = 3, pace_s: float = 0.002, extend_every: int = 0, nack_every: int = 0,
-                 abandon_every: int = 0, max_n: int = 20, rotate_every: int = 0) -> None:
+                 abandon_every: int = 0, max_n: int = 20, rotate_every: int = 0, nack_delay_s: float = 0.0) -> None:
         self.h, self.topic, self.nodes = history, topic, nodes
+        self.nack_delay_s = nack_delay_s
         self.rec = Recorder(history, topic)
         self.pace_s, self.max_n, self.rotate_every = pace_s, max_n, rotate_every
         self.extend_every, self.nack_every, self.abandon_every = extend_every, nack_every, abandon_every
@@ -822,7 +832,7 @@ class Traffic:
                 if ext:
                     self.rec.settle(node, ext, "extend", conn)
                 if nack:
-                    self.rec.settle(node, nack, "nack", conn)
+                    self.rec.settle(node, nack, "nack", conn, delay_s=self.nack_delay_s)
                 if keep:
                     self.rec.settle(node, keep, "ack", conn)
             except (OSError, http.client.HTTPException, ValueError, KeyError):

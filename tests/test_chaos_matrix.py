@@ -76,11 +76,15 @@ def test_steady_three_nodes_strict(tmp_path: Path) -> None:
     try:
         mk_topic(c, "steady3")
         h = History(VIS)
+        # every 13th delivery nacked with a 300 ms delay: the delayed_early rule judges each
+        # one's redelivery, at whichever node serves it (the owner keeps the delay)
         tr = Traffic(h, "steady3", lambda: [c[x] for x in c.initial], producers=3, consumers=3, pace_s=0.003,
-                     extend_every=11, nack_every=13, abandon_every=29, max_n=10, rotate_every=40).start()
+                     extend_every=11, nack_every=13, abandon_every=29, max_n=10, rotate_every=40,
+                     nack_delay_s=0.3).start()
         tr.wait_more(600, what="steady traffic on three nodes")
         v = verdict("steady, three nodes", h, tr, c["n1"], "steady3", 6, "strict")
         assert v.counts["explained_redeliveries"] > 0
+        assert v.counts["delayed_nacks"] >= 20 and v.counts["delayed_back"] >= 20, v.counts
     finally:
         stop_all()
         c.close()
@@ -136,7 +140,10 @@ def test_kill9_during_a_rolling_restart_under_traffic(tmp_path: Path) -> None:
         mk_topic(c, "rolling")
         h = History(VIS)
         live = Live(c)
-        tr = Traffic(h, "rolling", live, producers=3, consumers=3, rotate_every=40).start()
+        # delayed nacks through the restarts and the kill: a delay is kept in the owner's memory
+        # (a restart forgets it: the record comes back at once, allowed in a fault window only)
+        tr = Traffic(h, "rolling", live, producers=3, consumers=3, rotate_every=40, nack_every=17,
+                     nack_delay_s=0.25).start()
         tr.wait_more(150, what="before the rolling restart")
         leader = c.leader()
         first, second = [n for n in c.initial if n != leader]
@@ -163,7 +170,8 @@ def test_kill9_during_a_rolling_restart_under_traffic(tmp_path: Path) -> None:
             c[leader2].start()
             live.down.discard(leader2)
         tr.wait_more(100, what="after the rolling restart")
-        verdict("kill -9 during a rolling restart", h, tr, c[first], "rolling", 6, "faults")
+        v = verdict("kill -9 during a rolling restart", h, tr, c[first], "rolling", 6, "faults")
+        assert v.counts["delayed_nacks"] >= 10 and v.counts["delayed_back"] >= 10, v.counts
     finally:
         stop_all()
         c.close()

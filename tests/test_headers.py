@@ -284,14 +284,23 @@ def test_headers_cross_nodes_and_survive_an_owner_kill9(tmp_path: Any) -> None:
     """3 nodes: records with headers produced at one node for partitions other nodes own
     (CommitReq over node RPC), consumed through a third node (consume probes), then the
     owner of one partition is killed with SIGKILL and restarted: its records come back
-    from disk with their headers."""
+    from disk with their headers. The topic's child gets every record with its headers
+    (fan-out copies from each parent owner to the child's owners, across nodes), and a
+    record the SDK produced at one node under a span carries that span's trace context
+    to a consumer at another."""
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from narad.client import AsyncClient
     from tests.harness import Cluster
 
     c = Cluster(tmp_path, 3, initial=3).start()
     try:
         c.leader()
         assert c["n1"].post("/v1/topics", {"name": "hdc", "partitions": 3}).status == 201
-        wait_for(lambda: all(c[n].get("/v1/topics/hdc").status == 200 for n in c.ids), 20, 0.05, "the topic")
+        assert c["n1"].post("/v1/topics", {"name": "hdc-child", "parent": "hdc", "partitions": 4}).status == 201
+        wait_for(lambda: all(c[n].get(f"/v1/topics/{t}").status == 200 for n in c.ids for t in ("hdc", "hdc-child")),
+                 20, 0.05, "the topics")
         owner = {s["index"]: s["owner_node"] for s in c["n1"].get("/v1/topics/hdc").json()["partition_stats"]}
         rows = [{"payload": {"i": i}, "partition": i % 3, "headers": {"i": str(i), "from": "n1"}} for i in range(6)]
         assert c["n1"].post("/v1/topics/hdc/produce/batch", {"messages": rows}).status == 202
@@ -317,6 +326,43 @@ def test_headers_cross_nodes_and_survive_an_owner_kill9(tmp_path: Any) -> None:
             assert m["headers"] == {"i": str(i), "from": "n1"}, m
             assert m["partition"] == i % 3
         assert {owner[m["partition"]] for m in got.values()} - {"n1"}, owner  # some crossed a node hop
+        kids: dict[int, dict[str, Any]] = {}
+
+        def drain_child() -> bool:
+            for nid in c.ids:
+                r = c[nid].request("GET", "/v1/topics/hdc-child/consume?max=10", headers=CLIENT)
+                if r.status == 200:
+                    for m in r.json()["messages"]:
+                        kids[m["payload"]["i"]] = m
+                        assert c[nid].post("/v1/topics/hdc-child/ack", {"receipt_handles": [m["receipt_handle"]]}
+                                           ).status == 200
+            return len(kids) == 6
+
+        wait_for(drain_child, 60, 0.1, "the child's copies of all six records")
+        for i, m in kids.items():
+            assert m["headers"] == {"i": str(i), "from": "n1"}, m  # the copy keeps the record's headers
+        # The SDK's trace context, produced at n1 into a partition another node owns, read at a third.
+        far = next(k for k, o in owner.items() if o != "n1")
+        reader2 = next(n for n in c.ids if n not in ("n1", owner[far]))
+        trace.set_tracer_provider(TracerProvider())
+        tracer = trace.get_tracer("tests")
+
+        async def traced() -> tuple[str, Any]:
+            async with AsyncClient(f"127.0.0.1:{c['n1'].port}", auth=("admin", ADMIN_PASSWORD)) as cl:
+                with tracer.start_as_current_span("produce") as span:
+                    await cl.produce("hdc", {"i": 99}, partition=far, record_headers={"k": "v"})
+                    want = format(span.get_span_context().trace_id, "032x")
+            async with AsyncClient(f"127.0.0.1:{c[reader2].port}", auth=("admin", ADMIN_PASSWORD)) as cl:
+                for _ in range(100):
+                    for m in await cl.consume_batch("hdc", 10, wait=0.5, partition=far):
+                        if m.json() == {"i": 99}:
+                            return want, m
+            raise AssertionError("the traced record never came back")
+
+        trace_id, m = asyncio.run(traced())
+        assert m.headers["k"] == "v" and m.headers["traceparent"].split("-")[1] == trace_id, m.headers
+        ctx = m.trace_context()
+        assert format(trace.get_current_span(ctx).get_span_context().trace_id, "032x") == trace_id
     finally:
         c.close()
 

@@ -22,6 +22,9 @@ ffibuilder.cdef(
     uint32_t crc32c_of(const char *p, size_t n, int force_sw);
     int crc32c_hardware(void);
     int crc32c_parts(const char *joined, size_t n, size_t count, uint32_t nparts, uint32_t *out);
+    int crc32c_parts_max(const char *joined, size_t n, size_t count, uint32_t nparts, size_t maxlen, uint32_t *out);
+    long lay_idem(const char *bodies, const uint32_t *blen, const char *keys, size_t klen, size_t count,
+                  uint8_t flags, uint64_t ts, char *out, size_t cap);
     int group_by_part(const uint32_t *parts, size_t n, uint32_t nparts, uint32_t *perm, uint32_t *starts,
                       uint32_t *nonempty);
     """

@@ -243,6 +243,100 @@ int crc32c_parts(const char *joined, size_t n, size_t count, uint32_t nparts, ui
     return idx == count ? 0 : -1;
 }
 
+/* crc32c_parts, and each key's length checked: 0 < length <= maxlen (its UTF-8
+ * bytes). Returns 0, -1 as crc32c_parts, or -2 when a key is empty or longer than
+ * maxlen (the caller's general checks then answer what is wrong). */
+int crc32c_parts_max(const char *joined, size_t n, size_t count, uint32_t nparts, size_t maxlen, uint32_t *out) {
+    size_t start = 0;
+    size_t idx = 0;
+    if (nparts == 0) {
+        return -1;
+    }
+    for (;;) {
+        const char *z = memchr(joined + start, 0, n - start);
+        size_t end = z != NULL ? (size_t)(z - joined) : n;
+        if (idx >= count) {
+            return -1;
+        }
+        if (end == start || end - start > maxlen) {
+            return -2;
+        }
+        out[idx++] = crc32c_of(joined + start, end - start, 0) % nparts;
+        if (z == NULL) {
+            break;
+        }
+        start = end + 1;
+    }
+    return idx == count ? 0 : -1;
+}
+
+/* Lay `count` records as a frame holds them (frames.lay_keyed's common case: no
+ * message key, one flags value, each record's body with its idempotency key's block
+ * in front, the key alone as fixstr or str8): for record i, a big-endian u32 of the
+ * record's length, then version 3, `flags`, a zero key length, `ts` (big-endian u64),
+ * the block's length byte and map head (0x81 0xA1 'i', then 0xA0|m, or 0xD9 m), the
+ * key's m bytes and the body. `bodies` holds the bodies back to back (blen[i] bytes
+ * each); `keys` the keys joined by NUL bytes (`klen` bytes). Returns the bytes written
+ * to `out`, or -1 when a key is empty, 123 bytes or longer, the keys are not exactly
+ * `count`, or `cap` is too small: the caller lays them itself. */
+long lay_idem(const char *bodies, const uint32_t *blen, const char *keys, size_t klen, size_t count,
+              uint8_t flags, uint64_t ts, char *out, size_t cap) {
+    size_t kpos = 0;
+    size_t bpos = 0;
+    size_t w = 0;
+    for (size_t i = 0; i < count; i++) {
+        if (kpos > klen) {
+            return -1;
+        }
+        const char *z = memchr(keys + kpos, 0, klen - kpos);
+        size_t kend = z != NULL ? (size_t)(z - keys) : klen;
+        size_t m = kend - kpos;
+        if (m == 0 || m >= 123 || (z == NULL) != (i + 1 == count)) {
+            return -1;
+        }
+        size_t b = blen[i];
+        size_t bh = m < 32 ? 5 : 6;
+        size_t rec = 11 + bh + m + b;
+        if (rec > 0xFFFFFFFFu || w + 4 + rec > cap) {
+            return -1;
+        }
+        unsigned char *o = (unsigned char *)out + w;
+        o[0] = (unsigned char)(rec >> 24);
+        o[1] = (unsigned char)(rec >> 16);
+        o[2] = (unsigned char)(rec >> 8);
+        o[3] = (unsigned char)rec;
+        o[4] = 3;
+        o[5] = flags;
+        o[6] = 0;
+        for (int k = 0; k < 8; k++) {
+            o[7 + k] = (unsigned char)(ts >> (56 - 8 * k));
+        }
+        o += 15;
+        if (m < 32) {
+            o[0] = (unsigned char)(4 + m);
+            o[1] = 0x81;
+            o[2] = 0xA1;
+            o[3] = 0x69;
+            o[4] = (unsigned char)(0xA0 | m);
+        } else {
+            o[0] = (unsigned char)(5 + m);
+            o[1] = 0x81;
+            o[2] = 0xA1;
+            o[3] = 0x69;
+            o[4] = 0xD9;
+            o[5] = (unsigned char)m;
+        }
+        o += bh;
+        memcpy(o, keys + kpos, m);
+        o += m;
+        memcpy(o, bodies + bpos, b);
+        bpos += b;
+        w += 4 + rec;
+        kpos = kend + 1;
+    }
+    return (long)w;
+}
+
 /* A batch's records grouped by partition, in batch order within each (a stable
  * counting sort): perm[starts[p] .. starts[p + 1]) are the indexes i of the records
  * whose parts[i] is p (`starts` has nparts + 1 entries), and nonempty[0 .. k) the

@@ -991,6 +991,32 @@ def test_a_body_laid_with_its_key_is_the_packed_record_on_disk_and_the_body_in_m
     assert [(k, ts, f & ~FR.F_KEY, bytes(p)) for k, ts, f, p in back] == da
 
 
+@pytest.mark.parametrize("keys", [
+    ["k", "u" * 31, "0f8fad5b-d9cb-469f-a165-70867728950e", "v" * 122, "é" * 20, "x" * 32, "z"],  # native: one part
+    ["a", "b" * 123],  # a key of 123 bytes: laid record by record
+    ["a", None, "c"],  # a record without a key: the same
+    ["a", "b\0c"],  # a key holding a NUL (the joined keys do not split into two): the same
+])
+def test_the_native_lay_of_a_keyed_batch_is_the_packed_records_byte_for_byte(keys: list[str | None]) -> None:
+    """``lay_keyed``'s common case is laid in one native call (``lay_idem``): the frame is
+    byte for byte the records packed with their blocks (``pack_idem``) and laid by ``lay``,
+    and memory keeps the bodies alone; the batches it declines are laid by the Python path
+    with the same bytes."""
+    fl = FR.F_JSON | FR.F_UTF8
+    plain = [(None, fl, b'{"n":%d,"pad":"%s"}' % (i, b"p" * (i * 37 % 300))) for i in range(len(keys))]
+    packed = [(None, f | FR.F_EXT, FR.pack_idem(ik.encode(), body)) if ik is not None else (None, f, body)
+              for (_k, f, body), ik in zip(plain, keys, strict=True)]
+    a, b = FR.Laid(), FR.Laid()
+    da: list[Any] = []
+    db: list[Any] = []
+    FR.lay(a, packed, 1_765_432_100_123, da)
+    FR.lay_keyed(b, plain, keys, 1_765_432_100_123, db)
+    assert FR.encode_frame(9, b) == FR.encode_frame(9, a)
+    assert len(b) == len(keys) and db == [(None, 1_765_432_100_123, f, body) for _k, f, body in plain]
+    native = all(k is not None and 0 < len(k.encode()) < 123 and "\0" not in k for k in keys)
+    assert (len(b.parts) == 1) == native, b.parts  # the native call lays the whole batch as one part
+
+
 def test_a_commit_told_its_records_carry_no_keys_looks_into_no_block(tmp_path: Path) -> None:
     """``Partition.submit(..., NO_KEYS)`` (a keyless produce's direct commit, whose records
     can hold headers but never an idempotency key) lays the records out as they are: the

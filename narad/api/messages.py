@@ -1274,9 +1274,16 @@ class MessagesAPI:
         except TypeError:  # (a message without one)
             return None
         out = native_ffi.new("uint32_t[]", count)
-        if native.crc32c_parts(joined, len(joined), count, nparts, out) != 0:  # (a key holding a NUL)
+        # (each key's length checked there too: 1 to MAX_IDEM_KEY bytes of UTF-8)
+        rc = native.crc32c_parts_max(joined, len(joined), count, nparts, MAX_IDEM_KEY, out)
+        if rc == -2:
+            return None
+        if rc != 0:  # (a key holding a NUL)
             for i, ik in enumerate(iks):
-                out[i] = crc32c(ik.encode()) % nparts  # type: ignore[union-attr]
+                kb = ik.encode()  # type: ignore[union-attr]
+                if not 0 < len(kb) <= MAX_IDEM_KEY:
+                    return None
+                out[i] = crc32c(kb) % nparts
         hashed = native_ffi.unpack(out, count)
         records: list[tuple[bytes | None, int, bytes]] = []
         for i, m in enumerate(msgs):
@@ -1284,10 +1291,6 @@ class MessagesAPI:
             payload = m.payload
             if (ik is None or payload is unset or m.payload_encoding is not None or m.headers is not unset
                     or m.key_encoding is not None or not payload or len(payload) > MAX_MESSAGE):  # type: ignore[arg-type]
-                return None
-            idem = ik.encode()
-            n = len(idem)
-            if not 0 < n <= MAX_IDEM_KEY:
                 return None
             part = m.partition
             key: bytes | None = None

@@ -37,9 +37,15 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterable
+from itertools import repeat
+from operator import itemgetter
+from typing import Any
 
 import msgspec
 from crc32c import crc32c
+
+from narad._native import ffi as _ffi
+from narad._native import lib as _native
 
 MAGIC = b"\xca\xfe"
 HEADER = struct.Struct(">2sBiqII I")
@@ -130,7 +136,7 @@ class Laid:
 
     def __init__(self) -> None:
         self.count = 0
-        self.parts: list[bytes] = []
+        self.parts: list[Any] = []  # bytes, and the native lay's cffi buffers (bytes-like)
 
     def __len__(self) -> int:
         return self.count
@@ -357,7 +363,14 @@ def lay_keyed(laid: Laid, records: list[tuple[bytes | None, int, bytes]], ikeys:
     to cut off); read from disk it has its block, which a consume cuts off. Any other
     record is laid as ``lay`` lays it. As in ``lay``, nothing is joined here: a keyless
     record's envelope head depends only on its flags and size (built once a batch for
-    each), and the block's head, the key and the body are parts of their own."""
+    each), and the block's head, the key and the body are parts of their own.
+
+    The common case (every record keyed, none with a message key or ``F_EXT``, one
+    flags value, every key 1 to 122 bytes) is laid in one native call (``lay_idem``)
+    into one part, the same bytes: no Python runs per record."""
+    n = len(records)
+    if n > 1 and _lay_native(laid, records, ikeys, committed_ms, decoded, n):
+        return
     ts8 = _U64.pack(committed_ms)
     parts = laid.parts
     append = parts.append
@@ -394,6 +407,38 @@ def lay_keyed(laid: Laid, records: list[tuple[bytes | None, int, bytes]], ikeys:
             decoded.append((None, committed_ms, flags, payload))
         n += 1
     laid.count += n
+
+
+_KEY_OF, _FLAGS_OF, _BODY_OF = itemgetter(0), itemgetter(1), itemgetter(2)
+_new_uncleared = _ffi.new_allocator(should_clear_after_alloc=False)
+
+
+def _lay_native(laid: Laid, records: list[tuple[bytes | None, int, bytes]], ikeys: list[str | None],
+                committed_ms: int, decoded: list[tuple[bytes | None, int, int, bytes]], n: int) -> bool:
+    """``lay_keyed``'s common case in one native call; False (nothing laid) when the
+    records are not all of it: the caller lays them record by record."""
+    flags = set(map(_FLAGS_OF, records))
+    if len(flags) != 1 or any(map(_KEY_OF, records)):
+        return False
+    (fl,) = flags
+    if fl & (F_EXT | F_KEY) or not 0 <= fl < 0x100:
+        return False
+    try:
+        kj = "\0".join(ikeys).encode()  # type: ignore[arg-type]
+    except (TypeError, UnicodeEncodeError):  # (a record without a key, or a lone surrogate)
+        return False
+    bodies = list(map(_BODY_OF, records))
+    bj = b"".join(bodies)
+    cap = len(bj) + len(kj) + 21 * n
+    out = _new_uncleared("char[]", cap)  # (every byte of it that is kept is written)
+    w = _native.lay_idem(bj, _ffi.new("uint32_t[]", list(map(len, bodies))), kj, len(kj), n,
+                         fl | F_EXT, committed_ms, out, cap)
+    if w < 0:
+        return False
+    laid.parts.append(_ffi.buffer(out, w))  # (over `out`, which it keeps alive: joined at the write)
+    laid.count += n
+    decoded.extend(zip(repeat(None), repeat(committed_ms), repeat(fl), bodies))
+    return True
 
 
 def idem_span(stored: bytes) -> tuple[int, int]:

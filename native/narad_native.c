@@ -219,10 +219,12 @@ uint32_t crc32c_of(const char *p, size_t n, int force_sw) {
     return crc32c_sw((const unsigned char *)p, n);
 }
 
-/* `count` keys joined by NUL bytes: out[i] = crc32c(key i) % nparts. Returns 0, or
+/* `count` keys joined by NUL bytes: out[i] = crc32c(key i) % nparts. Returns 0,
  * -1 when the joined bytes do not hold exactly `count` keys (a key holding a NUL:
- * the caller places each key itself) or nparts is 0. */
-int crc32c_parts(const char *joined, size_t n, size_t count, uint32_t nparts, uint32_t *out) {
+ * the caller places each key itself) or nparts is 0, or -2 when a key is shorter
+ * than `minlen` or longer than `maxlen` bytes. */
+static int crc_split(const char *joined, size_t n, size_t count, uint32_t nparts, size_t minlen, size_t maxlen,
+                     uint32_t *out) {
     size_t start = 0;
     size_t idx = 0;
     if (nparts == 0) {
@@ -233,6 +235,9 @@ int crc32c_parts(const char *joined, size_t n, size_t count, uint32_t nparts, ui
         size_t end = z != NULL ? (size_t)(z - joined) : n;
         if (idx >= count) {
             return -1;
+        }
+        if (end - start < minlen || end - start > maxlen) {
+            return -2;
         }
         out[idx++] = crc32c_of(joined + start, end - start, 0) % nparts;
         if (z == NULL) {
@@ -243,31 +248,15 @@ int crc32c_parts(const char *joined, size_t n, size_t count, uint32_t nparts, ui
     return idx == count ? 0 : -1;
 }
 
-/* crc32c_parts, and each key's length checked: 0 < length <= maxlen (its UTF-8
- * bytes). Returns 0, -1 as crc32c_parts, or -2 when a key is empty or longer than
- * maxlen (the caller's general checks then answer what is wrong). */
+/* crc_split for keys of any length (0 or -1). */
+int crc32c_parts(const char *joined, size_t n, size_t count, uint32_t nparts, uint32_t *out) {
+    return crc_split(joined, n, count, nparts, 0, n, out);
+}
+
+/* crc_split with each key's length checked: 0 < length <= maxlen (its UTF-8 bytes);
+ * -2 otherwise (the caller's general checks then answer what is wrong). */
 int crc32c_parts_max(const char *joined, size_t n, size_t count, uint32_t nparts, size_t maxlen, uint32_t *out) {
-    size_t start = 0;
-    size_t idx = 0;
-    if (nparts == 0) {
-        return -1;
-    }
-    for (;;) {
-        const char *z = memchr(joined + start, 0, n - start);
-        size_t end = z != NULL ? (size_t)(z - joined) : n;
-        if (idx >= count) {
-            return -1;
-        }
-        if (end == start || end - start > maxlen) {
-            return -2;
-        }
-        out[idx++] = crc32c_of(joined + start, end - start, 0) % nparts;
-        if (z == NULL) {
-            break;
-        }
-        start = end + 1;
-    }
-    return idx == count ? 0 : -1;
+    return crc_split(joined, n, count, nparts, 1, maxlen, out);
 }
 
 /* Lay `count` records as a frame holds them (frames.lay_keyed's common case: no

@@ -232,6 +232,13 @@ def test_a_keyed_batchs_partitions_are_each_keys_hash_also_for_keys_holding_a_nu
     joined, out = b"\0".join(keys), ffi.new("uint32_t[]", 4)
     assert lib.crc32c_parts(joined, len(joined), 4, 7, out) == 0 and list(out) == [crc32c(k) % 7 for k in keys]
     assert lib.crc32c_parts(joined, len(joined), 3, 7, out) == -1 == lib.crc32c_parts(joined, len(joined), 5, 7, out)
+    # The length-checked form the one-pass batch uses: an empty key or one over the bound is -2
+    # (the general passes then answer the 400), a miscount still -1.
+    assert lib.crc32c_parts_max(joined, len(joined), 4, 7, 300, out) == -2  # (the empty key)
+    ok = b"\0".join(keys[1:])
+    assert lib.crc32c_parts_max(ok, len(ok), 3, 7, 300, out) == 0 and list(out)[:3] == [crc32c(k) % 7 for k in keys[1:]]
+    assert lib.crc32c_parts_max(ok, len(ok), 3, 7, 299, out) == -2  # (the 300-byte key)
+    assert lib.crc32c_parts_max(ok, len(ok), 2, 7, 300, out) == -1
     for n, nparts in ((1, 3), (100, 3), (257, 108)):  # the grouping: a stable counting sort by partition
         parts = [rng.randrange(nparts) for _ in range(n)]
         perm, starts, nonempty = ffi.new("uint32_t[]", n), ffi.new("uint32_t[]", nparts + 1), ffi.new("uint32_t[]", n)

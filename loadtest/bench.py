@@ -621,34 +621,6 @@ def _client_main(sc: Scenario, port: int, auth: str, index: int, barrier: Any,
     out.close()
 
 
-# ---- the host's speed during a run -------------------------------------------------------------------
-
-PROBE_PERIOD = 0.1  # s between two probe units (each a few hundred µs of CPU: well under 1 % of a core)
-PROBE_KEYS = 1 << 18  # the probe's table (some MB: its lookups miss the caches as a node's do)
-
-
-def _probe_main(stop: Any, out: multiprocessing.connection.Connection) -> None:
-    """The host-speed probe: the same unit of work (lookups in a table of some MB, in
-    a fixed pseudo-random order) every PROBE_PERIOD until `stop` is set; sends the
-    CPU time of each unit (µs, this thread's). The same work takes longer when the
-    host is slower (a busier neighbour, a lower clock, caches shared with other jobs),
-    so the node's CPU a message can be read against it."""
-    table = {i * 2654435761 % (1 << 32): i for i in range(PROBE_KEYS)}
-    keys = list(table)[:: max(1, PROBE_KEYS // 5000)]
-    keys = [keys[(i * 7919) % len(keys)] for i in range(len(keys))]
-    times: list[float] = []
-    get = table.get
-    while not stop.is_set():
-        t0 = time.thread_time()
-        acc = 0
-        for k in keys:
-            acc += get(k, 0)
-        times.append((time.thread_time() - t0) * 1e6)
-        stop.wait(PROBE_PERIOD)
-    out.send(times)
-    out.close()
-
-
 # ---- verification (parent side) -------------------------------------------------------------------
 
 
@@ -728,7 +700,6 @@ class Result:
     rounds: tuple[float, float] = (0.0, 0.0)  # commit rounds and the commits they carried, during the window
     server_sys: float = 0.0  # the system (kernel) part of server_cpu
     other_cpu: float = 0.0  # everything else on the machine (other users' jobs make a run noisy)
-    probe_us: float = math.nan  # the host-speed probe's median unit during the window (µs of CPU; see _probe_main)
     check: Check = field(default_factory=Check)
     failure: str = ""
     profiles: list[Path] = field(default_factory=list)
@@ -828,11 +799,6 @@ def run(sc: Scenario, profile_dir: Path | None, profile_which: str = "flow", pro
             barrier.wait(timeout=120)
         except Exception:  # a client failed its setup; its Stats says why
             pass
-        probe_stop = ctx.Event()
-        probe_rd, probe_wr = ctx.Pipe(duplex=False)
-        probe = ctx.Process(target=_probe_main, args=(probe_stop, probe_wr), daemon=True)
-        probe.start()
-        probe_wr.close()
         cpu0, busy0, th0 = _cpu(procs), _machine_busy(), _thread_cpu(procs)
         hops0 = _hops(node) if sc.workers > 1 else {}
         rounds0 = _rounds(node)
@@ -844,11 +810,6 @@ def run(sc: Scenario, profile_dir: Path | None, profile_which: str = "flow", pro
                 raise BenchFailure("a client process gave no result within the run time + 300 s")
             stats.append(rd.recv())
         cpu1, busy1, th1 = _cpu(procs), _machine_busy(), _thread_cpu(procs)
-        probe_stop.set()
-        if probe_rd.poll(30):
-            units = probe_rd.recv()
-            res.probe_us = statistics.median(units) if units else math.nan
-        probe.join(10)
         if sc.workers > 1:
             res.hops = {k: v - hops0.get(k, 0.0) for k, v in _hops(node).items() if v - hops0.get(k, 0.0) > 0}
         rounds1 = _rounds(node)
@@ -1237,47 +1198,6 @@ def row(r: Result) -> str:
             f"{r.server_cpu / r.wall * 100:>7.0f}%{r.other_cpu / r.wall * 100:>7.0f}%{us:>11.0f}  {check}")
 
 
-def print_probe_adjusted(results: list[Result], repeat: int) -> None:
-    """The feature costs again with every run's server µs/msg scaled to the host speed
-    of the invocation (its median probe unit over this run's): a run on a slower host
-    (its probe unit longer) counts for less CPU. Printed only when every run has a probe."""
-    probes = [r.probe_us for r in results if r.msgs and not r.failure]
-    if not probes or any(math.isnan(x) or x <= 0 for x in probes):
-        return
-    ref = statistics.median(probes)
-
-    def adj(r: Result) -> float:
-        return r.server_cpu / r.msgs * 1e6 * ref / r.probe_us
-
-    plain = [adj(r) for r in results if not r.sc.feature and r.msgs and not r.failure]
-    raw = [r.server_cpu / r.msgs * 1e6 for r in results if not r.sc.feature and r.msgs and not r.failure]
-    spread = ""
-    if len(plain) > 2:
-        cv_raw = statistics.stdev(raw) / statistics.fmean(raw) * 100
-        cv = statistics.stdev(plain) / statistics.fmean(plain) * 100
-        spread = f"; the plain runs' spread (stdev / mean): {cv_raw:.0f}% raw, {cv:.0f}% scaled"
-    print(f"# the same scaled to the host's speed (each run's µs/msg x the median probe unit {ref:.0f} µs / its own"
-          f"{spread}):")
-    out: dict[tuple[str, int], list[float]] = {}
-    for i, r in enumerate(results):
-        if not r.sc.feature or not r.msgs or r.failure:
-            continue
-        sides = [x for x in (results[i - 1] if i else None, results[i + 1] if i + 1 < len(results) else None)
-                 if x is not None and not x.sc.feature and x.sc.mode == r.sc.mode and x.sc.workers == r.sc.workers
-                 and x.msgs and not x.failure]
-        if not sides:
-            continue
-        us, us0 = adj(r), statistics.fmean(adj(x) for x in sides)
-        out.setdefault((r.sc.name, r.sc.workers), []).append((us - us0) / us0 * 100)
-        print(f"#   {r.sc.name:<28} w{r.sc.workers}: {us - us0:+.1f} µs/msg ({(us - us0) / us0 * 100:+.0f}%); "
-              f"probe {r.probe_us:.0f} µs against {statistics.fmean(x.probe_us for x in sides):.0f}")
-    if repeat > 1:
-        for (name, wk), pct in out.items():
-            p = sorted(pct)
-            print(f"#   {name:<28} w{wk}, scaled, over the repetitions: {statistics.median(p):+.0f}% "
-                  f"[{p[0]:+.0f}, {p[-1]:+.0f}] (n={len(p)})")
-
-
 def code_version() -> str:
     """The commit the node runs from, and whether narad/ has uncommitted changes (the node runs the work tree)."""
     try:
@@ -1396,8 +1316,7 @@ def main() -> None:
         if r.wall and r.cpu_split:
             split = ", ".join(f"{k} {v / r.wall * 100:.0f}%" for k, v in sorted(r.cpu_split.items()) if v >= 0.005)
             sys_share = r.server_sys / r.server_cpu * 100 if r.server_cpu else 0.0
-            probe = f"; host probe {r.probe_us:.0f} µs" if not math.isnan(r.probe_us) else ""
-            print(f"#   {r.sc.name:<18} w{r.sc.workers}: {split}; system time {sys_share:.0f}% of it{probe}")
+            print(f"#   {r.sc.name:<18} w{r.sc.workers}: {split}; system time {sys_share:.0f}% of it")
             if r.thread_split and r.msgs:
                 per = ", ".join(f"{k} {v / r.msgs * 1e6:.0f}" for k, v in sorted(r.thread_split.items()))
                 print(f"#   {'':<18}     µs/msg by thread: {per}")
@@ -1430,7 +1349,6 @@ def main() -> None:
             print(f"#   {r.sc.name:<28} w{r.sc.workers}: {us - us0:+.1f} µs/msg ({(us - us0) / us0 * 100:+.0f}%), "
                   f"{rate:,.0f} vs {rate0:,.0f} msgs/s ({(rate - rate0) / rate0 * 100:+.0f}%); "
                   f"other load up to {other:.0f}%")
-        print_probe_adjusted(results, args.repeat)
         if CPROFILE_DIR is not None:
             print("\n# --cprofile: where each feature run's extra CPU goes (against the plain run just before it)")
             plain: Result | None = None

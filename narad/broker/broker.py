@@ -1332,6 +1332,8 @@ class Broker:
         only when they left records deliverable (a nack or an expiry, or a cap slot
         freed above waiting records): as many consumers woken here, and as many
         watchers told, as records came back (at most what is deliverable now)."""
+        if not self._waiters.get(p.topic) and not self._watchers.get(p.topic):
+            return  # nobody to wake or tell (the common ack): what is deliverable is not worked out
         ready = self._ready_in(p)
         if ready <= 0:
             return

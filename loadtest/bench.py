@@ -197,12 +197,16 @@ TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 FEATURE_HEADERS = {"traceparent": TRACEPARENT, "tenant": "acme"}
 # "key": the placement an idempotency key implies, without it; "same": nothing changed, the plain run
 # again (an A/A control: the cost that the order of the runs and the noise alone make up); "bytes":
-# each batched message's payload longer by what "headers" adds to its JSON (a control for size).
+# each batched message's payload longer by what "headers" adds to its JSON (a control for size);
+# "nodc": delivery counts off (the node's NARAD_TOPIC_DELIVERY_COUNTS=false: consume answers without
+# delivery_count, no lease counted), the one feature on in the plain runs: its figure is minus the
+# counts' cost.
 # "vis": every consume sets its lease length (``visibility=30s``, the topic's own); "retry": every
 # message given back (a batch nack) at its first delivery and acked at its second (the redelivery and
 # its count); "retrydelay": the same nack with ``"delay":"20ms"`` (its cost against "retry" is the
 # delay's own: the due-time heap). The retry features are batched full-flow shapes only.
-FEATURES = ("headers", "dlq", "idem", "idem1s", "idem1p", "key", "same", "bytes", "vis", "retry", "retrydelay")
+FEATURES = ("headers", "dlq", "idem", "idem1s", "idem1p", "key", "same", "bytes", "vis", "retry", "retrydelay",
+            "nodc")
 RETRY_FEATURES = ("retry", "retrydelay")
 RETRY_DELAY = "20ms"
 DLQ_TOPIC = "bench-dlq"
@@ -246,7 +250,8 @@ class Requests:
     "idem" minus "idem1p" is; single produces as "idem"), "key" (a message key per message,
     its id: each message goes to the partition its key hashes to, as a keyed one with an
     idempotency key does, but nothing is deduplicated), "dlq" (no change to requests:
-    the topic has max_deliveries and a dead-letter topic), "same" (no change at all),
+    the topic has max_deliveries and a dead-letter topic), "same" (no change at all; nor for
+    "nodc", whose node counts no deliveries),
     "bytes" (batched payloads longer by what "headers" adds; single produces unchanged)."""
 
     def __init__(self, port: int, auth: str, topic: str = TOPIC, feature: str = "") -> None:
@@ -770,6 +775,8 @@ def run(sc: Scenario, profile_dir: Path | None, profile_which: str = "flow", pro
     if CPROFILE_DIR is not None:
         res.cprofile = str(CPROFILE_DIR / f"{sc.name.replace(' ', '_')}-w{sc.workers}-{next(_cprofile_runs)}")
         env["NARAD_WORKER_CPROFILE"] = res.cprofile
+    if sc.feature == "nodc":  # delivery counts off: the plain runs' requests on such a node
+        env["NARAD_TOPIC_DELIVERY_COUNTS"] = "false"
     if OPCOUNT_DIR is not None:
         res.opcount = str(OPCOUNT_DIR / f"{sc.name.replace(' ', '_')}-w{sc.workers}-{next(_cprofile_runs)}")
         env["NARAD_WORKER_OPCOUNT"] = res.opcount
@@ -1321,8 +1328,8 @@ def main() -> None:
                 per = ", ".join(f"{k} {v / r.msgs * 1e6:.0f}" for k, v in sorted(r.thread_split.items()))
                 print(f"#   {'':<18}     µs/msg by thread: {per}")
             if r.hops and r.msgs:
-                per = ", ".join(f"{k} {v / r.msgs:.2f}" for k, v in sorted(r.hops.items(), key=lambda x: -x[1]))
-                print(f"#   {'':<18}     worker hops per message: {per}")
+                per = ", ".join(f"{k} {v / r.msgs * 100:.1f}" for k, v in sorted(r.hops.items(), key=lambda x: -x[1]))
+                print(f"#   {'':<18}     worker hops per 100 messages: {per}")
             if r.rounds[0] > 0 and r.msgs:
                 print(f"#   {'':<18}     commit rounds: {r.rounds[0] / r.msgs * 100:.1f} per 100 messages, "
                       f"{r.rounds[1] / r.rounds[0]:.2f} partition commits each (counted each second)")

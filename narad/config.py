@@ -166,6 +166,11 @@ class TopicConfig:
                                                   "NARAD_TOPIC_DEFAULT_MAX_IN_FLIGHT_PER_PARTITION")
     default_max_acked_ahead_per_partition: int = _s(1024, "Default cap on acks held above the frontier.",
                                                     "NARAD_TOPIC_DEFAULT_MAX_ACKED_AHEAD_PER_PARTITION")
+    delivery_counts: bool = _s(True, "Count each record's deliveries and answer delivery_count on every consume "
+                               "(an extension). False: a topic without max_deliveries neither counts nor answers it "
+                               "(Narad v3.1's consume answers, byte for byte); a topic with max_deliveries and a "
+                               "dead-letter topic counts and answers it whatever this says.",
+                               "NARAD_TOPIC_DELIVERY_COUNTS")
 
 
 @dataclass(frozen=True)

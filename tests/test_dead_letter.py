@@ -148,6 +148,30 @@ def test_delivery_count_rises_across_nacks_and_expiries(node: Node) -> None:
     assert r.status == 200 and "delivery_count" not in r.json()
 
 
+def test_with_delivery_counts_off_the_answer_is_narads_and_dead_lettering_still_counts(tmp_path: Any) -> None:
+    """NARAD_TOPIC_DELIVERY_COUNTS=false: a consume answer has Narad v3.1's fields only
+    (single and batch, redelivered after a nack too); a topic with max_deliveries still
+    counts, answers delivery_count and dead-letters at its maximum."""
+    n = Node(tmp_path / "data", workers=2, env={"NARAD_TOPIC_DELIVERY_COUNTS": "false"}).start()
+    try:
+        name = mk(n, "off-")
+        produce(n, name, b'{"n": 1}')
+        w0 = n.worker_connection(0)
+        m1 = take(n, name, conn=w0)
+        assert list(m1) == ["topic", "partition", "offset", "payload", "timestamp", "receipt_handle"], m1
+        assert nack(n, name, m1["receipt_handle"], conn=w0).status == 204
+        b = take(n, name, "max=10", conn=w0)
+        assert [list(m) for m in b["messages"]] == [list(m1)] and b["messages"][0]["offset"] == m1["offset"]
+        ack(n, name, b["messages"][0]["receipt_handle"])
+        dlt, src, m = nacked_past_the_maximum(n, "off-dl-", b"x", "no")
+        assert m["delivery_count"] == 1
+        d = take(n, dlt)
+        assert d["dead_letter"]["topic"] == src and d["dead_letter"]["delivery_count"] == 1
+        assert "delivery_count" not in d  # (the dead-letter topic has no max_deliveries)
+    finally:
+        n.close()
+
+
 def test_max_deliveries_moves_the_record_to_the_dead_letter_topic(node: Node) -> None:
     dlt = mk(node, "dlt-a-")
     name = mk(node, "src-a-", max_deliveries=2, dead_letter_topic=dlt)

@@ -65,6 +65,24 @@ def test_counts_rise_per_lease_and_go_at_ack(tmp_path: Path) -> None:
     assert p.committed == 2
 
 
+def test_with_counting_off_leases_are_not_counted_unless_the_topic_dead_letters(tmp_path: Path) -> None:
+    """The node's ``topic.delivery_counts`` off: a lease carries 0 (no delivery_count in
+    the answer), nothing is kept or persisted for it; a topic with max_deliveries counts
+    anyway (its counts decide the dead-lettering)."""
+    p = _partition(tmp_path, 3)
+    p.counting = False
+    gen = p.count_gen
+    d = p.reserve(100.0, 3, 30.0, 1024, 1024)
+    assert [x.deliveries for x in d] == [0, 0, 0]
+    assert p.deliveries == {} and p.count_gen == gen
+    assert p.nack(0, d[0].nonce, 101.0)
+    assert [x.deliveries for x in p.reserve(101.0, 1, 30.0, 1024, 1024)] == [0]
+    p.max_deliveries = 2
+    again = p.reserve(140.0, 5, 30.0, 1024, 1024)  # every lease expired: all out again, counted now
+    assert sorted((x.offset, x.deliveries) for x in again) == [(0, 1), (1, 1), (2, 1)]
+    assert p.deliveries == {0: 1, 1: 1, 2: 1} and p.count_gen > gen
+
+
 def test_a_give_back_takes_its_count_back(tmp_path: Path) -> None:
     """A lease whose consumer never saw it (hung up, answer dropped) is given back
     uncounted: the next delivery carries the same count, and max_deliveries=1 does not

@@ -288,8 +288,12 @@ class Broker:
         meta_call: Callable[[Any, Any, float], Awaitable[Any]] | None = None,
         group_sync: bool = True,
         security: bool = True,
+        delivery_counts: bool = True,
     ) -> None:
         self.data_dir = Path(data_dir)
+        # Records leased are counted and consume answers carry delivery_count (False: only on a
+        # topic with max_deliveries, which needs the counts to dead-letter; ``Partition.counting``).
+        self.delivery_counts = delivery_counts
         self.security = security  # grants are enforced (the dead-letter driver's owner check)
         self.store = store
         self.versions = versions
@@ -700,6 +704,7 @@ class Broker:
         offs = OffsetFile(d)
         frontier, ahead = offs.load(max_frontier=plog.hwm - 1)  # a frontier past the log is damage
         p = Partition(topic.name, topic.id, index, plog, offs)
+        p.counting = self.delivery_counts
         p.restore(frontier, ahead, offs.counts, offs.reasons, offs.held)
         frozen = TR.read_freeze(d)  # a move's freeze made before a restart holds for the rest of its TTL
         if frozen is not None:

@@ -36,6 +36,9 @@ Lives in the worker that owns the partition, on its event-loop thread only.
   allowing, and carried by a move). A give-back (a lease
   whose consumer never saw it: it hung up, its answer was dropped) takes its
   count back (``nack(uncount=True)``).
+  With the node's ``topic.delivery_counts`` off (``counting`` False) a lease is
+  not counted (its Item carries 0: no ``delivery_count`` in the answer), unless
+  the topic has ``max_deliveries``.
 * Dead-lettering: with ``max_deliveries`` > 0 (set by the broker from the
   topic), a lease that ends unacked (expiry, nack) with its count at the
   maximum, or an offset about to be leased whose (restored) count is already
@@ -218,6 +221,9 @@ class Partition:
         # ... except the counts of these offsets, left out of that write (its slot was full)
         self.counts_unwritten: set[int] = set()
         self.max_deliveries = 0  # the topic's (0: unlimited); the broker keeps it current
+        # Each lease counted (the node's ``topic.delivery_counts``); a topic with max_deliveries
+        # counts whatever this says (its counts decide the dead-lettering).
+        self.counting = True
         self.on_dead: Callable[[Partition], None] | None = None
 
     # ---- move freeze (source side) ----------------------------------------------------
@@ -419,6 +425,7 @@ class Partition:
         leases, delayed, dead, red = self.leases, self.delayed, self.dead, self._redeliver
         log, deliveries, expiry_heap, index = self.log, self.deliveries, self._expiry, self.index
         md, marked = self.max_deliveries, self.marked
+        counting = self.counting or md > 0
         expiry = now + visibility_s
         push = heapq.heappush
         # Read once, then kept in step: the records in flight (``busy``), whether the acked-ahead
@@ -485,9 +492,12 @@ class Partition:
                 push(red, off)
                 break
             push(expiry_heap, (expiry, off, nonce))
-            count = deliveries[off] = deliveries.get(off, 0) + 1
-            self.count_gen += 1
-            self.dirty = True  # the count is persisted with the acks
+            if counting:
+                count = deliveries[off] = deliveries.get(off, 0) + 1
+                self.count_gen += 1
+                self.dirty = True  # the count is persisted with the acks
+            else:
+                count = 0  # (not counted: the answer has no delivery_count)
             item = make(index, off, nonce, rec)
             item.deliveries = count
             out.append(item)

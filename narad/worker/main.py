@@ -193,6 +193,7 @@ async def _main(spec: WorkerSpec, index: int, core: int | None) -> int:
                     remote=remote, node_id=spec.node_id, idle_eviction_ms=cfg.storage.idle_log_eviction_ms,
                     cold_walk_ms=cfg.storage.cold_retention_walk_ms, caught_up=caught_up,
                     group_sync=cfg.storage.group_sync, security=cfg.security.enabled,
+                    delivery_counts=cfg.topic.delivery_counts,
                     confirm_epoch=confirm_epoch,
                     meta_call=lambda req, typ, timeout: sup.call(req, typ, timeout=timeout),
                     fanout=FanoutSettings(cfg.fanout.max_batch_records, cfg.fanout.max_batch_bytes,

@@ -21,7 +21,7 @@ change by it, and quote the CPU figures of bench.py for what a node spends.
 Needs valgrind (``apt-get install valgrind``). About 4 minutes per feature on this host.
 
 Usage: .venv/bin/python loadtest/bench_instructions.py [--features idem,headers]
-       [--short 10] [--long 30] [--rate 300] [--partitions 3] [--mode flow_batch]
+       [--short 10] [--long 30] [--rate 300] [--partitions 3] [--workers 1] [--mode flow_batch]
 """
 
 from __future__ import annotations
@@ -43,21 +43,23 @@ import bench
 _SUMMARY = re.compile(rb"^summary: (\d+)$", re.M)
 
 
-def worker_instructions(out: Path, res: bench.Result) -> int:
-    """The instructions worker0 of this run's node executed (its cachegrind file)."""
-    pid = next((p for p, name in res.pids.items() if name == "worker0"), None)
-    if pid is None:
+def worker_files(out: Path, res: bench.Result) -> list[Path]:
+    """The cachegrind files of this run's node workers (worker0, worker1, ...)."""
+    pids = sorted((name, p) for p, name in res.pids.items() if name.startswith("worker"))
+    if not pids:
         raise SystemExit(f"{res.sc.name}: no worker pid recorded ({res.failure[:300] or 'no failure'})")
-    f = out / f"cg.{pid}"
-    m = _SUMMARY.search(f.read_bytes()) if f.exists() else None
-    if m is None:
-        raise SystemExit(f"{res.sc.name}: {f} has no summary (did the worker exit cleanly?)")
-    return int(m.group(1))
+    return [out / f"cg.{p}" for _name, p in pids]
 
 
-def worker_file(out: Path, res: bench.Result) -> Path:
-    pid = next(p for p, name in res.pids.items() if name == "worker0")
-    return out / f"cg.{pid}"
+def worker_instructions(out: Path, res: bench.Result) -> int:
+    """The instructions the node's workers executed, all of them summed (their cachegrind files)."""
+    total = 0
+    for f in worker_files(out, res):
+        m = _SUMMARY.search(f.read_bytes()) if f.exists() else None
+        if m is None:
+            raise SystemExit(f"{res.sc.name}: {f} has no summary (did the worker exit cleanly?)")
+        total += int(m.group(1))
+    return total
 
 
 def function_counts(path: Path) -> dict[str, int]:
@@ -75,6 +77,14 @@ def function_counts(path: Path) -> dict[str, int]:
     return out
 
 
+def _summed(counts: list[dict[str, int]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for c in counts:
+        for k, v in c.items():
+            out[k] = out.get(k, 0) + v
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     ap.add_argument("--features", default="idem", help="comma-separated, from bench.py's FEATURES")
@@ -82,6 +92,8 @@ def main() -> None:
     ap.add_argument("--long", type=float, default=30.0, help="seconds of the longer window")
     ap.add_argument("--rate", type=float, default=300.0, help="messages/s offered (paced)")
     ap.add_argument("--partitions", type=int, default=3)
+    ap.add_argument("--workers", type=int, default=1,
+                    help="node workers (their instructions summed: with 2, a batch reaching both pays the hop)")
     ap.add_argument("--mode", default="flow_batch", choices=("flow_batch", "produce_batch"))
     ap.add_argument("--batch", type=int, default=100)
     ap.add_argument("--functions", type=int, default=0, metavar="N",
@@ -100,7 +112,8 @@ def main() -> None:
     order = [""]
     for f in feats:
         order += [f, ""]
-    print(f"# worker instructions per message under cachegrind: {name}, 1 worker, {args.partitions} partitions, "
+    print(f"# worker instructions per message under cachegrind: {name}, {args.workers} worker(s), "
+          f"{args.partitions} partitions, "
           f"{args.rate:.0f} msgs/s paced, windows of {args.short:.0f} s and {args.long:.0f} s, "
           f"{time.strftime('%Y-%m-%d %H:%M')}, code {bench.code_version()}")
     tmp = Path(tempfile.mkdtemp(prefix="narad-instr-")) if args.keep is None else args.keep
@@ -110,26 +123,26 @@ def main() -> None:
     try:
         for feat in order:
             counts = []
-            files: list[Path] = []
+            files: list[list[Path]] = []
             for secs in (args.short, args.long):
                 out = tmp / f"{feat or 'plain'}-{secs:g}-{len(per)}"
                 out.mkdir()
                 bench.NODE_WRAP = ["valgrind", "--tool=cachegrind", "--cache-sim=no",
                                    f"--cachegrind-out-file={out}/cg.%p"]
-                sc = bench.Scenario(f"{name}{' +' + feat if feat else ''}", args.mode, 1, 1, 8, secs,
+                sc = bench.Scenario(f"{name}{' +' + feat if feat else ''}", args.mode, args.workers, 1, 8, secs,
                                     batch=args.batch, feature=feat, rate=args.rate)
                 res = bench.run(sc, None)
                 if res.failure or res.check.failed:
                     raise SystemExit(f"{sc.name} ({secs:g} s) failed:\n{res.failure or res.check.text}")
                 counts.append((res.msgs, worker_instructions(out, res)))
-                files.append(worker_file(out, res))
+                files.append(worker_files(out, res))
             (m1, i1), (m2, i2) = counts
             if m2 <= m1:
                 raise SystemExit(f"{feat or 'plain'}: the longer window carried no more messages ({m1} -> {m2})")
             ir = (i2 - i1) / (m2 - m1)
             per.append((feat, ir))
             if args.functions:
-                a, b = function_counts(files[0]), function_counts(files[1])
+                a, b = (_summed([function_counts(f) for f in fs]) for fs in files)
                 by_fn.append({f: (b.get(f, 0) - a.get(f, 0)) / (m2 - m1) for f in a.keys() | b.keys()})
             print(f"#   {name + (' +' + feat if feat else ''):<24} {ir:>10,.0f} instructions/msg "
                   f"({m1:,} and {m2:,} msgs)", flush=True)

@@ -880,6 +880,28 @@ class Broker:
         """Commit `records` into this worker's partition (a hop's or the dispatcher's
         commit). ``ikeys``: each record's idempotency key as its block holds it, from a
         worker of this node (``CommitReq.ikeys``); without them the commit reads the blocks."""
+        t = self._commit_target(topic, topic_id, partition)
+        p = await self.partition(t, partition)
+        p.idem_window_ms = t.idem_window_ms  # a PATCH may have changed it
+        return await p.commit(records, self.commit_rounds, ikeys)
+
+    def commit_local_now(self, topic: str, topic_id: str, partition: int,
+                         records: list[tuple[bytes | None, int, bytes]],
+                         ikeys: list[str | None] | None = None) -> asyncio.Future[Committed] | None:
+        """``commit_local`` without a coroutine when the partition is open: the future of
+        its commit (``Partition.submit``), or None when it is not open here (the caller
+        takes ``commit_local``, which opens it). Raises as ``commit_local`` does."""
+        t = self._commit_target(topic, topic_id, partition)
+        p = self.partitions.get((topic, partition))
+        if p is None or p.topic_id != t.id or p.closed:
+            return None
+        p.last_used = time.monotonic()
+        p.idem_window_ms = t.idem_window_ms  # a PATCH may have changed it
+        return p.submit(records, self.commit_rounds, ikeys)
+
+    def _commit_target(self, topic: str, topic_id: str, partition: int) -> TopicRecord:
+        """The topic a commit into this worker's `partition` goes to; raises when the
+        records' incarnation, the partition or its owner is not this worker's now."""
         t = self.store.topic(topic)
         if t is None or t.id != topic_id:
             raise Conflict(f'topic incarnation mismatch for "{topic}": records are for {topic_id}, '
@@ -897,9 +919,7 @@ class Broker:
             # retryable; never committed into a copy this worker does not own.
             raise Unavailable(f"partition {partition} of {topic} is owned by {node}/{worker}, not {self.node_id}/"
                               f"{self.index}; retry", code="partition_moving")
-        p = await self.partition(t, partition)
-        p.idem_window_ms = t.idem_window_ms  # a PATCH may have changed it
-        return await p.commit(records, self.commit_rounds, ikeys)
+        return t
 
     def commit_direct(self, t: TopicRecord, partition: int, entries: list[Entry]) -> asyncio.Future[Committed] | None:
         """Produce without the WAL: keyless records whose partition was chosen here (so it
@@ -2093,18 +2113,41 @@ class Broker:
         nodes (scope NODE, landing on any worker of this node)."""
         s = self.links.service
 
-        async def commit(m: P.CommitReq, c: Any) -> P.CommitResp:
+        def keys_checked(m: P.CommitReq, c: Any) -> P.CommitReq:
             if m.ikeys is not None and not hop_ikeys_ok(m, c):
                 if hop_bodies_alone(m):
                     # A body sent without its key's block (``FR.lay_keyed``) is taken only with its
                     # key, from a worker of this node: anything else would commit it keyless.
                     raise BadRequest("records without their idempotency-key blocks, from outside this node")
                 m.ikeys = None  # (the owner reads the keys from the blocks)
+            return m
+
+        def commit_now(m: P.CommitReq, c: Any) -> asyncio.Future[Committed] | None:
+            """The commit of `m` started at once, without a coroutine, when its partition is
+            this worker's and open; None otherwise (``commit`` then)."""
+            keys_checked(m, c)
+            if self.route(m.topic, m.partition) != self.index:
+                return None
+            return self.commit_local_now(m.topic, m.topic_id, m.partition, m.records, m.ikeys)
+
+        async def commit(m: P.CommitReq, c: Any) -> P.CommitResp:
+            fut = commit_now(m, c)
+            if fut is not None:
+                base, dups = await fut
+                return P.CommitResp(base, dups)
             w = self.route(m.topic, m.partition)
             if w != self.index:
                 return await self.links.call(w, m, P.CommitResp, timeout=30)
             base, dups = await self.commit_local(m.topic, m.topic_id, m.partition, m.records, m.ikeys)
             return P.CommitResp(base, dups)
+
+        def part_failed(e: BaseException) -> P.CommitPart:
+            if isinstance(e, NaradError):
+                return P.CommitPart(status=e.status, message=e.message, code=e.code)
+            if isinstance(e, asyncio.CancelledError):
+                return P.CommitPart(status=503, message="commit cancelled")
+            log.error("commit of a CommitManyReq part failed", exc_info=e)
+            return P.CommitPart(status=500, message=f"internal error: {e}")
 
         async def commit_part(m: P.CommitReq, c: Any) -> P.CommitPart:
             try:
@@ -2117,8 +2160,48 @@ class Broker:
             return P.CommitPart(r.base, r.dups)
 
         async def commit_many(m: P.CommitManyReq, c: Any) -> P.CommitManyResp:
-            # Every part starts in this pass (one commit round takes them together) and is answered on its own.
-            return P.CommitManyResp(list(await asyncio.gather(*(commit_part(x, c) for x in m.parts))))
+            # Every part starts in this pass (one commit round takes them together) and is answered on
+            # its own. A part whose partition is open here starts at once, without a task (a task and
+            # its coroutines cost more than the commit's own Python); the others as ``commit_part``.
+            parts = m.parts
+            out: list[P.CommitPart | None] = [None] * len(parts)
+            futs: list[tuple[int, asyncio.Future[Committed]]] = []
+            slow: list[int] = []
+            for i, x in enumerate(parts):
+                try:
+                    f = commit_now(x, c)
+                except Exception as e:  # answered for this part alone, as commit_part answers it
+                    out[i] = part_failed(e)
+                    continue
+                if f is None:
+                    slow.append(i)
+                else:
+                    futs.append((i, f))
+            if slow:
+                for i, r in zip(slow, await asyncio.gather(*(commit_part(parts[i], c) for i in slow)), strict=True):
+                    out[i] = r
+            if futs:
+                left = len(futs)
+                all_done: asyncio.Future[None] = self.loop.create_future()
+
+                def one(_f: asyncio.Future[Committed]) -> None:
+                    nonlocal left
+                    left -= 1
+                    if left == 0 and not all_done.done():
+                        all_done.set_result(None)
+
+                for _i, f in futs:
+                    f.add_done_callback(one)
+                await all_done  # (cancelled: the commits go on, as a waiter's cancel never takes a batch back)
+                for i, f in futs:
+                    if f.cancelled():
+                        out[i] = part_failed(asyncio.CancelledError())
+                    elif (e := f.exception()) is not None:
+                        out[i] = part_failed(e)
+                    else:
+                        base, dups = f.result()
+                        out[i] = P.CommitPart(base, dups)
+            return P.CommitManyResp(out)  # type: ignore[arg-type]
 
         async def consume(m: P.ConsumeReq, _c: Any) -> P.ConsumeResp:
             t = self._topic_for(m.topic, m.topic_id)

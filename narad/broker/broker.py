@@ -2113,14 +2113,13 @@ class Broker:
         nodes (scope NODE, landing on any worker of this node)."""
         s = self.links.service
 
-        def keys_checked(m: P.CommitReq, c: Any) -> P.CommitReq:
+        def keys_checked(m: P.CommitReq, c: Any) -> None:
             if m.ikeys is not None and not hop_ikeys_ok(m, c):
                 if hop_bodies_alone(m):
                     # A body sent without its key's block (``FR.lay_keyed``) is taken only with its
                     # key, from a worker of this node: anything else would commit it keyless.
                     raise BadRequest("records without their idempotency-key blocks, from outside this node")
                 m.ikeys = None  # (the owner reads the keys from the blocks)
-            return m
 
         def commit_now(m: P.CommitReq, c: Any) -> asyncio.Future[Committed] | None:
             """The commit of `m` started at once, without a coroutine, when its partition is
@@ -2142,6 +2141,7 @@ class Broker:
             return P.CommitResp(base, dups)
 
         def part_failed(e: BaseException) -> P.CommitPart:
+            """A CommitManyReq part's failure, answered as the link answers a single CommitReq."""
             if isinstance(e, NaradError):
                 return P.CommitPart(status=e.status, message=e.message, code=e.code)
             if isinstance(e, asyncio.CancelledError):
@@ -2152,11 +2152,8 @@ class Broker:
         async def commit_part(m: P.CommitReq, c: Any) -> P.CommitPart:
             try:
                 r = await commit(m, c)
-            except NaradError as e:
-                return P.CommitPart(status=e.status, message=e.message, code=e.code)
-            except Exception as e:  # as the link answers a single CommitReq that failed so
-                log.exception("commit of a CommitManyReq part failed")
-                return P.CommitPart(status=500, message=f"internal error: {e}")
+            except Exception as e:
+                return part_failed(e)
             return P.CommitPart(r.base, r.dups)
 
         async def commit_many(m: P.CommitManyReq, c: Any) -> P.CommitManyResp:

@@ -23,8 +23,22 @@ ffibuilder.cdef(
     int crc32c_hardware(void);
     int crc32c_parts(const char *joined, size_t n, size_t count, uint32_t nparts, uint32_t *out);
     int crc32c_parts_max(const char *joined, size_t n, size_t count, uint32_t nparts, size_t maxlen, uint32_t *out);
+    int crc32c_keys_max(const char *joined, size_t n, size_t count, size_t maxlen, uint32_t *out);
     long lay_idem(const char *bodies, const uint32_t *blen, const char *keys, size_t klen, size_t count,
                   uint8_t flags, uint64_t ts, char *out, size_t cap);
+    size_t idem_size(uint64_t nbuckets);
+    void idem_init(void *base, uint64_t nbuckets, uint64_t check);
+    int idem_check(const void *base, uint64_t check);
+    long idem_claim(void *base, size_t n, const uint64_t *fp, const uint32_t *crc, uint32_t topic,
+                    const uint32_t *home, uint64_t now, uint32_t tag, uint8_t *out);
+    long idem_settle(void *base, size_t n, const uint64_t *fp, const uint32_t *crc, uint32_t topic, uint32_t tag,
+                     uint64_t expires, const uint8_t *mask);
+    long idem_load(void *base, size_t n, const uint64_t *fp, const uint32_t *crc, uint32_t topic,
+                   const uint32_t *home, const uint64_t *expires, uint64_t now);
+    long idem_release_owner(void *base, uint32_t mask, uint32_t value);
+    long idem_collect(void *base, uint32_t topic, uint32_t home, uint64_t now, uint64_t *fp, uint32_t *crc,
+                      uint64_t *expires, size_t cap, uint64_t *cursor);
+    void idem_stats(const void *base, uint64_t now, uint64_t *out);
     int group_by_part(const uint32_t *parts, size_t n, uint32_t nparts, uint32_t *perm, uint32_t *starts,
                       uint32_t *nonempty);
     """

@@ -224,10 +224,10 @@ uint32_t crc32c_of(const char *p, size_t n, int force_sw) {
  * the caller places each key itself) or nparts is 0, or -2 when a key is shorter
  * than `minlen` or longer than `maxlen` bytes. */
 static int crc_split(const char *joined, size_t n, size_t count, uint32_t nparts, size_t minlen, size_t maxlen,
-                     uint32_t *out) {
+                     uint32_t *out, int raw) {
     size_t start = 0;
     size_t idx = 0;
-    if (nparts == 0) {
+    if (nparts == 0 && !raw) {
         return -1;
     }
     for (;;) {
@@ -239,7 +239,8 @@ static int crc_split(const char *joined, size_t n, size_t count, uint32_t nparts
         if (end - start < minlen || end - start > maxlen) {
             return -2;
         }
-        out[idx++] = crc32c_of(joined + start, end - start, 0) % nparts;
+        uint32_t c = crc32c_of(joined + start, end - start, 0);
+        out[idx++] = raw ? c : c % nparts;
         if (z == NULL) {
             break;
         }
@@ -250,13 +251,18 @@ static int crc_split(const char *joined, size_t n, size_t count, uint32_t nparts
 
 /* crc_split for keys of any length (0 or -1). */
 int crc32c_parts(const char *joined, size_t n, size_t count, uint32_t nparts, uint32_t *out) {
-    return crc_split(joined, n, count, nparts, 0, n, out);
+    return crc_split(joined, n, count, nparts, 0, n, out, 0);
 }
 
 /* crc_split with each key's length checked: 0 < length <= maxlen (its UTF-8 bytes);
  * -2 otherwise (the caller's general checks then answer what is wrong). */
 int crc32c_parts_max(const char *joined, size_t n, size_t count, uint32_t nparts, size_t maxlen, uint32_t *out) {
-    return crc_split(joined, n, count, nparts, 1, maxlen, out);
+    return crc_split(joined, n, count, nparts, 1, maxlen, out, 0);
+}
+
+/* crc_split's checks with each key's whole CRC-32C in out (the idempotency claims'). */
+int crc32c_keys_max(const char *joined, size_t n, size_t count, size_t maxlen, uint32_t *out) {
+    return crc_split(joined, n, count, 0, 1, maxlen, out, 1);
 }
 
 /* Lay `count` records as a frame holds them (frames.lay_keyed's common case: no
@@ -366,4 +372,341 @@ int group_by_part(const uint32_t *parts, size_t n, uint32_t nparts, uint32_t *pe
 /* 1 when crc32c_of uses SSE4.2's instruction (tests). */
 int crc32c_hardware(void) {
     return crc32c_hw;
+}
+
+/* ---- The node's idempotency claims table (issue 14) ------------------------------
+ * A shared-memory hash table every worker of a node maps read-write: which
+ * idempotency keys of which topic were committed on this node (and until when they
+ * count), and which are claimed by a produce whose commit is not durable yet.
+ * narad/broker/idem_claims.py owns the layout's Python side and says how it is used.
+ *
+ * Layout: a 64-byte head, then `nbuckets` (a power of two) buckets of 256 bytes: a
+ * lock word (the thread id of its holder, 0: free), padding, IDEM_WAYS slots of 32 bytes.
+ * A key is its 64-bit fingerprint (fp: the bucket is fp's low bits), its CRC-32C and
+ * its topic's 32-bit tag; a slot matches when all three are equal. A slot's `owner` is
+ * the single word that makes it valid: 0 empty, IDEM_DONE committed (it counts until
+ * `expires`, in ms), anything else the tag of the claimer whose commit is pending. A
+ * slot is filled field by field and its owner stored last, and emptied (owner 0) before
+ * it is refilled, so a holder killed inside a lock leaves no slot that says more than it
+ * should. A lock whose holder is gone (kill -9 inside the few instructions it is held)
+ * is taken over (head.steals). */
+#include <errno.h>
+#include <sched.h>
+#include <sys/syscall.h>
+
+#define IDEM_MAGIC 0x4E49444D43540001ULL /* "NIDMCT" + layout version 1 */
+#define IDEM_WAYS 7
+#define IDEM_DONE 0xFFFFFFFFu
+
+typedef struct {
+    uint64_t fp;
+    uint32_t crc;
+    uint32_t topic;
+    uint64_t expires;
+    uint32_t owner;
+    uint32_t home;
+} idem_slot;
+
+typedef struct {
+    uint64_t lock;
+    uint64_t pad[3];
+    idem_slot s[IDEM_WAYS];
+} idem_bucket;
+
+typedef struct {
+    uint64_t magic;
+    uint64_t nbuckets;
+    uint64_t check;
+    uint64_t evicted;
+    uint64_t steals;
+    uint64_t full;
+    uint64_t pad[2];
+} idem_head;
+
+_Static_assert(sizeof(idem_slot) == 32, "slot size");
+_Static_assert(sizeof(idem_bucket) == 256, "bucket size");
+_Static_assert(sizeof(idem_head) == 64, "head size");
+
+size_t idem_size(uint64_t nbuckets) {
+    return sizeof(idem_head) + (size_t)nbuckets * sizeof(idem_bucket);
+}
+
+/* Lays out a zeroed region of idem_size(nbuckets) bytes. */
+void idem_init(void *base, uint64_t nbuckets, uint64_t check) {
+    idem_head *h = (idem_head *)base;
+    h->nbuckets = nbuckets;
+    h->check = check;
+    __atomic_store_n(&h->magic, IDEM_MAGIC, __ATOMIC_RELEASE);
+}
+
+/* 0 when `base` holds a table made with `check`, else -1. */
+int idem_check(const void *base, uint64_t check) {
+    const idem_head *h = (const idem_head *)base;
+    if (__atomic_load_n(&h->magic, __ATOMIC_ACQUIRE) != IDEM_MAGIC || h->check != check || h->nbuckets == 0 ||
+        (h->nbuckets & (h->nbuckets - 1)) != 0) {
+        return -1;
+    }
+    return 0;
+}
+
+static idem_bucket *idem_bucket_of(void *base, uint64_t fp) {
+    idem_head *h = (idem_head *)base;
+    return (idem_bucket *)((char *)base + sizeof(idem_head)) + (fp & (h->nbuckets - 1));
+}
+
+static void idem_lock(void *base, idem_bucket *b) {
+    uint64_t me = (uint64_t)syscall(SYS_gettid);
+    unsigned spins = 0;
+    for (;;) {
+        uint64_t cur = 0;
+        if (__atomic_compare_exchange_n(&b->lock, &cur, me, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED)) {
+            return;
+        }
+        spins++;
+        if (spins < 100) {
+            continue;
+        }
+        if (spins % 100 == 0 && cur != me && kill((pid_t)cur, 0) != 0 && errno == ESRCH) {
+            /* its holder is gone: taken over */
+            if (__atomic_compare_exchange_n(&b->lock, &cur, me, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED)) {
+                __atomic_fetch_add(&((idem_head *)base)->steals, 1, __ATOMIC_RELAXED);
+                return;
+            }
+        }
+        sched_yield();
+    }
+}
+
+static void idem_unlock(idem_bucket *b) {
+    __atomic_store_n(&b->lock, 0, __ATOMIC_RELEASE);
+}
+
+static idem_slot *idem_find(idem_bucket *b, uint64_t fp, uint32_t crc, uint32_t topic) {
+    for (int w = 0; w < IDEM_WAYS; w++) {
+        idem_slot *s = &b->s[w];
+        if (s->owner != 0 && s->fp == fp && s->crc == crc && s->topic == topic) {
+            return s;
+        }
+    }
+    return NULL;
+}
+
+/* A slot for a new key: an empty one, else one whose window passed, else the committed
+ * one that expires first (evicted: *evicted += 1); NULL when every slot is pending. */
+static idem_slot *idem_free_slot(idem_bucket *b, uint64_t now, long *evicted) {
+    idem_slot *oldest = NULL;
+    for (int w = 0; w < IDEM_WAYS; w++) {
+        idem_slot *s = &b->s[w];
+        if (s->owner == 0) {
+            return s;
+        }
+        if (s->owner == IDEM_DONE) {
+            if (s->expires <= now) {
+                return s;
+            }
+            if (oldest == NULL || s->expires < oldest->expires) {
+                oldest = s;
+            }
+        }
+    }
+    if (oldest != NULL) {
+        (*evicted)++;
+    }
+    return oldest;
+}
+
+static void idem_fill(idem_slot *s, uint64_t fp, uint32_t crc, uint32_t topic, uint32_t home, uint64_t expires,
+                      uint32_t owner) {
+    __atomic_store_n(&s->owner, 0, __ATOMIC_RELEASE);
+    s->fp = fp;
+    s->crc = crc;
+    s->topic = topic;
+    s->home = home;
+    s->expires = expires;
+    __atomic_store_n(&s->owner, owner, __ATOMIC_RELEASE);
+}
+
+/* Claims n keys of one topic for `tag` (a claimer's tag: neither 0 nor IDEM_DONE).
+ * out[i]: 0 claimed (pending under tag), 1 committed within its window (a duplicate),
+ * 2 pending under some claimer (this one included), 3 not claimed: its bucket holds
+ * nothing but pending claims. Returns the committed keys evicted to make room, or -1
+ * for a bad tag. */
+long idem_claim(void *base, size_t n, const uint64_t *fp, const uint32_t *crc, uint32_t topic, const uint32_t *home,
+                uint64_t now, uint32_t tag, uint8_t *out) {
+    long evicted = 0;
+    if (tag == 0 || tag == IDEM_DONE) {
+        return -1;
+    }
+    for (size_t i = 0; i < n; i++) {
+        idem_bucket *b = idem_bucket_of(base, fp[i]);
+        idem_lock(base, b);
+        idem_slot *s = idem_find(b, fp[i], crc[i], topic);
+        if (s != NULL && s->owner != IDEM_DONE) {
+            out[i] = 2;
+        } else if (s != NULL && s->expires > now) {
+            out[i] = 1;
+        } else {
+            if (s == NULL) {
+                s = idem_free_slot(b, now, &evicted);
+            }
+            if (s == NULL) {
+                out[i] = 3;
+                __atomic_fetch_add(&((idem_head *)base)->full, 1, __ATOMIC_RELAXED);
+            } else {
+                idem_fill(s, fp[i], crc[i], topic, home[i], 0, tag);
+                out[i] = 0;
+            }
+        }
+        idem_unlock(b);
+    }
+    if (evicted) {
+        __atomic_fetch_add(&((idem_head *)base)->evicted, (uint64_t)evicted, __ATOMIC_RELAXED);
+    }
+    return evicted;
+}
+
+/* Settles the claims of `tag` on the keys whose mask[i] is set: 1 committed (counts until
+ * `expires`), 2 released (the commit failed: the key is free again). A key no longer
+ * pending under `tag` is left as it is. Returns the number settled. */
+long idem_settle(void *base, size_t n, const uint64_t *fp, const uint32_t *crc, uint32_t topic, uint32_t tag,
+                 uint64_t expires, const uint8_t *mask) {
+    long done = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (mask[i] != 1 && mask[i] != 2) {
+            continue;
+        }
+        idem_bucket *b = idem_bucket_of(base, fp[i]);
+        idem_lock(base, b);
+        idem_slot *s = idem_find(b, fp[i], crc[i], topic);
+        if (s != NULL && s->owner == tag) {
+            if (mask[i] == 1) {
+                s->expires = expires;
+                __atomic_store_n(&s->owner, IDEM_DONE, __ATOMIC_RELEASE);
+            } else {
+                __atomic_store_n(&s->owner, 0, __ATOMIC_RELEASE);
+            }
+            done++;
+        }
+        idem_unlock(b);
+    }
+    return done;
+}
+
+/* Records keys found committed (a rebuild from a log, keys carried by a move): each is
+ * committed until expires[i] (the later of two when it is held already, pending claims
+ * included: the record is durable). Keys whose window passed are skipped. Returns the
+ * committed keys evicted to make room. */
+long idem_load(void *base, size_t n, const uint64_t *fp, const uint32_t *crc, uint32_t topic, const uint32_t *home,
+               const uint64_t *expires, uint64_t now) {
+    long evicted = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (expires[i] <= now) {
+            continue;
+        }
+        idem_bucket *b = idem_bucket_of(base, fp[i]);
+        idem_lock(base, b);
+        idem_slot *s = idem_find(b, fp[i], crc[i], topic);
+        if (s != NULL) {
+            if (s->owner != IDEM_DONE) {
+                s->expires = expires[i];
+                __atomic_store_n(&s->owner, IDEM_DONE, __ATOMIC_RELEASE);
+            } else if (s->expires < expires[i]) {
+                s->expires = expires[i];
+            }
+        } else {
+            s = idem_free_slot(b, now, &evicted);
+            if (s != NULL) {
+                idem_fill(s, fp[i], crc[i], topic, home[i], expires[i], IDEM_DONE);
+            } else {
+                __atomic_fetch_add(&((idem_head *)base)->full, 1, __ATOMIC_RELAXED);
+            }
+        }
+        idem_unlock(b);
+    }
+    if (evicted) {
+        __atomic_fetch_add(&((idem_head *)base)->evicted, (uint64_t)evicted, __ATOMIC_RELAXED);
+    }
+    return evicted;
+}
+
+/* Empties every pending claim whose owner & mask == value (a dead claimer's, once what
+ * it made durable was loaded). Returns how many. */
+long idem_release_owner(void *base, uint32_t mask, uint32_t value) {
+    idem_head *h = (idem_head *)base;
+    long done = 0;
+    idem_bucket *bs = (idem_bucket *)((char *)base + sizeof(idem_head));
+    for (uint64_t k = 0; k < h->nbuckets; k++) {
+        idem_bucket *b = &bs[k];
+        int any = 0;
+        for (int w = 0; w < IDEM_WAYS; w++) {
+            uint32_t o = __atomic_load_n(&b->s[w].owner, __ATOMIC_ACQUIRE);
+            if (o != 0 && o != IDEM_DONE && (o & mask) == value) {
+                any = 1;
+            }
+        }
+        if (!any) {
+            continue;
+        }
+        idem_lock(base, b);
+        for (int w = 0; w < IDEM_WAYS; w++) {
+            idem_slot *s = &b->s[w];
+            if (s->owner != 0 && s->owner != IDEM_DONE && (s->owner & mask) == value) {
+                __atomic_store_n(&s->owner, 0, __ATOMIC_RELEASE);
+                done++;
+            }
+        }
+        idem_unlock(b);
+    }
+    return done;
+}
+
+/* The committed keys of `topic` whose home partition is `home` and whose window has not
+ * passed, from bucket *cursor on: at most cap of them into fp/crc/expires; *cursor is
+ * where the next call goes on (nbuckets: done). Returns how many were written. */
+long idem_collect(void *base, uint32_t topic, uint32_t home, uint64_t now, uint64_t *fp, uint32_t *crc,
+                  uint64_t *expires, size_t cap, uint64_t *cursor) {
+    idem_head *h = (idem_head *)base;
+    idem_bucket *bs = (idem_bucket *)((char *)base + sizeof(idem_head));
+    size_t got = 0;
+    uint64_t k = *cursor;
+    for (; k < h->nbuckets && got + IDEM_WAYS <= cap; k++) {
+        idem_bucket *b = &bs[k];
+        idem_lock(base, b);
+        for (int w = 0; w < IDEM_WAYS; w++) {
+            idem_slot *s = &b->s[w];
+            if (s->owner == IDEM_DONE && s->topic == topic && s->home == home && s->expires > now) {
+                fp[got] = s->fp;
+                crc[got] = s->crc;
+                expires[got] = s->expires;
+                got++;
+            }
+        }
+        idem_unlock(b);
+    }
+    *cursor = k;
+    return (long)got;
+}
+
+/* Counts without locks (a moment's view): out[0] committed within their window,
+ * out[1] pending, out[2] evicted so far, out[3] locks taken over, out[4] keys refused
+ * for a bucket of pending claims. */
+void idem_stats(const void *base, uint64_t now, uint64_t *out) {
+    const idem_head *h = (const idem_head *)base;
+    const idem_bucket *bs = (const idem_bucket *)((const char *)base + sizeof(idem_head));
+    uint64_t live = 0, pending = 0;
+    for (uint64_t k = 0; k < h->nbuckets; k++) {
+        for (int w = 0; w < IDEM_WAYS; w++) {
+            uint32_t o = __atomic_load_n(&bs[k].s[w].owner, __ATOMIC_RELAXED);
+            if (o == IDEM_DONE) {
+                live += bs[k].s[w].expires > now;
+            } else if (o != 0) {
+                pending++;
+            }
+        }
+    }
+    out[0] = live;
+    out[1] = pending;
+    out[2] = __atomic_load_n(&h->evicted, __ATOMIC_RELAXED);
+    out[3] = __atomic_load_n(&h->steals, __ATOMIC_RELAXED);
+    out[4] = __atomic_load_n(&h->full, __ATOMIC_RELAXED);
 }

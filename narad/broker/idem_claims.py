@@ -1,0 +1,197 @@
+"""The node's idempotency claims: one shared-memory table every worker of a node maps.
+
+Issue 14's idempotent produce checks a key where its record is committed. Today that
+is a partition's own table (``narad.broker.idem``), which is why a batch of keyed
+records is spread over the partitions by key and sent to the workers that own them.
+This table is the node-wide alternative being built: with it, the worker that
+received a keyless idempotent record can claim its key for the whole node and commit
+it into a partition of its own, with no hop to another worker (docs/architecture.md,
+"The node's idempotency claims"). Not used by the produce path yet.
+
+The table (native/narad_native.c, ``idem_*``) holds, per key: a 64-bit fingerprint
+(Python's ``hash`` of the key: SipHash keyed with the interpreter's secret, which the
+supervisor's forked workers share; the head holds a check value so a process with
+another secret cannot attach), the key's CRC-32C, the topic's 32-bit tag, the key's
+home partition (which a partition move carries), and either a pending claim (a
+claimer's tag) or a commit that counts until its expiry. A key is the same key when
+fingerprint, CRC and topic tag all agree: two different keys are taken for one with
+a chance of about 2^-96 for random keys, and a producer who cannot read the secret
+cannot aim at another producer's key.
+
+Buckets of seven slots, 256 bytes each (36.6 bytes a key); a full bucket evicts its
+committed key that expires first (counted), never a pending claim. Every operation
+takes one bucket's lock at a time, for a few hundred instructions; a lock whose
+holder died is taken over.
+
+Imports the native module and posix_ipc; nothing else from narad.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import mmap
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import posix_ipc
+
+from narad._native import ffi, lib
+
+DEFAULT_BUCKETS = 1 << 17  # 917,504 keys in 32 MiB
+WAYS = 7
+BUCKET_BYTES = 256
+MAX_KEY_BYTES = 128  # (narad.broker.idem.MAX_KEY_BYTES)
+_U64 = (1 << 64) - 1
+
+CLAIMED, DUPLICATE, PENDING, FULL = 0, 1, 2, 3
+COMMIT, RELEASE = 1, 2
+
+
+def check_value() -> int:
+    """A value only a process with this interpreter's hash secret computes."""
+    return hash("narad idempotency claims table, layout 1") & _U64
+
+
+def shm_name_for(data_dir: str) -> str:
+    return "/narad-idem-" + hashlib.sha1(data_dir.encode()).hexdigest()[:16]
+
+
+def topic_tag(topic_id: str) -> int:
+    """A topic's 32-bit tag in the table (its id's CRC-32C)."""
+    return lib.crc32c_of(topic_id.encode(), len(topic_id), 0)
+
+
+class BadKeys(ValueError):
+    """A key that is empty, longer than MAX_KEY_BYTES or holds a NUL."""
+
+
+@dataclass(slots=True)
+class Keys:
+    """Keys ready for the table: each one's fingerprint and CRC-32C (native arrays)."""
+
+    count: int
+    fp: object  # uint64_t[count]
+    crc: object  # uint32_t[count]
+
+
+def prepare(keys: Sequence[str]) -> Keys:
+    """The table's view of `keys` (raises BadKeys for a key it cannot hold)."""
+    n = len(keys)
+    fp = ffi.new("uint64_t[]", [hash(k) & _U64 for k in keys])
+    crc = ffi.new("uint32_t[]", n)
+    if n:
+        joined = "\0".join(keys).encode()
+        if lib.crc32c_keys_max(joined, len(joined), n, MAX_KEY_BYTES, crc) != 0:
+            raise BadKeys("an idempotency key must be 1 to 128 bytes of UTF-8 without NUL")
+    return Keys(n, fp, crc)
+
+
+class ClaimTable:
+    """One mapping of the node's table (the supervisor creates it; workers attach)."""
+
+    def __init__(self, name: str, mm: mmap.mmap) -> None:
+        self.name = name
+        self._mm = mm
+        self._base = ffi.from_buffer(mm)
+
+    @classmethod
+    def create(cls, name: str, buckets: int = DEFAULT_BUCKETS) -> ClaimTable:
+        if buckets <= 0 or buckets & (buckets - 1):
+            raise ValueError("buckets must be a power of two")
+        try:
+            posix_ipc.unlink_shared_memory(name)
+        except posix_ipc.ExistentialError:
+            pass
+        size = lib.idem_size(buckets)
+        shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=size)
+        try:
+            mm = mmap.mmap(shm.fd, size)
+        finally:
+            shm.close_fd()
+        t = cls(name, mm)
+        lib.idem_init(t._base, buckets, check_value())
+        return t
+
+    @classmethod
+    def attach(cls, name: str) -> ClaimTable:
+        shm = posix_ipc.SharedMemory(name)
+        try:
+            mm = mmap.mmap(shm.fd, shm.size)
+        finally:
+            shm.close_fd()
+        t = cls(name, mm)
+        if lib.idem_check(t._base, check_value()) != 0:
+            t.close()
+            raise RuntimeError(f"{name}: not a claims table this process can use (another hash secret?)")
+        return t
+
+    def claim(self, topic: int, keys: Keys, homes: Sequence[int], now_ms: int, tag: int) -> tuple[list[int], int]:
+        """Claims each key for `tag`: (each key's verdict, CLAIMED DUPLICATE PENDING or
+        FULL; the committed keys evicted to make room)."""
+        out = ffi.new("uint8_t[]", keys.count)
+        home = ffi.new("uint32_t[]", list(homes))
+        ev = lib.idem_claim(self._base, keys.count, keys.fp, keys.crc, topic, home, now_ms, tag, out)
+        if ev < 0:
+            raise ValueError(f"bad claimer tag {tag}")
+        return list(ffi.unpack(out, keys.count)), ev
+
+    def settle(self, topic: int, keys: Keys, tag: int, expires_ms: int, how: Sequence[int]) -> int:
+        """Settles `tag`'s claims: how[i] COMMIT (counts until expires_ms), RELEASE (free
+        again) or 0 (left). Returns how many were settled."""
+        mask = ffi.new("uint8_t[]", list(how))
+        return lib.idem_settle(self._base, keys.count, keys.fp, keys.crc, topic, tag, expires_ms, mask)
+
+    def load(self, topic: int, keys: Keys, homes: Sequence[int], expires_ms: Sequence[int], now_ms: int) -> int:
+        """Records keys found committed (until expires_ms[i]); returns the keys evicted."""
+        home = ffi.new("uint32_t[]", list(homes))
+        exp = ffi.new("uint64_t[]", list(expires_ms))
+        return lib.idem_load(self._base, keys.count, keys.fp, keys.crc, topic, home, exp, now_ms)
+
+    def release_owner(self, mask: int, value: int) -> int:
+        """Empties the pending claims whose tag & mask == value; returns how many."""
+        return lib.idem_release_owner(self._base, mask, value)
+
+    def collect(self, topic: int, home: int, now_ms: int, chunk: int = 4096) -> list[tuple[int, int, int]]:
+        """The committed keys of `topic` homed at `home`: (fingerprint, CRC, expiry) each."""
+        cap = max(chunk, WAYS)
+        fp, crc, exp = ffi.new("uint64_t[]", cap), ffi.new("uint32_t[]", cap), ffi.new("uint64_t[]", cap)
+        cursor = ffi.new("uint64_t *", 0)
+        out: list[tuple[int, int, int]] = []
+        total = self.buckets
+        while cursor[0] < total:
+            got = lib.idem_collect(self._base, topic, home, now_ms, fp, crc, exp, cap, cursor)
+            out.extend(zip(ffi.unpack(fp, got), ffi.unpack(crc, got), ffi.unpack(exp, got), strict=True))
+        return out
+
+    def load_raw(self, topic: int, home: int, entries: Sequence[tuple[int, int, int]], now_ms: int) -> int:
+        """``load`` for entries ``collect`` gave (a move's carried keys)."""
+        n = len(entries)
+        keys = Keys(n, ffi.new("uint64_t[]", [e[0] for e in entries]), ffi.new("uint32_t[]", [e[1] for e in entries]))
+        return self.load(topic, keys, [home] * n, [e[2] for e in entries], now_ms)
+
+    @property
+    def buckets(self) -> int:
+        return int.from_bytes(self._mm[8:16], "little")
+
+    def lock_word(self, bucket: int) -> memoryview:
+        """A bucket's lock word (tests: a lock left by a dead holder)."""
+        off = 64 + bucket * BUCKET_BYTES
+        return memoryview(self._mm)[off : off + 8].cast("Q")
+
+    def stats(self, now_ms: int) -> dict[str, int]:
+        out = ffi.new("uint64_t[5]")
+        lib.idem_stats(self._base, now_ms, out)
+        return {"keys": out[0], "pending": out[1], "evicted": out[2], "locks_taken_over": out[3],
+                "refused_full": out[4], "capacity": self.buckets * WAYS}
+
+    def close(self, unlink: bool = False) -> None:
+        self._base = None  # type: ignore[assignment]
+        try:
+            self._mm.close()
+        except BufferError:  # (a cdata view still alive: the mapping goes with the process)
+            pass
+        if unlink:
+            try:
+                posix_ipc.unlink_shared_memory(self.name)
+            except posix_ipc.ExistentialError:
+                pass

@@ -1,0 +1,177 @@
+"""The node's idempotency claims table (narad.broker.idem_claims) on real shared memory,
+claimed from real forked processes."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import random
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from narad.broker import idem_claims as IC
+
+NOW = 1_700_000_000_000
+WINDOW = 300_000
+T1, T2 = IC.topic_tag("0123456789abcdef0123456789abcdef"), IC.topic_tag("fedcba9876543210fedcba9876543210")
+
+
+@pytest.fixture
+def table() -> Iterator[IC.ClaimTable]:
+    name = f"/narad-test-idem-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    t = IC.ClaimTable.create(name, buckets=1024)
+    yield t
+    t.close(unlink=True)
+
+
+def _keys(n: int) -> list[str]:
+    return [str(uuid.uuid4()) for _ in range(n)]
+
+
+def test_a_claim_is_pending_until_settled_then_a_duplicate_until_its_window_passes(table: IC.ClaimTable) -> None:
+    ks = IC.prepare(_keys(3))
+    got, ev = table.claim(T1, ks, [0, 1, 2], NOW, tag=5)
+    assert got == [IC.CLAIMED] * 3 and ev == 0
+    # Another claimer (or the same one) while it is pending: PENDING, never a second claim.
+    assert table.claim(T1, ks, [0, 1, 2], NOW, tag=6)[0] == [IC.PENDING] * 3
+    assert table.claim(T1, ks, [0, 1, 2], NOW, tag=5)[0] == [IC.PENDING] * 3
+    # Another claimer's tag does not settle it.
+    assert table.settle(T1, ks, 6, NOW + WINDOW, [IC.COMMIT] * 3) == 0
+    assert table.settle(T1, ks, 5, NOW + WINDOW, [IC.COMMIT, IC.RELEASE, 0]) == 2
+    got, _ = table.claim(T1, ks, [0, 1, 2], NOW + 1, tag=6)
+    assert got == [IC.DUPLICATE, IC.CLAIMED, IC.PENDING]  # committed; released and claimed again; still 5's
+    # The committed key is a duplicate until its window passes, then free.
+    one = IC.Keys(1, ks.fp[0:1], ks.crc[0:1])
+    assert table.claim(T1, one, [0], NOW + WINDOW - 1, tag=7)[0] == [IC.DUPLICATE]
+    assert table.stats(NOW + WINDOW - 1)["keys"] == 1
+    assert table.claim(T1, one, [0], NOW + WINDOW, tag=7)[0] == [IC.CLAIMED]
+    s = table.stats(NOW + WINDOW)
+    assert (s["keys"], s["pending"], s["capacity"]) == (0, 3, 1024 * IC.WAYS)
+
+
+def test_keys_are_per_topic(table: IC.ClaimTable) -> None:
+    ks = IC.prepare(["order-1"])
+    assert table.claim(T1, ks, [0], NOW, 1)[0] == [IC.CLAIMED]
+    table.settle(T1, ks, 1, NOW + WINDOW, [IC.COMMIT])
+    assert table.claim(T2, ks, [0], NOW, 1)[0] == [IC.CLAIMED]
+    assert table.claim(T1, ks, [0], NOW, 1)[0] == [IC.DUPLICATE]
+
+
+def test_a_full_bucket_evicts_the_committed_key_that_expires_first_never_a_pending_one() -> None:
+    t = IC.ClaimTable.create(f"/narad-test-idem-{os.getpid()}-one", buckets=1)
+    try:
+        ks = [IC.prepare([k]) for k in _keys(IC.WAYS + 1)]
+        for k in ks[: IC.WAYS]:
+            assert t.claim(T1, k, [0], NOW, 1)[0] == [IC.CLAIMED]
+        assert t.claim(T1, ks[-1], [0], NOW, 1) == ([IC.FULL], 0)  # every slot pending
+        for i, k in enumerate(ks[: IC.WAYS]):
+            t.settle(T1, k, 1, NOW + WINDOW + (100 if i else 0), [IC.COMMIT])  # ks[0] expires first
+        assert t.claim(T1, ks[-1], [0], NOW, 2) == ([IC.CLAIMED], 1)
+        assert t.claim(T1, ks[1], [0], NOW, 2) == ([IC.DUPLICATE], 0)  # kept: ks[0] went
+        assert t.claim(T1, ks[0], [0], NOW, 2) == ([IC.CLAIMED], 1)  # new again, in a slot evicted for it
+        s = t.stats(NOW)
+        assert s["evicted"] == 2 and s["refused_full"] == 1
+    finally:
+        t.close(unlink=True)
+
+
+def test_load_marks_keys_committed_keeping_the_later_expiry_and_ending_a_pending_claim(table: IC.ClaimTable) -> None:
+    ks = IC.prepare(_keys(3))
+    table.claim(T1, IC.Keys(1, ks.fp[0:1], ks.crc[0:1]), [0], NOW, 9)  # pending under a dead claimer
+    assert table.load(T1, ks, [4, 4, 4], [NOW + 10, NOW + 10, NOW - 1], NOW) == 0
+    got = table.claim(T1, ks, [4, 4, 4], NOW + 5, 3)[0]
+    assert got == [IC.DUPLICATE, IC.DUPLICATE, IC.CLAIMED]  # the third had expired: not loaded
+    table.load(T1, ks, [4, 4, 4], [NOW + 100, NOW + 1, NOW + 100], NOW)
+    # The first keeps the later expiry; the second its NOW + 10 (gone at NOW + 50); the third,
+    # pending under claimer 3, became committed: its record was found durable.
+    assert table.claim(T1, ks, [4, 4, 4], NOW + 50, 3)[0] == [IC.DUPLICATE, IC.CLAIMED, IC.DUPLICATE]
+
+
+def test_release_owner_empties_a_claimers_pending_claims_only(table: IC.ClaimTable) -> None:
+    a, b = IC.prepare(_keys(20)), IC.prepare(_keys(20))
+    table.claim(T1, a, [0] * 20, NOW, tag=(7 << 8) | 2)  # worker 1, incarnation 7
+    table.claim(T1, b, [0] * 20, NOW, tag=(7 << 8) | 3)  # worker 2
+    table.settle(T1, a, (7 << 8) | 2, NOW + WINDOW, [IC.COMMIT] * 10 + [0] * 10)
+    assert table.release_owner(0xFF, 2) == 10
+    assert table.claim(T1, a, [0] * 20, NOW, 1)[0] == [IC.DUPLICATE] * 10 + [IC.CLAIMED] * 10
+    assert table.claim(T1, b, [0] * 20, NOW, 1)[0] == [IC.PENDING] * 20
+
+
+def test_collect_gives_a_homes_committed_keys_which_another_table_loads(table: IC.ClaimTable) -> None:
+    keys = _keys(200)
+    ks = IC.prepare(keys)
+    homes = [i % 4 for i in range(200)]
+    table.claim(T1, ks, homes, NOW, 1)
+    table.settle(T1, ks, 1, NOW + WINDOW, [IC.COMMIT if i < 150 else 0 for i in range(200)])
+    got = table.collect(T1, 2, NOW, chunk=16)
+    want = {i for i in range(150) if homes[i] == 2}
+    assert sorted(e[0] for e in got) == sorted(ks.fp[i] for i in want)
+    assert table.collect(T2, 2, NOW) == [] and table.collect(T1, 2, NOW + WINDOW) == []
+    other = IC.ClaimTable.create(table.name + "-b", buckets=1024)
+    try:
+        other.load_raw(T1, 2, got, NOW)
+        verdicts = other.claim(T1, ks, homes, NOW, 1)[0]
+        assert [i for i, v in enumerate(verdicts) if v == IC.DUPLICATE] == sorted(want)
+    finally:
+        other.close(unlink=True)
+
+
+def test_prepare_refuses_keys_the_table_cannot_hold() -> None:
+    for bad in ([""], ["a" * 129], ["a\0b"], ["é" * 65]):
+        with pytest.raises(IC.BadKeys):
+            IC.prepare(bad)
+    assert IC.prepare(["é" * 64]).count == 1
+
+
+def _racer(name: str, keys: list[str], seed: int, tag: int, q: multiprocessing.Queue) -> None:
+    t = IC.ClaimTable.attach(name)
+    order = list(range(len(keys)))
+    random.Random(seed).shuffle(order)
+    won = []
+    for lo in range(0, len(order), 10):
+        idx = order[lo : lo + 10]
+        got, _ = t.claim(T1, IC.prepare([keys[i] for i in idx]), [0] * len(idx), NOW, tag)
+        won.extend(i for i, g in zip(idx, got, strict=True) if g == IC.CLAIMED)
+    q.put(won)
+
+
+def test_forked_workers_racing_for_the_same_keys_claim_each_exactly_once() -> None:
+    table = IC.ClaimTable.create(f"/narad-test-idem-{os.getpid()}-race", buckets=4096)
+    keys = _keys(3000)
+    ctx = multiprocessing.get_context("fork")
+    q: multiprocessing.Queue = ctx.Queue()
+    procs = [ctx.Process(target=_racer, args=(table.name, keys, s, s + 1, q)) for s in range(3)]
+    for p in procs:
+        p.start()
+    wins = [q.get(timeout=60) for _ in procs]
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    table.close(unlink=True)
+    claimed = [i for w in wins for i in w]
+    assert sorted(claimed) == list(range(3000))  # every key once, by exactly one of them
+    assert all(wins)  # (each won some: they did race)
+
+
+def test_a_lock_left_by_a_dead_holder_is_taken_over(table: IC.ClaimTable) -> None:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait(timeout=30)
+    ks = IC.prepare(["k1"])
+    word = table.lock_word(ks.fp[0] & (table.buckets - 1))
+    word[0] = dead.pid  # a holder killed inside the lock
+    assert table.claim(T1, ks, [0], NOW, 1)[0] == [IC.CLAIMED]
+    assert word[0] == 0 and table.stats(NOW)["locks_taken_over"] == 1
+    word.release()
+
+
+def test_a_process_with_another_hash_secret_cannot_attach(table: IC.ClaimTable) -> None:
+    code = ("import sys; from narad.broker import idem_claims as IC\n"
+            "try:\n    IC.ClaimTable.attach(sys.argv[1])\nexcept RuntimeError:\n    sys.exit(3)\n")
+    env = dict(os.environ)
+    seed = "1" if os.environ.get("PYTHONHASHSEED") != "1" else "2"
+    r = subprocess.run([sys.executable, "-c", code, table.name], env={**env, "PYTHONHASHSEED": seed}, timeout=60)
+    assert r.returncode == 3

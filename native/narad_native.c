@@ -260,11 +260,6 @@ int crc32c_parts_max(const char *joined, size_t n, size_t count, uint32_t nparts
     return crc_split(joined, n, count, nparts, 1, maxlen, out, 0);
 }
 
-/* crc_split's checks with each key's whole CRC-32C in out (the idempotency claims'). */
-int crc32c_keys_max(const char *joined, size_t n, size_t count, size_t maxlen, uint32_t *out) {
-    return crc_split(joined, n, count, 0, 1, maxlen, out, 1);
-}
-
 /* Lay `count` records as a frame holds them (frames.lay_keyed's common case: no
  * message key, one flags value, each record's body with its idempotency key's block
  * in front, the key alone as fixstr or str8): for record i, a big-endian u32 of the
@@ -420,7 +415,8 @@ typedef struct {
     uint64_t evicted;
     uint64_t steals;
     uint64_t full;
-    uint64_t pad[2];
+    uint64_t seed;
+    uint64_t pad;
 } idem_head;
 
 _Static_assert(sizeof(idem_slot) == 32, "slot size");
@@ -431,11 +427,13 @@ size_t idem_size(uint64_t nbuckets) {
     return sizeof(idem_head) + (size_t)nbuckets * sizeof(idem_bucket);
 }
 
-/* Lays out a zeroed region of idem_size(nbuckets) bytes. */
-void idem_init(void *base, uint64_t nbuckets, uint64_t check) {
+/* Lays out a zeroed region of idem_size(nbuckets) bytes; `seed` (random, from the
+ * creator) is folded into every fingerprint. */
+void idem_init(void *base, uint64_t nbuckets, uint64_t check, uint64_t seed) {
     idem_head *h = (idem_head *)base;
     h->nbuckets = nbuckets;
     h->check = check;
+    h->seed = seed;
     __atomic_store_n(&h->magic, IDEM_MAGIC, __ATOMIC_RELEASE);
 }
 
@@ -445,6 +443,43 @@ int idem_check(const void *base, uint64_t check) {
     if (__atomic_load_n(&h->magic, __ATOMIC_ACQUIRE) != IDEM_MAGIC || h->check != check || h->nbuckets == 0 ||
         (h->nbuckets & (h->nbuckets - 1)) != 0) {
         return -1;
+    }
+    return 0;
+}
+
+/* A key's fingerprint: FNV-1a over its bytes from the table's seed, then MurmurHash3's
+ * 64-bit finaliser (so the low bits, the bucket, depend on every byte). Not a keyed
+ * PRF: a producer who knows another's key can take it with a produce anyway; the seed
+ * only keeps keys chosen to crowd one bucket from being found offline. */
+static uint64_t idem_fp(uint64_t seed, const unsigned char *p, size_t n) {
+    uint64_t h = 0xcbf29ce484222325ULL ^ seed;
+    for (size_t i = 0; i < n; i++) {
+        h ^= p[i];
+        h *= 0x100000001b3ULL;
+    }
+    h ^= h >> 33;
+    h *= 0xff51afd7ed558ccdULL;
+    h ^= h >> 33;
+    h *= 0xc4ceb9fe1a85ec53ULL;
+    h ^= h >> 33;
+    return h;
+}
+
+/* `count` keys joined by NUL bytes: fp[i] and crc[i] of each. 0, -1 when the joined
+ * bytes do not hold exactly `count` keys, -2 when a key is empty or longer than maxlen. */
+int idem_prepare(const void *base, const char *joined, size_t n, size_t count, size_t maxlen, uint64_t *fp,
+                 uint32_t *crc) {
+    uint64_t seed = ((const idem_head *)base)->seed;
+    int rc = crc_split(joined, n, count, 0, 1, maxlen, crc, 1);
+    size_t start = 0;
+    if (rc != 0) {
+        return rc;
+    }
+    for (size_t i = 0; i < count; i++) {
+        const char *z = memchr(joined + start, 0, n - start);
+        size_t end = z != NULL ? (size_t)(z - joined) : n;
+        fp[i] = idem_fp(seed, (const unsigned char *)joined + start, end - start);
+        start = end + 1;
     }
     return 0;
 }

@@ -33,7 +33,7 @@ def _keys(n: int) -> list[str]:
 
 
 def test_a_claim_is_pending_until_settled_then_a_duplicate_until_its_window_passes(table: IC.ClaimTable) -> None:
-    ks = IC.prepare(_keys(3))
+    ks = table.prepare(_keys(3))
     got, ev = table.claim(T1, ks, [0, 1, 2], NOW, tag=5)
     assert got == [IC.CLAIMED] * 3 and ev == 0
     # Another claimer (or the same one) while it is pending: PENDING, never a second claim.
@@ -54,7 +54,7 @@ def test_a_claim_is_pending_until_settled_then_a_duplicate_until_its_window_pass
 
 
 def test_keys_are_per_topic(table: IC.ClaimTable) -> None:
-    ks = IC.prepare(["order-1"])
+    ks = table.prepare(["order-1"])
     assert table.claim(T1, ks, [0], NOW, 1)[0] == [IC.CLAIMED]
     table.settle(T1, ks, 1, NOW + WINDOW, [IC.COMMIT])
     assert table.claim(T2, ks, [0], NOW, 1)[0] == [IC.CLAIMED]
@@ -64,7 +64,7 @@ def test_keys_are_per_topic(table: IC.ClaimTable) -> None:
 def test_a_full_bucket_evicts_the_committed_key_that_expires_first_never_a_pending_one() -> None:
     t = IC.ClaimTable.create(f"/narad-test-idem-{os.getpid()}-one", buckets=1)
     try:
-        ks = [IC.prepare([k]) for k in _keys(IC.WAYS + 1)]
+        ks = [t.prepare([k]) for k in _keys(IC.WAYS + 1)]
         for k in ks[: IC.WAYS]:
             assert t.claim(T1, k, [0], NOW, 1)[0] == [IC.CLAIMED]
         assert t.claim(T1, ks[-1], [0], NOW, 1) == ([IC.FULL], 0)  # every slot pending
@@ -80,7 +80,7 @@ def test_a_full_bucket_evicts_the_committed_key_that_expires_first_never_a_pendi
 
 
 def test_load_marks_keys_committed_keeping_the_later_expiry_and_ending_a_pending_claim(table: IC.ClaimTable) -> None:
-    ks = IC.prepare(_keys(3))
+    ks = table.prepare(_keys(3))
     table.claim(T1, IC.Keys(1, ks.fp[0:1], ks.crc[0:1]), [0], NOW, 9)  # pending under a dead claimer
     assert table.load(T1, ks, [4, 4, 4], [NOW + 10, NOW + 10, NOW - 1], NOW) == 0
     got = table.claim(T1, ks, [4, 4, 4], NOW + 5, 3)[0]
@@ -92,7 +92,7 @@ def test_load_marks_keys_committed_keeping_the_later_expiry_and_ending_a_pending
 
 
 def test_release_owner_empties_a_claimers_pending_claims_only(table: IC.ClaimTable) -> None:
-    a, b = IC.prepare(_keys(20)), IC.prepare(_keys(20))
+    a, b = table.prepare(_keys(20)), table.prepare(_keys(20))
     table.claim(T1, a, [0] * 20, NOW, tag=(7 << 8) | 2)  # worker 1, incarnation 7
     table.claim(T1, b, [0] * 20, NOW, tag=(7 << 8) | 3)  # worker 2
     table.settle(T1, a, (7 << 8) | 2, NOW + WINDOW, [IC.COMMIT] * 10 + [0] * 10)
@@ -103,7 +103,7 @@ def test_release_owner_empties_a_claimers_pending_claims_only(table: IC.ClaimTab
 
 def test_collect_gives_a_homes_committed_keys_which_another_table_loads(table: IC.ClaimTable) -> None:
     keys = _keys(200)
-    ks = IC.prepare(keys)
+    ks = table.prepare(keys)
     homes = [i % 4 for i in range(200)]
     table.claim(T1, ks, homes, NOW, 1)
     table.settle(T1, ks, 1, NOW + WINDOW, [IC.COMMIT if i < 150 else 0 for i in range(200)])
@@ -120,11 +120,11 @@ def test_collect_gives_a_homes_committed_keys_which_another_table_loads(table: I
         other.close(unlink=True)
 
 
-def test_prepare_refuses_keys_the_table_cannot_hold() -> None:
+def test_prepare_refuses_keys_the_table_cannot_hold(table: IC.ClaimTable) -> None:
     for bad in ([""], ["a" * 129], ["a\0b"], ["é" * 65]):
         with pytest.raises(IC.BadKeys):
-            IC.prepare(bad)
-    assert IC.prepare(["é" * 64]).count == 1
+            table.prepare(bad)
+    assert table.prepare(["é" * 64]).count == 1
 
 
 def _racer(name: str, keys: list[str], seed: int, tag: int, q: multiprocessing.Queue) -> None:
@@ -134,7 +134,7 @@ def _racer(name: str, keys: list[str], seed: int, tag: int, q: multiprocessing.Q
     won = []
     for lo in range(0, len(order), 10):
         idx = order[lo : lo + 10]
-        got, _ = t.claim(T1, IC.prepare([keys[i] for i in idx]), [0] * len(idx), NOW, tag)
+        got, _ = t.claim(T1, t.prepare([keys[i] for i in idx]), [0] * len(idx), NOW, tag)
         won.extend(i for i, g in zip(idx, got, strict=True) if g == IC.CLAIMED)
     q.put(won)
 
@@ -160,7 +160,7 @@ def test_forked_workers_racing_for_the_same_keys_claim_each_exactly_once() -> No
 def test_a_lock_left_by_a_dead_holder_is_taken_over(table: IC.ClaimTable) -> None:
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait(timeout=30)
-    ks = IC.prepare(["k1"])
+    ks = table.prepare(["k1"])
     word = table.lock_word(ks.fp[0] & (table.buckets - 1))
     word[0] = dead.pid  # a holder killed inside the lock
     assert table.claim(T1, ks, [0], NOW, 1)[0] == [IC.CLAIMED]
@@ -168,10 +168,24 @@ def test_a_lock_left_by_a_dead_holder_is_taken_over(table: IC.ClaimTable) -> Non
     word.release()
 
 
-def test_a_process_with_another_hash_secret_cannot_attach(table: IC.ClaimTable) -> None:
+def test_a_fresh_interpreter_with_another_hash_seed_agrees_on_every_key(table: IC.ClaimTable) -> None:
+    """A replacement fork server is a fresh interpreter: its workers' fingerprints must be
+    the ones the older workers compute (they come from the table's seed, not ``hash``)."""
+    keys = _keys(50)
     code = ("import sys; from narad.broker import idem_claims as IC\n"
-            "try:\n    IC.ClaimTable.attach(sys.argv[1])\nexcept RuntimeError:\n    sys.exit(3)\n")
-    env = dict(os.environ)
+            "t = IC.ClaimTable.attach(sys.argv[1])\n"
+            "ks = t.prepare(sys.argv[2].split(','))\n"
+            "got, _ = t.claim(int(sys.argv[3]), ks, [0] * ks.count, int(sys.argv[4]), 77)\n"
+            "sys.exit(0 if got == [IC.CLAIMED] * ks.count else 3)\n")
     seed = "1" if os.environ.get("PYTHONHASHSEED") != "1" else "2"
-    r = subprocess.run([sys.executable, "-c", code, table.name], env={**env, "PYTHONHASHSEED": seed}, timeout=60)
-    assert r.returncode == 3
+    r = subprocess.run([sys.executable, "-c", code, table.name, ",".join(keys), str(T1), str(NOW)],
+                       env={**os.environ, "PYTHONHASHSEED": seed}, timeout=60)
+    assert r.returncode == 0
+    assert table.claim(T1, table.prepare(keys), [0] * 50, NOW, 5)[0] == [IC.PENDING] * 50
+    with pytest.raises(RuntimeError):  # (a region that is not a table of this layout)
+        bogus = IC.ClaimTable.create(table.name + "-x", buckets=1)
+        try:
+            bogus._mm[0:8] = b"\0" * 8
+            IC.ClaimTable.attach(bogus.name)
+        finally:
+            bogus.close(unlink=True)

@@ -9,14 +9,14 @@ it into a partition of its own, with no hop to another worker (docs/architecture
 "The node's idempotency claims"). Not used by the produce path yet.
 
 The table (native/narad_native.c, ``idem_*``) holds, per key: a 64-bit fingerprint
-(Python's ``hash`` of the key: SipHash keyed with the interpreter's secret, which the
-supervisor's forked workers share; the head holds a check value so a process with
-another secret cannot attach), the key's CRC-32C, the topic's 32-bit tag, the key's
-home partition (which a partition move carries), and either a pending claim (a
-claimer's tag) or a commit that counts until its expiry. A key is the same key when
-fingerprint, CRC and topic tag all agree: two different keys are taken for one with
-a chance of about 2^-96 for random keys, and a producer who cannot read the secret
-cannot aim at another producer's key.
+(FNV-1a from the table's random seed, mixed; computed in C from the key's UTF-8, so
+every process that maps the table computes the same one whatever its interpreter),
+the key's CRC-32C, the topic's 32-bit tag, the key's home partition (which a
+partition move carries), and either a pending claim (a claimer's tag) or a commit
+that counts until its expiry. A key is the same key when fingerprint, CRC and topic
+tag all agree: two different keys are taken for one with a chance of about 2^-96.
+The fingerprint is not a keyed PRF: someone who knows a producer's key can take it
+with a produce of their own anyway, so nothing is lost by that.
 
 Buckets of seven slots, 256 bytes each (36.6 bytes a key); a full bucket evicts its
 committed key that expires first (counted), never a pending claim. Every operation
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import mmap
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -41,15 +42,12 @@ DEFAULT_BUCKETS = 1 << 17  # 917,504 keys in 32 MiB
 WAYS = 7
 BUCKET_BYTES = 256
 MAX_KEY_BYTES = 128  # (narad.broker.idem.MAX_KEY_BYTES)
-_U64 = (1 << 64) - 1
 
 CLAIMED, DUPLICATE, PENDING, FULL = 0, 1, 2, 3
 COMMIT, RELEASE = 1, 2
 
 
-def check_value() -> int:
-    """A value only a process with this interpreter's hash secret computes."""
-    return hash("narad idempotency claims table, layout 1") & _U64
+CHECK = 0x6E61726164_49444D  # the head's layout check ("narad" "IDM")
 
 
 def shm_name_for(data_dir: str) -> str:
@@ -72,18 +70,6 @@ class Keys:
     count: int
     fp: object  # uint64_t[count]
     crc: object  # uint32_t[count]
-
-
-def prepare(keys: Sequence[str]) -> Keys:
-    """The table's view of `keys` (raises BadKeys for a key it cannot hold)."""
-    n = len(keys)
-    fp = ffi.new("uint64_t[]", [hash(k) & _U64 for k in keys])
-    crc = ffi.new("uint32_t[]", n)
-    if n:
-        joined = "\0".join(keys).encode()
-        if lib.crc32c_keys_max(joined, len(joined), n, MAX_KEY_BYTES, crc) != 0:
-            raise BadKeys("an idempotency key must be 1 to 128 bytes of UTF-8 without NUL")
-    return Keys(n, fp, crc)
 
 
 class ClaimTable:
@@ -109,7 +95,7 @@ class ClaimTable:
         finally:
             shm.close_fd()
         t = cls(name, mm)
-        lib.idem_init(t._base, buckets, check_value())
+        lib.idem_init(t._base, buckets, CHECK, int.from_bytes(os.urandom(8), "little"))
         return t
 
     @classmethod
@@ -120,10 +106,20 @@ class ClaimTable:
         finally:
             shm.close_fd()
         t = cls(name, mm)
-        if lib.idem_check(t._base, check_value()) != 0:
+        if lib.idem_check(t._base, CHECK) != 0:
             t.close()
-            raise RuntimeError(f"{name}: not a claims table this process can use (another hash secret?)")
+            raise RuntimeError(f"{name}: not a claims table of this layout")
         return t
+
+    def prepare(self, keys: Sequence[str]) -> Keys:
+        """The table's view of `keys` (raises BadKeys for a key it cannot hold)."""
+        n = len(keys)
+        fp, crc = ffi.new("uint64_t[]", n), ffi.new("uint32_t[]", n)
+        if n:
+            joined = "\0".join(keys).encode()
+            if lib.idem_prepare(self._base, joined, len(joined), n, MAX_KEY_BYTES, fp, crc) != 0:
+                raise BadKeys("an idempotency key must be 1 to 128 bytes of UTF-8 without NUL")
+        return Keys(n, fp, crc)
 
     def claim(self, topic: int, keys: Keys, homes: Sequence[int], now_ms: int, tag: int) -> tuple[list[int], int]:
         """Claims each key for `tag`: (each key's verdict, CLAIMED DUPLICATE PENDING or

@@ -217,6 +217,15 @@ class _Metrics:
                                       "idempotency keys dropped by the per-partition cap before their window passed",
                                       PART))
         self.idem_keys = a(Gauge("narad_idempotency_keys", "idempotency keys remembered by the partition", PART))
+        # The node's shared-memory claims table (narad.broker.idem_claims), read by the supervisor.
+        self.idem_table_keys = a(Gauge("narad_idempotency_table_keys",
+                                       "idempotency keys the node's claims table holds within their window"))
+        self.idem_table_pending = a(Gauge("narad_idempotency_table_pending",
+                                          "claims in the node's table whose commit is not settled"))
+        self.idem_table_capacity = a(Gauge("narad_idempotency_table_capacity", "keys the node's claims table holds"))
+        self.idem_table_evicted = a(Gauge("narad_idempotency_table_evicted_total",
+                                          "keys the node's claims table dropped before their window passed (a full "
+                                          "bucket), since the node started"))
         self.produce_rejections = a(Counter("narad_produce_rejections_total", "produces refused before storage",
                                             ["topic", "reason"]))
         self.ack_extended = a(Counter("narad_ack_extended_total", "lease extensions", ["topic"]))

@@ -27,8 +27,8 @@ ffibuilder.cdef(
                   uint8_t flags, uint64_t ts, char *out, size_t cap);
     size_t idem_size(uint64_t nbuckets);
     void idem_init(void *base, uint64_t nbuckets, uint64_t check, uint64_t seed);
-    int idem_prepare(const void *base, const char *joined, size_t n, size_t count, size_t maxlen, uint64_t *fp,
-                     uint32_t *crc);
+    int idem_prepare(const void *base, const char *joined, size_t n, size_t count, const uint32_t *lens,
+                     size_t maxlen, uint64_t *fp, uint32_t *crc);
     int idem_check(const void *base, uint64_t check);
     long idem_claim(void *base, size_t n, const uint64_t *fp, const uint32_t *crc, uint32_t topic,
                     const uint32_t *home, uint64_t now, uint32_t tag, uint8_t *out);

@@ -465,23 +465,26 @@ static uint64_t idem_fp(uint64_t seed, const unsigned char *p, size_t n) {
     return h;
 }
 
-/* `count` keys joined by NUL bytes: fp[i] and crc[i] of each. 0, -1 when the joined
- * bytes do not hold exactly `count` keys, -2 when a key is empty or longer than maxlen. */
-int idem_prepare(const void *base, const char *joined, size_t n, size_t count, size_t maxlen, uint64_t *fp,
-                 uint32_t *crc) {
+/* `count` keys back to back in joined[0..n), key i lens[i] bytes: fp[i] and crc[i] of
+ * each. 0, -1 when the lengths do not add up to n, -2 when a key is empty or longer
+ * than maxlen. */
+int idem_prepare(const void *base, const char *joined, size_t n, size_t count, const uint32_t *lens, size_t maxlen,
+                 uint64_t *fp, uint32_t *crc) {
     uint64_t seed = ((const idem_head *)base)->seed;
-    int rc = crc_split(joined, n, count, 0, 1, maxlen, crc, 1);
     size_t start = 0;
-    if (rc != 0) {
-        return rc;
-    }
     for (size_t i = 0; i < count; i++) {
-        const char *z = memchr(joined + start, 0, n - start);
-        size_t end = z != NULL ? (size_t)(z - joined) : n;
-        fp[i] = idem_fp(seed, (const unsigned char *)joined + start, end - start);
-        start = end + 1;
+        size_t m = lens[i];
+        if (m == 0 || m > maxlen) {
+            return -2;
+        }
+        if (m > n - start) {
+            return -1;
+        }
+        fp[i] = idem_fp(seed, (const unsigned char *)joined + start, m);
+        crc[i] = crc32c_of(joined + start, m, 0);
+        start += m;
     }
-    return 0;
+    return start == n ? 0 : -1;
 }
 
 static idem_bucket *idem_bucket_of(void *base, uint64_t fp) {

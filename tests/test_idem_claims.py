@@ -121,14 +121,18 @@ def test_collect_gives_a_homes_committed_keys_which_another_table_loads(table: I
 
 
 def test_prepare_refuses_keys_the_table_cannot_hold(table: IC.ClaimTable) -> None:
-    for bad in ([""], ["a" * 129], ["a\0b"], ["é" * 65]):
+    for bad in ([""], ["a" * 129], ["é" * 65], ["ok", ""]):
         with pytest.raises(IC.BadKeys):
             table.prepare(bad)
-    assert table.prepare(["é" * 64]).count == 1
+    # NUL bytes and other UTF-8 are keys like any other; "ab" then "c" is not "a" then "bc".
+    ks = table.prepare(["é" * 64, "a\0b", "ab", "c", "a", "bc"])
+    got, _ = table.claim(T1, ks, [0] * 6, NOW, 1)
+    assert got == [IC.CLAIMED] * 6
 
 
-def _racer(name: str, keys: list[str], seed: int, tag: int, q: multiprocessing.Queue) -> None:
+def _racer(name: str, keys: list[str], seed: int, tag: int, q: multiprocessing.Queue, go: object) -> None:
     t = IC.ClaimTable.attach(name)
+    go.wait(timeout=30)  # type: ignore[attr-defined]  # (all start together)
     order = list(range(len(keys)))
     random.Random(seed).shuffle(order)
     won = []
@@ -140,20 +144,22 @@ def _racer(name: str, keys: list[str], seed: int, tag: int, q: multiprocessing.Q
 
 
 def test_forked_workers_racing_for_the_same_keys_claim_each_exactly_once() -> None:
-    table = IC.ClaimTable.create(f"/narad-test-idem-{os.getpid()}-race", buckets=4096)
-    keys = _keys(3000)
+    table = IC.ClaimTable.create(f"/narad-test-idem-{os.getpid()}-race", buckets=1 << 16)  # (no bucket gets 8 of the keys)
+    keys = _keys(20000)
     ctx = multiprocessing.get_context("fork")
     q: multiprocessing.Queue = ctx.Queue()
-    procs = [ctx.Process(target=_racer, args=(table.name, keys, s, s + 1, q)) for s in range(3)]
+    go = ctx.Barrier(3)
+    procs = [ctx.Process(target=_racer, args=(table.name, keys, s, s + 1, q, go)) for s in range(3)]
     for p in procs:
         p.start()
     wins = [q.get(timeout=60) for _ in procs]
     for p in procs:
         p.join(timeout=30)
         assert p.exitcode == 0
+    assert table.stats(NOW)["refused_full"] == 0
     table.close(unlink=True)
     claimed = [i for w in wins for i in w]
-    assert sorted(claimed) == list(range(3000))  # every key once, by exactly one of them
+    assert sorted(claimed) == list(range(20000))  # every key once, by exactly one of them
     assert all(wins)  # (each won some: they did race)
 
 

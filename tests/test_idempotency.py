@@ -421,6 +421,35 @@ def test_the_key_survives_a_restart_of_the_owner(tmp_path: Path, how: str) -> No
         n.close()
 
 
+def test_the_nodes_claims_table_holds_the_keys_of_both_workers_partitions_across_a_kill9(tmp_path: Path) -> None:
+    """The node's shared-memory claims table (``narad.broker.idem_claims``) is filled by
+    both workers as they commit keyed records, and again from the logs as the partitions
+    open after a kill -9 (the supervisor recreates it empty)."""
+    n = Node(tmp_path / "data", workers=2).start()
+    try:
+        name = mk(n, "idem-table")
+        keys = [f"t{i}" for i in range(40)]
+        assert {owner_worker(name, key_partition(k.encode(), PARTS), 2) for k in keys} == {0, 1}
+        msgs = [{"payload": {"k": k}, "idempotency_key": k} for k in keys]
+        r = n.post(f"/v1/topics/{name}/produce/batch", {"messages": msgs + msgs[:5]})
+        assert r.status == 202 and r.json() == {"accepted": 45, "duplicates": 5}, r
+        assert n.metric("narad_idempotency_table_keys") == 40
+        assert n.metric("narad_idempotency_table_pending") == 0
+        assert n.metric("narad_idempotency_table_capacity") == 917504
+        n.kill9()
+        n.start()
+        wait_for(lambda: n.get(f"/v1/topics/{name}").status == 200, 20, 0.05, "the topic after the restart")
+        assert n.metric("narad_idempotency_table_keys") == 0  # (recreated; no partition open yet)
+        r = n.post(f"/v1/topics/{name}/produce/batch", {"messages": msgs})
+        assert r.status == 202 and r.json() == {"accepted": 40, "duplicates": 40}, r
+        assert n.metric("narad_idempotency_table_keys") == 40  # every partition opened and loaded
+        r = n.post(f"/v1/topics/{name}/produce/batch", {"messages": [{"payload": 1, "idempotency_key": "t-new"}]})
+        assert r.status == 202 and r.json() == {"accepted": 1, "duplicates": 0}, r
+        assert n.metric("narad_idempotency_table_keys") == 41
+    finally:
+        n.close()
+
+
 # ---- a 3-node cluster ---------------------------------------------------------------------------
 def test_cluster_the_same_key_at_three_nodes_and_an_owner_down(tmp_path: Path) -> None:
     """One key sent to each node stores one record (the owner decides). Then the key's

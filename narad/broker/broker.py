@@ -80,6 +80,7 @@ from narad.broker import peers as P
 from narad.broker.deadletter import DeadLetterDriver
 from narad.broker.dispatcher import Dispatcher, Watch
 from narad.broker.fanout import FanoutEngine, FanoutSettings
+from narad.broker.idem_claims import ClaimTable, topic_tag
 from narad.broker.moves import MoveRunner, MoveSource
 from narad.broker.partition import (
     MAX_REASON_CHARS,
@@ -289,8 +290,13 @@ class Broker:
         group_sync: bool = True,
         security: bool = True,
         delivery_counts: bool = True,
+        claims: ClaimTable | None = None,
     ) -> None:
         self.data_dir = Path(data_dir)
+        # The node's idempotency claims table (the supervisor's; a private one without it).
+        # Filled from each partition's keys at open and at each keyed commit; not yet what
+        # decides a duplicate (``narad.broker.idem_claims``).
+        self.claims = claims if claims is not None else ClaimTable.private()
         # Records leased are counted and consume answers carry delivery_count (False: only on a
         # topic with max_deliveries, which needs the counts to dead-letter; ``Partition.counting``).
         self.delivery_counts = delivery_counts
@@ -719,10 +725,13 @@ class Broker:
         # Idempotent produce: the keys committed within the window, from the log itself.
         p.idem_window_ms = topic.idem_window_ms
         p.idem_marked = (d / IDEM.MARKER).exists()
+        p.claims, p.claims_topic = self.claims, topic_tag(topic.id)
         if not IDEM.needs_rebuild(d):
             return p  # never a keyed record here: nothing to read
         t0 = time.monotonic()
-        p.idem, n = IDEM.rebuild(plog, p.idem_window_ms, int(time.time() * 1000))
+        now_ms = int(time.time() * 1000)
+        p.idem, n = IDEM.rebuild(plog, p.idem_window_ms, now_ms)
+        IDEM.load_claims(p.idem, self.claims, p.claims_topic, index, p.idem_window_ms, now_ms)
         if p.idem.keys:
             log.info("idempotency keys rebuilt from the log", extra={
                 "topic": topic.name, "partition": index, "keys": len(p.idem), "records_read": n,

@@ -29,7 +29,11 @@ commit of a keyed record in a partition makes ``idem.marker`` durable first
 (``mark``), and a moved-in copy (``move.marker``: its history is not known
 here) is scanned too. A partition that never had a keyed record opens as before.
 
-Imports narad.storage.
+The node's claims table (``narad.broker.idem_claims``) is filled alongside, from the
+rebuilt table at open (``load_claims``) and from each keyed commit (``record_claims``),
+so that it holds what the partitions hold; it does not decide anything yet.
+
+Imports narad.storage and narad.broker.idem_claims.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ import sys
 from collections import deque
 from pathlib import Path
 
+from narad.broker.idem_claims import BadKeys, ClaimTable
 from narad.storage import fileio
 from narad.storage import frames as FR
 from narad.storage import transfer as TR
@@ -260,3 +265,27 @@ def rebuild(plog: PartitionLog, window_ms: int, now_ms: int, cap: int = DEFAULT_
         off = got.next_offset
     table.evicted = 0  # the cap at rebuild drops what an earlier life had dropped already
     return table, read
+
+
+def record_claims(claims: ClaimTable, topic: int, index: int, keys: list[str], expires_ms: int, now_ms: int) -> None:
+    """Keys a commit of partition `index` made durable, into the node's claims table."""
+    try:
+        ks = claims.prepare(keys)
+    except BadKeys:  # (not a key the produce path lets in: nothing to record)
+        return
+    n = len(keys)
+    claims.load(topic, ks, [index] * n, [expires_ms] * n, now_ms)
+
+
+def load_claims(table: IdemTable, claims: ClaimTable, topic: int, index: int, window_ms: int, now_ms: int) -> None:
+    """A rebuilt table's keys into the node's claims table, each until its commit plus
+    the window (I/O thread, at open)."""
+    ok, ot = table._ok, table._ot
+    if not ok:
+        return
+    keys = list(ok)
+    try:
+        ks = claims.prepare(keys)
+    except BadKeys:
+        return
+    claims.load(topic, ks, [index] * len(keys), [t + window_ms for t in ot], now_ms)

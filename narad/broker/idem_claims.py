@@ -50,6 +50,14 @@ COMMIT, RELEASE = 1, 2
 CHECK = 0x6E61726164_49444D  # the head's layout check ("narad" "IDM")
 
 
+def buckets_for(keys: int) -> int:
+    """The buckets (a power of two) of a table holding at least `keys` keys."""
+    b = 1
+    while b * WAYS < keys:
+        b <<= 1
+    return b
+
+
 def shm_name_for(data_dir: str) -> str:
     return "/narad-idem-" + hashlib.sha1(data_dir.encode()).hexdigest()[:16]
 
@@ -60,7 +68,7 @@ def topic_tag(topic_id: str) -> int:
 
 
 class BadKeys(ValueError):
-    """A key that is empty, longer than MAX_KEY_BYTES or holds a NUL."""
+    """A key that is empty or longer than MAX_KEY_BYTES."""
 
 
 @dataclass(slots=True)
@@ -116,10 +124,23 @@ class ClaimTable:
         n = len(keys)
         fp, crc = ffi.new("uint64_t[]", n), ffi.new("uint32_t[]", n)
         if n:
-            joined = "\0".join(keys).encode()
-            if lib.idem_prepare(self._base, joined, len(joined), n, MAX_KEY_BYTES, fp, crc) != 0:
-                raise BadKeys("an idempotency key must be 1 to 128 bytes of UTF-8 without NUL")
+            text = "".join(keys)
+            if text.isascii():  # (the common key: its length is its bytes')
+                joined, lens = text.encode(), list(map(len, keys))
+            else:
+                parts = [k.encode() for k in keys]
+                joined, lens = b"".join(parts), list(map(len, parts))
+            if lib.idem_prepare(self._base, joined, len(joined), n, lens, MAX_KEY_BYTES, fp, crc) != 0:
+                raise BadKeys("an idempotency key must be 1 to 128 bytes of UTF-8")
         return Keys(n, fp, crc)
+
+    @classmethod
+    def private(cls, buckets: int = 4096) -> ClaimTable:
+        """A table in this process's memory alone (a broker run without a supervisor: tests)."""
+        mm = mmap.mmap(-1, lib.idem_size(buckets))
+        t = cls("", mm)
+        lib.idem_init(t._base, buckets, CHECK, int.from_bytes(os.urandom(8), "little"))
+        return t
 
     def claim(self, topic: int, keys: Keys, homes: Sequence[int], now_ms: int, tag: int) -> tuple[list[int], int]:
         """Claims each key for `tag`: (each key's verdict, CLAIMED DUPLICATE PENDING or
@@ -180,12 +201,13 @@ class ClaimTable:
         return {"keys": out[0], "pending": out[1], "evicted": out[2], "locks_taken_over": out[3],
                 "refused_full": out[4], "capacity": self.buckets * WAYS}
 
-    def close(self, unlink: bool = False) -> None:
-        self._base = None  # type: ignore[assignment]
-        try:
-            self._mm.close()
-        except BufferError:  # (a cdata view still alive: the mapping goes with the process)
-            pass
+    def close(self, unlink: bool = False, unmap: bool = True) -> None:
+        if unmap:
+            self._base = None  # type: ignore[assignment]
+            try:
+                self._mm.close()
+            except BufferError:  # (a cdata view still alive: the mapping goes with the process)
+                pass
         if unlink:
             try:
                 posix_ipc.unlink_shared_memory(self.name)

@@ -94,8 +94,9 @@ from pathlib import Path
 from typing import Any
 
 from narad import metrics
-from narad.broker.idem import DEFAULT_CAP, IdemTable, key_of
+from narad.broker.idem import DEFAULT_CAP, IdemTable, key_of, record_claims
 from narad.broker.idem import mark as idem_mark
+from narad.broker.idem_claims import ClaimTable
 from narad.errors import Unavailable
 from narad.storage import frames as FR
 from narad.storage import offsets as OFF
@@ -185,6 +186,8 @@ class Partition:
         self.idem = IdemTable(DEFAULT_CAP)
         self.idem_window_ms = 300_000  # the topic's effective window (the broker sets it)
         self.idem_marked = False  # idem.marker is durable here (the broker sets it at open)
+        self.claims: ClaimTable | None = None  # the node's claims table, and this topic's tag in it
+        self.claims_topic = 0
         self.age_at: tuple[int, int] = (-1, 0)  # (offset, committed-at ms) of the last oldest-unacked read
         self.closed = False
         self.last_used = time.monotonic()  # the last reserve, settle or commit (stats never stamp it)
@@ -870,6 +873,9 @@ class Partition:
                 if claimed:
                     before = table.evicted
                     table.committed(claimed, ts)
+                    if self.claims is not None:  # the node's table learns them too (not yet its check)
+                        record_claims(self.claims, self.claims_topic, self.index, claimed,
+                                           ts + self.idem_window_ms, ts)
                     if self.m_evicted is not None and table.evicted != before:
                         self.m_evicted.value += table.evicted - before
                 try:

@@ -29,6 +29,8 @@ import uvloop
 from narad import BUILD, __version__, logs, metrics
 from narad.broker.caps import CapTable
 from narad.broker.caps import shm_name_for as caps_shm_name_for
+from narad.broker.idem_claims import ClaimTable, buckets_for
+from narad.broker.idem_claims import shm_name_for as claims_shm_name_for
 from narad.cluster import rpc_auth
 from narad.cluster.transport import NodeRpcClient
 from narad.config import Config, check_start, load_config, worker_count
@@ -187,6 +189,10 @@ class Supervisor:
         self.versions.store(V.READY_REASON, 1)
         self.versions.hb.beat(V.HB_SUPERVISOR)  # stamped from the loop's heartbeat task once it runs
         self.caps = CapTable.create(caps_shm_name_for(str(self.data_dir)), self.n_workers)
+        #    The idempotency claims table (narad.broker.idem_claims): recreated empty; every
+        #    worker maps it read-write and fills it from its partitions' logs as they open.
+        self.claims = ClaimTable.create(claims_shm_name_for(str(self.data_dir)),
+                                        buckets_for(cfg.storage.idempotency_table_keys))
         # 6. The client sockets: N TCP listeners and N UDP sockets, SO_REUSEPORT,
         #    created once and kept for the supervisor's life (a restarted worker
         #    gets its predecessor's pair, so the reuseport group never changes).
@@ -204,7 +210,8 @@ class Supervisor:
         #    event loop and no LMDB environment to copy into workers.
         spec = worker_main.WorkerSpec(
             cfg=cfg, node_id=self.node_id, sockets=self.sockets, shm_name=self.versions.name,
-            caps_name=self.caps.name, data_dir=self.data_dir, runtime_dir=self.runtime_dir,
+            caps_name=self.caps.name, claims_name=self.claims.name, data_dir=self.data_dir,
+            runtime_dir=self.runtime_dir,
             fsm_path=self.fsm_path, worker_socket=self.runtime_dir / "worker.sock",
             cluster_sockets=self.cluster_sockets, secret=self.secret,
             cert_file=self.cert_file, key_file=self.key_file,
@@ -699,6 +706,11 @@ class Supervisor:
         conns = [(c.peer_info.get("pid", 0), c) for c in self.worker_conns.values() if not c.closed]
         await asyncio.gather(*(one(pid, c) for pid, c in conns))
         ages = self.heartbeat_ages()
+        st = await asyncio.to_thread(self.claims.stats, int(time.time() * 1000))  # (a scan of the table)
+        self.metrics.idem_table_keys.set(st["keys"])
+        self.metrics.idem_table_pending.set(st["pending"])
+        self.metrics.idem_table_capacity.set(st["capacity"])
+        self.metrics.idem_table_evicted.set(st["evicted"])
         self.metrics.heartbeat_age.children.clear()
         for name, age in ages.items():
             self.metrics.heartbeat_age.labels(name).set(round(age, 3))
@@ -1024,6 +1036,7 @@ class Supervisor:
             s.close()
         self.versions.close(unlink=True, unmap=not busy)
         self.caps.close(unlink=True, unmap=not busy)
+        self.claims.close(unlink=True, unmap=not busy)
         for p in (self.cfg.control_socket, self.runtime_dir / "worker.sock"):
             with contextlib.suppress(FileNotFoundError):
                 p.unlink()

@@ -42,6 +42,7 @@ from narad.api.ops import local_node_status
 from narad.broker.broker import Broker
 from narad.broker.caps import CapTable
 from narad.broker.fanout import FanoutSettings
+from narad.broker.idem_claims import ClaimTable
 from narad.broker.peers import PeerLinks
 from narad.cluster.remote import ClusterRemote
 from narad.cluster.transport import NodeRpcClient, NodeRpcServer
@@ -91,6 +92,7 @@ class WorkerSpec:
     sockets: list[tuple[socket.socket, socket.socket | None]]
     shm_name: str
     caps_name: str
+    claims_name: str
     data_dir: Path
     runtime_dir: Path
     fsm_path: Path
@@ -194,6 +196,7 @@ async def _main(spec: WorkerSpec, index: int, core: int | None) -> int:
                     cold_walk_ms=cfg.storage.cold_retention_walk_ms, caught_up=caught_up,
                     group_sync=cfg.storage.group_sync, security=cfg.security.enabled,
                     delivery_counts=cfg.topic.delivery_counts,
+                    claims=ClaimTable.attach(spec.claims_name),
                     confirm_epoch=confirm_epoch,
                     meta_call=lambda req, typ, timeout: sup.call(req, typ, timeout=timeout),
                     fanout=FanoutSettings(cfg.fanout.max_batch_records, cfg.fanout.max_batch_bytes,

@@ -144,7 +144,8 @@ def _racer(name: str, keys: list[str], seed: int, tag: int, q: multiprocessing.Q
 
 
 def test_forked_workers_racing_for_the_same_keys_claim_each_exactly_once() -> None:
-    table = IC.ClaimTable.create(f"/narad-test-idem-{os.getpid()}-race", buckets=1 << 16)  # (no bucket gets 8 of the keys)
+    # (no bucket gets 8 of the keys)
+    table = IC.ClaimTable.create(f"/narad-test-idem-{os.getpid()}-race", buckets=1 << 16)
     keys = _keys(20000)
     ctx = multiprocessing.get_context("fork")
     q: multiprocessing.Queue = ctx.Queue()

@@ -152,9 +152,9 @@ class StorageConfig:
         "filesystem with heavy writers: a syncfs waits for their dirty pages too, and their write errors fail it.",
         "NARAD_STORAGE_GROUP_SYNC")
     idempotency_table_keys: int = _s(
-        917504, "Idempotency keys the node's shared-memory claims table holds (rounded up to a multiple of 7 "
-        "that is 7 times a power of two; 36.6 bytes a key: 32 MiB by default; 7 to 117440512). A full bucket of "
-        "7 drops its key that expires first (narad_idempotency_table_evicted_total).",
+        786432, "Idempotency keys the node's shared-memory claims table holds (rounded up to 6 times a power of "
+        "two; 42.7 bytes a key: 32 MiB by default; 6 to 100663296). A full bucket of 6 drops its key that "
+        "expires first (narad_idempotency_table_evicted_total).",
         "NARAD_STORAGE_IDEMPOTENCY_TABLE_KEYS")
 
 
@@ -467,8 +467,8 @@ def validate(cfg: Config) -> None:
         v = getattr(cfg.storage, key)
         if v != 0 and not 100 <= v <= 86_400_000:
             raise ConfigError(f"storage.{key} must be 0 (off) or between 100 and 86400000")
-    if not 7 <= cfg.storage.idempotency_table_keys <= 7 << 24:
-        raise ConfigError("storage.idempotency_table_keys must be between 7 and 117440512")
+    if not 6 <= cfg.storage.idempotency_table_keys <= 6 << 24:
+        raise ConfigError("storage.idempotency_table_keys must be between 6 and 100663296")
     f = cfg.fanout
     if not 1 <= f.max_batch_records <= 65536:
         raise ConfigError("fanout.max_batch_records must be between 1 and 65536")

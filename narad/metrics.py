@@ -214,9 +214,8 @@ class _Metrics:
                                          "records dropped at commit as repeats of an idempotency key within the "
                                          "topic's window", PART))
         self.idem_evicted = a(Counter("narad_idempotency_keys_evicted_total",
-                                      "idempotency keys dropped by the per-partition cap before their window passed",
-                                      PART))
-        self.idem_keys = a(Gauge("narad_idempotency_keys", "idempotency keys remembered by the partition", PART))
+                                      "idempotency keys dropped from the node's claims table before their window "
+                                      "passed, to make room for a key committed at this partition", PART))
         # The node's shared-memory claims table (narad.broker.idem_claims), read by the supervisor.
         self.idem_table_keys = a(Gauge("narad_idempotency_table_keys",
                                        "idempotency keys the node's claims table holds within their window"))

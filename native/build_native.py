@@ -31,14 +31,15 @@ ffibuilder.cdef(
                      size_t maxlen, uint64_t *fp, uint32_t *crc);
     int idem_check(const void *base, uint64_t check);
     long idem_claim(void *base, size_t n, const uint64_t *fp, const uint32_t *crc, uint32_t topic,
-                    const uint32_t *home, uint64_t now, uint32_t tag, uint8_t *out);
+                    const uint32_t *home, uint64_t now, uint64_t window, uint32_t tag, uint8_t *out);
     long idem_settle(void *base, size_t n, const uint64_t *fp, const uint32_t *crc, uint32_t topic, uint32_t tag,
-                     uint64_t expires, const uint8_t *mask);
+                     uint64_t committed, uint64_t window, const uint8_t *mask);
     long idem_load(void *base, size_t n, const uint64_t *fp, const uint32_t *crc, uint32_t topic,
-                   const uint32_t *home, const uint64_t *expires, uint64_t now);
+                   const uint32_t *home, const uint64_t *committed, uint64_t window, uint64_t now);
+    long idem_rewindow(void *base, uint32_t topic, uint64_t window);
     long idem_release_owner(void *base, uint32_t mask, uint32_t value);
     long idem_collect(void *base, uint32_t topic, uint32_t home, uint64_t now, uint64_t *fp, uint32_t *crc,
-                      uint64_t *expires, size_t cap, uint64_t *cursor);
+                      uint64_t *committed, size_t cap, uint64_t *cursor);
     void idem_stats(const void *base, uint64_t now, uint64_t *out);
     int group_by_part(const uint32_t *parts, size_t n, uint32_t nparts, uint32_t *perm, uint32_t *starts,
                       uint32_t *nonempty);

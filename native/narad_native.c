@@ -371,32 +371,36 @@ int crc32c_hardware(void) {
 
 /* ---- The node's idempotency claims table (issue 14) ------------------------------
  * A shared-memory hash table every worker of a node maps read-write: which
- * idempotency keys of which topic were committed on this node (and until when they
- * count), and which are claimed by a produce whose commit is not durable yet.
+ * idempotency keys of which topic were committed on this node (and when), and which
+ * are claimed by a produce whose commit is not durable yet.
  * narad/broker/idem_claims.py owns the layout's Python side and says how it is used.
  *
  * Layout: a 64-byte head, then `nbuckets` (a power of two) buckets of 256 bytes: a
- * lock word (the thread id of its holder, 0: free), padding, IDEM_WAYS slots of 32 bytes.
+ * lock word (the thread id of its holder, 0: free), padding, IDEM_WAYS slots of 40 bytes.
  * A key is its 64-bit fingerprint (fp: the bucket is fp's low bits), its CRC-32C and
  * its topic's 32-bit tag; a slot matches when all three are equal. A slot's `owner` is
- * the single word that makes it valid: 0 empty, IDEM_DONE committed (it counts until
- * `expires`, in ms), anything else the tag of the claimer whose commit is pending. A
- * slot is filled field by field and its owner stored last, and emptied (owner 0) before
- * it is refilled, so a holder killed inside a lock leaves no slot that says more than it
+ * the single word that makes it valid: 0 empty, IDEM_DONE committed, anything else the
+ * tag of the claimer whose commit is pending. A committed slot holds its commit time
+ * and `expires` (commit time plus the topic's window when it was stored, or when the
+ * window last changed: ``idem_rewindow``): a claim judges a duplicate by its topic's
+ * window now, and a slot is free for another key once `expires` passed. A slot is
+ * filled field by field and its owner stored last, and emptied (owner 0) before it is
+ * refilled, so a holder killed inside a lock leaves no slot that says more than it
  * should. A lock whose holder is gone (kill -9 inside the few instructions it is held)
  * is taken over (head.steals). */
 #include <errno.h>
 #include <sched.h>
 #include <sys/syscall.h>
 
-#define IDEM_MAGIC 0x4E49444D43540001ULL /* "NIDMCT" + layout version 1 */
-#define IDEM_WAYS 7
+#define IDEM_MAGIC 0x4E49444D43540002ULL /* "NIDMCT" + layout version 2 */
+#define IDEM_WAYS 6
 #define IDEM_DONE 0xFFFFFFFFu
 
 typedef struct {
     uint64_t fp;
     uint32_t crc;
     uint32_t topic;
+    uint64_t committed;
     uint64_t expires;
     uint32_t owner;
     uint32_t home;
@@ -404,7 +408,7 @@ typedef struct {
 
 typedef struct {
     uint64_t lock;
-    uint64_t pad[3];
+    uint64_t pad;
     idem_slot s[IDEM_WAYS];
 } idem_bucket;
 
@@ -419,7 +423,7 @@ typedef struct {
     uint64_t pad;
 } idem_head;
 
-_Static_assert(sizeof(idem_slot) == 32, "slot size");
+_Static_assert(sizeof(idem_slot) == 40, "slot size");
 _Static_assert(sizeof(idem_bucket) == 256, "bucket size");
 _Static_assert(sizeof(idem_head) == 64, "head size");
 
@@ -466,15 +470,14 @@ static uint64_t idem_fp(uint64_t seed, const unsigned char *p, size_t n) {
 }
 
 /* `count` keys back to back in joined[0..n), key i lens[i] bytes: fp[i] and crc[i] of
- * each. 0, -1 when the lengths do not add up to n, -2 when a key is empty or longer
- * than maxlen. */
+ * each. 0, -1 when the lengths do not add up to n, -2 when a key is longer than maxlen. */
 int idem_prepare(const void *base, const char *joined, size_t n, size_t count, const uint32_t *lens, size_t maxlen,
                  uint64_t *fp, uint32_t *crc) {
     uint64_t seed = ((const idem_head *)base)->seed;
     size_t start = 0;
     for (size_t i = 0; i < count; i++) {
         size_t m = lens[i];
-        if (m == 0 || m > maxlen) {
+        if (m > maxlen) {
             return -2;
         }
         if (m > n - start) {
@@ -553,24 +556,25 @@ static idem_slot *idem_free_slot(idem_bucket *b, uint64_t now, long *evicted) {
     return oldest;
 }
 
-static void idem_fill(idem_slot *s, uint64_t fp, uint32_t crc, uint32_t topic, uint32_t home, uint64_t expires,
-                      uint32_t owner) {
+static void idem_fill(idem_slot *s, uint64_t fp, uint32_t crc, uint32_t topic, uint32_t home, uint64_t committed,
+                      uint64_t expires, uint32_t owner) {
     __atomic_store_n(&s->owner, 0, __ATOMIC_RELEASE);
     s->fp = fp;
     s->crc = crc;
     s->topic = topic;
     s->home = home;
+    s->committed = committed;
     s->expires = expires;
     __atomic_store_n(&s->owner, owner, __ATOMIC_RELEASE);
 }
 
-/* Claims n keys of one topic for `tag` (a claimer's tag: neither 0 nor IDEM_DONE).
- * out[i]: 0 claimed (pending under tag), 1 committed within its window (a duplicate),
- * 2 pending under some claimer (this one included), 3 not claimed: its bucket holds
- * nothing but pending claims. Returns the committed keys evicted to make room, or -1
- * for a bad tag. */
+/* Claims n keys of one topic for `tag` (a claimer's tag: neither 0 nor IDEM_DONE), at
+ * `now` with the topic's window `window` (ms). out[i]: 0 claimed (pending under tag),
+ * 1 committed within the window (a duplicate), 2 pending under some claimer (this one
+ * included), 3 not claimed: its bucket holds nothing but pending claims. Returns the
+ * committed keys evicted to make room, or -1 for a bad tag. */
 long idem_claim(void *base, size_t n, const uint64_t *fp, const uint32_t *crc, uint32_t topic, const uint32_t *home,
-                uint64_t now, uint32_t tag, uint8_t *out) {
+                uint64_t now, uint64_t window, uint32_t tag, uint8_t *out) {
     long evicted = 0;
     if (tag == 0 || tag == IDEM_DONE) {
         return -1;
@@ -581,7 +585,7 @@ long idem_claim(void *base, size_t n, const uint64_t *fp, const uint32_t *crc, u
         idem_slot *s = idem_find(b, fp[i], crc[i], topic);
         if (s != NULL && s->owner != IDEM_DONE) {
             out[i] = 2;
-        } else if (s != NULL && s->expires > now) {
+        } else if (s != NULL && s->committed + window > now) {
             out[i] = 1;
         } else {
             if (s == NULL) {
@@ -591,7 +595,7 @@ long idem_claim(void *base, size_t n, const uint64_t *fp, const uint32_t *crc, u
                 out[i] = 3;
                 __atomic_fetch_add(&((idem_head *)base)->full, 1, __ATOMIC_RELAXED);
             } else {
-                idem_fill(s, fp[i], crc[i], topic, home[i], 0, tag);
+                idem_fill(s, fp[i], crc[i], topic, home[i], 0, 0, tag);
                 out[i] = 0;
             }
         }
@@ -603,11 +607,12 @@ long idem_claim(void *base, size_t n, const uint64_t *fp, const uint32_t *crc, u
     return evicted;
 }
 
-/* Settles the claims of `tag` on the keys whose mask[i] is set: 1 committed (counts until
- * `expires`), 2 released (the commit failed: the key is free again). A key no longer
- * pending under `tag` is left as it is. Returns the number settled. */
+/* Settles the claims of `tag` on the keys whose mask[i] is set: 1 committed at
+ * `committed` (a slot until committed + window), 2 released (the commit failed: the key
+ * is free again). A key no longer pending under `tag` is left as it is. Returns the
+ * number settled. */
 long idem_settle(void *base, size_t n, const uint64_t *fp, const uint32_t *crc, uint32_t topic, uint32_t tag,
-                 uint64_t expires, const uint8_t *mask) {
+                 uint64_t committed, uint64_t window, const uint8_t *mask) {
     long done = 0;
     for (size_t i = 0; i < n; i++) {
         if (mask[i] != 1 && mask[i] != 2) {
@@ -618,7 +623,8 @@ long idem_settle(void *base, size_t n, const uint64_t *fp, const uint32_t *crc, 
         idem_slot *s = idem_find(b, fp[i], crc[i], topic);
         if (s != NULL && s->owner == tag) {
             if (mask[i] == 1) {
-                s->expires = expires;
+                s->committed = committed;
+                s->expires = committed + window;
                 __atomic_store_n(&s->owner, IDEM_DONE, __ATOMIC_RELEASE);
             } else {
                 __atomic_store_n(&s->owner, 0, __ATOMIC_RELEASE);
@@ -630,31 +636,31 @@ long idem_settle(void *base, size_t n, const uint64_t *fp, const uint32_t *crc, 
     return done;
 }
 
-/* Records keys found committed (a rebuild from a log, keys carried by a move): each is
- * committed until expires[i] (the later of two when it is held already, pending claims
- * included: the record is durable). Keys whose window passed are skipped. Returns the
- * committed keys evicted to make room. */
+/* Records keys found committed at committed[i] (a rebuild from a log, keys carried by a
+ * move), each a slot until committed[i] + window; the later commit of two when it is
+ * held already; a pending claim on it becomes that commit (the record is durable). Keys
+ * whose window passed are skipped. Returns the committed keys evicted to make room. */
 long idem_load(void *base, size_t n, const uint64_t *fp, const uint32_t *crc, uint32_t topic, const uint32_t *home,
-               const uint64_t *expires, uint64_t now) {
+               const uint64_t *committed, uint64_t window, uint64_t now) {
     long evicted = 0;
     for (size_t i = 0; i < n; i++) {
-        if (expires[i] <= now) {
+        uint64_t expires = committed[i] + window;
+        if (expires <= now) {
             continue;
         }
         idem_bucket *b = idem_bucket_of(base, fp[i]);
         idem_lock(base, b);
         idem_slot *s = idem_find(b, fp[i], crc[i], topic);
         if (s != NULL) {
-            if (s->owner != IDEM_DONE) {
-                s->expires = expires[i];
+            if (s->owner != IDEM_DONE || s->committed < committed[i]) {
+                s->committed = committed[i];
+                s->expires = expires;
                 __atomic_store_n(&s->owner, IDEM_DONE, __ATOMIC_RELEASE);
-            } else if (s->expires < expires[i]) {
-                s->expires = expires[i];
             }
         } else {
             s = idem_free_slot(b, now, &evicted);
             if (s != NULL) {
-                idem_fill(s, fp[i], crc[i], topic, home[i], expires[i], IDEM_DONE);
+                idem_fill(s, fp[i], crc[i], topic, home[i], committed[i], expires, IDEM_DONE);
             } else {
                 __atomic_fetch_add(&((idem_head *)base)->full, 1, __ATOMIC_RELAXED);
             }
@@ -667,8 +673,39 @@ long idem_load(void *base, size_t n, const uint64_t *fp, const uint32_t *crc, ui
     return evicted;
 }
 
-/* Empties every pending claim whose owner & mask == value (a dead claimer's, once what
- * it made durable was loaded). Returns how many. */
+/* A topic's window changed: each of its committed keys holds a slot until its commit plus
+ * `window` from now on (a claim judges by the window it is given already). Returns how
+ * many keys of the topic there were. */
+long idem_rewindow(void *base, uint32_t topic, uint64_t window) {
+    idem_head *h = (idem_head *)base;
+    idem_bucket *bs = (idem_bucket *)((char *)base + sizeof(idem_head));
+    long done = 0;
+    for (uint64_t k = 0; k < h->nbuckets; k++) {
+        idem_bucket *b = &bs[k];
+        int any = 0;
+        for (int w = 0; w < IDEM_WAYS; w++) {
+            if (__atomic_load_n(&b->s[w].owner, __ATOMIC_ACQUIRE) == IDEM_DONE && b->s[w].topic == topic) {
+                any = 1;
+            }
+        }
+        if (!any) {
+            continue;
+        }
+        idem_lock(base, b);
+        for (int w = 0; w < IDEM_WAYS; w++) {
+            idem_slot *s = &b->s[w];
+            if (s->owner == IDEM_DONE && s->topic == topic) {
+                s->expires = s->committed + window;
+                done++;
+            }
+        }
+        idem_unlock(b);
+    }
+    return done;
+}
+
+/* Empties every pending claim whose owner & mask == value (a dead claimer's). Returns
+ * how many. */
 long idem_release_owner(void *base, uint32_t mask, uint32_t value) {
     idem_head *h = (idem_head *)base;
     long done = 0;
@@ -698,11 +735,11 @@ long idem_release_owner(void *base, uint32_t mask, uint32_t value) {
     return done;
 }
 
-/* The committed keys of `topic` whose home partition is `home` and whose window has not
- * passed, from bucket *cursor on: at most cap of them into fp/crc/expires; *cursor is
+/* The committed keys of `topic` whose home partition is `home` and which hold a slot at
+ * `now`, from bucket *cursor on: at most cap of them into fp/crc/committed; *cursor is
  * where the next call goes on (nbuckets: done). Returns how many were written. */
 long idem_collect(void *base, uint32_t topic, uint32_t home, uint64_t now, uint64_t *fp, uint32_t *crc,
-                  uint64_t *expires, size_t cap, uint64_t *cursor) {
+                  uint64_t *committed, size_t cap, uint64_t *cursor) {
     idem_head *h = (idem_head *)base;
     idem_bucket *bs = (idem_bucket *)((char *)base + sizeof(idem_head));
     size_t got = 0;
@@ -715,7 +752,7 @@ long idem_collect(void *base, uint32_t topic, uint32_t home, uint64_t now, uint6
             if (s->owner == IDEM_DONE && s->topic == topic && s->home == home && s->expires > now) {
                 fp[got] = s->fp;
                 crc[got] = s->crc;
-                expires[got] = s->expires;
+                committed[got] = s->committed;
                 got++;
             }
         }
@@ -725,7 +762,7 @@ long idem_collect(void *base, uint32_t topic, uint32_t home, uint64_t now, uint6
     return (long)got;
 }
 
-/* Counts without locks (a moment's view): out[0] committed within their window,
+/* Counts without locks (a moment's view): out[0] committed keys holding a slot at `now`,
  * out[1] pending, out[2] evicted so far, out[3] locks taken over, out[4] keys refused
  * for a bucket of pending claims. */
 void idem_stats(const void *base, uint64_t now, uint64_t *out) {

@@ -860,6 +860,7 @@ def _commit_keyed(batch: list[tuple[bytes | None, int, bytes]]) -> tuple[list[in
     """One real commit of `batch` into a fresh partition: (the indexes dropped as
     repeats, the keys its table holds, the keys a rebuild at open reads back)."""
     from narad.broker import idem as IDEM
+    from tests.test_idempotency import held, rebuilt
 
     with tempfile.TemporaryDirectory() as d:
         p = _partition(Path(d), 0)
@@ -871,7 +872,9 @@ def _commit_keyed(batch: list[tuple[bytes | None, int, bytes]]) -> tuple[list[in
 
         try:
             _off, dups = asyncio.run(go())
-            return dups, set(p.idem.keys), set(IDEM.rebuild(p.log, 300_000, int(time.time() * 1000))[0].keys)
+            keys = sorted({k for _k, f, pl in batch if (k := IDEM.key_of(f, pl)) is not None})
+            now = int(time.time() * 1000)
+            return dups, held(p, keys, now), rebuilt(p, 300_000, now, keys)[0]
         finally:
             p.log.close()
 

@@ -116,6 +116,7 @@ from narad.storage.offsets import OffsetFile
 from narad.storage.partition_log import OffsetGone, PartitionLog
 from narad.storage.wal import Entry, IngressWAL
 
+CLAIMS_INDEX_MASK = 0x1FF  # the worker index + 1 in a claimer tag (``Broker.claims_tag``)
 log = logging.getLogger("narad.broker")
 TRUST_POLL = 0.05  # how often a starting worker looks for the node's first readiness
 
@@ -297,6 +298,10 @@ class Broker:
         # Filled from each partition's keys at open and at each keyed commit; not yet what
         # decides a duplicate (``narad.broker.idem_claims``).
         self.claims = claims if claims is not None else ClaimTable.private()
+        # This worker's claimer tag: its pid and its index + 1 (``claims_owner``), so the claims a
+        # killed predecessor at this index left pending are found and released at ``start``.
+        self.claims_tag = ((os.getpid() & 0x3FFFFF) << 9) | (index + 1)
+        self._windows: dict[int, int] = {}  # topic tag -> the window last applied to its keys
         # Records leased are counted and consume answers carry delivery_count (False: only on a
         # topic with max_deliveries, which needs the counts to dead-letter; ``Partition.counting``).
         self.delivery_counts = delivery_counts
@@ -405,6 +410,15 @@ class Broker:
     # ---- lifecycle ------------------------------------------------------------------
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
+        # Claims a predecessor at this index left pending (killed between a claim and its
+        # settle) are released before anything here claims: a key of one is claimed again
+        # only by the commit of its partition, which this worker owns and opens first, and
+        # that open loads the keys its log holds, so a record that did become durable is
+        # found there, and one that did not is free to be produced again.
+        released = self.claims.release_owner(CLAIMS_INDEX_MASK, self.index + 1)
+        if released:
+            log.info("idempotency claims of a previous worker at this index released", extra={
+                "claims": released})
         await self.loop.run_in_executor(self.io, self.wal.open)
         self.wal.on_durable = self._durable
         self.dispatcher.on_drained = self._on_drained
@@ -704,6 +718,19 @@ class Broker:
         self.partitions[key] = p
         return p
 
+    def follow_window(self, p: Partition, window_ms: int) -> None:
+        """The topic's idempotency window, as the replica has it now, for `p`'s claims.
+        The claims judge a repeat by the window they are given; the keys already in the
+        node's table keep their slots by the window they were stored with until a change
+        is applied to them (``ClaimTable.rewindow``: once per topic and change at this
+        worker, a scan of the table on an I/O thread)."""
+        if p.idem_window_ms == window_ms:
+            return
+        p.idem_window_ms = window_ms
+        if self._windows.get(p.claims_topic) != window_ms:
+            self._windows[p.claims_topic] = window_ms
+            self.io.submit(self.claims.rewindow, p.claims_topic, window_ms)
+
     def _open_sync(self, topic: TopicRecord, index: int, d: Path) -> Partition:
         plog = PartitionLog(d)
         plog.open()
@@ -725,16 +752,14 @@ class Broker:
         # Idempotent produce: the keys committed within the window, from the log itself.
         p.idem_window_ms = topic.idem_window_ms
         p.idem_marked = (d / IDEM.MARKER).exists()
-        p.claims, p.claims_topic = self.claims, topic_tag(topic.id)
+        p.claims, p.claims_topic, p.claims_tag = self.claims, topic_tag(topic.id), self.claims_tag
         if not IDEM.needs_rebuild(d):
             return p  # never a keyed record here: nothing to read
         t0 = time.monotonic()
-        now_ms = int(time.time() * 1000)
-        p.idem, n = IDEM.rebuild(plog, p.idem_window_ms, now_ms)
-        IDEM.load_claims(p.idem, self.claims, p.claims_topic, index, p.idem_window_ms, now_ms)
-        if p.idem.keys:
+        keys, n = IDEM.rebuild(plog, p.idem_window_ms, int(time.time() * 1000), self.claims, p.claims_topic, index)
+        if keys:
             log.info("idempotency keys rebuilt from the log", extra={
-                "topic": topic.name, "partition": index, "keys": len(p.idem), "records_read": n,
+                "topic": topic.name, "partition": index, "keys": keys, "records_read": n,
                 "ms": round((time.monotonic() - t0) * 1000, 1)})
         return p
 
@@ -891,7 +916,7 @@ class Broker:
         worker of this node (``CommitReq.ikeys``); without them the commit reads the blocks."""
         t = self._commit_target(topic, topic_id, partition)
         p = await self.partition(t, partition)
-        p.idem_window_ms = t.idem_window_ms  # a PATCH may have changed it
+        self.follow_window(p, t.idem_window_ms)  # a PATCH may have changed it
         return await p.commit(records, self.commit_rounds, ikeys)
 
     def commit_local_now(self, topic: str, topic_id: str, partition: int,
@@ -905,7 +930,7 @@ class Broker:
         if p is None or p.topic_id != t.id or p.closed:
             return None
         p.last_used = time.monotonic()
-        p.idem_window_ms = t.idem_window_ms  # a PATCH may have changed it
+        self.follow_window(p, t.idem_window_ms)  # a PATCH may have changed it
         return p.submit(records, self.commit_rounds, ikeys)
 
     def _commit_target(self, topic: str, topic_id: str, partition: int) -> TopicRecord:
@@ -1125,7 +1150,7 @@ class Broker:
         if failed is not None:
             return failed
         if isinstance(target, Partition):
-            target.idem_window_ms = t.idem_window_ms  # a PATCH may have changed it (as commit_local does)
+            self.follow_window(target, t.idem_window_ms)  # a PATCH may have changed it (as commit_local does)
             try:
                 return target.submit(records, self.commit_rounds, iks)
             except (OSError, NaradError):
@@ -2611,8 +2636,8 @@ class Broker:
         partition follows; lifted, what it held for the dead-letter topic goes out
         again, and raised, what was held below the new maximum, except what its driver
         sent to a dead-letter topic still there (``deadletter.finish_keep``). The idempotency
-        window follows too (the 5 s poller expires keys by it, between commits)."""
-        p.idem_window_ms = t.idem_window_ms
+        window follows too (``follow_window``)."""
+        self.follow_window(p, t.idem_window_ms)
         if p.follow_max(t.max_deliveries if t.dead_letter_topic else 0, DL.finish_keep(self.store, p)):
             self._on_released(p)
 
@@ -2756,22 +2781,6 @@ class Broker:
             for o in WAIT_OUTCOMES:
                 m.consume_wait.labels(name, o)
         m.partitions_total.set(len(rows))
-        held: set[tuple[str, str]] = set()  # idempotency keys live in open partitions only
-        live = [p for p in self.partitions.values() if not p.closed]
-        for p in live:  # keys whose window passed are dropped here too, not only at commits
-            p.idem.expire(int(now_ms) - p.idem_window_ms)
-        keyed = [p for p in live if p.idem.keys]
-        if keyed:
-            before = [p.idem.evicted for p in keyed]
-            if IDEM.trim_to_budget([p.idem for p in keyed]):  # the worker's bound over its partitions
-                for p, b in zip(keyed, before, strict=True):
-                    if p.m_evicted is not None and p.idem.evicted != b:
-                        p.m_evicted.value += p.idem.evicted - b
-        for p in live:
-            lbl = (p.topic, str(p.index))
-            held.add(lbl)
-            m.idem_keys.labels(*lbl).set(len(p.idem))
-        metrics.drop_children(m.idem_keys, lambda k: k not in held)
         for g in (m.consumer_lag, m.oldest_unconsumed, m.inflight_size, m.acked_ahead_size, m.partition_bytes,
                   m.segments):
             metrics.drop_children(g, lambda k: k not in alive)

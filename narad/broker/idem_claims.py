@@ -18,7 +18,7 @@ tag all agree: two different keys are taken for one with a chance of about 2^-96
 The fingerprint is not a keyed PRF: someone who knows a producer's key can take it
 with a produce of their own anyway, so nothing is lost by that.
 
-Buckets of seven slots, 256 bytes each (36.6 bytes a key); a full bucket evicts its
+Buckets of six slots, 256 bytes each (42.7 bytes a key); a full bucket evicts its
 committed key that expires first (counted), never a pending claim. Every operation
 takes one bucket's lock at a time, for a few hundred instructions; a lock whose
 holder died is taken over.
@@ -38,10 +38,10 @@ import posix_ipc
 
 from narad._native import ffi, lib
 
-DEFAULT_BUCKETS = 1 << 17  # 917,504 keys in 32 MiB
-WAYS = 7
+DEFAULT_BUCKETS = 1 << 17  # 786,432 keys in 32 MiB
+WAYS = 6
 BUCKET_BYTES = 256
-MAX_KEY_BYTES = 128  # (narad.broker.idem.MAX_KEY_BYTES)
+MAX_KEY_BYTES = 1 << 30  # (the API takes 1 to 128 bytes; a record's block may hold any: all are keys here)
 
 CLAIMED, DUPLICATE, PENDING, FULL = 0, 1, 2, 3
 COMMIT, RELEASE = 1, 2
@@ -68,7 +68,7 @@ def topic_tag(topic_id: str) -> int:
 
 
 class BadKeys(ValueError):
-    """A key that is empty or longer than MAX_KEY_BYTES."""
+    """A key longer than MAX_KEY_BYTES (none the produce path can carry)."""
 
 
 @dataclass(slots=True)
@@ -131,7 +131,7 @@ class ClaimTable:
                 parts = [k.encode() for k in keys]
                 joined, lens = b"".join(parts), list(map(len, parts))
             if lib.idem_prepare(self._base, joined, len(joined), n, lens, MAX_KEY_BYTES, fp, crc) != 0:
-                raise BadKeys("an idempotency key must be 1 to 128 bytes of UTF-8")
+                raise BadKeys("an idempotency key longer than 1 GiB")
         return Keys(n, fp, crc)
 
     @classmethod
@@ -142,49 +142,56 @@ class ClaimTable:
         lib.idem_init(t._base, buckets, CHECK, int.from_bytes(os.urandom(8), "little"))
         return t
 
-    def claim(self, topic: int, keys: Keys, homes: Sequence[int], now_ms: int, tag: int) -> tuple[list[int], int]:
-        """Claims each key for `tag`: (each key's verdict, CLAIMED DUPLICATE PENDING or
-        FULL; the committed keys evicted to make room)."""
+    def claim(self, topic: int, keys: Keys, homes: Sequence[int], now_ms: int, window_ms: int,
+              tag: int) -> tuple[list[int], int]:
+        """Claims each key for `tag`, judged by the topic's window now: (each key's verdict,
+        CLAIMED DUPLICATE PENDING or FULL; the committed keys evicted to make room)."""
         out = ffi.new("uint8_t[]", keys.count)
         home = ffi.new("uint32_t[]", list(homes))
-        ev = lib.idem_claim(self._base, keys.count, keys.fp, keys.crc, topic, home, now_ms, tag, out)
+        ev = lib.idem_claim(self._base, keys.count, keys.fp, keys.crc, topic, home, now_ms, window_ms, tag, out)
         if ev < 0:
             raise ValueError(f"bad claimer tag {tag}")
         return list(ffi.unpack(out, keys.count)), ev
 
-    def settle(self, topic: int, keys: Keys, tag: int, expires_ms: int, how: Sequence[int]) -> int:
-        """Settles `tag`'s claims: how[i] COMMIT (counts until expires_ms), RELEASE (free
+    def settle(self, topic: int, keys: Keys, tag: int, committed_ms: int, window_ms: int, how: Sequence[int]) -> int:
+        """Settles `tag`'s claims: how[i] COMMIT (committed at committed_ms), RELEASE (free
         again) or 0 (left). Returns how many were settled."""
         mask = ffi.new("uint8_t[]", list(how))
-        return lib.idem_settle(self._base, keys.count, keys.fp, keys.crc, topic, tag, expires_ms, mask)
+        return lib.idem_settle(self._base, keys.count, keys.fp, keys.crc, topic, tag, committed_ms, window_ms, mask)
 
-    def load(self, topic: int, keys: Keys, homes: Sequence[int], expires_ms: Sequence[int], now_ms: int) -> int:
-        """Records keys found committed (until expires_ms[i]); returns the keys evicted."""
+    def load(self, topic: int, keys: Keys, homes: Sequence[int], committed_ms: Sequence[int], window_ms: int,
+             now_ms: int) -> int:
+        """Records keys found committed (at committed_ms[i]); returns the keys evicted."""
         home = ffi.new("uint32_t[]", list(homes))
-        exp = ffi.new("uint64_t[]", list(expires_ms))
-        return lib.idem_load(self._base, keys.count, keys.fp, keys.crc, topic, home, exp, now_ms)
+        at = ffi.new("uint64_t[]", list(committed_ms))
+        return lib.idem_load(self._base, keys.count, keys.fp, keys.crc, topic, home, at, window_ms, now_ms)
+
+    def rewindow(self, topic: int, window_ms: int) -> int:
+        """The topic's window is now `window_ms`: its keys hold their slots by it."""
+        return lib.idem_rewindow(self._base, topic, window_ms)
 
     def release_owner(self, mask: int, value: int) -> int:
         """Empties the pending claims whose tag & mask == value; returns how many."""
         return lib.idem_release_owner(self._base, mask, value)
 
     def collect(self, topic: int, home: int, now_ms: int, chunk: int = 4096) -> list[tuple[int, int, int]]:
-        """The committed keys of `topic` homed at `home`: (fingerprint, CRC, expiry) each."""
+        """The committed keys of `topic` homed at `home`: (fingerprint, CRC, committed-at) each."""
         cap = max(chunk, WAYS)
-        fp, crc, exp = ffi.new("uint64_t[]", cap), ffi.new("uint32_t[]", cap), ffi.new("uint64_t[]", cap)
+        fp, crc, at = ffi.new("uint64_t[]", cap), ffi.new("uint32_t[]", cap), ffi.new("uint64_t[]", cap)
         cursor = ffi.new("uint64_t *", 0)
         out: list[tuple[int, int, int]] = []
         total = self.buckets
         while cursor[0] < total:
-            got = lib.idem_collect(self._base, topic, home, now_ms, fp, crc, exp, cap, cursor)
-            out.extend(zip(ffi.unpack(fp, got), ffi.unpack(crc, got), ffi.unpack(exp, got), strict=True))
+            got = lib.idem_collect(self._base, topic, home, now_ms, fp, crc, at, cap, cursor)
+            out.extend(zip(ffi.unpack(fp, got), ffi.unpack(crc, got), ffi.unpack(at, got), strict=True))
         return out
 
-    def load_raw(self, topic: int, home: int, entries: Sequence[tuple[int, int, int]], now_ms: int) -> int:
+    def load_raw(self, topic: int, home: int, entries: Sequence[tuple[int, int, int]], window_ms: int,
+                 now_ms: int) -> int:
         """``load`` for entries ``collect`` gave (a move's carried keys)."""
         n = len(entries)
         keys = Keys(n, ffi.new("uint64_t[]", [e[0] for e in entries]), ffi.new("uint32_t[]", [e[1] for e in entries]))
-        return self.load(topic, keys, [home] * n, [e[2] for e in entries], now_ms)
+        return self.load(topic, keys, [home] * n, [e[2] for e in entries], window_ms, now_ms)
 
     @property
     def buckets(self) -> int:

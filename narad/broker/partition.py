@@ -80,6 +80,7 @@ Imports narad.storage, narad.metrics, narad.broker.idem.
 from __future__ import annotations
 
 import asyncio
+import errno
 import functools
 import heapq
 import logging
@@ -94,9 +95,9 @@ from pathlib import Path
 from typing import Any
 
 from narad import metrics
-from narad.broker.idem import DEFAULT_CAP, IdemTable, key_of, record_claims
+from narad.broker.idem import key_of
 from narad.broker.idem import mark as idem_mark
-from narad.broker.idem_claims import ClaimTable
+from narad.broker.idem_claims import CLAIMED, COMMIT, DUPLICATE, FULL, PENDING, RELEASE, ClaimTable
 from narad.errors import Unavailable
 from narad.storage import frames as FR
 from narad.storage import offsets as OFF
@@ -116,6 +117,37 @@ NO_KEYS: list[str | None] = []
 EXPIRY_SLACK = 1024  # stale expiry-heap entries allowed beyond the leases' count before a rebuild
 
 Committed = tuple[int, list[int]]  # first offset, indexes of the batch's duplicates (idempotent produce)
+DEFER_S = 0.002  # a batch whose key another claim holds is tried again after this
+DEFER_FOR_S = 5.0  # ... for this long, then refused (retryable: the WAL's dispatcher tries again)
+
+
+def block_keys(batch: list[tuple[bytes | None, int, bytes]]) -> list[str | None]:
+    """Each record's idempotency key as its extension block holds it (None: none)."""
+    ext = FR.F_EXT
+    heads, heads8 = FR.IDEM_HEADS, FR.IDEM_HEADS8
+    out: list[str | None] = []
+    for _key, flags, payload in batch:
+        k: str | None = None
+        if flags & ext and payload:
+            b0 = payload[0]
+            if b0 < 0x80 and (len(payload) < 4 or payload[3] != 0x69):
+                pass  # a block whose map's first key is not "i" (headers alone, the common case): no key
+            elif 4 <= b0 < 36 and payload.startswith(heads[b0 - 4]) and len(payload) > b0:
+                # ``key_of``'s common case read in place: a key alone under 32 bytes (its whole
+                # head is fixed by the length byte; the key ends where the block does)
+                try:
+                    k = payload[5 : b0 + 1].decode()
+                except UnicodeDecodeError:
+                    k = None
+            elif 37 <= b0 < 0x80 and payload.startswith(heads8[b0 - 37]) and len(payload) > b0:
+                try:  # the same for a key of 32 to 122 bytes (a str8: a UUID)
+                    k = payload[6 : b0 + 1].decode()
+                except UnicodeDecodeError:
+                    k = None
+            else:
+                k = key_of(flags, payload)
+        out.append(k)
+    return out
 
 
 Runner = Executor | CommitRounds
@@ -181,13 +213,17 @@ class Partition:
         self.m_produced: Any = None  # metric children (``meter``); None: not metered
         self.m_bytes: Any = None
         self.m_fsync: Any = None
-        self.m_dups: Any = None  # idempotent produce: duplicates dropped, keys evicted by the cap
+        self.m_dups: Any = None  # idempotent produce: duplicates dropped, keys evicted for room
         self.m_evicted: Any = None
-        self.idem = IdemTable(DEFAULT_CAP)
         self.idem_window_ms = 300_000  # the topic's effective window (the broker sets it)
         self.idem_marked = False  # idem.marker is durable here (the broker sets it at open)
-        self.claims: ClaimTable | None = None  # the node's claims table, and this topic's tag in it
+        # The node's claims table, this topic's tag in it and this worker's claimer tag (the
+        # broker sets them at open); batches waiting for another claim, by future: deadline.
+        self.claims: ClaimTable | None = None
         self.claims_topic = 0
+        self.claims_tag = 1
+        self._defer_until: dict[asyncio.Future[Committed], float] = {}
+        self._executor: Runner | None = None
         self.age_at: tuple[int, int] = (-1, 0)  # (offset, committed-at ms) of the last oldest-unacked read
         self.closed = False
         self.last_used = time.monotonic()  # the last reserve, settle or commit (stats never stamp it)
@@ -662,6 +698,7 @@ class Partition:
         if self.frozen(self.last_used):
             raise self.moving_error()
         loop = self.loop
+        self._executor = executor
         fut: asyncio.Future[Committed] = loop.create_future()
         self._commit_queue.append((batch, fut, ikeys))
         if not self._committing:
@@ -695,6 +732,45 @@ class Partition:
             self.loop.call_soon(self._step, coro)
         else:
             fut.add_done_callback(functools.partial(self._step, coro))
+
+    def _release(self, claimed: list[str]) -> None:
+        """This worker's claims on `claimed` are taken back (their frame failed)."""
+        if claimed and self.claims is not None:
+            ks = self.claims.prepare(claimed)
+            self.claims.settle(self.claims_topic, ks, self.claims_tag, 0, 0, [RELEASE] * len(claimed))
+
+    def _defer(self, item: tuple[list[tuple[bytes | None, int, bytes]], asyncio.Future[Committed],
+                                 list[str | None] | None]) -> None:
+        """A batch one of whose keys another claim holds (a commit elsewhere on this node,
+        not durable yet) is queued again after DEFER_S, for DEFER_FOR_S at most; then it is
+        refused with a retryable error (a produce then answers it pending, and the WAL's
+        dispatcher tries it again)."""
+        fut = item[1]
+        now = time.monotonic()
+        deadline = self._defer_until.get(fut)
+        if deadline is None:
+            deadline = self._defer_until[fut] = now + DEFER_FOR_S
+            fut.add_done_callback(self._defer_until.pop)  # type: ignore[arg-type]
+        if fut.done():
+            return
+        if now >= deadline:
+            fut.set_exception(OSError(errno.EAGAIN, "an idempotency key of this batch is being committed by "
+                                                    "another produce on this node; try again"))
+            return
+        self.loop.call_later(DEFER_S, self._requeue, item)
+
+    def _requeue(self, item: tuple[list[tuple[bytes | None, int, bytes]], asyncio.Future[Committed],
+                                   list[str | None] | None]) -> None:
+        fut = item[1]
+        if fut.done():
+            return
+        if self.closed or self._executor is None:
+            fut.set_exception(OSError(9, "partition closed"))
+            return
+        self._commit_queue.append(item)
+        if not self._committing:
+            self._committing = True
+            self.loop.call_soon(self._step, self._commit_cycle(self._executor))
 
     def _cycle_ended(self) -> None:
         f, self._cycle_done = self._cycle_done, None
@@ -733,102 +809,88 @@ class Partition:
                 laid = FR.Laid()  # the frame's records, laid out (``FR.lay``), joined once at the write
                 decoded: list[Record] = []
                 dups: list[list[int]] = []
-                # Idempotency keys: each new one is claimed in the table at once (added to
-                # its set: the set grew, so it was new), and taken back if the frame fails
-                # (``unclaim``).
-                claimed: list[str] | None = None
-                table = self.idem
-                seen = table.keys  # (expired in place at the first key)
-                held = 0
-                ext = FR.F_EXT
-                heads, heads8 = FR.IDEM_HEADS, FR.IDEM_HEADS8
+                # Idempotency keys: claimed in the node's table (``narad.broker.idem_claims``)
+                # for this worker, settled once the frame is durable (committed) or failed
+                # (released). A key repeated within the frame is a duplicate of its first; a
+                # batch with a key pending under another claim (a commit elsewhere on this node
+                # not durable yet) waits for it, out of this frame (``_defer``).
+                claims = self.claims
+                frame_keys: set[str] = set()  # the keys this frame claimed
+                claimed: list[str] = []
+                kept_queue: list[tuple[list[tuple[bytes | None, int, bytes]], asyncio.Future[Committed],
+                                       list[str | None] | None]] = []
                 try:
-                    for batch, _, iks in queue:
+                    for item in queue:
+                        batch, _, iks = item
                         if iks is NO_KEYS:  # (no record of it has a key: no block is looked into)
                             FR.lay(laid, batch, ts, decoded)
                             dups.append([])
+                            kept_queue.append(item)
                             continue
+                        keys = iks if iks is not None else block_keys(batch)
+                        if claims is None:  # (a partition without a broker, in tests: a table of its own)
+                            claims = self.claims = ClaimTable.private(256)
                         dl: list[int] = []
-                        if iks is not None:  # the producer's keys (its direct commit): no block read
-                            if claimed is None:
-                                table.expire(ts - self.idem_window_ms)
-                                claimed = []
-                            if seen.isdisjoint(iks):
-                                # No key held already: all claimed at once, in C loops (a lookup and
-                                # an insert each); kept when none was given twice (the set grew by
-                                # every key), then the records as a keyless batch's.
-                                before = len(seen)
-                                seen.update(iks)
-                                keys_in = len(iks)
-                                if None in seen:  # keyless records among them (counted only then:
-                                    seen.discard(None)  # a count compares every key with None)
-                                    keys_in -= iks.count(None)
-                                if len(seen) - before == keys_in:
-                                    claimed.extend(iks if keys_in == len(iks) else [k for k in iks if k is not None])
-                                    held = len(seen)
-                                    FR.lay_keyed(laid, batch, iks, ts, decoded)
-                                    dups.append(dl)
+                        uniq = set(keys)
+                        uniq.discard(None)
+                        fresh: list[str]
+                        if len(uniq) == len(keys) and frame_keys.isdisjoint(uniq):
+                            fresh = keys  # type: ignore[assignment]  # (the common batch: every record keyed, once)
+                            pos: list[int] | None = None
+                        else:  # keyless records among them, or a key given twice: record by record
+                            fresh, pos, seen = [], [], set(frame_keys)
+                            for j, k in enumerate(keys):
+                                if k is None:
                                     continue
-                                seen.difference_update(iks)  # a key given twice: every one was new here
-                            # A key held already or given twice (rare): record by record below,
-                            # each record's key the producer's (its record may have no block yet).
-                            held = len(seen)
-                        kept = batch  # the records written: a copy only once one is dropped as a repeat
-                        kept_iks = iks
-                        for j, (_key, flags, payload) in enumerate(batch):
-                            if iks is not None:
-                                k = iks[j]
-                            elif flags & ext and payload:
-                                b0 = payload[0]
-                                if b0 < 0x80 and (len(payload) < 4 or payload[3] != 0x69):
-                                    # A block whose map's first key is not "i" (headers alone, the
-                                    # common case): no key (``has_idem``), decided in two byte reads.
-                                    k: str | None = None
-                                elif 4 <= b0 < 36 and payload.startswith(heads[b0 - 4]) and len(payload) > b0:
-                                    # ``key_of``'s common case read in place: a key alone under 32
-                                    # bytes (its whole head is fixed by the length byte; the key
-                                    # ends where the block does)
-                                    try:
-                                        k = payload[5 : b0 + 1].decode()
-                                    except UnicodeDecodeError:
-                                        k = None
-                                elif 37 <= b0 < 0x80 and payload.startswith(heads8[b0 - 37]) and len(payload) > b0:
-                                    try:  # the same for a key of 32 to 122 bytes (a str8: a UUID)
-                                        k = payload[6 : b0 + 1].decode()
-                                    except UnicodeDecodeError:
-                                        k = None
-                                else:
-                                    k = key_of(flags, payload)
-                            else:
-                                k = None
-                            if k is not None:
-                                if claimed is None:
-                                    table.expire(ts - self.idem_window_ms)
-                                    claimed = []
-                                    held = len(seen)
-                                seen.add(k)
-                                if len(seen) == held:  # held already (or claimed by this frame): a repeat
-                                    if kept is batch:
-                                        kept = list(batch[:j])
-                                        kept_iks = None if iks is None else list(iks[:j])
+                                if k in seen:
                                     dl.append(j)
-                                    payload_bytes -= len(payload)
                                     continue
-                                held += 1
-                                claimed.append(k)
-                            if kept is not batch:
-                                kept.append(batch[j])
-                                if kept_iks is not None:
-                                    kept_iks.append(iks[j])  # type: ignore[index]
+                                seen.add(k)
+                                fresh.append(k)
+                                pos.append(j)
+                        if fresh:
+                            ks = claims.prepare(fresh)
+                            got, ev = claims.claim(self.claims_topic, ks, [self.index] * len(fresh), ts,
+                                                   self.idem_window_ms, self.claims_tag)
+                            if ev and self.m_evicted is not None:
+                                self.m_evicted.value += ev
+                            if got.count(CLAIMED) != len(got):
+                                if PENDING in got or FULL in got:
+                                    # Another claim holds one of its keys: this batch waits for it.
+                                    claims.settle(self.claims_topic, ks, self.claims_tag, 0, 0,
+                                                  [RELEASE if g == CLAIMED else 0 for g in got])
+                                    self._defer(item)
+                                    continue
+                                for i, g in enumerate(got):
+                                    if g == DUPLICATE:
+                                        dl.append(i if pos is None else pos[i])
+                                dl.sort()
+                            for k, g in zip(fresh, got, strict=True):
+                                if g == CLAIMED:
+                                    claimed.append(k)
+                            frame_keys.update(fresh)
+                        kept_queue.append(item)
+                        if dl:
+                            drop = set(dl)
+                            kept = [r for j, r in enumerate(batch) if j not in drop]
+                            kept_iks = None if iks is None else [k for j, k in enumerate(iks) if j not in drop]
+                            payload_bytes -= sum(len(batch[j][2]) for j in dl)
+                        else:
+                            kept, kept_iks = batch, iks
                         if kept_iks is None:
                             FR.lay(laid, kept, ts, decoded)
                         else:
                             FR.lay_keyed(laid, kept, kept_iks, ts, decoded)
                         dups.append(dl)
-                except BaseException:  # (a bug: the keys this frame claimed are not left held)
-                    if claimed:
-                        table.unclaim(claimed)
+                except BaseException as e:  # (a bug: the keys this frame claimed are not left held,
+                    self._release(claimed)  # and no waiter of the frame is left without an answer)
+                    for _, f, _k in queue:
+                        if not f.done():
+                            f.set_exception(OSError(5, f"partition commit failed: {e!r}"))
                     raise
+                queue = kept_queue
+                if not queue:
+                    continue  # (every batch waits for another claim: ``_defer`` wakes the cycle)
                 ndup = sum(len(dl) for dl in dups)
                 if not laid.count:  # every record was a duplicate: nothing to write
                     for (_, f, _k), dl in zip(queue, dups, strict=True):
@@ -846,8 +908,7 @@ class Partition:
                     else:
                         res = await _off_loop(loop, executor, self.log.write_commit, laid)
                 except OSError as e:
-                    if claimed:
-                        table.unclaim(claimed)
+                    self._release(claimed)
                     log.error("partition commit failed", extra={"topic": self.topic, "partition": self.index,
                                                                 "err": str(e)})
                     metrics.get().errors.labels(
@@ -857,8 +918,7 @@ class Partition:
                             f.set_exception(OSError(e.errno or 5, f"partition commit failed: {e}"))
                     continue
                 except BaseException as e:  # a bug or a cancellation: every waiter of the batch is answered
-                    if claimed:
-                        table.unclaim(claimed)
+                    self._release(claimed)
                     if not isinstance(e, asyncio.CancelledError):
                         log.exception("partition commit failed", extra={"topic": self.topic,
                                                                         "partition": self.index})
@@ -871,13 +931,9 @@ class Partition:
                     continue
                 base, seg, pos, fsize, rolled = res
                 if claimed:
-                    before = table.evicted
-                    table.committed(claimed, ts)
-                    if self.claims is not None:  # the node's table learns them too (not yet its check)
-                        record_claims(self.claims, self.claims_topic, self.index, claimed,
-                                           ts + self.idem_window_ms, ts)
-                    if self.m_evicted is not None and table.evicted != before:
-                        self.m_evicted.value += table.evicted - before
+                    assert claims is not None
+                    claims.settle(self.claims_topic, claims.prepare(claimed), self.claims_tag, ts,
+                                  self.idem_window_ms, [COMMIT] * len(claimed))
                 try:
                     self.log.publish(base, seg, pos, fsize, rolled, decoded)
                 except Exception as e:  # the frame is durable; the log state is not to be trusted

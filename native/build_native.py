@@ -30,6 +30,9 @@ ffibuilder.cdef(
     int idem_prepare(const void *base, const char *joined, size_t n, size_t count, const uint32_t *lens,
                      size_t maxlen, uint64_t *fp, uint32_t *crc);
     int idem_check(const void *base, uint64_t check);
+    void idem_set_workers(void *base, uint64_t n);
+    int idem_set_loaded(void *base, uint32_t index);
+    int idem_all_loaded(const void *base);
     long idem_claim(void *base, size_t n, const uint64_t *fp, const uint32_t *crc, uint32_t topic,
                     const uint32_t *home, uint64_t now, uint64_t window, uint32_t tag, uint8_t *out);
     long idem_settle(void *base, size_t n, const uint64_t *fp, const uint32_t *crc, uint32_t topic, uint32_t tag,

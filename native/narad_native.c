@@ -392,7 +392,7 @@ int crc32c_hardware(void) {
 #include <sched.h>
 #include <sys/syscall.h>
 
-#define IDEM_MAGIC 0x4E49444D43540002ULL /* "NIDMCT" + layout version 2 */
+#define IDEM_MAGIC 0x4E49444D43540003ULL /* "NIDMCT" + layout version 3 */
 #define IDEM_WAYS 6
 #define IDEM_DONE 0xFFFFFFFFu
 
@@ -420,12 +420,14 @@ typedef struct {
     uint64_t steals;
     uint64_t full;
     uint64_t seed;
-    uint64_t pad;
+    uint64_t workers;  /* the node's workers, each of which loads its partitions' keys at start */
+    uint64_t loaded[4]; /* bit i: worker i has (since the table was made) */
+    uint64_t pad[4];
 } idem_head;
 
 _Static_assert(sizeof(idem_slot) == 40, "slot size");
 _Static_assert(sizeof(idem_bucket) == 256, "bucket size");
-_Static_assert(sizeof(idem_head) == 64, "head size");
+_Static_assert(sizeof(idem_head) == 128, "head size");
 
 size_t idem_size(uint64_t nbuckets) {
     return sizeof(idem_head) + (size_t)nbuckets * sizeof(idem_bucket);
@@ -439,6 +441,34 @@ void idem_init(void *base, uint64_t nbuckets, uint64_t check, uint64_t seed) {
     h->check = check;
     h->seed = seed;
     __atomic_store_n(&h->magic, IDEM_MAGIC, __ATOMIC_RELEASE);
+}
+
+int idem_all_loaded(const void *base);
+
+/* The node's worker count (the supervisor, once). */
+void idem_set_workers(void *base, uint64_t n) {
+    __atomic_store_n(&((idem_head *)base)->workers, n, __ATOMIC_RELEASE);
+}
+
+/* Worker `index` has loaded the keys of its partitions. Returns 1 when every worker has. */
+int idem_set_loaded(void *base, uint32_t index) {
+    idem_head *h = (idem_head *)base;
+    if (index < 256) {
+        __atomic_fetch_or(&h->loaded[index / 64], 1ULL << (index % 64), __ATOMIC_ACQ_REL);
+    }
+    return idem_all_loaded(base);
+}
+
+/* 1 when every worker has loaded the keys of its partitions since the table was made. */
+int idem_all_loaded(const void *base) {
+    const idem_head *h = (const idem_head *)base;
+    uint64_t n = __atomic_load_n(&h->workers, __ATOMIC_ACQUIRE);
+    for (uint64_t i = 0; i < n && i < 256; i++) {
+        if (!(__atomic_load_n(&h->loaded[i / 64], __ATOMIC_ACQUIRE) & (1ULL << (i % 64)))) {
+            return 0;
+        }
+    }
+    return 1;
 }
 
 /* 0 when `base` holds a table made with `check`, else -1. */

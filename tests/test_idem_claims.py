@@ -218,3 +218,17 @@ def test_a_fresh_interpreter_with_another_hash_seed_agrees_on_every_key(table: I
             IC.ClaimTable.attach(bogus.name)
         finally:
             bogus.close(unlink=True)
+
+
+def test_the_table_is_complete_once_every_worker_loaded_and_stays_so(table: IC.ClaimTable) -> None:
+    assert table.all_loaded()  # (no workers set: a private table is complete at once)
+    table.set_workers(3)
+    assert not table.all_loaded() and not table.complete()
+    assert table.set_loaded(0) is False and table.set_loaded(2) is False
+    assert table.set_loaded(2) is False  # (twice is once)
+    assert table.set_loaded(1) is True and table.all_loaded() and table.complete()
+    other = IC.ClaimTable.attach(table.name)  # another process's view: the same head
+    try:
+        assert other.all_loaded()
+    finally:
+        other.close()

@@ -1178,6 +1178,7 @@ class MessagesAPI:
         keyed = False  # a message key: its order is kept (``Broker.direct``)
         nparts = t.partitions
         heads = FR.IDEM_HEADS
+        rule = self.broker.idem_rule(t)
         for i, (payload, key, part, flags, hdrs, idem) in enumerate(prepared):
             if part is None:
                 if key is None and idem is None:
@@ -1186,6 +1187,8 @@ class MessagesAPI:
                     part = keyless
                 else:  # (``key_partition`` of a key, else of an idempotency key, inline: a call less)
                     part = crc32c(key or idem) % nparts  # type: ignore[arg-type]
+                    if key is None and rule is not None and rule[0][part][0] == self.broker.node_id:
+                        part = rule[1]  # (topic.idempotent_local_placement)
             if key is not None:
                 keyed = True
             # (with_ext's cases, a call less a message)
@@ -1285,6 +1288,12 @@ class MessagesAPI:
                     return None
                 out[i] = crc32c(kb) % nparts
         hashed = native_ffi.unpack(out, count)
+        rule = self.broker.idem_rule(t)  # (topic.idempotent_local_placement)
+        if rule is not None:
+            locs, here, node = rule[0], rule[1], self.broker.node_id
+            for i, h in enumerate(hashed):
+                if locs[h][0] == node:
+                    out[i] = hashed[i] = here
         records: list[tuple[bytes | None, int, bytes]] = []
         for i, m in enumerate(msgs):
             ik = m.idempotency_key

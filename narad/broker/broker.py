@@ -292,6 +292,7 @@ class Broker:
         security: bool = True,
         delivery_counts: bool = True,
         claims: ClaimTable | None = None,
+        idem_local: bool = False,
     ) -> None:
         self.data_dir = Path(data_dir)
         # The node's idempotency claims table (the supervisor's; a private one without it).
@@ -302,6 +303,9 @@ class Broker:
         # killed predecessor at this index left pending are found and released at ``start``.
         self.claims_tag = ((os.getpid() & 0x3FFFFF) << 9) | (index + 1)
         self._windows: dict[int, int] = {}  # topic tag -> the window last applied to its keys
+        # topic.idempotent_local_placement: a keyless idempotent record whose key's partition is
+        # on this node is committed into one of this worker's partitions (``idem_rule``).
+        self.idem_local = idem_local
         # Records leased are counted and consume answers carry delivery_count (False: only on a
         # topic with max_deliveries, which needs the counts to dead-letter; ``Partition.counting``).
         self.delivery_counts = delivery_counts
@@ -410,15 +414,7 @@ class Broker:
     # ---- lifecycle ------------------------------------------------------------------
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
-        # Claims a predecessor at this index left pending (killed between a claim and its
-        # settle) are released before anything here claims: a key of one is claimed again
-        # only by the commit of its partition, which this worker owns and opens first, and
-        # that open loads the keys its log holds, so a record that did become durable is
-        # found there, and one that did not is free to be produced again.
-        released = self.claims.release_owner(CLAIMS_INDEX_MASK, self.index + 1)
-        if released:
-            log.info("idempotency claims of a previous worker at this index released", extra={
-                "claims": released})
+        await self._load_claims()
         await self.loop.run_in_executor(self.io, self.wal.open)
         self.wal.on_durable = self._durable
         self.dispatcher.on_drained = self._on_drained
@@ -568,6 +564,20 @@ class Broker:
             return [w], []
         return [], ([node] if node is not None else [])
 
+    def idem_rule(self, t: TopicRecord) -> tuple[tuple[tuple[str | None, int], ...], int] | None:
+        """With topic.idempotent_local_placement, when this worker owns partitions of `t`:
+        every partition's (owner node, worker), and the partition of this worker a keyless
+        idempotent record whose key's partition is on this node goes to (the keyless
+        rotation's choice); None otherwise (each such record goes to its key's partition).
+        Its key is checked in the node's claims table wherever on the node it is committed;
+        a record whose key's partition is on another node goes there."""
+        if not self.idem_local:
+            return None
+        pl = self._placement(t)
+        if not pl.mine:
+            return None
+        return pl.locs, self.choose_partition(t, None)
+
     def choose_partition(self, topic: TopicRecord, key: bytes | None, idem: bytes | None = None) -> int:
         """A key hashes to its partition (order per key). A keyless message may go
         to any partition: it rotates over the partitions this worker owns, so it
@@ -580,7 +590,11 @@ class Broker:
         if key:
             return key_partition(key, topic.partitions)
         if idem is not None:
-            return key_partition(idem, topic.partitions)
+            h = key_partition(idem, topic.partitions)
+            rule = self.idem_rule(topic)
+            if rule is not None and rule[0][h][0] == self.node_id:
+                return rule[1]
+            return h
         pl = self._placement(topic)
         st = self._sticky.get(topic.name)
         if st is not None and st[0] == self._group_epoch and st[1] < topic.partitions and (
@@ -717,6 +731,52 @@ class Broker:
         p.loop = self.loop
         self.partitions[key] = p
         return p
+
+    async def _load_claims(self) -> None:
+        """Start: the keys of every partition on this node's disk that this worker owns
+        (``owner_worker``) and that may hold keyed records go into the node's claims table
+        (``IDEM.rebuild``: the records committed within the topic's window); then the
+        claims a predecessor at this index left pending (killed between a claim and its
+        settle) are released, since what it made durable was just found and loaded, and
+        this worker counts as loaded. Keyed commits anywhere on the node wait until every
+        worker has (``ClaimTable.complete``): a key may be committed in any partition of
+        the node (topic.idempotent_local_placement), so each must be known first."""
+        t0 = time.monotonic()
+        keys, parts, read = await self.loop.run_in_executor(self.io, self._load_claims_sync)
+        released = self.claims.release_owner(CLAIMS_INDEX_MASK, self.index + 1)
+        complete = self.claims.set_loaded(self.index)
+        log.info("idempotency keys loaded into the node's claims table", extra={
+            "keys": keys, "partitions": parts, "records_read": read, "pending_released": released,
+            "node_complete": complete, "ms": round((time.monotonic() - t0) * 1000, 1)})
+
+    def _load_claims_sync(self) -> tuple[int, int, int]:
+        keys = parts = read = 0
+        now_ms = int(time.time() * 1000)
+        for dname in _list_dirs(self.data_dir / "topics"):
+            name, _, tid = dname.rpartition("@")
+            t = self.store.topic(name) if name else None
+            if t is None or t.id != tid:
+                continue  # (a topic deleted, or recreated since: its keys are not asked for)
+            base = self.data_dir / "topics" / dname
+            for pname in _list_dirs(base):
+                if not (pname.startswith("p") and pname[1:].isdigit()):
+                    continue
+                index = int(pname[1:])
+                d = base / pname
+                if owner_worker(name, index, self.workers) != self.index or not IDEM.needs_rebuild(d):
+                    continue
+                plog = PartitionLog(d)
+                try:
+                    plog.open()
+                    k, n = IDEM.rebuild(plog, t.idem_window_ms, now_ms, self.claims, topic_tag(t.id), index)
+                except Exception as e:  # (its keys may then be stored again: said in the log)
+                    log.error("idempotency keys of a partition could not be read at start", extra={
+                        "topic": name, "partition": index, "err": str(e)})
+                    continue
+                finally:
+                    plog.close()
+                keys, parts, read = keys + k, parts + 1, read + n
+        return keys, parts, read
 
     def follow_window(self, p: Partition, window_ms: int) -> None:
         """The topic's idempotency window, as the replica has it now, for `p`'s claims.

@@ -9,8 +9,8 @@ it into a partition of its own, with no hop to another worker (docs/architecture
 "The node's idempotency claims"). Not used by the produce path yet.
 
 The table (native/narad_native.c, ``idem_*``) holds, per key: a 64-bit fingerprint
-(FNV-1a from the table's random seed, mixed; computed in C from the key's UTF-8, so
-every process that maps the table computes the same one whatever its interpreter),
+(FNV-1a from a fixed seed, mixed; computed in C from the key's UTF-8, so every process
+and every node computes the same one whatever its interpreter),
 the key's CRC-32C, the topic's 32-bit tag, the key's home partition (which a
 partition move carries), and either a pending claim (a claimer's tag) or a commit
 that counts until its expiry. A key is the same key when fingerprint, CRC and topic
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import hashlib
 import mmap
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -48,6 +47,11 @@ COMMIT, RELEASE = 1, 2
 
 
 CHECK = 0x6E61726164_49444D  # the head's layout check ("narad" "IDM")
+# The fingerprints' seed: one constant, so a key's fingerprint is the same on every node
+# and across restarts (a move's carried keys are fingerprints). A secret seed would only
+# hide which keys share a bucket; someone who could use that can produce the key itself.
+SEED = 0x9E3779B97F4A7C15
+HEAD_BYTES = 128
 
 
 def buckets_for(keys: int) -> int:
@@ -87,6 +91,7 @@ class ClaimTable:
         self.name = name
         self._mm = mm
         self._base = ffi.from_buffer(mm)
+        self._complete = False
 
     @classmethod
     def create(cls, name: str, buckets: int = DEFAULT_BUCKETS) -> ClaimTable:
@@ -103,7 +108,7 @@ class ClaimTable:
         finally:
             shm.close_fd()
         t = cls(name, mm)
-        lib.idem_init(t._base, buckets, CHECK, int.from_bytes(os.urandom(8), "little"))
+        lib.idem_init(t._base, buckets, CHECK, SEED)
         return t
 
     @classmethod
@@ -139,7 +144,7 @@ class ClaimTable:
         """A table in this process's memory alone (a broker run without a supervisor: tests)."""
         mm = mmap.mmap(-1, lib.idem_size(buckets))
         t = cls("", mm)
-        lib.idem_init(t._base, buckets, CHECK, int.from_bytes(os.urandom(8), "little"))
+        lib.idem_init(t._base, buckets, CHECK, SEED)
         return t
 
     def claim(self, topic: int, keys: Keys, homes: Sequence[int], now_ms: int, window_ms: int,
@@ -197,9 +202,29 @@ class ClaimTable:
     def buckets(self) -> int:
         return int.from_bytes(self._mm[8:16], "little")
 
+    def set_workers(self, n: int) -> None:
+        """The node's worker count: each must ``set_loaded`` before the table is complete."""
+        lib.idem_set_workers(self._base, n)
+
+    def set_loaded(self, index: int) -> bool:
+        """Worker `index` loaded the keys of its partitions; True when every worker has."""
+        return bool(lib.idem_set_loaded(self._base, index))
+
+    def all_loaded(self) -> bool:
+        """Whether every worker has loaded its partitions' keys since the table was made
+        (once true, it stays true for the table's life)."""
+        return bool(lib.idem_all_loaded(self._base))
+
+    def complete(self) -> bool:
+        """``all_loaded``, remembered once true (no call after that)."""
+        if self._complete:
+            return True
+        self._complete = self.all_loaded()
+        return self._complete
+
     def lock_word(self, bucket: int) -> memoryview:
         """A bucket's lock word (tests: a lock left by a dead holder)."""
-        off = 64 + bucket * BUCKET_BYTES
+        off = HEAD_BYTES + bucket * BUCKET_BYTES
         return memoryview(self._mm)[off : off + 8].cast("Q")
 
     def stats(self, now_ms: int) -> dict[str, int]:

@@ -742,9 +742,10 @@ class Partition:
     def _defer(self, item: tuple[list[tuple[bytes | None, int, bytes]], asyncio.Future[Committed],
                                  list[str | None] | None]) -> None:
         """A batch one of whose keys another claim holds (a commit elsewhere on this node,
-        not durable yet) is queued again after DEFER_S, for DEFER_FOR_S at most; then it is
-        refused with a retryable error (a produce then answers it pending, and the WAL's
-        dispatcher tries it again)."""
+        not durable yet), or a keyed batch while the node's table is not complete (a worker
+        still loading its keys at start), is queued again after DEFER_S, for DEFER_FOR_S at
+        most; then it is refused with a retryable error (a produce then answers it pending,
+        and the WAL's dispatcher tries it again)."""
         fut = item[1]
         now = time.monotonic()
         deadline = self._defer_until.get(fut)
@@ -755,7 +756,8 @@ class Partition:
             return
         if now >= deadline:
             fut.set_exception(OSError(errno.EAGAIN, "an idempotency key of this batch is being committed by "
-                                                    "another produce on this node; try again"))
+                                                    "another produce on this node, or the node is still loading "
+                                                    "its idempotency keys; try again"))
             return
         self.loop.call_later(DEFER_S, self._requeue, item)
 
@@ -828,11 +830,20 @@ class Partition:
                             kept_queue.append(item)
                             continue
                         keys = iks if iks is not None else block_keys(batch)
-                        if claims is None:  # (a partition without a broker, in tests: a table of its own)
-                            claims = self.claims = ClaimTable.private(256)
-                        dl: list[int] = []
                         uniq = set(keys)
                         uniq.discard(None)
+                        if not uniq:  # (no record of it has a key after all)
+                            FR.lay(laid, batch, ts, decoded)
+                            dups.append([])
+                            kept_queue.append(item)
+                            continue
+                        if claims is None:  # (a partition without a broker, in tests: a table of its own)
+                            claims = self.claims = ClaimTable.private(256)
+                        if not claims.complete():  # (the node's start: a worker has not loaded its keys yet)
+                            payload_bytes -= sum(map(len, map(_BODY, batch)))
+                            self._defer(item)
+                            continue
+                        dl: list[int] = []
                         fresh: list[str]
                         if len(uniq) == len(keys) and frame_keys.isdisjoint(uniq):
                             fresh = keys  # type: ignore[assignment]  # (the common batch: every record keyed, once)
@@ -859,6 +870,7 @@ class Partition:
                                     # Another claim holds one of its keys: this batch waits for it.
                                     claims.settle(self.claims_topic, ks, self.claims_tag, 0, 0,
                                                   [RELEASE if g == CLAIMED else 0 for g in got])
+                                    payload_bytes -= sum(map(len, map(_BODY, batch)))
                                     self._defer(item)
                                     continue
                                 for i, g in enumerate(got):

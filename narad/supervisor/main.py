@@ -193,6 +193,7 @@ class Supervisor:
         #    worker maps it read-write and fills it from its partitions' logs as they open.
         self.claims = ClaimTable.create(claims_shm_name_for(str(self.data_dir)),
                                         buckets_for(cfg.storage.idempotency_table_keys))
+        self.claims.set_workers(self.n_workers)  # (keyed commits wait until each loaded its keys)
         # 6. The client sockets: N TCP listeners and N UDP sockets, SO_REUSEPORT,
         #    created once and kept for the supervisor's life (a restarted worker
         #    gets its predecessor's pair, so the reuseport group never changes).

@@ -197,6 +197,7 @@ async def _main(spec: WorkerSpec, index: int, core: int | None) -> int:
                     group_sync=cfg.storage.group_sync, security=cfg.security.enabled,
                     delivery_counts=cfg.topic.delivery_counts,
                     claims=ClaimTable.attach(spec.claims_name),
+                    idem_local=cfg.topic.idempotent_local_placement,
                     confirm_epoch=confirm_epoch,
                     meta_call=lambda req, typ, timeout: sup.call(req, typ, timeout=timeout),
                     fanout=FanoutSettings(cfg.fanout.max_batch_records, cfg.fanout.max_batch_bytes,

@@ -65,7 +65,7 @@ def test_records_stay_at_the_receiving_worker_and_a_repeat_through_the_other_is_
     w0, w1 = node.worker_connection(0), node.worker_connection(1)
     r = node.post(f"/v1/topics/{name}/produce/batch", {"messages": msgs}, conn=w0)
     assert r.status == 202 and r.json() == {"accepted": 40, "duplicates": 0}, r
-    r = node.post(f"/v1/topics/{name}/produce/batch", {"messages": msgs + [msgs[0]]}, conn=w1)
+    r = node.post(f"/v1/topics/{name}/produce/batch", {"messages": [*msgs, msgs[0]]}, conn=w1)
     assert r.status == 202 and r.json() == {"accepted": 41, "duplicates": 41}, r
     for k in (keys[3], keys[17]):  # a single produce of a key, through either worker
         for conn in (w0, w1):

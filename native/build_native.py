@@ -34,9 +34,12 @@ ffibuilder.cdef(
     int idem_set_loaded(void *base, uint32_t index);
     int idem_all_loaded(const void *base);
     long idem_claim(void *base, size_t n, const uint64_t *fp, const uint32_t *crc, uint32_t topic,
-                    const uint32_t *home, uint64_t now, uint64_t window, uint32_t tag, uint8_t *out);
+                    uint32_t home, uint64_t now, uint64_t window, uint32_t tag, uint8_t *out);
+    long idem_prepare_claim(void *base, const char *joined, size_t nbytes, size_t count, const uint32_t *lens,
+                            size_t maxlen, uint32_t topic, uint32_t home, uint64_t now, uint64_t window,
+                            uint32_t tag, uint64_t *fp, uint32_t *crc, uint8_t *out);
     long idem_settle(void *base, size_t n, const uint64_t *fp, const uint32_t *crc, uint32_t topic, uint32_t tag,
-                     uint64_t committed, uint64_t window, const uint8_t *mask);
+                     uint64_t committed, uint64_t window, const uint8_t *mask, uint8_t mode);
     long idem_load(void *base, size_t n, const uint64_t *fp, const uint32_t *crc, uint32_t topic,
                    const uint32_t *home, const uint64_t *committed, uint64_t window, uint64_t now);
     long idem_rewindow(void *base, uint32_t topic, uint64_t window);

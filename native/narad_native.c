@@ -603,7 +603,7 @@ static void idem_fill(idem_slot *s, uint64_t fp, uint32_t crc, uint32_t topic, u
  * 1 committed within the window (a duplicate), 2 pending under some claimer (this one
  * included), 3 not claimed: its bucket holds nothing but pending claims. Returns the
  * committed keys evicted to make room, or -1 for a bad tag. */
-long idem_claim(void *base, size_t n, const uint64_t *fp, const uint32_t *crc, uint32_t topic, const uint32_t *home,
+long idem_claim(void *base, size_t n, const uint64_t *fp, const uint32_t *crc, uint32_t topic, uint32_t home,
                 uint64_t now, uint64_t window, uint32_t tag, uint8_t *out) {
     long evicted = 0;
     if (tag == 0 || tag == IDEM_DONE) {
@@ -625,7 +625,7 @@ long idem_claim(void *base, size_t n, const uint64_t *fp, const uint32_t *crc, u
                 out[i] = 3;
                 __atomic_fetch_add(&((idem_head *)base)->full, 1, __ATOMIC_RELAXED);
             } else {
-                idem_fill(s, fp[i], crc[i], topic, home[i], 0, 0, tag);
+                idem_fill(s, fp[i], crc[i], topic, home, 0, 0, tag);
                 out[i] = 0;
             }
         }
@@ -637,22 +637,34 @@ long idem_claim(void *base, size_t n, const uint64_t *fp, const uint32_t *crc, u
     return evicted;
 }
 
-/* Settles the claims of `tag` on the keys whose mask[i] is set: 1 committed at
- * `committed` (a slot until committed + window), 2 released (the commit failed: the key
- * is free again). A key no longer pending under `tag` is left as it is. Returns the
- * number settled. */
+/* idem_prepare then idem_claim in one call (the commit path's: one call a batch). */
+long idem_prepare_claim(void *base, const char *joined, size_t nbytes, size_t count, const uint32_t *lens,
+                        size_t maxlen, uint32_t topic, uint32_t home, uint64_t now, uint64_t window, uint32_t tag,
+                        uint64_t *fp, uint32_t *crc, uint8_t *out) {
+    int rc = idem_prepare(base, joined, nbytes, count, lens, maxlen, fp, crc);
+    if (rc != 0) {
+        return rc - 10; /* -11, -12: idem_prepare's -1, -2 */
+    }
+    return idem_claim(base, count, fp, crc, topic, home, now, window, tag, out);
+}
+
+/* Settles the claims of `tag` on the keys whose mask[i] is set (every key as `mode`
+ * when mask is NULL): 1 committed at `committed` (a slot until committed + window), 2
+ * released (the commit failed: the key is free again). A key no longer pending under
+ * `tag` is left as it is. Returns the number settled. */
 long idem_settle(void *base, size_t n, const uint64_t *fp, const uint32_t *crc, uint32_t topic, uint32_t tag,
-                 uint64_t committed, uint64_t window, const uint8_t *mask) {
+                 uint64_t committed, uint64_t window, const uint8_t *mask, uint8_t mode) {
     long done = 0;
     for (size_t i = 0; i < n; i++) {
-        if (mask[i] != 1 && mask[i] != 2) {
+        uint8_t m = mask != NULL ? mask[i] : mode;
+        if (m != 1 && m != 2) {
             continue;
         }
         idem_bucket *b = idem_bucket_of(base, fp[i]);
         idem_lock(base, b);
         idem_slot *s = idem_find(b, fp[i], crc[i], topic);
         if (s != NULL && s->owner == tag) {
-            if (mask[i] == 1) {
+            if (m == 1) {
                 s->committed = committed;
                 s->expires = committed + window;
                 __atomic_store_n(&s->owner, IDEM_DONE, __ATOMIC_RELEASE);

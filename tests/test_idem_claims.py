@@ -34,31 +34,31 @@ def _keys(n: int) -> list[str]:
 
 def test_a_claim_is_pending_until_settled_then_a_duplicate_until_its_window_passes(table: IC.ClaimTable) -> None:
     ks = table.prepare(_keys(3))
-    got, ev = table.claim(T1, ks, [0, 1, 2], NOW, WINDOW, tag=5)
+    got, ev = table.claim(T1, ks, 0, NOW, WINDOW, tag=5)
     assert got == [IC.CLAIMED] * 3 and ev == 0
     # Another claimer (or the same one) while it is pending: PENDING, never a second claim.
-    assert table.claim(T1, ks, [0, 1, 2], NOW, WINDOW, tag=6)[0] == [IC.PENDING] * 3
-    assert table.claim(T1, ks, [0, 1, 2], NOW, WINDOW, tag=5)[0] == [IC.PENDING] * 3
+    assert table.claim(T1, ks, 0, NOW, WINDOW, tag=6)[0] == [IC.PENDING] * 3
+    assert table.claim(T1, ks, 0, NOW, WINDOW, tag=5)[0] == [IC.PENDING] * 3
     # Another claimer's tag does not settle it.
     assert table.settle(T1, ks, 6, NOW, WINDOW, [IC.COMMIT] * 3) == 0
     assert table.settle(T1, ks, 5, NOW, WINDOW, [IC.COMMIT, IC.RELEASE, 0]) == 2
-    got, _ = table.claim(T1, ks, [0, 1, 2], NOW + 1, WINDOW, tag=6)
+    got, _ = table.claim(T1, ks, 0, NOW + 1, WINDOW, tag=6)
     assert got == [IC.DUPLICATE, IC.CLAIMED, IC.PENDING]  # committed; released and claimed again; still 5's
     # The committed key is a duplicate until its window passes, then free.
     one = IC.Keys(1, ks.fp[0:1], ks.crc[0:1])
-    assert table.claim(T1, one, [0], NOW + WINDOW - 1, WINDOW, tag=7)[0] == [IC.DUPLICATE]
+    assert table.claim(T1, one, 0, NOW + WINDOW - 1, WINDOW, tag=7)[0] == [IC.DUPLICATE]
     assert table.stats(NOW + WINDOW - 1)["keys"] == 1
-    assert table.claim(T1, one, [0], NOW + WINDOW, WINDOW, tag=7)[0] == [IC.CLAIMED]
+    assert table.claim(T1, one, 0, NOW + WINDOW, WINDOW, tag=7)[0] == [IC.CLAIMED]
     s = table.stats(NOW + WINDOW)
     assert (s["keys"], s["pending"], s["capacity"]) == (0, 3, 1024 * IC.WAYS)
 
 
 def test_keys_are_per_topic(table: IC.ClaimTable) -> None:
     ks = table.prepare(["order-1"])
-    assert table.claim(T1, ks, [0], NOW, WINDOW, 1)[0] == [IC.CLAIMED]
+    assert table.claim(T1, ks, 0, NOW, WINDOW, 1)[0] == [IC.CLAIMED]
     table.settle(T1, ks, 1, NOW, WINDOW, [IC.COMMIT])
-    assert table.claim(T2, ks, [0], NOW, WINDOW, 1)[0] == [IC.CLAIMED]
-    assert table.claim(T1, ks, [0], NOW, WINDOW, 1)[0] == [IC.DUPLICATE]
+    assert table.claim(T2, ks, 0, NOW, WINDOW, 1)[0] == [IC.CLAIMED]
+    assert table.claim(T1, ks, 0, NOW, WINDOW, 1)[0] == [IC.DUPLICATE]
 
 
 def test_a_full_bucket_evicts_the_committed_key_that_expires_first_never_a_pending_one() -> None:
@@ -66,13 +66,13 @@ def test_a_full_bucket_evicts_the_committed_key_that_expires_first_never_a_pendi
     try:
         ks = [t.prepare([k]) for k in _keys(IC.WAYS + 1)]
         for k in ks[: IC.WAYS]:
-            assert t.claim(T1, k, [0], NOW, WINDOW, 1)[0] == [IC.CLAIMED]
-        assert t.claim(T1, ks[-1], [0], NOW, WINDOW, 1) == ([IC.FULL], 0)  # every slot pending
+            assert t.claim(T1, k, 0, NOW, WINDOW, 1)[0] == [IC.CLAIMED]
+        assert t.claim(T1, ks[-1], 0, NOW, WINDOW, 1) == ([IC.FULL], 0)  # every slot pending
         for i, k in enumerate(ks[: IC.WAYS]):
             t.settle(T1, k, 1, NOW + (100 if i else 0), WINDOW, [IC.COMMIT])  # ks[0] expires first
-        assert t.claim(T1, ks[-1], [0], NOW, WINDOW, 2) == ([IC.CLAIMED], 1)
-        assert t.claim(T1, ks[1], [0], NOW, WINDOW, 2) == ([IC.DUPLICATE], 0)  # kept: ks[0] went
-        assert t.claim(T1, ks[0], [0], NOW, WINDOW, 2) == ([IC.CLAIMED], 1)  # new again, in a slot evicted for it
+        assert t.claim(T1, ks[-1], 0, NOW, WINDOW, 2) == ([IC.CLAIMED], 1)
+        assert t.claim(T1, ks[1], 0, NOW, WINDOW, 2) == ([IC.DUPLICATE], 0)  # kept: ks[0] went
+        assert t.claim(T1, ks[0], 0, NOW, WINDOW, 2) == ([IC.CLAIMED], 1)  # new again, in a slot evicted for it
         s = t.stats(NOW)
         assert s["evicted"] == 2 and s["refused_full"] == 1
     finally:
@@ -81,31 +81,31 @@ def test_a_full_bucket_evicts_the_committed_key_that_expires_first_never_a_pendi
 
 def test_load_marks_keys_committed_keeping_the_later_commit_and_ending_a_pending_claim(table: IC.ClaimTable) -> None:
     ks = table.prepare(_keys(3))
-    table.claim(T1, IC.Keys(1, ks.fp[0:1], ks.crc[0:1]), [0], NOW, 100, 9)  # pending under a dead claimer
+    table.claim(T1, IC.Keys(1, ks.fp[0:1], ks.crc[0:1]), 0, NOW, 100, 9)  # pending under a dead claimer
     assert table.load(T1, ks, [4, 4, 4], [NOW, NOW, NOW - 200], 100, NOW) == 0  # (the third's window passed)
-    assert table.claim(T1, ks, [4, 4, 4], NOW + 5, 100, 3)[0] == [IC.DUPLICATE, IC.DUPLICATE, IC.CLAIMED]
+    assert table.claim(T1, ks, 4, NOW + 5, 100, 3)[0] == [IC.DUPLICATE, IC.DUPLICATE, IC.CLAIMED]
     table.load(T1, ks, [4, 4, 4], [NOW + 50, NOW - 50, NOW + 50], 100, NOW)
     # The first keeps the later commit (NOW + 50), the second its own (NOW: passed at NOW + 100),
     # the third, pending under claimer 3, became committed: its record was found durable.
-    assert table.claim(T1, ks, [4, 4, 4], NOW + 120, 100, 3)[0] == [IC.DUPLICATE, IC.CLAIMED, IC.DUPLICATE]
+    assert table.claim(T1, ks, 4, NOW + 120, 100, 3)[0] == [IC.DUPLICATE, IC.CLAIMED, IC.DUPLICATE]
 
 
 def test_a_claim_judges_by_the_window_it_is_given_and_rewindow_keeps_the_slots_by_the_new_one() -> None:
     t = IC.ClaimTable.create(f"/narad-test-idem-{os.getpid()}-win", buckets=1)
     try:
         a, c, b = t.prepare(["a"]), t.prepare(["c"]), t.prepare(["b"])
-        t.claim(T1, a, [0], NOW, 100, 1)
+        t.claim(T1, a, 0, NOW, 100, 1)
         t.settle(T1, a, 1, NOW, 100, [IC.COMMIT])  # stored with a 100 ms window
-        t.claim(T2, c, [0], NOW, 1000, 1)
+        t.claim(T2, c, 0, NOW, 1000, 1)
         t.settle(T2, c, 1, NOW - 50, 1000, [IC.COMMIT])  # another topic's key, until NOW + 950
         for k in t.prepare(_keys(4)).fp:  # the bucket's other four slots: pending claims
-            t.claim(T1, IC.Keys(1, ffi_u64(k), t.prepare(["x"]).crc), [0], NOW, 100, 2)
+            t.claim(T1, IC.Keys(1, ffi_u64(k), t.prepare(["x"]).crc), 0, NOW, 100, 2)
         # The window raised to 1 s: the key is a repeat by it at once.
-        assert t.claim(T1, a, [0], NOW + 150, 1000, 1)[0] == [IC.DUPLICATE]
+        assert t.claim(T1, a, 0, NOW + 150, 1000, 1)[0] == [IC.DUPLICATE]
         # Its slot is still kept by the old window until the change is applied to the table.
         assert t.rewindow(T1, 1000) == 1
-        assert t.claim(T2, b, [0], NOW + 150, 1000, 1) == ([IC.CLAIMED], 1)  # c evicted, not a
-        assert t.claim(T1, a, [0], NOW + 150, 1000, 1)[0] == [IC.DUPLICATE]
+        assert t.claim(T2, b, 0, NOW + 150, 1000, 1) == ([IC.CLAIMED], 1)  # c evicted, not a
+        assert t.claim(T1, a, 0, NOW + 150, 1000, 1)[0] == [IC.DUPLICATE]
     finally:
         t.close(unlink=True)
 
@@ -117,28 +117,31 @@ def ffi_u64(v: int) -> object:
 
 def test_release_owner_empties_a_claimers_pending_claims_only(table: IC.ClaimTable) -> None:
     a, b = table.prepare(_keys(20)), table.prepare(_keys(20))
-    table.claim(T1, a, [0] * 20, NOW, WINDOW, tag=(7 << 8) | 2)  # worker 1, incarnation 7
-    table.claim(T1, b, [0] * 20, NOW, WINDOW, tag=(7 << 8) | 3)  # worker 2
+    table.claim(T1, a, 0, NOW, WINDOW, tag=(7 << 8) | 2)  # worker 1, incarnation 7
+    table.claim(T1, b, 0, NOW, WINDOW, tag=(7 << 8) | 3)  # worker 2
     table.settle(T1, a, (7 << 8) | 2, NOW, WINDOW, [IC.COMMIT] * 10 + [0] * 10)
     assert table.release_owner(0xFF, 2) == 10
-    assert table.claim(T1, a, [0] * 20, NOW, WINDOW, 1)[0] == [IC.DUPLICATE] * 10 + [IC.CLAIMED] * 10
-    assert table.claim(T1, b, [0] * 20, NOW, WINDOW, 1)[0] == [IC.PENDING] * 20
+    assert table.claim(T1, a, 0, NOW, WINDOW, 1)[0] == [IC.DUPLICATE] * 10 + [IC.CLAIMED] * 10
+    assert table.claim(T1, b, 0, NOW, WINDOW, 1)[0] == [IC.PENDING] * 20
 
 
 def test_collect_gives_a_homes_committed_keys_which_another_table_loads(table: IC.ClaimTable) -> None:
     keys = _keys(200)
-    ks = table.prepare(keys)
     homes = [i % 4 for i in range(200)]
-    table.claim(T1, ks, homes, NOW, WINDOW, 1)
-    table.settle(T1, ks, 1, NOW, WINDOW, [IC.COMMIT if i < 150 else 0 for i in range(200)])
+    for h in range(4):
+        mine = [k for k, hh in zip(keys, homes, strict=True) if hh == h]
+        ks = table.prepare(mine)
+        table.claim(T1, ks, h, NOW, WINDOW, 1)
+        table.settle(T1, ks, 1, NOW, WINDOW, [IC.COMMIT if keys.index(k) < 150 else 0 for k in mine])
     got = table.collect(T1, 2, NOW, chunk=16)
     want = {i for i in range(150) if homes[i] == 2}
+    ks = table.prepare(keys)
     assert sorted(e[0] for e in got) == sorted(ks.fp[i] for i in want)
     assert table.collect(T2, 2, NOW) == [] and table.collect(T1, 2, NOW + WINDOW) == []
     other = IC.ClaimTable.create(table.name + "-b", buckets=1024)
     try:
         other.load_raw(T1, 2, got, WINDOW, NOW)
-        verdicts = other.claim(T1, ks, homes, NOW, WINDOW, 1)[0]
+        verdicts = other.claim(T1, ks, 0, NOW, WINDOW, 1)[0]
         assert [i for i, v in enumerate(verdicts) if v == IC.DUPLICATE] == sorted(want)
     finally:
         other.close(unlink=True)
@@ -148,7 +151,7 @@ def test_every_key_is_a_key(table: IC.ClaimTable) -> None:
     # Empty, long, NUL bytes and other UTF-8 are keys like any other (the API bounds what a
     # producer gives; a record's block may hold any); "ab" then "c" is not "a" then "bc".
     ks = table.prepare(["é" * 64, "a\0b", "ab", "c", "a", "bc", "", "x" * 5000])
-    got, _ = table.claim(T1, ks, [0] * 8, NOW, WINDOW, 1)
+    got, _ = table.claim(T1, ks, 0, NOW, WINDOW, 1)
     assert got == [IC.CLAIMED] * 8
 
 
@@ -160,7 +163,7 @@ def _racer(name: str, keys: list[str], seed: int, tag: int, q: multiprocessing.Q
     won = []
     for lo in range(0, len(order), 10):
         idx = order[lo : lo + 10]
-        got, _ = t.claim(T1, t.prepare([keys[i] for i in idx]), [0] * len(idx), NOW, WINDOW, tag)
+        got, _ = t.claim(T1, t.prepare([keys[i] for i in idx]), 0, NOW, WINDOW, tag)
         won.extend(i for i, g in zip(idx, got, strict=True) if g == IC.CLAIMED)
     q.put(won)
 
@@ -192,7 +195,7 @@ def test_a_lock_left_by_a_dead_holder_is_taken_over(table: IC.ClaimTable) -> Non
     ks = table.prepare(["k1"])
     word = table.lock_word(ks.fp[0] & (table.buckets - 1))
     word[0] = dead.pid  # a holder killed inside the lock
-    assert table.claim(T1, ks, [0], NOW, WINDOW, 1)[0] == [IC.CLAIMED]
+    assert table.claim(T1, ks, 0, NOW, WINDOW, 1)[0] == [IC.CLAIMED]
     assert word[0] == 0 and table.stats(NOW)["locks_taken_over"] == 1
     word.release()
 
@@ -204,13 +207,13 @@ def test_a_fresh_interpreter_with_another_hash_seed_agrees_on_every_key(table: I
     code = ("import sys; from narad.broker import idem_claims as IC\n"
             "t = IC.ClaimTable.attach(sys.argv[1])\n"
             "ks = t.prepare(sys.argv[2].split(','))\n"
-            "got, _ = t.claim(int(sys.argv[3]), ks, [0] * ks.count, int(sys.argv[4]), 1000, 77)\n"
+            "got, _ = t.claim(int(sys.argv[3]), ks, 0, int(sys.argv[4]), 1000, 77)\n"
             "sys.exit(0 if got == [IC.CLAIMED] * ks.count else 3)\n")
     seed = "1" if os.environ.get("PYTHONHASHSEED") != "1" else "2"
     r = subprocess.run([sys.executable, "-c", code, table.name, ",".join(keys), str(T1), str(NOW)],
                        env={**os.environ, "PYTHONHASHSEED": seed}, timeout=60)
     assert r.returncode == 0
-    assert table.claim(T1, table.prepare(keys), [0] * 50, NOW, WINDOW, 5)[0] == [IC.PENDING] * 50
+    assert table.claim(T1, table.prepare(keys), 0, NOW, WINDOW, 5)[0] == [IC.PENDING] * 50
     with pytest.raises(RuntimeError):  # (a region that is not a table of this layout)
         bogus = IC.ClaimTable.create(table.name + "-x", buckets=1)
         try:
@@ -232,3 +235,14 @@ def test_the_table_is_complete_once_every_worker_loaded_and_stays_so(table: IC.C
         assert other.all_loaded()
     finally:
         other.close()
+
+
+def test_prepare_claim_is_prepare_then_claim_and_settle_takes_one_mode_for_all(table: IC.ClaimTable) -> None:
+    keys = _keys(5)
+    ks, got, ev = table.prepare_claim(T1, keys, 3, NOW, WINDOW, 4)
+    assert got == [IC.CLAIMED] * 5 and ev == 0
+    same = table.prepare(keys)
+    assert list(ks.fp) == list(same.fp) and list(ks.crc) == list(same.crc)
+    assert table.settle(T1, ks, 4, NOW, WINDOW, IC.COMMIT) == 5
+    assert table.prepare_claim(T1, keys, 3, NOW, WINDOW, 4)[1] == [IC.DUPLICATE] * 5
+    assert [e[2] for e in table.collect(T1, 3, NOW)] == [NOW] * 5

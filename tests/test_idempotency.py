@@ -505,7 +505,7 @@ def held(p: Any, keys: list[str], now_ms: int | None = None) -> set[str]:
         return set()
     ks = p.claims.prepare(keys)
     now = int(time.time() * 1000) if now_ms is None else now_ms
-    got, _ = p.claims.claim(p.claims_topic, ks, [0] * len(keys), now, p.idem_window_ms, 99)
+    got, _ = p.claims.claim(p.claims_topic, ks, 0, now, p.idem_window_ms, 99)
     p.claims.settle(p.claims_topic, ks, 99, 0, 0, [IC.RELEASE if g == IC.CLAIMED else 0 for g in got])
     return {k for k, g in zip(keys, got, strict=True) if g == IC.DUPLICATE}
 

@@ -84,6 +84,15 @@ class Keys:
     crc: object  # uint32_t[count]
 
 
+def _joined(keys: Sequence[str]) -> tuple[bytes, list[int]]:
+    """The keys' UTF-8 back to back, and each one's length."""
+    text = "".join(keys)
+    if text.isascii():  # (the common key: its length is its bytes')
+        return text.encode(), list(map(len, keys))
+    parts = [k.encode() for k in keys]
+    return b"".join(parts), list(map(len, parts))
+
+
 class ClaimTable:
     """One mapping of the node's table (the supervisor creates it; workers attach)."""
 
@@ -129,15 +138,22 @@ class ClaimTable:
         n = len(keys)
         fp, crc = ffi.new("uint64_t[]", n), ffi.new("uint32_t[]", n)
         if n:
-            text = "".join(keys)
-            if text.isascii():  # (the common key: its length is its bytes')
-                joined, lens = text.encode(), list(map(len, keys))
-            else:
-                parts = [k.encode() for k in keys]
-                joined, lens = b"".join(parts), list(map(len, parts))
+            joined, lens = _joined(keys)
             if lib.idem_prepare(self._base, joined, len(joined), n, lens, MAX_KEY_BYTES, fp, crc) != 0:
                 raise BadKeys("an idempotency key longer than 1 GiB")
         return Keys(n, fp, crc)
+
+    def prepare_claim(self, topic: int, keys: Sequence[str], home: int, now_ms: int, window_ms: int,
+                      tag: int) -> tuple[Keys, list[int], int]:
+        """``prepare`` then ``claim``, in one call: (the keys, each one's verdict, evicted)."""
+        n = len(keys)
+        fp, crc, out = ffi.new("uint64_t[]", n), ffi.new("uint32_t[]", n), ffi.new("uint8_t[]", n)
+        joined, lens = _joined(keys)
+        ev = lib.idem_prepare_claim(self._base, joined, len(joined), n, lens, MAX_KEY_BYTES, topic, home, now_ms,
+                                    window_ms, tag, fp, crc, out)
+        if ev < 0:
+            raise BadKeys("an idempotency key longer than 1 GiB") if ev < -10 else ValueError(f"bad tag {tag}")
+        return Keys(n, fp, crc), list(ffi.unpack(out, n)), ev
 
     @classmethod
     def private(cls, buckets: int = 4096) -> ClaimTable:
@@ -147,22 +163,26 @@ class ClaimTable:
         lib.idem_init(t._base, buckets, CHECK, SEED)
         return t
 
-    def claim(self, topic: int, keys: Keys, homes: Sequence[int], now_ms: int, window_ms: int,
+    def claim(self, topic: int, keys: Keys, home: int, now_ms: int, window_ms: int,
               tag: int) -> tuple[list[int], int]:
-        """Claims each key for `tag`, judged by the topic's window now: (each key's verdict,
-        CLAIMED DUPLICATE PENDING or FULL; the committed keys evicted to make room)."""
+        """Claims each key (homed at partition `home`) for `tag`, judged by the topic's window
+        now: (each key's verdict, CLAIMED DUPLICATE PENDING or FULL; the committed keys
+        evicted to make room)."""
         out = ffi.new("uint8_t[]", keys.count)
-        home = ffi.new("uint32_t[]", list(homes))
         ev = lib.idem_claim(self._base, keys.count, keys.fp, keys.crc, topic, home, now_ms, window_ms, tag, out)
         if ev < 0:
             raise ValueError(f"bad claimer tag {tag}")
         return list(ffi.unpack(out, keys.count)), ev
 
-    def settle(self, topic: int, keys: Keys, tag: int, committed_ms: int, window_ms: int, how: Sequence[int]) -> int:
-        """Settles `tag`'s claims: how[i] COMMIT (committed at committed_ms), RELEASE (free
-        again) or 0 (left). Returns how many were settled."""
+    def settle(self, topic: int, keys: Keys, tag: int, committed_ms: int, window_ms: int,
+               how: Sequence[int] | int) -> int:
+        """Settles `tag`'s claims: how[i] (or `how` for every key) COMMIT (committed at
+        committed_ms), RELEASE (free again) or 0 (left). Returns how many were settled."""
+        if isinstance(how, int):
+            return lib.idem_settle(self._base, keys.count, keys.fp, keys.crc, topic, tag, committed_ms, window_ms,
+                                   ffi.NULL, how)
         mask = ffi.new("uint8_t[]", list(how))
-        return lib.idem_settle(self._base, keys.count, keys.fp, keys.crc, topic, tag, committed_ms, window_ms, mask)
+        return lib.idem_settle(self._base, keys.count, keys.fp, keys.crc, topic, tag, committed_ms, window_ms, mask, 0)
 
     def load(self, topic: int, keys: Keys, homes: Sequence[int], committed_ms: Sequence[int], window_ms: int,
              now_ms: int) -> int:

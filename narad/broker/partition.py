@@ -97,7 +97,7 @@ from typing import Any
 from narad import metrics
 from narad.broker.idem import key_of
 from narad.broker.idem import mark as idem_mark
-from narad.broker.idem_claims import CLAIMED, COMMIT, DUPLICATE, FULL, PENDING, RELEASE, ClaimTable
+from narad.broker.idem_claims import CLAIMED, COMMIT, DUPLICATE, FULL, PENDING, RELEASE, ClaimTable, Keys
 from narad.errors import Unavailable
 from narad.storage import frames as FR
 from narad.storage import offsets as OFF
@@ -733,11 +733,20 @@ class Partition:
         else:
             fut.add_done_callback(functools.partial(self._step, coro))
 
-    def _release(self, claimed: list[str]) -> None:
-        """This worker's claims on `claimed` are taken back (their frame failed)."""
-        if claimed and self.claims is not None:
-            ks = self.claims.prepare(claimed)
-            self.claims.settle(self.claims_topic, ks, self.claims_tag, 0, 0, [RELEASE] * len(claimed))
+    def _settle_claims(self, claimed: list[tuple[Keys, list[int] | None]], how: int, ts: int = 0) -> None:
+        """A frame's claims settled: committed at `ts` (its frame is durable), or released
+        (it failed: the keys are free again). One call a batch of the frame."""
+        claims = self.claims
+        if claims is None:
+            return
+        for ks, got in claimed:
+            claims.settle(self.claims_topic, ks, self.claims_tag, ts, self.idem_window_ms,
+                          how if got is None else [how if g == CLAIMED else 0 for g in got])
+
+    def _release(self, claimed: list[tuple[Keys, list[int] | None]]) -> None:
+        """This worker's claims of a failed frame are taken back."""
+        if claimed:
+            self._settle_claims(claimed, RELEASE)
 
     def _defer(self, item: tuple[list[tuple[bytes | None, int, bytes]], asyncio.Future[Committed],
                                  list[str | None] | None]) -> None:
@@ -818,7 +827,7 @@ class Partition:
                 # not durable yet) waits for it, out of this frame (``_defer``).
                 claims = self.claims
                 frame_keys: set[str] = set()  # the keys this frame claimed
-                claimed: list[str] = []
+                claimed: list[tuple[Keys, list[int] | None]] = []  # each batch's keys, and verdicts (None: all claimed)
                 kept_queue: list[tuple[list[tuple[bytes | None, int, bytes]], asyncio.Future[Committed],
                                        list[str | None] | None]] = []
                 try:
@@ -860,12 +869,13 @@ class Partition:
                                 fresh.append(k)
                                 pos.append(j)
                         if fresh:
-                            ks = claims.prepare(fresh)
-                            got, ev = claims.claim(self.claims_topic, ks, [self.index] * len(fresh), ts,
-                                                   self.idem_window_ms, self.claims_tag)
+                            ks, got, ev = claims.prepare_claim(self.claims_topic, fresh, self.index, ts,
+                                                               self.idem_window_ms, self.claims_tag)
                             if ev and self.m_evicted is not None:
                                 self.m_evicted.value += ev
-                            if got.count(CLAIMED) != len(got):
+                            if got.count(CLAIMED) == len(got):
+                                claimed.append((ks, None))
+                            else:
                                 if PENDING in got or FULL in got:
                                     # Another claim holds one of its keys: this batch waits for it.
                                     claims.settle(self.claims_topic, ks, self.claims_tag, 0, 0,
@@ -877,9 +887,8 @@ class Partition:
                                     if g == DUPLICATE:
                                         dl.append(i if pos is None else pos[i])
                                 dl.sort()
-                            for k, g in zip(fresh, got, strict=True):
-                                if g == CLAIMED:
-                                    claimed.append(k)
+                                if CLAIMED in got:
+                                    claimed.append((ks, got))
                             frame_keys.update(fresh)
                         kept_queue.append(item)
                         if dl:
@@ -943,9 +952,7 @@ class Partition:
                     continue
                 base, seg, pos, fsize, rolled = res
                 if claimed:
-                    assert claims is not None
-                    claims.settle(self.claims_topic, claims.prepare(claimed), self.claims_tag, ts,
-                                  self.idem_window_ms, [COMMIT] * len(claimed))
+                    self._settle_claims(claimed, COMMIT, ts)
                 try:
                     self.log.publish(base, seg, pos, fsize, rolled, decoded)
                 except Exception as e:  # the frame is durable; the log state is not to be trusted

@@ -177,11 +177,11 @@ class TopicConfig:
                                "dead-letter topic counts and answers it whatever this says.",
                                "NARAD_TOPIC_DELIVERY_COUNTS")
     idempotent_local_placement: bool = _s(
-        False, "A record with an idempotency key and neither a message key nor a partition, whose key's partition "
-        "is on this node, is committed into a partition of the worker that received it (its key checked in the "
-        "node's claims table) instead of its key's partition: no hop to another worker. Not yet safe with "
-        "partition moves (the keys of such records are not carried): leave false on a cluster that moves "
-        "partitions.", "NARAD_TOPIC_IDEMPOTENT_LOCAL_PLACEMENT")
+        True, "A record with an idempotency key and neither a message key nor a partition, whose key's partition "
+        "is on this node and not moving, is committed into a partition of the worker that received it (its key "
+        "checked in the node's claims table) instead of its key's partition: no spread over partitions, no hop "
+        "to another worker. A partition move carries the keys homed at the moved partition. False: each such "
+        "record goes to its key's partition, as before.", "NARAD_TOPIC_IDEMPOTENT_LOCAL_PLACEMENT")
 
 
 @dataclass(frozen=True)

@@ -34,10 +34,10 @@ ffibuilder.cdef(
     int idem_set_loaded(void *base, uint32_t index);
     int idem_all_loaded(const void *base);
     long idem_claim(void *base, size_t n, const uint64_t *fp, const uint32_t *crc, uint32_t topic,
-                    uint32_t home, uint64_t now, uint64_t window, uint32_t tag, uint8_t *out);
+                    uint32_t home, const uint32_t *homes, uint64_t now, uint64_t window, uint32_t tag, uint8_t *out);
     long idem_prepare_claim(void *base, const char *joined, size_t nbytes, size_t count, const uint32_t *lens,
-                            size_t maxlen, uint32_t topic, uint32_t home, uint64_t now, uint64_t window,
-                            uint32_t tag, uint64_t *fp, uint32_t *crc, uint8_t *out);
+                            size_t maxlen, uint32_t topic, uint32_t home, const uint32_t *homes, uint64_t now,
+                            uint64_t window, uint32_t tag, uint64_t *fp, uint32_t *crc, uint8_t *out);
     long idem_settle(void *base, size_t n, const uint64_t *fp, const uint32_t *crc, uint32_t topic, uint32_t tag,
                      uint64_t committed, uint64_t window, const uint8_t *mask, uint8_t mode);
     long idem_load(void *base, size_t n, const uint64_t *fp, const uint32_t *crc, uint32_t topic,
@@ -46,6 +46,7 @@ ffibuilder.cdef(
     long idem_release_owner(void *base, uint32_t mask, uint32_t value);
     long idem_collect(void *base, uint32_t topic, uint32_t home, uint64_t now, uint64_t *fp, uint32_t *crc,
                       uint64_t *committed, size_t cap, uint64_t *cursor);
+    long idem_pending_home(const void *base, uint32_t topic, uint32_t home);
     void idem_stats(const void *base, uint64_t now, uint64_t *out);
     int group_by_part(const uint32_t *parts, size_t n, uint32_t nparts, uint32_t *perm, uint32_t *starts,
                       uint32_t *nonempty);

@@ -586,6 +586,19 @@ static idem_slot *idem_free_slot(idem_bucket *b, uint64_t now, long *evicted) {
     return oldest;
 }
 
+/* A key's home partition: `home` (or homes[i] when homes is given), unless its high bit
+ * is set: then the key's CRC-32C modulo the rest (the partition a keyless idempotent
+ * record's key hashes to: what a move of that partition must carry). */
+#define IDEM_HOME_BY_KEY 0x80000000u
+static uint32_t idem_home(uint32_t home, const uint32_t *homes, size_t i, uint32_t crc) {
+    uint32_t h = homes != NULL ? homes[i] : home;
+    if (h & IDEM_HOME_BY_KEY) {
+        uint32_t np = h & ~IDEM_HOME_BY_KEY;
+        return np ? crc % np : 0;
+    }
+    return h;
+}
+
 static void idem_fill(idem_slot *s, uint64_t fp, uint32_t crc, uint32_t topic, uint32_t home, uint64_t committed,
                       uint64_t expires, uint32_t owner) {
     __atomic_store_n(&s->owner, 0, __ATOMIC_RELEASE);
@@ -604,7 +617,7 @@ static void idem_fill(idem_slot *s, uint64_t fp, uint32_t crc, uint32_t topic, u
  * included), 3 not claimed: its bucket holds nothing but pending claims. Returns the
  * committed keys evicted to make room, or -1 for a bad tag. */
 long idem_claim(void *base, size_t n, const uint64_t *fp, const uint32_t *crc, uint32_t topic, uint32_t home,
-                uint64_t now, uint64_t window, uint32_t tag, uint8_t *out) {
+                const uint32_t *homes, uint64_t now, uint64_t window, uint32_t tag, uint8_t *out) {
     long evicted = 0;
     if (tag == 0 || tag == IDEM_DONE) {
         return -1;
@@ -625,7 +638,7 @@ long idem_claim(void *base, size_t n, const uint64_t *fp, const uint32_t *crc, u
                 out[i] = 3;
                 __atomic_fetch_add(&((idem_head *)base)->full, 1, __ATOMIC_RELAXED);
             } else {
-                idem_fill(s, fp[i], crc[i], topic, home, 0, 0, tag);
+                idem_fill(s, fp[i], crc[i], topic, idem_home(home, homes, i, crc[i]), 0, 0, tag);
                 out[i] = 0;
             }
         }
@@ -639,13 +652,14 @@ long idem_claim(void *base, size_t n, const uint64_t *fp, const uint32_t *crc, u
 
 /* idem_prepare then idem_claim in one call (the commit path's: one call a batch). */
 long idem_prepare_claim(void *base, const char *joined, size_t nbytes, size_t count, const uint32_t *lens,
-                        size_t maxlen, uint32_t topic, uint32_t home, uint64_t now, uint64_t window, uint32_t tag,
+                        size_t maxlen, uint32_t topic, uint32_t home, const uint32_t *homes, uint64_t now,
+                        uint64_t window, uint32_t tag,
                         uint64_t *fp, uint32_t *crc, uint8_t *out) {
     int rc = idem_prepare(base, joined, nbytes, count, lens, maxlen, fp, crc);
     if (rc != 0) {
         return rc - 10; /* -11, -12: idem_prepare's -1, -2 */
     }
-    return idem_claim(base, count, fp, crc, topic, home, now, window, tag, out);
+    return idem_claim(base, count, fp, crc, topic, home, homes, now, window, tag, out);
 }
 
 /* Settles the claims of `tag` on the keys whose mask[i] is set (every key as `mode`
@@ -702,7 +716,7 @@ long idem_load(void *base, size_t n, const uint64_t *fp, const uint32_t *crc, ui
         } else {
             s = idem_free_slot(b, now, &evicted);
             if (s != NULL) {
-                idem_fill(s, fp[i], crc[i], topic, home[i], committed[i], expires, IDEM_DONE);
+                idem_fill(s, fp[i], crc[i], topic, idem_home(0, home, i, crc[i]), committed[i], expires, IDEM_DONE);
             } else {
                 __atomic_fetch_add(&((idem_head *)base)->full, 1, __ATOMIC_RELAXED);
             }
@@ -802,6 +816,22 @@ long idem_collect(void *base, uint32_t topic, uint32_t home, uint64_t now, uint6
     }
     *cursor = k;
     return (long)got;
+}
+
+/* Pending claims of `topic` whose home partition is `home` (without locks: a moment's view). */
+long idem_pending_home(const void *base, uint32_t topic, uint32_t home) {
+    const idem_head *h = (const idem_head *)base;
+    const idem_bucket *bs = (const idem_bucket *)((const char *)base + sizeof(idem_head));
+    long n = 0;
+    for (uint64_t k = 0; k < h->nbuckets; k++) {
+        for (int w = 0; w < IDEM_WAYS; w++) {
+            uint32_t o = __atomic_load_n(&bs[k].s[w].owner, __ATOMIC_ACQUIRE);
+            if (o != 0 && o != IDEM_DONE && bs[k].s[w].topic == topic && bs[k].s[w].home == home) {
+                n++;
+            }
+        }
+    }
+    return n;
 }
 
 /* Counts without locks (a moment's view): out[0] committed keys holding a slot at `now`,

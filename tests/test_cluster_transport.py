@@ -757,3 +757,26 @@ def test_close_lets_running_handlers_answer_and_refuses_new_requests() -> None:
         sock.close()
 
     run(main())
+
+
+def test_an_array_like_request_an_older_node_lacks_is_named_unsupported() -> None:
+    """A tagged array-like struct whose tag a node does not know (a newer peer's request,
+    e.g. ``MoveClaimsReq``) is answered as an unsupported operation, which a caller may
+    downgrade on, not as a malformed request."""
+    import msgspec as M
+
+    from narad.broker import peers as P
+    from narad.cluster.rpc_frames import undecodable
+
+    body = M.msgpack.encode(P.MoveClaimsReq("t", "id", 1, "tok"))
+    try:
+        M.msgpack.Decoder(P.MoveThawReq | P.MoveFreezeReq).decode(body)
+    except M.DecodeError as e:
+        assert undecodable(body, e) == "unsupported rpc operation MoveClaimsReq"
+    else:
+        raise AssertionError("decoded a type it does not know")
+    bad = M.msgpack.encode([1, 2])
+    try:
+        M.msgpack.Decoder(P.MoveThawReq | P.MoveFreezeReq).decode(bad)
+    except M.DecodeError as e:
+        assert undecodable(bad, e).startswith("undecodable request")

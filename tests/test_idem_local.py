@@ -134,3 +134,58 @@ def test_after_a_kill9_every_workers_keys_are_loaded_at_start(tmp_path: Path) ->
         assert _stored(n, name) == 30
     finally:
         n.close()
+
+
+@pytest.mark.slow
+def test_a_move_carries_the_keys_committed_away_from_their_partition(tmp_path: Path) -> None:
+    """Two nodes take keyed records, each committing a key homed at one of its partitions
+    into a partition of its own; a third node joins and partitions move to it. Every key,
+    retried through every node, is still found (the moves carried the keys homed at the
+    moved partitions, ``idem.carried``), and so after a kill -9 of a source (its start
+    reads the keys of the copies moved aside)."""
+    from tests.harness import Cluster
+    from tests.test_moves_cluster import FAST, moves, owners, spread
+
+    c = Cluster(tmp_path, 3, initial=2, env={**FAST, **ENV})
+    try:
+        c.start()
+        n1 = c["n1"]
+        assert n1.post("/v1/topics", {"name": "lp", "partitions": PARTS}).status == 201
+        for nid in ("n1", "n2"):
+            wait_for(lambda nid=nid: c[nid].get("/v1/topics/lp").status == 200, 20, 0.05, "the topic")
+        before = owners(n1, "lp")
+        keys = [f"m{i}" for i in range(60)]
+        for nid, part in (("n1", keys[:30]), ("n2", keys[30:])):
+            for lo in range(0, 30, 5):  # (batch after batch over the node's partitions)
+                msgs = [{"payload": {"k": k}, "idempotency_key": k} for k in part[lo : lo + 5]]
+                r = c[nid].post("/v1/topics/lp/produce/batch", {"messages": msgs})
+                assert r.status == 202 and r.json() == {"accepted": 5, "duplicates": 0}, r
+        homes = {k: key_partition(k.encode(), PARTS) for k in keys}
+        c.start(["n3"])
+        wait_for(lambda: spread(n1, "lp", c.ids, PARTS), 180, 0.2, "partitions spread over 3 nodes")
+        after = owners(n1, "lp")
+        moved = {p for p in after if after[p] != before[p]}
+        assert moved and any(homes[k] in moved for k in keys), (before, after)
+        msgs = [{"payload": {"k": k}, "idempotency_key": k} for k in keys]
+
+        def all_duplicates(nid: str) -> bool:
+            r = c[nid].post("/v1/topics/lp/produce/batch", {"messages": msgs})
+            assert r.status == 202, r
+            assert r.json() == {"accepted": 60, "duplicates": 60}, (nid, r.json())
+            return True
+
+        for nid in c.ids:
+            wait_for(lambda nid=nid: owners(c[nid], "lp") == after, 20, 0.1, f"{nid} sees the new owners")
+            all_duplicates(nid)
+        sources = {before[p] for p in moved}
+        for src in sorted(sources):
+            c[src].kill9()
+            c[src].start()
+            wait_for(lambda src=src: c[src].get("/v1/topics/lp").status == 200, 30, 0.1, f"{src} back")
+            wait_for(lambda: not moves(n1), 60, 0.2, "no move in flight")
+            for nid in c.ids:
+                all_duplicates(nid)
+        r = n1.get("/v1/topics/lp")
+        assert sum(int(s["high_watermark"]) for s in r.json()["partition_stats"]) == 60
+    finally:
+        c.close()

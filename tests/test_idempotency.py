@@ -30,11 +30,15 @@ from tests.harness import Cluster, Node, Response, wait_for
 
 OCTET = {"Content-Type": "application/octet-stream"}
 PARTS = 3
+HASHED = {"NARAD_TOPIC_IDEMPOTENT_LOCAL_PLACEMENT": "false"}
 
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
-    n = Node(tmp_path_factory.mktemp("idem") / "data", workers=2).start()
+    # Placement by key hash (the rule for a key homed on another node or at a moving
+    # partition, and with topic.idempotent_local_placement off), which several tests here
+    # check; tests/test_idem_local.py runs the default.
+    n = Node(tmp_path_factory.mktemp("idem") / "data", workers=2, env=HASHED).start()
     yield n
     n.close()
 
@@ -923,3 +927,38 @@ def test_a_commit_told_its_records_carry_no_keys_looks_into_no_block(tmp_path: P
     assert p.log.hwm == 10
     assert [p.log.read(i)[3] for i in range(2, 5)] == [r[2] for r in recs]
     assert NO_KEYS == []  # (never appended to)
+
+
+def test_each_key_is_homed_where_a_move_must_carry_it(tmp_path: Path) -> None:
+    """The node's table keeps each committed key's home partition: the one its key hashes
+    to for a record without a message key (wherever it was committed), this partition for
+    one with a message key; the commit and the rebuild from the log agree."""
+    from narad.broker.idem_claims import ClaimTable
+    from tests.test_partition import _partition
+
+    p = _partition(tmp_path, 0)
+    p.claims, p.claims_topic, p.nparts = ClaimTable.private(256), 7, 6
+    keyless = [f"h{i}" for i in range(12)]
+    keyed = [(b"m1", "hk1"), (b"m2", "hk2")]
+    recs = [_rec(k, b"x") for k in keyless] + [(m, FR.F_EXT, FR.pack_ext(FR.Ext(i=k), b"y")) for m, k in keyed]
+
+    async def go() -> Any:
+        p.loop = asyncio.get_running_loop()
+        with ThreadPoolExecutor(1) as ex:
+            return await p.commit(recs, ex)
+
+    assert asyncio.run(go()) == (0, [])
+    now = int(time.time() * 1000)
+
+    def homed(t: ClaimTable, topic: int) -> dict[int, set[int]]:
+        fps = {t.prepare([k]).fp[0]: k for k in keyless + [k for _m, k in keyed]}
+        return {h: {fps[e[0]] for e in t.collect(topic, h, now)} for h in range(6)}
+
+    want: dict[int, set[str]] = {h: set() for h in range(6)}
+    for k in keyless:
+        want[key_partition(k.encode(), 6)].add(k)
+    want[0] |= {"hk1", "hk2"}  # (this partition's index: 0)
+    assert homed(p.claims, 7) == want
+    fresh = ClaimTable.private(256)
+    IDEM.rebuild(p.log, 300_000, now, fresh, 7, 0, 6)
+    assert homed(fresh, 7) == want

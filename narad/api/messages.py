@@ -1187,7 +1187,7 @@ class MessagesAPI:
                     part = keyless
                 else:  # (``key_partition`` of a key, else of an idempotency key, inline: a call less)
                     part = crc32c(key or idem) % nparts  # type: ignore[arg-type]
-                    if key is None and rule is not None and rule[0][part][0] == self.broker.node_id:
+                    if key is None and rule is not None and rule[0][part]:
                         part = rule[1]  # (topic.idempotent_local_placement)
             if key is not None:
                 keyed = True
@@ -1290,10 +1290,14 @@ class MessagesAPI:
         hashed = native_ffi.unpack(out, count)
         rule = self.broker.idem_rule(t)  # (topic.idempotent_local_placement)
         if rule is not None:
-            locs, here, node = rule[0], rule[1], self.broker.node_id
-            for i, h in enumerate(hashed):
-                if locs[h][0] == node:
-                    out[i] = hashed[i] = here
+            home_here, here = rule
+            if all(home_here):  # (every key's partition this node's, none moving: the common case)
+                hashed = [here] * count
+                out[0:count] = hashed
+            else:
+                for i, h in enumerate(hashed):
+                    if home_here[h]:
+                        out[i] = hashed[i] = here
         records: list[tuple[bytes | None, int, bytes]] = []
         for i, m in enumerate(msgs):
             ik = m.idempotency_key

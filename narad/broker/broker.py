@@ -234,11 +234,14 @@ class _Placement:
     """The partitions of a topic this worker owns, and which workers of this node
     and which other nodes own any of them."""
 
-    __slots__ = ("locs", "mine", "mine_set", "nodes", "peers", "workers")
+    __slots__ = ("home_here", "locs", "mine", "mine_set", "nodes", "peers", "workers")
 
     def __init__(self, mine: list[int], workers: list[int], nodes: list[str], index: int,
-                 locs: tuple[tuple[str | None, int], ...]) -> None:
+                 locs: tuple[tuple[str | None, int], ...], home_here: tuple[bool, ...] = ()) -> None:
         self.locs = locs  # partition -> ``Broker.where``'s (owner node, worker)
+        # partition -> owned by this node and not moving: a key homed there may be committed
+        # in any partition of this worker (topic.idempotent_local_placement)
+        self.home_here = home_here
         self.mine = mine
         self.mine_set = frozenset(mine)
         self.workers = workers
@@ -292,7 +295,7 @@ class Broker:
         security: bool = True,
         delivery_counts: bool = True,
         claims: ClaimTable | None = None,
-        idem_local: bool = False,
+        idem_local: bool = True,
     ) -> None:
         self.data_dir = Path(data_dir)
         # The node's idempotency claims table (the supervisor's; a private one without it).
@@ -546,7 +549,9 @@ class Broker:
                         mine.append(i)
                 elif node is not None:
                     nodes.add(node)
-            pl = self._owned_cache[key] = _Placement(mine, sorted(workers), sorted(nodes), self.index, tuple(locs))
+            here = tuple(loc[0] == self.node_id and not self.remote.moving(t, i) for i, loc in enumerate(locs))
+            pl = self._owned_cache[key] = _Placement(mine, sorted(workers), sorted(nodes), self.index, tuple(locs),
+                                                     here)
         return pl
 
     def owned(self, t: TopicRecord) -> list[int]:
@@ -564,19 +569,24 @@ class Broker:
             return [w], []
         return [], ([node] if node is not None else [])
 
-    def idem_rule(self, t: TopicRecord) -> tuple[tuple[tuple[str | None, int], ...], int] | None:
+    def idem_rule(self, t: TopicRecord) -> tuple[tuple[bool, ...], int] | None:
         """With topic.idempotent_local_placement, when this worker owns partitions of `t`:
-        every partition's (owner node, worker), and the partition of this worker a keyless
-        idempotent record whose key's partition is on this node goes to (the keyless
-        rotation's choice); None otherwise (each such record goes to its key's partition).
-        Its key is checked in the node's claims table wherever on the node it is committed;
-        a record whose key's partition is on another node goes there."""
+        for every partition whether a key homed there (hashing to it) may be committed
+        anywhere on this node (it is this node's and has no move target), and the
+        partition of this worker such a keyless idempotent record goes to (the next of this
+        worker's partitions, a call at a time); None otherwise (each such record goes to its key's partition).
+        Its key is checked in the node's claims table wherever on the node it is committed.
+        A key whose partition is another node's, or is moving, goes to that partition: a
+        move's copy of it then carries the key, and the keys committed elsewhere here
+        before the move are carried by the move (``MoveClaimsReq``)."""
         if not self.idem_local:
             return None
         pl = self._placement(t)
-        if not pl.mine:
+        here = [i for i in pl.mine if pl.home_here[i]]  # (not one that is moving: its copy would miss it)
+        if not here:
             return None
-        return pl.locs, self.choose_partition(t, None)
+        # (a batch at a time over this worker's partitions: direct commits move no WAL group on)
+        return pl.home_here, self._rr.pick_among(t.name, here)
 
     def choose_partition(self, topic: TopicRecord, key: bytes | None, idem: bytes | None = None) -> int:
         """A key hashes to its partition (order per key). A keyless message may go
@@ -592,7 +602,7 @@ class Broker:
         if idem is not None:
             h = key_partition(idem, topic.partitions)
             rule = self.idem_rule(topic)
-            if rule is not None and rule[0][h][0] == self.node_id:
+            if rule is not None and rule[0][h]:
                 return rule[1]
             return h
         pl = self._placement(topic)
@@ -759,16 +769,20 @@ class Broker:
                 continue  # (a topic deleted, or recreated since: its keys are not asked for)
             base = self.data_dir / "topics" / dname
             for pname in _list_dirs(base):
-                if not (pname.startswith("p") and pname[1:].isdigit()):
+                # A partition, or one a move took away (renamed aside, kept): the keys of its
+                # records are still this node's to know when their home stayed here.
+                head = pname.split(".moved-", 1)[0]
+                if not (head.startswith("p") and head[1:].isdigit()):
                     continue
-                index = int(pname[1:])
+                index = int(head[1:])
                 d = base / pname
                 if owner_worker(name, index, self.workers) != self.index or not IDEM.needs_rebuild(d):
                     continue
                 plog = PartitionLog(d)
                 try:
                     plog.open()
-                    k, n = IDEM.rebuild(plog, t.idem_window_ms, now_ms, self.claims, topic_tag(t.id), index)
+                    k, n = IDEM.rebuild(plog, t.idem_window_ms, now_ms, self.claims, topic_tag(t.id), index,
+                                        t.partitions)
                 except Exception as e:  # (its keys may then be stored again: said in the log)
                     log.error("idempotency keys of a partition could not be read at start", extra={
                         "topic": name, "partition": index, "err": str(e)})
@@ -778,12 +792,15 @@ class Broker:
                 keys, parts, read = keys + k, parts + 1, read + n
         return keys, parts, read
 
-    def follow_window(self, p: Partition, window_ms: int) -> None:
-        """The topic's idempotency window, as the replica has it now, for `p`'s claims.
+    def follow_window(self, p: Partition, t: TopicRecord) -> None:
+        """The topic's idempotency window (and partition count), as the replica has them
+        now, for `p`'s claims.
         The claims judge a repeat by the window they are given; the keys already in the
         node's table keep their slots by the window they were stored with until a change
         is applied to them (``ClaimTable.rewindow``: once per topic and change at this
         worker, a scan of the table on an I/O thread)."""
+        p.nparts = t.partitions
+        window_ms = t.idem_window_ms
         if p.idem_window_ms == window_ms:
             return
         p.idem_window_ms = window_ms
@@ -810,13 +827,14 @@ class Broker:
         if tgt is not None:
             p.dlq_target, p.dlq_sent = (tgt[0], tgt[1]), tgt[2]
         # Idempotent produce: the keys committed within the window, from the log itself.
-        p.idem_window_ms = topic.idem_window_ms
+        p.idem_window_ms, p.nparts = topic.idem_window_ms, topic.partitions
         p.idem_marked = (d / IDEM.MARKER).exists()
         p.claims, p.claims_topic, p.claims_tag = self.claims, topic_tag(topic.id), self.claims_tag
         if not IDEM.needs_rebuild(d):
             return p  # never a keyed record here: nothing to read
         t0 = time.monotonic()
-        keys, n = IDEM.rebuild(plog, p.idem_window_ms, int(time.time() * 1000), self.claims, p.claims_topic, index)
+        keys, n = IDEM.rebuild(plog, p.idem_window_ms, int(time.time() * 1000), self.claims, p.claims_topic, index,
+                               topic.partitions)
         if keys:
             log.info("idempotency keys rebuilt from the log", extra={
                 "topic": topic.name, "partition": index, "keys": keys, "records_read": n,
@@ -976,7 +994,7 @@ class Broker:
         worker of this node (``CommitReq.ikeys``); without them the commit reads the blocks."""
         t = self._commit_target(topic, topic_id, partition)
         p = await self.partition(t, partition)
-        self.follow_window(p, t.idem_window_ms)  # a PATCH may have changed it
+        self.follow_window(p, t)  # a PATCH may have changed it
         return await p.commit(records, self.commit_rounds, ikeys)
 
     def commit_local_now(self, topic: str, topic_id: str, partition: int,
@@ -990,7 +1008,7 @@ class Broker:
         if p is None or p.topic_id != t.id or p.closed:
             return None
         p.last_used = time.monotonic()
-        self.follow_window(p, t.idem_window_ms)  # a PATCH may have changed it
+        self.follow_window(p, t)  # a PATCH may have changed it
         return p.submit(records, self.commit_rounds, ikeys)
 
     def _commit_target(self, topic: str, topic_id: str, partition: int) -> TopicRecord:
@@ -1210,7 +1228,7 @@ class Broker:
         if failed is not None:
             return failed
         if isinstance(target, Partition):
-            self.follow_window(target, t.idem_window_ms)  # a PATCH may have changed it (as commit_local does)
+            self.follow_window(target, t)  # a PATCH may have changed it (as commit_local does)
             try:
                 return target.submit(records, self.commit_rounds, iks)
             except (OSError, NaradError):
@@ -2442,6 +2460,7 @@ class Broker:
                         (P.MoveChunkReq, at_owner(src.chunk, P.MoveChunkResp)),
                         (P.MoveFreezeReq, at_owner(src.freeze, P.MoveFreezeResp)),
                         (P.MoveThawReq, at_owner(src.thaw, P.MoveFreezeResp)),
+                        (P.MoveClaimsReq, at_owner(src.claims, P.MoveClaimsResp)),
                         (P.MoveVouchReq, at_owner(src.vouch, P.MoveVouchResp)),
                         (P.MoveStatusReq, move_status)):
             s.register(typ, fn)  # type: ignore[arg-type]
@@ -2697,7 +2716,7 @@ class Broker:
         again, and raised, what was held below the new maximum, except what its driver
         sent to a dead-letter topic still there (``deadletter.finish_keep``). The idempotency
         window follows too (``follow_window``)."""
-        self.follow_window(p, t.idem_window_ms)
+        self.follow_window(p, t)
         if p.follow_max(t.max_deliveries if t.dead_letter_topic else 0, DL.finish_keep(self.store, p)):
             self._on_released(p)
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from narad.broker.idem_claims import ClaimTable
+from narad.broker.idem_claims import ClaimTable, by_key
 from narad.storage import fileio
 from narad.storage import frames as FR
 from narad.storage import transfer as TR
@@ -43,8 +43,25 @@ MARKER = "idem.marker"  # in a partition directory: a keyed record may have been
 
 
 def needs_rebuild(d: Path) -> bool:
-    """Whether the partition in `d` may hold records with an idempotency key."""
-    return (d / MARKER).exists() or (d / TR.MARKER_FILE).exists()
+    """Whether the partition in `d` may hold records with an idempotency key (or keys a
+    move carried)."""
+    return (d / MARKER).exists() or (d / TR.MARKER_FILE).exists() or (d / TR.CARRIED_FILE).exists()
+
+
+def load_carried(d: Path, claims: ClaimTable, topic: int, index: int, now_ms: int) -> int:
+    """The keys a move carried into `d` (``idem.carried``: committed on the source node in
+    other partitions, homed at this one) into the node's claims table; the file is
+    removed once none of them is within its window. Returns the keys loaded."""
+    got = TR.read_carried(d)
+    if got is None:
+        return 0
+    window_ms, keys = got
+    live = [k for k in keys if k[2] + window_ms > now_ms]
+    if not live:
+        TR.remove_carried(d)
+        return 0
+    claims.load_raw(topic, index, live, window_ms, now_ms)
+    return len(live)
 
 
 def mark(d: Path) -> None:
@@ -73,10 +90,14 @@ def key_of(flags: int, payload: bytes) -> str | None:
 
 
 def rebuild(plog: PartitionLog, window_ms: int, now_ms: int, claims: ClaimTable, topic: int,
-            index: int) -> tuple[int, int]:
+            index: int, partitions: int = 0) -> tuple[int, int]:
     """The keys of the log's records committed within the window before `now_ms`, into
     the node's claims table, each until its commit plus the window (I/O thread, at open).
-    Returns the keys loaded and the records read."""
+    Each key's home: this partition for a record with a message key, else the partition
+    its key hashes to over `partitions`. Returns the keys loaded and the records read.
+    The keys a move carried here (``load_carried``) are loaded too."""
+    bk = by_key(partitions)
+    carried = load_carried(plog.dir, claims, topic, index, now_ms)
     cutoff = now_ms - window_ms
     start = plog.oldest
     for seg in reversed(plog.segments):
@@ -102,15 +123,17 @@ def rebuild(plog: PartitionLog, window_ms: int, now_ms: int, claims: ClaimTable,
             break
         keys: list[str] = []
         stamps: list[int] = []
-        for _key, ts, flags, payload in got.records:
+        homes: list[int] = []
+        for mkey, ts, flags, payload in got.records:
             if ts >= cutoff and flags & FR.F_EXT:
                 k = key_of(flags, payload)
                 if k is not None:
                     keys.append(k)
                     stamps.append(ts)
+                    homes.append(bk if mkey is None else index)
         if keys:
-            claims.load(topic, claims.prepare(keys), [index] * len(keys), stamps, window_ms, now_ms)
+            claims.load(topic, claims.prepare(keys), homes, stamps, window_ms, now_ms)
             loaded += len(keys)
         read += len(got.records)
         off = got.next_offset
-    return loaded, read
+    return loaded + carried, read

@@ -43,6 +43,12 @@ BUCKET_BYTES = 256
 MAX_KEY_BYTES = 1 << 30  # (the API takes 1 to 128 bytes; a record's block may hold any: all are keys here)
 
 CLAIMED, DUPLICATE, PENDING, FULL = 0, 1, 2, 3
+HOME_BY_KEY = 0x80000000  # a home of ``HOME_BY_KEY | partitions``: the key's CRC-32C modulo the partitions
+
+
+def by_key(partitions: int) -> int:
+    """The home of a key placed by its own hash over `partitions` (a keyless idempotent record)."""
+    return HOME_BY_KEY | partitions
 COMMIT, RELEASE = 1, 2
 
 
@@ -144,12 +150,14 @@ class ClaimTable:
         return Keys(n, fp, crc)
 
     def prepare_claim(self, topic: int, keys: Sequence[str], home: int, now_ms: int, window_ms: int,
-                      tag: int) -> tuple[Keys, list[int], int]:
-        """``prepare`` then ``claim``, in one call: (the keys, each one's verdict, evicted)."""
+                      tag: int, homes: Sequence[int] | None = None) -> tuple[Keys, list[int], int]:
+        """``prepare`` then ``claim``, in one call: (the keys, each one's verdict, evicted).
+        `home`: every key's home partition, or ``by_key(partitions)``; `homes`: each key's."""
         n = len(keys)
         fp, crc, out = ffi.new("uint64_t[]", n), ffi.new("uint32_t[]", n), ffi.new("uint8_t[]", n)
         joined, lens = _joined(keys)
-        ev = lib.idem_prepare_claim(self._base, joined, len(joined), n, lens, MAX_KEY_BYTES, topic, home, now_ms,
+        hs = ffi.NULL if homes is None else ffi.new("uint32_t[]", list(homes))
+        ev = lib.idem_prepare_claim(self._base, joined, len(joined), n, lens, MAX_KEY_BYTES, topic, home, hs, now_ms,
                                     window_ms, tag, fp, crc, out)
         if ev < 0:
             raise BadKeys("an idempotency key longer than 1 GiB") if ev < -10 else ValueError(f"bad tag {tag}")
@@ -169,7 +177,8 @@ class ClaimTable:
         now: (each key's verdict, CLAIMED DUPLICATE PENDING or FULL; the committed keys
         evicted to make room)."""
         out = ffi.new("uint8_t[]", keys.count)
-        ev = lib.idem_claim(self._base, keys.count, keys.fp, keys.crc, topic, home, now_ms, window_ms, tag, out)
+        ev = lib.idem_claim(self._base, keys.count, keys.fp, keys.crc, topic, home, ffi.NULL, now_ms, window_ms, tag,
+                            out)
         if ev < 0:
             raise ValueError(f"bad claimer tag {tag}")
         return list(ffi.unpack(out, keys.count)), ev
@@ -186,7 +195,8 @@ class ClaimTable:
 
     def load(self, topic: int, keys: Keys, homes: Sequence[int], committed_ms: Sequence[int], window_ms: int,
              now_ms: int) -> int:
-        """Records keys found committed (at committed_ms[i]); returns the keys evicted."""
+        """Records keys found committed (at committed_ms[i]), homed at homes[i] (a partition or
+        ``by_key(partitions)``); returns the keys evicted."""
         home = ffi.new("uint32_t[]", list(homes))
         at = ffi.new("uint64_t[]", list(committed_ms))
         return lib.idem_load(self._base, keys.count, keys.fp, keys.crc, topic, home, at, window_ms, now_ms)
@@ -210,6 +220,10 @@ class ClaimTable:
             got = lib.idem_collect(self._base, topic, home, now_ms, fp, crc, at, cap, cursor)
             out.extend(zip(ffi.unpack(fp, got), ffi.unpack(crc, got), ffi.unpack(at, got), strict=True))
         return out
+
+    def pending_homed(self, topic: int, home: int) -> int:
+        """Claims of `topic` homed at `home` whose commit is not settled (a scan)."""
+        return lib.idem_pending_home(self._base, topic, home)
 
     def load_raw(self, topic: int, home: int, entries: Sequence[tuple[int, int, int]], window_ms: int,
                  now_ms: int) -> int:

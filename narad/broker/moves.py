@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from narad import metrics
-from narad.errors import Conflict, NaradError, NotFound, Unavailable
+from narad.errors import BadRequest, Conflict, NaradError, NotFound, Unavailable
 from narad.meta import requests as Q
 from narad.meta import versions as V
 from narad.meta.records import TopicRecord
@@ -62,6 +62,7 @@ from narad.storage import transfer as TR
 
 from . import peers as P
 from .fanout import partition_dir
+from .idem_claims import topic_tag
 from .partition import MAX_REASON_CHARS, Partition, rfc3339_ms
 
 log = logging.getLogger("narad.broker.moves")
@@ -78,6 +79,7 @@ AMBIGUITY_WAIT = 15.0  # an install is undone only by a leader read this long af
 RPC_TIMEOUT = 10.0
 MAX_FINALIZE_PASSES = 200
 COPY_WINDOW = 4  # chunk requests in flight per move (1 MiB each)
+CLAIMS_SETTLE_S = 5.0  # the source waits this long (at most) for pending claims homed at the partition
 FORCE_AFTER = float(os.environ.get("NARAD_MOVE_FORCE_AFTER_MS", "120000")) / 1000.0  # a dead source's partition
 SWEEP_EVERY = float(os.environ.get("NARAD_MOVE_SWEEP_MS", "30000")) / 1000.0  # the stale-copy sweep
 _SOURCE_DOWN = (OSError, TimeoutError, Unavailable)
@@ -164,6 +166,16 @@ def _stale_candidates(root: Path) -> list[tuple[str, str, int, Path, bool]]:
                 continue  # staging and quarantine directories (of a moved-aside copy too) are not stale copies
             out.append((name, tid, int(head[1:]), root / tname / sub, bool(dot)))
     return out
+
+
+def _keys_in_window(d: Path, window_ms: int) -> bool:
+    """Whether a moved-aside copy may hold idempotency keys still within their window: it
+    had keyed records, and a segment was written to less than a window ago. Such a copy is
+    kept (the node's start reads its keys back: their home may be here)."""
+    if not (d / "idem.marker").exists():
+        return False
+    newest = max((e.stat().st_mtime for e in os.scandir(d) if e.name.endswith(".log")), default=0.0)
+    return (newest * 1000 + window_ms) > time.time() * 1000
 
 
 def _remove_tree(d: Path) -> None:
@@ -270,6 +282,29 @@ class MoveSource:
         return P.MoveFreezeResp(p.freeze_token or "", hwm, frontier, ahead, cursors,
                                 [(s.base, s.size, s.mtime_ms) for s in segs], int(time.time() * 1000), counts,
                                 reasons, sorted(p.held_marks()), *_sent(p))
+
+    async def claims(self, m: P.MoveClaimsReq) -> P.MoveClaimsResp:
+        """The idempotency keys homed at the partition that this node committed anywhere
+        (its records in other partitions: topic.idempotent_local_placement), under the
+        move's live freeze: no new key homed there is claimed here meanwhile (the
+        partition is frozen, and a key homed at a partition with a move target goes to that
+        partition, not elsewhere); the claims still pending are waited for first (at most
+        CLAIMS_SETTLE_S, then 503: the destination asks again)."""
+        t = self._owned_here(m.topic, m.topic_id, m.partition)
+        p = await self.b.partition(t, m.partition)
+        if not m.token or p.freeze_token != m.token or not p.frozen():
+            raise Conflict(f"the freeze of partition {m.partition} of {t.name} lapsed (or the source "
+                           "restarted): commits may have landed behind the copy", code="freeze_lapsed")
+        claims, tag = self.b.claims, topic_tag(t.id)
+        loop = self.b.loop
+        end = time.monotonic() + CLAIMS_SETTLE_S
+        while await loop.run_in_executor(self.b.io, claims.pending_homed, tag, m.partition):
+            if time.monotonic() >= end:
+                raise Unavailable(f"idempotency claims homed at partition {m.partition} of {t.name} are still "
+                                  "pending; ask again")
+            await asyncio.sleep(0.01)
+        keys = await loop.run_in_executor(self.b.io, claims.collect, tag, m.partition, int(time.time() * 1000))
+        return P.MoveClaimsResp(t.idem_window_ms, keys)
 
     async def thaw(self, m: P.MoveThawReq) -> P.MoveFreezeResp:
         p = self.b.partitions.get((m.topic, m.partition))
@@ -398,6 +433,8 @@ class MoveRunner:
                 continue  # the owner does not answer: ask again next sweep
             if not v.owns:
                 continue
+            if moved and await self._io(_keys_in_window, d, t.idem_window_ms):
+                continue  # its idempotency keys are still within their window (read at this node's start)
             local_hwm, _segs = await self._io(TR.list_closed, d)
             mk = v.marker
             mk_hwm = mk.get("hwm")
@@ -644,6 +681,15 @@ class MoveRunner:
                     continue  # commits landed before the freeze took: copy them too
                 break
             self._check(mv)
+            # The idempotency keys homed here that the source committed elsewhere: kept with
+            # the copy (``idem.carried``) and in this node's table before the flip.
+            try:
+                cl = await self._call(mv, P.MoveClaimsReq(name, mv.topic_id, part, mv.token), P.MoveClaimsResp)
+            except BadRequest as e:
+                if "unsupported rpc operation MoveClaimsReq" not in str(e):
+                    raise
+                cl = P.MoveClaimsResp(0, [])  # an older source: it commits no key away from its partition
+            carried = TR.encode_carried(cl.window_ms, cl.keys) if cl.keys else None
             self.b.forget_partition(name, part, mv.topic_id)
             src_now = fz.now_ms or int(time.time() * 1000)
             skew = int(time.time() * 1000) - src_now
@@ -653,7 +699,12 @@ class MoveRunner:
             qdir = await self._io(st.install, hwm=hwm, frontier=fz.frontier, ahead=list(fz.ahead),
                                   cursors={c: (e, n) for c, e, n in fz.cursors}, marker=marker, seg_mtimes=mtimes,
                                   counts=dict(fz.counts), reasons=_reasons(fz.reasons), dead=fz.dead,
-                                  dlq=_dlq(fz))
+                                  dlq=_dlq(fz), carried=carried)
+            if cl.keys:
+                await self._io(self.b.claims.load_raw, topic_tag(mv.topic_id), part, cl.keys, cl.window_ms,
+                               int(time.time() * 1000))
+                log.info("idempotency keys carried by the move", extra={"topic": name, "partition": part,
+                                                                       "keys": len(cl.keys)})
             if qdir is not None:
                 log.error("an older copy of the partition was in the way of the install; quarantined",
                           extra={"topic": name, "partition": part, "dir": str(qdir)})

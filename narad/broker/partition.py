@@ -97,7 +97,7 @@ from typing import Any
 from narad import metrics
 from narad.broker.idem import key_of
 from narad.broker.idem import mark as idem_mark
-from narad.broker.idem_claims import CLAIMED, COMMIT, DUPLICATE, FULL, PENDING, RELEASE, ClaimTable, Keys
+from narad.broker.idem_claims import CLAIMED, COMMIT, DUPLICATE, FULL, PENDING, RELEASE, ClaimTable, Keys, by_key
 from narad.errors import Unavailable
 from narad.storage import frames as FR
 from narad.storage import offsets as OFF
@@ -111,6 +111,7 @@ log = logging.getLogger("narad.broker.partition")
 
 MAX_COMBINED_BYTES = 16 << 20
 _BODY = itemgetter(2)  # a (key, flags, payload) record's payload
+_MKEY = itemgetter(0)  # ... and its message key
 # ``submit``'s `ikeys` for records that carry no idempotency key (a keyless produce's direct
 # commit): laid out without looking into their blocks. Compared by identity; never mutated.
 NO_KEYS: list[str | None] = []
@@ -222,6 +223,7 @@ class Partition:
         self.claims: ClaimTable | None = None
         self.claims_topic = 0
         self.claims_tag = 1
+        self.nparts = 1  # the topic's partitions (the broker sets it): a keyless key's home is its hash over them
         self._defer_until: dict[asyncio.Future[Committed], float] = {}
         self._executor: Runner | None = None
         self.age_at: tuple[int, int] = (-1, 0)  # (offset, committed-at ms) of the last oldest-unacked read
@@ -869,8 +871,15 @@ class Partition:
                                 fresh.append(k)
                                 pos.append(j)
                         if fresh:
-                            ks, got, ev = claims.prepare_claim(self.claims_topic, fresh, self.index, ts,
-                                                               self.idem_window_ms, self.claims_tag)
+                            # Each key's home: the partition its key hashes to for a record without a
+                            # message key (a move of that partition carries it), else this one.
+                            bk = by_key(self.nparts)
+                            homes: list[int] | None = None
+                            if any(map(_MKEY, batch)):
+                                homes = [self.index if batch[j][0] is not None else bk
+                                         for j in (range(len(batch)) if pos is None else pos)]
+                            ks, got, ev = claims.prepare_claim(self.claims_topic, fresh, bk, ts,
+                                                               self.idem_window_ms, self.claims_tag, homes)
                             if ev and self.m_evicted is not None:
                                 self.m_evicted.value += ev
                             if got.count(CLAIMED) == len(got):

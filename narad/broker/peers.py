@@ -276,6 +276,23 @@ class MoveFreezeResp(msgspec.Struct, array_like=True):
     dlq_sent: list[int] = []
 
 
+class MoveClaimsReq(msgspec.Struct, tag=True, array_like=True):
+    """Under a live freeze (its token): the idempotency keys committed on the source node
+    whose home is the partition (``ClaimTable.collect``: records the source committed
+    into other partitions of its own, topic.idempotent_local_placement), once no claim
+    homed there is pending. The destination keeps them with its copy."""
+
+    topic: str
+    topic_id: str
+    partition: int
+    token: str
+
+
+class MoveClaimsResp(msgspec.Struct, array_like=True):
+    window_ms: int
+    keys: list[tuple[int, int, int]] = []  # (fingerprint, CRC-32C, committed-at ms)
+
+
 class MoveThawReq(msgspec.Struct, tag=True, array_like=True):
     """An abandoned move: lift its freeze now (instead of at its TTL)."""
 
@@ -303,6 +320,10 @@ class Remote(Protocol):
         """The node owning the partition (assignments), None when unassigned."""
         ...
 
+    def moving(self, topic: Any, partition: int) -> bool:
+        """Whether the partition has a move target (a move may be under way)."""
+        ...
+
     def node_alive(self, node_id: str) -> bool: ...
 
     async def call(self, node_id: str, msg: Any, resp_type: type[T], timeout: float) -> T: ...
@@ -318,6 +339,9 @@ class SingleNode:
 
     def owner_node(self, topic: Any, partition: int) -> str | None:
         return self.node_id
+
+    def moving(self, topic: Any, partition: int) -> bool:
+        return False
 
     def node_alive(self, node_id: str) -> bool:
         return node_id == self.node_id

@@ -41,6 +41,10 @@ class ClusterRemote:
             return None
         return a.owner
 
+    def moving(self, topic: TopicRecord, partition: int) -> bool:
+        a = self.store.assignments(topic.name).get(partition)
+        return a is not None and a.topic_id == topic.id and a.target is not None and a.target != a.owner
+
     def node_alive(self, node_id: str) -> bool:
         if node_id == self.node_id:
             return True

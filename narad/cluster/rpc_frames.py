@@ -65,9 +65,11 @@ def decode_error(body: bytes) -> NaradError:
 def undecodable(body: bytes, err: msgspec.DecodeError) -> str:
     """Why a request body could not be decoded: an unknown struct tag is an operation this
     node does not serve (callers may downgrade); anything else is a malformed request."""
-    if "`$.type`" in str(err):
-        try:
-            tag = msgspec.msgpack.decode(body).get("type")
+    where = str(err)
+    if "`$.type`" in where or (where.startswith("Invalid value") and where.endswith("at `$[0]`")):
+        try:  # (a map's "type", or an array-like struct's first element)
+            doc = msgspec.msgpack.decode(body)
+            tag = doc.get("type") if isinstance(doc, dict) else doc[0] if isinstance(doc, list) and doc else None
         except Exception:
             tag = None
         if isinstance(tag, str):

@@ -40,6 +40,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -56,12 +57,15 @@ from narad.storage import frames as FR
 from narad.storage import partition_log as PL
 from narad.storage.offsets import OffsetFile
 
+log = logging.getLogger("narad.storage.transfer")
+
 CHUNK_MAX = 1 << 20
 # No segment file grows past this: a commit that would overflow a non-empty segment rolls.
 MAX_SEGMENT_BYTES = max(PL.SEGMENT_BYTES, FR.HEADER_SIZE + FR.MAX_FRAME_BYTES)
 FUTURE_SLACK_MS = 3600 * 1000  # a source segment time further ahead than this is not believed
 STATE_FILE = "staging.state"
 MARKER_FILE = "move.marker"
+CARRIED_FILE = "idem.carried"  # idempotency keys a move carried (``write_carried``)
 FREEZE_FILE = "freeze.marker"  # a source's move freeze: {"token", "until_ms"} (wall clock), durable
 _SEG_RE = re.compile(r"^(\d{20})\.log$")
 _KIND_RE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
@@ -493,7 +497,8 @@ class Staging:
     def install(self, *, hwm: int, frontier: int, ahead: list[int], cursors: dict[str, tuple[str, int]],
                 marker: dict[str, object], seg_mtimes: dict[int, int],
                 counts: dict[int, int] | None = None, reasons: dict[int, str] | None = None,
-                dead: list[int] | None = None, dlq: tuple[str, str, list[int]] | None = None) -> Path | None:
+                dead: list[int] | None = None, dlq: tuple[str, str, list[int]] | None = None,
+                carried: bytes | None = None) -> Path | None:
         """Write positions (clamped below `hwm`), the hwm file, segment ages and
         move.marker, make everything durable, then rename the staging directory to
         the partition directory. Returns where an existing directory holding records
@@ -506,7 +511,9 @@ class Staging:
         has no room for all (a held record whose count were dropped would be
         delivered again here); `dlq`: the source's ``dead_letter.target`` (the
         dead-letter topic's name and id, the offsets sent there), written here too, so
-        a lift here does not release a record whose copy may be there."""
+        a lift here does not release a record whose copy may be there; `carried`: the
+        idempotency keys homed at this partition that the source node committed in other
+        partitions (``encode_carried``), written as ``idem.carried``."""
         # Everything that can be refused is refused before anything is written.
         if self._verified is None or self._verified != hwm:
             raise ValueError(f"the staged copy was not verified at hwm {hwm} (call verify(hwm) first)")
@@ -527,7 +534,8 @@ class Staging:
             # Leftovers of an interrupted install: every one is written again below.
             for e in list(os.scandir(d)):
                 n = e.name
-                if n in ("hwm", "consumer.ahead", "consumer.offset", MARKER_FILE, DT.FILE) or n.endswith(".tmp") or (
+                if n in ("hwm", "consumer.ahead", "consumer.offset", MARKER_FILE, DT.FILE, CARRIED_FILE) or \
+                        n.endswith(".tmp") or (
                         n.startswith("fanout-") and n.endswith(".offset")):
                     os.unlink(e.path)
             self._durable()
@@ -544,6 +552,8 @@ class Staging:
             _write_file_durable(d, "hwm", PL._U64.pack(hwm))
             if dlq is not None:
                 DT.write(d, *dlq)
+            if carried is not None:
+                _write_file_durable(d, CARRIED_FILE, carried)
             fileio.fsync_dir(d)
             doc = dict(marker)
             doc["hwm"] = hwm
@@ -633,6 +643,31 @@ def quarantined(topics_root: Path) -> list[tuple[str, str, int, Path, int, int]]
             out.append((m.group(2), topic, int(m.group(1)), Path(path), _tree_bytes(Path(path)), mtime))
     out.sort(key=lambda r: (r[1], r[2], r[3].name))
     return out
+
+
+def encode_carried(window_ms: int, keys: list[tuple[int, int, int]]) -> bytes:
+    """``idem.carried``'s bytes: the topic's window and each key's (fingerprint, CRC-32C,
+    committed-at ms), MessagePack."""
+    return msgspec.msgpack.encode([window_ms, keys])
+
+
+def read_carried(d: Path) -> tuple[int, list[tuple[int, int, int]]] | None:
+    """``idem.carried`` of `d` (None: none, or unreadable: logged)."""
+    try:
+        raw = (Path(d) / CARRIED_FILE).read_bytes()
+    except FileNotFoundError:
+        return None
+    try:
+        window_ms, keys = msgspec.msgpack.decode(raw, type=tuple[int, list[tuple[int, int, int]]])
+    except (msgspec.DecodeError, ValueError, TypeError) as e:
+        log.error("idem.carried does not decode; its keys are not loaded", extra={"dir": str(d), "err": str(e)})
+        return None
+    return window_ms, keys
+
+
+def remove_carried(d: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        (Path(d) / CARRIED_FILE).unlink()
 
 
 def read_marker(d: Path) -> dict[str, object] | None:

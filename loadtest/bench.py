@@ -200,14 +200,15 @@ FEATURE_HEADERS = {"traceparent": TRACEPARENT, "tenant": "acme"}
 # each batched message's payload longer by what "headers" adds to its JSON (a control for size);
 # "nodc": delivery counts off (the node's NARAD_TOPIC_DELIVERY_COUNTS=false: consume answers without
 # delivery_count, no lease counted), the one feature on in the plain runs: its figure is minus the
-# counts' cost. "idemlocal": "idem" on a node with topic.idempotent_local_placement (its keys checked in
-# the node's claims table where the receiving worker commits them: no spread, no hop).
+# counts' cost. "idemlocal": "idem" on a node with topic.idempotent_local_placement on (the default: its
+# keys checked in the node's claims table where the receiving worker commits them, no spread, no hop);
+# "idemhash": "idem" with it off (each record committed at its key's partition, as before 2026-12-07).
 # "vis": every consume sets its lease length (``visibility=30s``, the topic's own); "retry": every
 # message given back (a batch nack) at its first delivery and acked at its second (the redelivery and
 # its count); "retrydelay": the same nack with ``"delay":"20ms"`` (its cost against "retry" is the
 # delay's own: the due-time heap). The retry features are batched full-flow shapes only.
-FEATURES = ("headers", "dlq", "idem", "idem1s", "idem1p", "idemlocal", "key", "same", "bytes", "vis", "retry",
-            "retrydelay", "nodc")
+FEATURES = ("headers", "dlq", "idem", "idem1s", "idem1p", "idemlocal", "idemhash", "key", "same", "bytes", "vis",
+            "retry", "retrydelay", "nodc")
 RETRY_FEATURES = ("retry", "retrydelay")
 RETRY_DELAY = "20ms"
 DLQ_TOPIC = "bench-dlq"
@@ -267,7 +268,7 @@ class Requests:
             self._extra = b',"headers":' + msgspec.json.encode(FEATURE_HEADERS)
         hdr_len = len(b',"headers":' + msgspec.json.encode(FEATURE_HEADERS))
         self._pad_more = b"y" * hdr_len if feature == "bytes" else b""
-        if feature in ("idem1s", "idemlocal"):
+        if feature in ("idem1s", "idemlocal", "idemhash"):
             feature = self.feature = "idem"  # (the same requests; only the topic or the node differs)
         self.one_part = feature == "idem1p"
         if self.one_part:
@@ -778,8 +779,8 @@ def run(sc: Scenario, profile_dir: Path | None, profile_which: str = "flow", pro
         env["NARAD_WORKER_CPROFILE"] = res.cprofile
     if sc.feature == "nodc":  # delivery counts off: the plain runs' requests on such a node
         env["NARAD_TOPIC_DELIVERY_COUNTS"] = "false"
-    if sc.feature == "idemlocal":  # idempotency keys committed where they are received
-        env["NARAD_TOPIC_IDEMPOTENT_LOCAL_PLACEMENT"] = "true"
+    if sc.feature in ("idemlocal", "idemhash"):  # idempotency keys committed where received, or by key
+        env["NARAD_TOPIC_IDEMPOTENT_LOCAL_PLACEMENT"] = "true" if sc.feature == "idemlocal" else "false"
     if OPCOUNT_DIR is not None:
         res.opcount = str(OPCOUNT_DIR / f"{sc.name.replace(' ', '_')}-w{sc.workers}-{next(_cprofile_runs)}")
         env["NARAD_WORKER_OPCOUNT"] = res.opcount

@@ -1,12 +1,13 @@
 """The node's idempotency claims: one shared-memory table every worker of a node maps.
 
-Issue 14's idempotent produce checks a key where its record is committed. Today that
-is a partition's own table (``narad.broker.idem``), which is why a batch of keyed
-records is spread over the partitions by key and sent to the workers that own them.
-This table is the node-wide alternative being built: with it, the worker that
-received a keyless idempotent record can claim its key for the whole node and commit
-it into a partition of its own, with no hop to another worker (docs/architecture.md,
-"The node's idempotency claims"). Not used by the produce path yet.
+Issue 14's idempotent produce checks a key where its record is committed, against this
+table: the keys committed anywhere on the node, so the worker that received a keyless
+idempotent record can claim its key for the whole node and commit it into a partition
+of its own, with no hop to another worker (topic.idempotent_local_placement;
+docs/architecture.md, "Idempotent produce"). The commit cycle claims and settles
+(``narad.broker.partition``); each worker loads its partitions' keys at start and a
+partition's at open (``narad.broker.idem``); a move carries the keys homed at the moved
+partition (``collect``, ``load_raw``; ``narad.broker.moves``).
 
 The table (native/narad_native.c, ``idem_*``) holds, per key: a 64-bit fingerprint
 (FNV-1a from a fixed seed, mixed; computed in C from the key's UTF-8, so every process

@@ -729,66 +729,62 @@ long idem_load(void *base, size_t n, const uint64_t *fp, const uint32_t *crc, ui
     return evicted;
 }
 
-/* A topic's window changed: each of its committed keys holds a slot until its commit plus
- * `window` from now on (a claim judges by the window it is given already). Returns how
- * many keys of the topic there were. */
-long idem_rewindow(void *base, uint32_t topic, uint64_t window) {
+/* The whole-table sweeps: IDEM_SWEEP_WINDOW (the committed keys of topic `a`: each holds
+ * its slot until its commit plus `v`) and IDEM_SWEEP_RELEASE (the pending claims whose
+ * owner & `a` == `b`: emptied). A bucket without a matching slot is passed over without
+ * its lock (a moment's view: a slot that comes to match meanwhile is a later event).
+ * Returns the slots acted on. */
+#define IDEM_SWEEP_WINDOW 0
+#define IDEM_SWEEP_RELEASE 1
+static int idem_sweep_match(uint32_t owner, const idem_slot *s, int kind, uint32_t a, uint32_t b) {
+    if (kind == IDEM_SWEEP_WINDOW) {
+        return owner == IDEM_DONE && s->topic == a;
+    }
+    return owner != 0 && owner != IDEM_DONE && (owner & a) == b;
+}
+
+static long idem_sweep(void *base, int kind, uint32_t a, uint32_t b, uint64_t v) {
     idem_head *h = (idem_head *)base;
     idem_bucket *bs = (idem_bucket *)((char *)base + sizeof(idem_head));
     long done = 0;
     for (uint64_t k = 0; k < h->nbuckets; k++) {
-        idem_bucket *b = &bs[k];
+        idem_bucket *bk = &bs[k];
         int any = 0;
-        for (int w = 0; w < IDEM_WAYS; w++) {
-            if (__atomic_load_n(&b->s[w].owner, __ATOMIC_ACQUIRE) == IDEM_DONE && b->s[w].topic == topic) {
-                any = 1;
-            }
+        for (int w = 0; w < IDEM_WAYS && !any; w++) {
+            any = idem_sweep_match(__atomic_load_n(&bk->s[w].owner, __ATOMIC_ACQUIRE), &bk->s[w], kind, a, b);
         }
         if (!any) {
             continue;
         }
-        idem_lock(base, b);
+        idem_lock(base, bk);
         for (int w = 0; w < IDEM_WAYS; w++) {
-            idem_slot *s = &b->s[w];
-            if (s->owner == IDEM_DONE && s->topic == topic) {
-                s->expires = s->committed + window;
-                done++;
+            idem_slot *s = &bk->s[w];
+            if (!idem_sweep_match(s->owner, s, kind, a, b)) {
+                continue;
             }
+            if (kind == IDEM_SWEEP_WINDOW) {
+                s->expires = s->committed + v;
+            } else {
+                __atomic_store_n(&s->owner, 0, __ATOMIC_RELEASE);
+            }
+            done++;
         }
-        idem_unlock(b);
+        idem_unlock(bk);
     }
     return done;
+}
+
+/* A topic's window changed: each of its committed keys holds a slot until its commit plus
+ * `window` from now on (a claim judges by the window it is given already). Returns how
+ * many keys of the topic there were. */
+long idem_rewindow(void *base, uint32_t topic, uint64_t window) {
+    return idem_sweep(base, IDEM_SWEEP_WINDOW, topic, 0, window);
 }
 
 /* Empties every pending claim whose owner & mask == value (a dead claimer's). Returns
  * how many. */
 long idem_release_owner(void *base, uint32_t mask, uint32_t value) {
-    idem_head *h = (idem_head *)base;
-    long done = 0;
-    idem_bucket *bs = (idem_bucket *)((char *)base + sizeof(idem_head));
-    for (uint64_t k = 0; k < h->nbuckets; k++) {
-        idem_bucket *b = &bs[k];
-        int any = 0;
-        for (int w = 0; w < IDEM_WAYS; w++) {
-            uint32_t o = __atomic_load_n(&b->s[w].owner, __ATOMIC_ACQUIRE);
-            if (o != 0 && o != IDEM_DONE && (o & mask) == value) {
-                any = 1;
-            }
-        }
-        if (!any) {
-            continue;
-        }
-        idem_lock(base, b);
-        for (int w = 0; w < IDEM_WAYS; w++) {
-            idem_slot *s = &b->s[w];
-            if (s->owner != 0 && s->owner != IDEM_DONE && (s->owner & mask) == value) {
-                __atomic_store_n(&s->owner, 0, __ATOMIC_RELEASE);
-                done++;
-            }
-        }
-        idem_unlock(b);
-    }
-    return done;
+    return idem_sweep(base, IDEM_SWEEP_RELEASE, mask, value, 0);
 }
 
 /* The committed keys of `topic` whose home partition is `home` and which hold a slot at

@@ -392,7 +392,7 @@ int crc32c_hardware(void) {
 #include <sched.h>
 #include <sys/syscall.h>
 
-#define IDEM_MAGIC 0x4E49444D43540003ULL /* "NIDMCT" + layout version 3 */
+#define IDEM_MAGIC 0x4E49444D43540004ULL /* "NIDMCT" + layout version 4 (two buckets a key) */
 #define IDEM_WAYS 6
 #define IDEM_DONE 0xFFFFFFFFu
 
@@ -520,9 +520,40 @@ int idem_prepare(const void *base, const char *joined, size_t n, size_t count, c
     return start == n ? 0 : -1;
 }
 
-static idem_bucket *idem_bucket_of(void *base, uint64_t fp) {
+/* A key's two buckets (two-choice hashing: fp's low bits and its high 32 bits), locked
+ * in ascending order (one when both are the same), so that no two lockers wait for each
+ * other. A key lives in one slot of one of them; a new key goes to the one with fewer
+ * live slots: the table fills evenly to a high load before a bucket must evict. */
+typedef struct {
+    idem_bucket *b[2];
+    int n;
+} idem_pair;
+
+static void idem_lock(void *base, idem_bucket *b);
+static void idem_unlock(idem_bucket *b);
+
+static void idem_pair_lock(void *base, uint64_t fp, idem_pair *p) {
     idem_head *h = (idem_head *)base;
-    return (idem_bucket *)((char *)base + sizeof(idem_head)) + (fp & (h->nbuckets - 1));
+    idem_bucket *bs = (idem_bucket *)((char *)base + sizeof(idem_head));
+    uint64_t m = h->nbuckets - 1;
+    uint64_t i1 = fp & m, i2 = (fp >> 32) & m;
+    if (i1 == i2) {
+        p->n = 1;
+        p->b[0] = &bs[i1];
+    } else {
+        p->n = 2;
+        p->b[0] = &bs[i1 < i2 ? i1 : i2];
+        p->b[1] = &bs[i1 < i2 ? i2 : i1];
+    }
+    for (int k = 0; k < p->n; k++) {
+        idem_lock(base, p->b[k]);
+    }
+}
+
+static void idem_pair_unlock(idem_pair *p) {
+    for (int k = p->n - 1; k >= 0; k--) {
+        idem_unlock(p->b[k]);
+    }
 }
 
 static void idem_lock(void *base, idem_bucket *b) {
@@ -562,20 +593,44 @@ static idem_slot *idem_find(idem_bucket *b, uint64_t fp, uint32_t crc, uint32_t 
     return NULL;
 }
 
-/* A slot for a new key: an empty one, else one whose window passed, else the committed
- * one that expires first (evicted: *evicted += 1); NULL when every slot is pending. */
-static idem_slot *idem_free_slot(idem_bucket *b, uint64_t now, long *evicted) {
-    idem_slot *oldest = NULL;
-    for (int w = 0; w < IDEM_WAYS; w++) {
-        idem_slot *s = &b->s[w];
-        if (s->owner == 0) {
+static idem_slot *idem_find2(idem_pair *p, uint64_t fp, uint32_t crc, uint32_t topic) {
+    for (int k = 0; k < p->n; k++) {
+        idem_slot *s = idem_find(p->b[k], fp, crc, topic);
+        if (s != NULL) {
             return s;
         }
-        if (s->owner == IDEM_DONE) {
-            if (s->expires <= now) {
-                return s;
+    }
+    return NULL;
+}
+
+static int idem_free_here(const idem_slot *s, uint64_t now) {
+    return s->owner == 0 || (s->owner == IDEM_DONE && s->expires <= now);
+}
+
+/* A slot for a new key in its two buckets: a free one (empty, or its window passed) in
+ * the bucket with fewer live slots, else in the other, else the committed one of both
+ * that expires first (evicted: *evicted += 1); NULL when every slot is pending. */
+static idem_slot *idem_free_slot(idem_pair *p, uint64_t now, long *evicted) {
+    int live[2] = {0, 0};
+    for (int k = 0; k < p->n; k++) {
+        for (int w = 0; w < IDEM_WAYS; w++) {
+            live[k] += !idem_free_here(&p->b[k]->s[w], now);
+        }
+    }
+    int first = (p->n == 2 && live[1] < live[0]) ? 1 : 0;
+    for (int j = 0; j < p->n; j++) {
+        idem_bucket *b = p->b[(first + j) % p->n];
+        for (int w = 0; w < IDEM_WAYS; w++) {
+            if (idem_free_here(&b->s[w], now)) {
+                return &b->s[w];
             }
-            if (oldest == NULL || s->expires < oldest->expires) {
+        }
+    }
+    idem_slot *oldest = NULL;
+    for (int k = 0; k < p->n; k++) {
+        for (int w = 0; w < IDEM_WAYS; w++) {
+            idem_slot *s = &p->b[k]->s[w];
+            if (s->owner == IDEM_DONE && (oldest == NULL || s->expires < oldest->expires)) {
                 oldest = s;
             }
         }
@@ -623,16 +678,16 @@ long idem_claim(void *base, size_t n, const uint64_t *fp, const uint32_t *crc, u
         return -1;
     }
     for (size_t i = 0; i < n; i++) {
-        idem_bucket *b = idem_bucket_of(base, fp[i]);
-        idem_lock(base, b);
-        idem_slot *s = idem_find(b, fp[i], crc[i], topic);
+        idem_pair p;
+        idem_pair_lock(base, fp[i], &p);
+        idem_slot *s = idem_find2(&p, fp[i], crc[i], topic);
         if (s != NULL && s->owner != IDEM_DONE) {
             out[i] = 2;
         } else if (s != NULL && s->committed + window > now) {
             out[i] = 1;
         } else {
             if (s == NULL) {
-                s = idem_free_slot(b, now, &evicted);
+                s = idem_free_slot(&p, now, &evicted);
             }
             if (s == NULL) {
                 out[i] = 3;
@@ -642,7 +697,7 @@ long idem_claim(void *base, size_t n, const uint64_t *fp, const uint32_t *crc, u
                 out[i] = 0;
             }
         }
-        idem_unlock(b);
+        idem_pair_unlock(&p);
     }
     if (evicted) {
         __atomic_fetch_add(&((idem_head *)base)->evicted, (uint64_t)evicted, __ATOMIC_RELAXED);
@@ -674,9 +729,9 @@ long idem_settle(void *base, size_t n, const uint64_t *fp, const uint32_t *crc, 
         if (m != 1 && m != 2) {
             continue;
         }
-        idem_bucket *b = idem_bucket_of(base, fp[i]);
-        idem_lock(base, b);
-        idem_slot *s = idem_find(b, fp[i], crc[i], topic);
+        idem_pair p;
+        idem_pair_lock(base, fp[i], &p);
+        idem_slot *s = idem_find2(&p, fp[i], crc[i], topic);
         if (s != NULL && s->owner == tag) {
             if (m == 1) {
                 s->committed = committed;
@@ -687,7 +742,7 @@ long idem_settle(void *base, size_t n, const uint64_t *fp, const uint32_t *crc, 
             }
             done++;
         }
-        idem_unlock(b);
+        idem_pair_unlock(&p);
     }
     return done;
 }
@@ -704,9 +759,9 @@ long idem_load(void *base, size_t n, const uint64_t *fp, const uint32_t *crc, ui
         if (expires <= now) {
             continue;
         }
-        idem_bucket *b = idem_bucket_of(base, fp[i]);
-        idem_lock(base, b);
-        idem_slot *s = idem_find(b, fp[i], crc[i], topic);
+        idem_pair p;
+        idem_pair_lock(base, fp[i], &p);
+        idem_slot *s = idem_find2(&p, fp[i], crc[i], topic);
         if (s != NULL) {
             if (s->owner != IDEM_DONE || s->committed < committed[i]) {
                 s->committed = committed[i];
@@ -714,14 +769,14 @@ long idem_load(void *base, size_t n, const uint64_t *fp, const uint32_t *crc, ui
                 __atomic_store_n(&s->owner, IDEM_DONE, __ATOMIC_RELEASE);
             }
         } else {
-            s = idem_free_slot(b, now, &evicted);
+            s = idem_free_slot(&p, now, &evicted);
             if (s != NULL) {
                 idem_fill(s, fp[i], crc[i], topic, idem_home(0, home, i, crc[i]), committed[i], expires, IDEM_DONE);
             } else {
                 __atomic_fetch_add(&((idem_head *)base)->full, 1, __ATOMIC_RELAXED);
             }
         }
-        idem_unlock(b);
+        idem_pair_unlock(&p);
     }
     if (evicted) {
         __atomic_fetch_add(&((idem_head *)base)->evicted, (uint64_t)evicted, __ATOMIC_RELAXED);

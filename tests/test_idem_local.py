@@ -132,6 +132,10 @@ def test_after_a_kill9_every_workers_keys_are_loaded_at_start(tmp_path: Path) ->
             r = n.post(f"/v1/topics/{name}/produce/batch", {"messages": msgs}, conn=n.worker_connection(w))
             assert r.status == 202 and r.json() == {"accepted": 30, "duplicates": 30}, r
         assert _stored(n, name) == 30
+        # Opening every partition again (a consume of all) did not read their logs' keys a second time.
+        assert len(_drain(n, name, 30)) == 30
+        assert "idempotency keys loaded into the node's claims table" in n.log()
+        assert "idempotency keys rebuilt from the log" not in n.log()
     finally:
         n.close()
 

@@ -234,14 +234,15 @@ class _Placement:
     """The partitions of a topic this worker owns, and which workers of this node
     and which other nodes own any of them."""
 
-    __slots__ = ("home_here", "locs", "mine", "mine_set", "nodes", "peers", "workers")
+    __slots__ = ("home_here", "locs", "mine", "mine_here", "mine_set", "nodes", "peers", "workers")
 
     def __init__(self, mine: list[int], workers: list[int], nodes: list[str], index: int,
-                 locs: tuple[tuple[str | None, int], ...], home_here: tuple[bool, ...] = ()) -> None:
+                 locs: tuple[tuple[str | None, int], ...], home_here: tuple[bool, ...]) -> None:
         self.locs = locs  # partition -> ``Broker.where``'s (owner node, worker)
         # partition -> owned by this node and not moving: a key homed there may be committed
-        # in any partition of this worker (topic.idempotent_local_placement)
+        # in any partition of this worker (topic.idempotent_local_placement), one of these:
         self.home_here = home_here
+        self.mine_here = [i for i in mine if home_here[i]]
         self.mine = mine
         self.mine_set = frozenset(mine)
         self.workers = workers
@@ -298,14 +299,16 @@ class Broker:
         idem_local: bool = True,
     ) -> None:
         self.data_dir = Path(data_dir)
-        # The node's idempotency claims table (the supervisor's; a private one without it).
-        # Filled from each partition's keys at open and at each keyed commit; not yet what
-        # decides a duplicate (``narad.broker.idem_claims``).
+        # The node's idempotency claims table (``narad.broker.idem_claims``; the supervisor's,
+        # a private one without it), where every keyed commit checks its keys.
         self.claims = claims if claims is not None else ClaimTable.private()
-        # This worker's claimer tag: its pid and its index + 1 (``claims_owner``), so the claims a
+        # This worker's claimer tag: its pid and its index + 1 (CLAIMS_INDEX_MASK), so the claims a
         # killed predecessor at this index left pending are found and released at ``start``.
         self.claims_tag = ((os.getpid() & 0x3FFFFF) << 9) | (index + 1)
         self._windows: dict[int, int] = {}  # topic tag -> the window last applied to its keys
+        # (topic id, partition) whose keys ``_load_claims`` read at start: not read again at open
+        # (the table keeps them; a move's install forgets the entry: its copy is read at open).
+        self._claims_loaded: set[tuple[str, int]] = set()
         # topic.idempotent_local_placement: a keyless idempotent record whose key's partition is
         # on this node is committed into one of this worker's partitions (``idem_rule``).
         self.idem_local = idem_local
@@ -582,11 +585,10 @@ class Broker:
         if not self.idem_local:
             return None
         pl = self._placement(t)
-        here = [i for i in pl.mine if pl.home_here[i]]  # (not one that is moving: its copy would miss it)
-        if not here:
+        if not pl.mine_here:  # (not one that is moving: its copy would miss what lands meanwhile)
             return None
         # (a batch at a time over this worker's partitions: direct commits move no WAL group on)
-        return pl.home_here, self._rr.pick_among(t.name, here)
+        return pl.home_here, self._rr.pick_among(t.name, pl.mine_here)
 
     def choose_partition(self, topic: TopicRecord, key: bytes | None, idem: bytes | None = None) -> int:
         """A key hashes to its partition (order per key). A keyless message may go
@@ -776,7 +778,11 @@ class Broker:
                     continue
                 index = int(head[1:])
                 d = base / pname
-                if owner_worker(name, index, self.workers) != self.index or not IDEM.needs_rebuild(d):
+                if owner_worker(name, index, self.workers) != self.index:
+                    continue
+                if not IDEM.needs_rebuild(d):
+                    if pname == head:
+                        self._claims_loaded.add((tid, index))  # (no keyed record: none to read at open)
                     continue
                 plog = PartitionLog(d)
                 try:
@@ -789,6 +795,8 @@ class Broker:
                     continue
                 finally:
                     plog.close()
+                if pname == head:
+                    self._claims_loaded.add((tid, index))
                 keys, parts, read = keys + k, parts + 1, read + n
         return keys, parts, read
 
@@ -830,8 +838,8 @@ class Broker:
         p.idem_window_ms, p.nparts = topic.idem_window_ms, topic.partitions
         p.idem_marked = (d / IDEM.MARKER).exists()
         p.claims, p.claims_topic, p.claims_tag = self.claims, topic_tag(topic.id), self.claims_tag
-        if not IDEM.needs_rebuild(d):
-            return p  # never a keyed record here: nothing to read
+        if (topic.id, index) in self._claims_loaded or not IDEM.needs_rebuild(d):
+            return p  # its keys were read at start, or it never had a keyed record
         t0 = time.monotonic()
         keys, n = IDEM.rebuild(plog, p.idem_window_ms, int(time.time() * 1000), self.claims, p.claims_topic, index,
                                topic.partitions)
@@ -2756,6 +2764,7 @@ class Broker:
                 p.log.close(clean=False)
         self._drained.discard((name, index, topic_id))
         self._cold_rows.pop((name, index), None)
+        self._claims_loaded.discard((topic_id, index))  # (the installed copy's keys are read at open)
 
     async def move_status(self) -> tuple[list[Any], list[Any]]:
         """Every worker's move runners and this node's quarantined copies."""

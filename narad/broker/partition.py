@@ -63,18 +63,17 @@ Lives in the worker that owns the partition, on its event-loop thread only.
   taken; acks, extends and nacks of existing leases still work. A frozen
   partition is never evicted. The freeze lapses by itself (its TTL) unless the
   destination re-arms it.
-* Idempotent produce (issue 14): ``idem`` is the table of idempotency keys
-  committed here within the topic's window (``narad.broker.idem``); a commit
-  drops a record whose key is in it (or earlier in the same combined batch) and
-  answers which records of each batch were duplicates. Built from the log at
-  open (the broker's ``_open_sync``, I/O thread) when ``idem.marker`` (made
-  durable before the first keyed commit here) or a move's marker says it may
-  hold keyed records.
+* Idempotent produce (issue 14): a commit claims its records' idempotency keys in
+  the node's claims table (``claims``, ``narad.broker.idem_claims``), drops a record
+  whose key was committed on the node within the topic's window (or earlier in the
+  same combined batch), settles its claims once the frame is durable (or releases
+  them when it failed), and answers which records of each batch were duplicates. A
+  batch whose key another commit on the node holds waits for it (``_defer``).
 * Metrics: the owner's counters for this partition (messages and payload bytes
   appended, the commit's fdatasync time) are children the broker hands over
   at open (``meter``): one add per commit, none per record.
 
-Imports narad.storage, narad.metrics, narad.broker.idem.
+Imports narad.storage, narad.metrics, narad.broker.idem, narad.broker.idem_claims.
 """
 
 from __future__ import annotations
@@ -118,6 +117,8 @@ NO_KEYS: list[str | None] = []
 EXPIRY_SLACK = 1024  # stale expiry-heap entries allowed beyond the leases' count before a rebuild
 
 Committed = tuple[int, list[int]]  # first offset, indexes of the batch's duplicates (idempotent produce)
+# A queued commit: its records, its future, its records' idempotency keys (``submit``).
+_Queued = tuple[list[tuple[bytes | None, int, bytes]], asyncio.Future[Committed], list[str | None] | None]
 DEFER_S = 0.002  # a batch whose key another claim holds is tried again after this
 DEFER_FOR_S = 5.0  # ... for this long, then refused (retryable: the WAL's dispatcher tries again)
 
@@ -231,8 +232,7 @@ class Partition:
         self.last_used = time.monotonic()  # the last reserve, settle or commit (stats never stamp it)
         # Commit combining: batches queued while a commit runs go out together.
         # (a batch, its waiter, and its records' idempotency keys when the producer gave them: ``submit``)
-        self._commit_queue: list[tuple[list[tuple[bytes | None, int, bytes]], asyncio.Future[Committed],
-                                       list[str | None] | None]] = []
+        self._commit_queue: list[_Queued] = []
         self._committing = False  # a commit cycle runs (``_step`` drives it)
         self._cycle_done: asyncio.Future[None] | None = None  # made for a waiter (``_cycle_waiter``)
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]  # set by the broker
@@ -750,8 +750,7 @@ class Partition:
         if claimed:
             self._settle_claims(claimed, RELEASE)
 
-    def _defer(self, item: tuple[list[tuple[bytes | None, int, bytes]], asyncio.Future[Committed],
-                                 list[str | None] | None]) -> None:
+    def _defer(self, item: _Queued) -> None:
         """A batch one of whose keys another claim holds (a commit elsewhere on this node,
         not durable yet), or a keyed batch while the node's table is not complete (a worker
         still loading its keys at start), is queued again after DEFER_S, for DEFER_FOR_S at
@@ -772,8 +771,7 @@ class Partition:
             return
         self.loop.call_later(DEFER_S, self._requeue, item)
 
-    def _requeue(self, item: tuple[list[tuple[bytes | None, int, bytes]], asyncio.Future[Committed],
-                                   list[str | None] | None]) -> None:
+    def _requeue(self, item: _Queued) -> None:
         fut = item[1]
         if fut.done():
             return
@@ -810,8 +808,7 @@ class Partition:
                             f.set_exception(err)
                     self._commit_queue.clear()
                     break
-                queue: list[tuple[list[tuple[bytes | None, int, bytes]], asyncio.Future[Committed],
-                                  list[str | None] | None]] = []
+                queue: list[_Queued] = []
                 size = 0
                 while self._commit_queue and (not queue or size < MAX_COMBINED_BYTES):
                     item = self._commit_queue.pop(0)
@@ -830,8 +827,7 @@ class Partition:
                 claims = self.claims
                 frame_keys: set[str] = set()  # the keys this frame claimed
                 claimed: list[tuple[Keys, list[int] | None]] = []  # each batch's keys, and verdicts (None: all claimed)
-                kept_queue: list[tuple[list[tuple[bytes | None, int, bytes]], asyncio.Future[Committed],
-                                       list[str | None] | None]] = []
+                kept_queue: list[_Queued] = []
                 try:
                     for item in queue:
                         batch, _, iks = item
@@ -858,9 +854,9 @@ class Partition:
                         fresh: list[str]
                         if len(uniq) == len(keys) and frame_keys.isdisjoint(uniq):
                             fresh = keys  # type: ignore[assignment]  # (the common batch: every record keyed, once)
-                            pos: list[int] | None = None
+                            at: list[int] | None = None
                         else:  # keyless records among them, or a key given twice: record by record
-                            fresh, pos, seen = [], [], set(frame_keys)
+                            fresh, at, seen = [], [], set(frame_keys)
                             for j, k in enumerate(keys):
                                 if k is None:
                                     continue
@@ -869,7 +865,7 @@ class Partition:
                                     continue
                                 seen.add(k)
                                 fresh.append(k)
-                                pos.append(j)
+                                at.append(j)
                         if fresh:
                             # Each key's home: the partition its key hashes to for a record without a
                             # message key (a move of that partition carries it), else this one.
@@ -877,7 +873,7 @@ class Partition:
                             homes: list[int] | None = None
                             if any(map(_MKEY, batch)):
                                 homes = [self.index if batch[j][0] is not None else bk
-                                         for j in (range(len(batch)) if pos is None else pos)]
+                                         for j in (range(len(batch)) if at is None else at)]
                             ks, got, ev = claims.prepare_claim(self.claims_topic, fresh, bk, ts,
                                                                self.idem_window_ms, self.claims_tag, homes)
                             if ev and self.m_evicted is not None:
@@ -894,7 +890,7 @@ class Partition:
                                     continue
                                 for i, g in enumerate(got):
                                     if g == DUPLICATE:
-                                        dl.append(i if pos is None else pos[i])
+                                        dl.append(i if at is None else at[i])
                                 dl.sort()
                                 if CLAIMED in got:
                                     claimed.append((ks, got))

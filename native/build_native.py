@@ -48,6 +48,7 @@ ffibuilder.cdef(
                       uint64_t *committed, size_t cap, uint64_t *cursor);
     long idem_pending_home(const void *base, uint32_t topic, uint32_t home);
     void idem_stats(const void *base, uint64_t now, uint64_t *out);
+    uint64_t idem_holder_mark(void);
     int group_by_part(const uint32_t *parts, size_t n, uint32_t nparts, uint32_t *perm, uint32_t *starts,
                       uint32_t *nonempty);
     """

@@ -391,6 +391,7 @@ int crc32c_hardware(void) {
 #include <errno.h>
 #include <sched.h>
 #include <sys/syscall.h>
+#include <pthread.h>
 
 #define IDEM_MAGIC 0x4E49444D43540004ULL /* "NIDMCT" + layout version 4 (two buckets a key) */
 #define IDEM_WAYS 6
@@ -556,8 +557,33 @@ static void idem_pair_unlock(idem_pair *p) {
     }
 }
 
+/* The calling thread's id, the lock word's holder mark. Read from the kernel once a
+ * thread (a system call a lock was measurable in the per-message instruction count) and
+ * forgotten in a forked child, whose only thread has a new id. */
+static __thread uint64_t idem_tid_cached;
+
+static void idem_tid_forget(void) {
+    idem_tid_cached = 0;
+}
+
+__attribute__((constructor)) static void idem_tid_init(void) {
+    pthread_atfork(NULL, NULL, idem_tid_forget);
+}
+
+static uint64_t idem_tid(void) {
+    if (idem_tid_cached == 0) {
+        idem_tid_cached = (uint64_t)syscall(SYS_gettid);
+    }
+    return idem_tid_cached;
+}
+
+/* The mark this thread puts in a lock word it holds (for tests: a forked child's differs). */
+uint64_t idem_holder_mark(void) {
+    return idem_tid();
+}
+
 static void idem_lock(void *base, idem_bucket *b) {
-    uint64_t me = (uint64_t)syscall(SYS_gettid);
+    uint64_t me = idem_tid();
     unsigned spins = 0;
     for (;;) {
         uint64_t cur = 0;

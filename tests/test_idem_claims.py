@@ -8,6 +8,7 @@ import os
 import random
 import subprocess
 import sys
+import threading
 import uuid
 from collections.abc import Iterator
 
@@ -199,6 +200,31 @@ def test_a_lock_left_by_a_dead_holder_is_taken_over(table: IC.ClaimTable) -> Non
     assert table.claim(T1, ks, 0, NOW, WINDOW, 1)[0] == [IC.CLAIMED]
     assert word[0] == 0 and table.stats(NOW)["locks_taken_over"] == 1
     word.release()
+
+
+def test_a_lock_holders_mark_is_its_own_thread_id_also_after_a_fork() -> None:
+    """The lock word holds the holder's thread id (so a dead holder can be found); it is
+    read once a thread, and a forked child must not keep its parent's."""
+    from narad._native import lib
+
+    assert lib.idem_holder_mark() == threading.get_native_id()
+    seen: list[int] = []
+    t = threading.Thread(target=lambda: seen.append(lib.idem_holder_mark() - threading.get_native_id()))
+    t.start()
+    t.join(timeout=30)
+    assert seen == [0]
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its mark must be its own pid (its only thread)
+        ok = lib.idem_holder_mark() == os.getpid()
+        os.write(w, b"1" if ok else b"0")
+        os._exit(0)
+    os.close(w)
+    got = os.read(r, 1)
+    os.close(r)
+    os.waitpid(pid, 0)
+    assert got == b"1"
+    assert lib.idem_holder_mark() == threading.get_native_id()
 
 
 def test_a_fresh_interpreter_with_another_hash_seed_agrees_on_every_key(table: IC.ClaimTable) -> None:

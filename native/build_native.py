@@ -49,6 +49,9 @@ ffibuilder.cdef(
     long idem_pending_home(const void *base, uint32_t topic, uint32_t home);
     void idem_stats(const void *base, uint64_t now, uint64_t *out);
     uint64_t idem_holder_mark(void);
+    int idem_seal(void *base, uint32_t topic, uint32_t home, uint64_t until, uint64_t now);
+    void idem_unseal(void *base, uint32_t topic, uint32_t home, uint64_t now);
+    long idem_sealed_count(const void *base, uint64_t now);
     int group_by_part(const uint32_t *parts, size_t n, uint32_t nparts, uint32_t *perm, uint32_t *starts,
                       uint32_t *nonempty);
     """

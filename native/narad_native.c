@@ -375,7 +375,7 @@ int crc32c_hardware(void) {
  * are claimed by a produce whose commit is not durable yet.
  * narad/broker/idem_claims.py owns the layout's Python side and says how it is used.
  *
- * Layout: a 64-byte head, then `nbuckets` (a power of two) buckets of 256 bytes: a
+ * Layout: a 384-byte head (counters, the workers' load bits, the sealed homes), then `nbuckets` (a power of two) buckets of 256 bytes: a
  * lock word (the thread id of its holder, 0: free), padding, IDEM_WAYS slots of 40 bytes.
  * A key is its 64-bit fingerprint (fp: the bucket is fp's low bits), its CRC-32C and
  * its topic's 32-bit tag; a slot matches when all three are equal. A slot's `owner` is
@@ -393,7 +393,7 @@ int crc32c_hardware(void) {
 #include <sys/syscall.h>
 #include <pthread.h>
 
-#define IDEM_MAGIC 0x4E49444D43540004ULL /* "NIDMCT" + layout version 4 (two buckets a key) */
+#define IDEM_MAGIC 0x4E49444D43540005ULL /* "NIDMCT" + layout version 5 (sealed homes in the head) */
 #define IDEM_WAYS 6
 #define IDEM_DONE 0xFFFFFFFFu
 
@@ -413,6 +413,15 @@ typedef struct {
     idem_slot s[IDEM_WAYS];
 } idem_bucket;
 
+/* A home sealed by a move (``idem_seal``): no key homed there is claimed on this node
+ * until `until` (ms, wall clock) or until it is unsealed. */
+#define IDEM_SEALS 16
+typedef struct {
+    uint32_t topic;
+    uint32_t home;
+    uint64_t until;
+} idem_seal_t;
+
 typedef struct {
     uint64_t magic;
     uint64_t nbuckets;
@@ -423,12 +432,15 @@ typedef struct {
     uint64_t seed;
     uint64_t workers;  /* the node's workers, each of which loads its partitions' keys at start */
     uint64_t loaded[4]; /* bit i: worker i has (since the table was made) */
-    uint64_t pad[4];
+    uint64_t seal_lock; /* held while `seals` is written (a lock word like a bucket's) */
+    uint64_t nseals;    /* entries of `seals` in use (live or lapsed): 0, the common case, skips them */
+    uint64_t pad[2];
+    idem_seal_t seals[IDEM_SEALS];
 } idem_head;
 
 _Static_assert(sizeof(idem_slot) == 40, "slot size");
 _Static_assert(sizeof(idem_bucket) == 256, "bucket size");
-_Static_assert(sizeof(idem_head) == 128, "head size");
+_Static_assert(sizeof(idem_head) == 384, "head size");
 
 size_t idem_size(uint64_t nbuckets) {
     return sizeof(idem_head) + (size_t)nbuckets * sizeof(idem_bucket);
@@ -530,8 +542,8 @@ typedef struct {
     int n;
 } idem_pair;
 
-static void idem_lock(void *base, idem_bucket *b);
-static void idem_unlock(idem_bucket *b);
+static void idem_lock(void *base, uint64_t *word);
+static void idem_unlock(uint64_t *word);
 
 static void idem_pair_lock(void *base, uint64_t fp, idem_pair *p) {
     idem_head *h = (idem_head *)base;
@@ -547,13 +559,13 @@ static void idem_pair_lock(void *base, uint64_t fp, idem_pair *p) {
         p->b[1] = &bs[i1 < i2 ? i2 : i1];
     }
     for (int k = 0; k < p->n; k++) {
-        idem_lock(base, p->b[k]);
+        idem_lock(base, &p->b[k]->lock);
     }
 }
 
 static void idem_pair_unlock(idem_pair *p) {
     for (int k = p->n - 1; k >= 0; k--) {
-        idem_unlock(p->b[k]);
+        idem_unlock(&p->b[k]->lock);
     }
 }
 
@@ -582,12 +594,12 @@ uint64_t idem_holder_mark(void) {
     return idem_tid();
 }
 
-static void idem_lock(void *base, idem_bucket *b) {
+static void idem_lock(void *base, uint64_t *word) {
     uint64_t me = idem_tid();
     unsigned spins = 0;
     for (;;) {
         uint64_t cur = 0;
-        if (__atomic_compare_exchange_n(&b->lock, &cur, me, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED)) {
+        if (__atomic_compare_exchange_n(word, &cur, me, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED)) {
             return;
         }
         spins++;
@@ -596,7 +608,7 @@ static void idem_lock(void *base, idem_bucket *b) {
         }
         if (spins % 100 == 0 && cur != me && kill((pid_t)cur, 0) != 0 && errno == ESRCH) {
             /* its holder is gone: taken over */
-            if (__atomic_compare_exchange_n(&b->lock, &cur, me, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED)) {
+            if (__atomic_compare_exchange_n(word, &cur, me, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED)) {
                 __atomic_fetch_add(&((idem_head *)base)->steals, 1, __ATOMIC_RELAXED);
                 return;
             }
@@ -605,8 +617,8 @@ static void idem_lock(void *base, idem_bucket *b) {
     }
 }
 
-static void idem_unlock(idem_bucket *b) {
-    __atomic_store_n(&b->lock, 0, __ATOMIC_RELEASE);
+static void idem_unlock(uint64_t *word) {
+    __atomic_store_n(word, 0, __ATOMIC_RELEASE);
 }
 
 static idem_slot *idem_find(idem_bucket *b, uint64_t fp, uint32_t crc, uint32_t topic) {
@@ -692,11 +704,112 @@ static void idem_fill(idem_slot *s, uint64_t fp, uint32_t crc, uint32_t topic, u
     __atomic_store_n(&s->owner, owner, __ATOMIC_RELEASE);
 }
 
+/* 1 when `home` of `topic` is sealed at `now` (read under a bucket's lock: see idem_seal). */
+static int idem_sealed(const idem_head *h, uint32_t topic, uint32_t home, uint64_t now) {
+    uint64_t n = __atomic_load_n(&h->nseals, __ATOMIC_ACQUIRE);
+    for (uint64_t i = 0; i < n && i < IDEM_SEALS; i++) {
+        const idem_seal_t *e = &h->seals[i];
+        if (__atomic_load_n(&e->until, __ATOMIC_ACQUIRE) > now && e->topic == topic && e->home == home) {
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* Drops the lapsed seals at the end of the list (so that `nseals` falls back to 0, the
+ * claims' fast path, once no seal is live). Under seal_lock. */
+static void idem_seals_trim(idem_head *h, uint64_t now) {
+    uint64_t n = h->nseals;
+    while (n > 0 && h->seals[n - 1].until <= now) {
+        n--;
+    }
+    __atomic_store_n(&h->nseals, n, __ATOMIC_RELEASE);
+}
+
+/* Seals `home` of `topic` until `until` (ms, wall clock; a later `until` extends a seal
+ * held already): once this returns, no key homed there is claimed on this node
+ * (idem_claim answers 4) while the seal holds. A move's source seals its partition before
+ * it collects the keys homed there, so that a key placed elsewhere on this node by a
+ * worker that did not know of the move yet is refused instead of missed by the carry.
+ * After the seal is written every bucket is locked once: a claim that did not see the
+ * seal had finished by then, so its pending claim is seen by idem_pending_home. Returns
+ * 0, or -1 when IDEM_SEALS seals are live already. */
+int idem_seal(void *base, uint32_t topic, uint32_t home, uint64_t until, uint64_t now) {
+    idem_head *h = (idem_head *)base;
+    idem_bucket *bs = (idem_bucket *)((char *)base + sizeof(idem_head));
+    idem_lock(base, &h->seal_lock);
+    uint64_t n = h->nseals;
+    idem_seal_t *spare = NULL;
+    int held = 0;
+    for (uint64_t i = 0; i < n; i++) {
+        idem_seal_t *e = &h->seals[i];
+        if (e->topic == topic && e->home == home && e->until > now) {
+            if (until > e->until) {
+                __atomic_store_n(&e->until, until, __ATOMIC_RELEASE);
+            }
+            held = 1;
+            break;
+        }
+        if (e->until <= now && spare == NULL) {
+            spare = e;
+        }
+    }
+    if (!held) {
+        if (spare != NULL) { /* a lapsed entry, refilled: it says nothing until its `until` is stored */
+            __atomic_store_n(&spare->until, 0, __ATOMIC_RELEASE);
+            spare->topic = topic;
+            spare->home = home;
+            __atomic_store_n(&spare->until, until, __ATOMIC_RELEASE);
+        } else if (n < IDEM_SEALS) {
+            h->seals[n].topic = topic;
+            h->seals[n].home = home;
+            h->seals[n].until = until;
+            __atomic_store_n(&h->nseals, n + 1, __ATOMIC_RELEASE);
+        } else {
+            idem_unlock(&h->seal_lock);
+            return -1;
+        }
+    }
+    idem_unlock(&h->seal_lock);
+    for (uint64_t k = 0; k < h->nbuckets; k++) {
+        idem_lock(base, &bs[k].lock);
+        idem_unlock(&bs[k].lock);
+    }
+    return 0;
+}
+
+/* Lifts the seal of `home` of `topic` (the move was given up, or the partition came back
+ * to this node), and drops lapsed seals at the list's end. */
+void idem_unseal(void *base, uint32_t topic, uint32_t home, uint64_t now) {
+    idem_head *h = (idem_head *)base;
+    idem_lock(base, &h->seal_lock);
+    for (uint64_t i = 0; i < h->nseals; i++) {
+        idem_seal_t *e = &h->seals[i];
+        if (e->topic == topic && e->home == home) {
+            __atomic_store_n(&e->until, 0, __ATOMIC_RELEASE);
+        }
+    }
+    idem_seals_trim(h, now);
+    idem_unlock(&h->seal_lock);
+}
+
+/* Seals live at `now` (for the metrics and tests). */
+long idem_sealed_count(const void *base, uint64_t now) {
+    const idem_head *h = (const idem_head *)base;
+    uint64_t n = __atomic_load_n(&h->nseals, __ATOMIC_ACQUIRE);
+    long live = 0;
+    for (uint64_t i = 0; i < n && i < IDEM_SEALS; i++) {
+        live += __atomic_load_n(&h->seals[i].until, __ATOMIC_ACQUIRE) > now;
+    }
+    return live;
+}
+
 /* Claims n keys of one topic for `tag` (a claimer's tag: neither 0 nor IDEM_DONE), at
  * `now` with the topic's window `window` (ms). out[i]: 0 claimed (pending under tag),
  * 1 committed within the window (a duplicate), 2 pending under some claimer (this one
- * included), 3 not claimed: its bucket holds nothing but pending claims. Returns the
- * committed keys evicted to make room, or -1 for a bad tag. */
+ * included), 3 not claimed: its bucket holds nothing but pending claims, 4 not claimed:
+ * its home is sealed (idem_seal: a move is carrying that partition's keys away). Returns
+ * the committed keys evicted to make room, or -1 for a bad tag. */
 long idem_claim(void *base, size_t n, const uint64_t *fp, const uint32_t *crc, uint32_t topic, uint32_t home,
                 const uint32_t *homes, uint64_t now, uint64_t window, uint32_t tag, uint8_t *out) {
     long evicted = 0;
@@ -712,6 +825,13 @@ long idem_claim(void *base, size_t n, const uint64_t *fp, const uint32_t *crc, u
         } else if (s != NULL && s->committed + window > now) {
             out[i] = 1;
         } else {
+            uint32_t hm = idem_home(home, homes, i, crc[i]);
+            if (__atomic_load_n(&((idem_head *)base)->nseals, __ATOMIC_ACQUIRE) != 0 &&
+                idem_sealed((idem_head *)base, topic, hm, now)) {
+                out[i] = 4;
+                idem_pair_unlock(&p);
+                continue;
+            }
             if (s == NULL) {
                 s = idem_free_slot(&p, now, &evicted);
             }
@@ -719,7 +839,7 @@ long idem_claim(void *base, size_t n, const uint64_t *fp, const uint32_t *crc, u
                 out[i] = 3;
                 __atomic_fetch_add(&((idem_head *)base)->full, 1, __ATOMIC_RELAXED);
             } else {
-                idem_fill(s, fp[i], crc[i], topic, idem_home(home, homes, i, crc[i]), 0, 0, tag);
+                idem_fill(s, fp[i], crc[i], topic, hm, 0, 0, tag);
                 out[i] = 0;
             }
         }
@@ -837,7 +957,7 @@ static long idem_sweep(void *base, int kind, uint32_t a, uint32_t b, uint64_t v)
         if (!any) {
             continue;
         }
-        idem_lock(base, bk);
+        idem_lock(base, &bk->lock);
         for (int w = 0; w < IDEM_WAYS; w++) {
             idem_slot *s = &bk->s[w];
             if (!idem_sweep_match(s->owner, s, kind, a, b)) {
@@ -850,7 +970,7 @@ static long idem_sweep(void *base, int kind, uint32_t a, uint32_t b, uint64_t v)
             }
             done++;
         }
-        idem_unlock(bk);
+        idem_unlock(&bk->lock);
     }
     return done;
 }
@@ -879,7 +999,7 @@ long idem_collect(void *base, uint32_t topic, uint32_t home, uint64_t now, uint6
     uint64_t k = *cursor;
     for (; k < h->nbuckets && got + IDEM_WAYS <= cap; k++) {
         idem_bucket *b = &bs[k];
-        idem_lock(base, b);
+        idem_lock(base, &b->lock);
         for (int w = 0; w < IDEM_WAYS; w++) {
             idem_slot *s = &b->s[w];
             if (s->owner == IDEM_DONE && s->topic == topic && s->home == home && s->expires > now) {
@@ -889,7 +1009,7 @@ long idem_collect(void *base, uint32_t topic, uint32_t home, uint64_t now, uint6
                 got++;
             }
         }
-        idem_unlock(b);
+        idem_unlock(&b->lock);
     }
     *cursor = k;
     return (long)got;

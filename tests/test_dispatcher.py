@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from narad.broker import dispatcher as D
+from narad.storage import frames as FR
 from narad.storage.wal import Entry, IngressWAL
 
 INC = bytes.fromhex("00112233445566778899aabbccddeeff")
@@ -30,12 +31,17 @@ class Owners:
         self.trusted = True  # routes_trusted(): the node's replica caught up once
         self.committed: dict[int, list[bytes]] = defaultdict(list)
         self.attempts: dict[int, int] = defaultdict(int)
+        self.homes: dict[bytes, int] = {}  # payload -> the partition rehome() sends it to
 
-    async def deliver(self, topic: str, topic_id: str, partition: int, entries: list[Entry]) -> str:
+    async def deliver(self, topic: str, topic_id: str, partition: int, entries: list[Entry]) -> str | D.Rehome:
         self.attempts[partition] += 1
         await asyncio.sleep(0)
         if self.gone:
             return "gone"
+        moved = [(i, self.homes[e.payload]) for i, e in enumerate(entries)
+                 if e.placed and self.homes.get(e.payload, partition) != partition]
+        if moved:
+            return D.Rehome(moved)
         if partition in self.failing or partition in self.dead:
             raise ConnectionError(f"owner of partition {partition} does not answer")
         self.committed[partition] += [e.payload for e in entries]
@@ -43,6 +49,7 @@ class Owners:
 
     def partition_count(self, topic: str, topic_id: str) -> int:
         return self.partitions
+
 
     def owner_alive(self, topic: str, topic_id: str, partition: int) -> bool:
         return partition not in self.dead
@@ -196,6 +203,33 @@ def test_a_confirmed_gone_incarnation_is_discarded(tmp_path: Path, io: ThreadPoo
         await _until(lambda: disp.discarded == 1)
         assert not owners.committed
         await _until(lambda: wal.checkpoint_seq >= 1)
+        await disp.close()
+        wal.close()
+
+    asyncio.run(main())
+
+
+def test_records_the_target_rehomes_are_committed_at_their_home_and_the_rest_where_placed(
+        tmp_path: Path, io: ThreadPoolExecutor) -> None:
+    """A keyless idempotent record placed away from its key's partition, on a node that may
+    no longer commit it there (its home moved), goes to its home; the checkpoint passes
+    every record once all are committed."""
+    async def main() -> None:
+        owners = Owners()
+        wal, disp = await _setup(tmp_path, io, owners)
+        owners.homes = {b"i1": 2, b"i3": 1, b"given": 2}
+        await wal.append([Entry("t", INC, 0, 1, FR.F_EXT, None, p, placed=True) for p in (b"i0", b"i1", b"i2", b"i3")]
+                         + [Entry("t", INC, 0, 1, FR.F_EXT, None, b"given")])  # (a partition the client gave)
+        await _until(lambda: disp.committed == 5)
+        assert owners.committed == {0: [b"i0", b"i2", b"given"], 2: [b"i1"], 1: [b"i3"]}
+        assert disp.rehomed == 2 and disp.rerouted == 0
+        assert wal.checkpoint_seq > 4
+        # A batch all of whose records belong elsewhere leaves nothing for its placed partition.
+        owners.homes = {b"j0": 1, b"j1": 1}
+        await wal.append([Entry("t", INC, 0, 1, FR.F_EXT, None, p, placed=True) for p in (b"j0", b"j1")])
+        await _until(lambda: disp.committed == 7)
+        assert owners.committed[1] == [b"i3", b"j0", b"j1"]
+        assert owners.attempts[0] == 3  # (two for the first batch, one for this)
         await disp.close()
         wal.close()
 

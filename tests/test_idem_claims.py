@@ -9,6 +9,7 @@ import random
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -146,6 +147,87 @@ def test_collect_gives_a_homes_committed_keys_which_another_table_loads(table: I
         assert [i for i, v in enumerate(verdicts) if v == IC.DUPLICATE] == sorted(want)
     finally:
         other.close(unlink=True)
+
+
+def test_a_sealed_home_claims_no_new_key_until_unsealed_or_lapsed(table: IC.ClaimTable) -> None:
+    done = table.prepare(["committed-before"])
+    table.claim(T1, done, 3, NOW, WINDOW, 1)
+    table.settle(T1, done, 1, NOW, WINDOW, [IC.COMMIT])
+    assert table.seal(T1, 3, NOW + 1000, NOW) and table.sealed(NOW) == 1
+    ks = table.prepare(["a", "b"])
+    assert table.claim(T1, ks, 3, NOW, WINDOW, 1)[0] == [IC.SEALED] * 2
+    assert table.claim(T1, done, 3, NOW, WINDOW, 1)[0] == [IC.DUPLICATE]  # a repeat is still answered
+    assert table.claim(T2, ks, 3, NOW, WINDOW, 1)[0] == [IC.CLAIMED] * 2  # another topic's home 3
+    other = table.prepare(["c"])
+    assert table.claim(T1, other, 4, NOW, WINDOW, 1)[0] == [IC.CLAIMED]
+    # Homed by key (a keyless record's key hashes to its home): sealed when it hashes to 3.
+    many = table.prepare([f"k{i}" for i in range(40)])
+    got = table.claim(T1, many, IC.by_key(8), NOW, WINDOW, 2)[0]
+    assert [g for i, g in enumerate(got) if many.crc[i] % 8 == 3] == [IC.SEALED] * sum(
+        1 for i in range(40) if many.crc[i] % 8 == 3)
+    assert all(g == IC.CLAIMED for i, g in enumerate(got) if many.crc[i] % 8 != 3)
+    assert table.claim(T1, ks, 3, NOW + 1000, WINDOW, 1)[0] == [IC.CLAIMED] * 2  # lapsed
+    table.settle(T1, ks, 1, 0, 0, [IC.RELEASE] * 2)
+    assert table.seal(T1, 3, NOW + 5000, NOW) and table.seal(T1, 3, NOW + 9000, NOW)  # extended, one seal
+    assert table.sealed(NOW + 6000) == 1
+    table.unseal(T1, 3, NOW)
+    assert table.sealed(NOW) == 0 and table.claim(T1, ks, 3, NOW, WINDOW, 1)[0] == [IC.CLAIMED] * 2
+
+
+def test_a_table_holds_sixteen_live_seals_and_reuses_lapsed_ones(table: IC.ClaimTable) -> None:
+    assert all(table.seal(T1, h, NOW + 100 + h, NOW) for h in range(IC.SEALS))
+    assert not table.seal(T1, 99, NOW + 100, NOW)
+    assert table.seal(T1, 99, NOW + 500, NOW + 100)  # home 0's seal lapsed at NOW + 100: its entry is reused
+    assert table.sealed(NOW + 100) == IC.SEALS
+    for h in range(IC.SEALS):
+        table.unseal(T1, h, NOW)
+    table.unseal(T1, 99, NOW)
+    assert table.sealed(NOW) == 0
+
+
+def _homed_claimer(name: str, keys: list[str], tag: int, q: multiprocessing.Queue, go: object) -> None:
+    """Claims and commits keys homed at partition 1, a few at a time, until they run out."""
+    t = IC.ClaimTable.attach(name)
+    committed: list[str] = []
+    go.wait()  # type: ignore[attr-defined]
+    for i in range(0, len(keys), 4):
+        part = keys[i : i + 4]
+        ks = t.prepare(part)
+        got, _ = t.claim(T1, ks, 1, NOW, WINDOW, tag)
+        t.settle(T1, ks, tag, NOW, WINDOW, [IC.COMMIT if g == IC.CLAIMED else 0 for g in got])
+        committed.extend(k for k, g in zip(part, got, strict=True) if g == IC.CLAIMED)
+        time.sleep(0.0005)  # (a pace, so the seal lands halfway)
+    q.put(committed)
+
+
+def test_a_seal_then_the_pending_wait_then_collect_misses_no_key_claimed_around_it() -> None:
+    """A move's source: keys homed at the moving partition are claimed and committed by
+    other processes while it seals; every key they commit is in what it collects, and
+    none is committed after (the carry misses nothing)."""
+    table = IC.ClaimTable.create(f"/narad-test-idem-{os.getpid()}-seal", buckets=1 << 14)
+    ctx = multiprocessing.get_context("fork")
+    q: multiprocessing.Queue = ctx.Queue()
+    go = ctx.Barrier(3)
+    keys = [_keys(4000) for _ in range(2)]
+    procs = [ctx.Process(target=_homed_claimer, args=(table.name, keys[s], s + 1, q, go)) for s in range(2)]
+    for p in procs:
+        p.start()
+    go.wait()
+    deadline = time.monotonic() + 60
+    while table.stats(NOW)["keys"] < 200 and time.monotonic() < deadline:  # (they are under way)
+        time.sleep(0.001)
+    assert table.seal(T1, 1, NOW + WINDOW, NOW)
+    while table.pending_homed(T1, 1) and time.monotonic() < deadline:
+        time.sleep(0.0001)
+    collected = {e[0] for e in table.collect(T1, 1, NOW)}
+    done = [q.get(timeout=60) for _ in procs]
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    committed = [k for d in done for k in d]
+    assert 200 <= len(committed) < 8000  # some before the seal, and the seal stopped the rest
+    assert {table.prepare([k]).fp[0] for k in committed} == collected
+    table.close(unlink=True)
 
 
 def test_every_key_is_a_key(table: IC.ClaimTable) -> None:

@@ -38,13 +38,14 @@ def pool() -> Iterator[ThreadPoolExecutor]:
 
 
 def entry(i: int) -> Entry:
-    return Entry(f"topic-{i % 3}", INC, i % 5, 1_700_000_000_000 + i, i % 8,
-                 None if i % 4 == 0 else f"key-{i}".encode(), f"payload {i}".encode() * (1 + i % 4))
+    return Entry(f"topic-{i % 3}", INC, i % 5, 1_700_000_000_000 + i, i % 16,
+                 None if i % 4 == 0 else f"key-{i}".encode(), f"payload {i}".encode() * (1 + i % 4),
+                 placed=i % 3 == 1)
 
 
 def same(a: Entry, b: Entry) -> bool:
-    return (a.topic, a.incarnation, a.partition, a.ts_ms, a.flags, a.key, a.payload) == (
-        b.topic, b.incarnation, b.partition, b.ts_ms, b.flags, b.key, b.payload)
+    return (a.topic, a.incarnation, a.partition, a.ts_ms, a.flags, a.key, a.payload, a.placed) == (
+        b.topic, b.incarnation, b.partition, b.ts_ms, b.flags, b.key, b.payload, b.placed)
 
 
 def opened(d: Path, pool: ThreadPoolExecutor, **kw: int) -> IngressWAL:
@@ -478,6 +479,10 @@ def test_entry_round_trip(key: bytes | None) -> None:
     assert Entry.decode(memoryview(data), 1).key == key
     empty = Entry("t", INC, 0, 0, 0, key, b"")
     assert Entry.decode(empty.encode(), 1).payload == b""
+    # A record the node placed (``Entry.placed``) keeps the mark through the WAL, outside its flags.
+    placed = Entry("t", INC, 3, 5, 15, key, b"x", placed=True)
+    back = Entry.decode(placed.encode(), 2)
+    assert back.placed and back.flags == 15 and not Entry.decode(empty.encode(), 1).placed
 
 
 def test_entry_rejects_unknown_format() -> None:

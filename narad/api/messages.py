@@ -399,10 +399,12 @@ class DeferredEntries(Sequence[Entry]):
     once; a record that is the body alone (no ``F_EXT``, a key) gets its key's block, as
     the WAL stores it."""
 
-    __slots__ = ("_built", "_groups", "_inc", "_n", "_now", "_topic")
+    __slots__ = ("_built", "_given", "_groups", "_inc", "_n", "_now", "_topic")
 
-    def __init__(self, n: int, groups: dict[int, DirectGroup], topic: str, inc: bytes, now: int) -> None:
+    def __init__(self, n: int, groups: dict[int, DirectGroup], topic: str, inc: bytes, now: int,
+                 given: set[int] | None = None) -> None:
         self._n, self._groups, self._topic, self._inc, self._now = n, groups, topic, inc, now
+        self._given = given  # the indexes of messages whose partition the client gave (not ``Entry.placed``)
         self._built: list[Entry] | None = None
 
     def __len__(self) -> int:
@@ -414,12 +416,15 @@ class DeferredEntries(Sequence[Entry]):
             out: list[Entry | None] = [None] * self._n
             topic, inc, now = self._topic, self._inc, self._now
             ext = FR.F_EXT
+            given = self._given or ()
             for part, (idx, records, iks) in self._groups.items():
                 for i, (key, flags, body), ik in zip(idx, records, iks or [None] * len(idx), strict=True):
+                    placed = key is None and ik is not None and i not in given
                     if ik is not None and not flags & ext:  # (the body alone: the WAL stores its block too)
-                        out[i] = Entry(topic, inc, part, now, flags | ext, key, FR.pack_idem(ik.encode(), body))
+                        out[i] = Entry(topic, inc, part, now, flags | ext, key, FR.pack_idem(ik.encode(), body),
+                                       placed=placed)
                     else:
-                        out[i] = Entry(topic, inc, part, now, flags, key, body)
+                        out[i] = Entry(topic, inc, part, now, flags, key, body, placed=placed)
             assert None not in out, "every message is in one group"
             es = self._built = out  # type: ignore[assignment]
         return es
@@ -963,15 +968,20 @@ class MessagesAPI:
             raw_idem = self._single_query(req, IDEM_PARAM)
             idem = idem_key(raw_idem) if raw_idem is not None else None
         direct = None
+        placed = False  # (``Entry.placed``: the node chose the partition of a keyless idempotent record)
         if partition is None:
             partition = self.broker.choose_partition(t, key, idem)
-            if key is None and idem is None:
-                direct = partition
+            if key is None:
+                if idem is None:
+                    direct = partition
+                else:
+                    placed = True
         flags, stored = payload_flags(body), body
         hdrs = query_headers(req.query["header"]) if req.query and "header" in req.query else None
         if hdrs is not None or idem is not None:
             flags, stored = with_ext(flags, body, hdrs, idem)
-        entry = Entry(t.name, self._incarnation(t), partition, int(time.time() * 1000), flags, key, stored)
+        entry = Entry(t.name, self._incarnation(t), partition, int(time.time() * 1000), flags, key, stored,
+                      placed=placed)
         self._append_cb(req, t, [entry], reply, watched=idem is not None, direct=direct, spread=idem is not None,
                         ikey=raw_idem if idem is not None else None)
         return True
@@ -988,14 +998,19 @@ class MessagesAPI:
                 self.m.produce_rejections.labels(t.name, "schema").inc()
                 raise BadRequest(f"invalid argument: {why}")
         direct = None
+        placed = False  # (``Entry.placed``)
         if partition is None:
             partition = self.broker.choose_partition(t, key, idem)
-            if key is None and idem is None:
-                direct = partition
+            if key is None:
+                if idem is None:
+                    direct = partition
+                else:
+                    placed = True
         flags = payload_flags(body)
         hdrs = query_headers(req.query["header"]) if req.query and "header" in req.query else None
         flags, stored = with_ext(flags, body, hdrs, idem)
-        entry = Entry(t.name, self._incarnation(t), partition, int(time.time() * 1000), flags, key, stored)
+        entry = Entry(t.name, self._incarnation(t), partition, int(time.time() * 1000), flags, key, stored,
+                      placed=placed)
         if idem is None:
             await self._append(req, t, [entry], direct=direct)
             return Response(202, b"", None)
@@ -1180,6 +1195,7 @@ class MessagesAPI:
         heads = FR.IDEM_HEADS
         rule = self.broker.idem_rule(t)
         for i, (payload, key, part, flags, hdrs, idem) in enumerate(prepared):
+            placed = False  # (``Entry.placed``)
             if part is None:
                 if key is None and idem is None:
                     if keyless < 0:
@@ -1189,6 +1205,7 @@ class MessagesAPI:
                     part = crc32c(key or idem) % nparts  # type: ignore[arg-type]
                     if key is None and rule is not None and rule[0][part]:
                         part = rule[1]  # (topic.idempotent_local_placement)
+                        placed = True
             if key is not None:
                 keyed = True
             # (with_ext's cases, a call less a message)
@@ -1200,7 +1217,7 @@ class MessagesAPI:
                                                 else FR.pack_idem(idem, payload))
             else:
                 fl, stored = with_ext(flags, payload, bytes(hdrs), idem)
-            e = Entry(t.name, inc, part, now, fl, key, stored)
+            e = Entry(t.name, inc, part, now, fl, key, stored, placed=placed)
             entries.append(e)
             ik = msgs[i].idempotency_key  # (the commit's key, as given)
             g = groups.get(part)
@@ -1299,6 +1316,7 @@ class MessagesAPI:
                     if home_here[h]:
                         out[i] = hashed[i] = here
         records: list[tuple[bytes | None, int, bytes]] = []
+        given: set[int] | None = None
         for i, m in enumerate(msgs):
             ik = m.idempotency_key
             payload = m.payload
@@ -1316,8 +1334,12 @@ class MessagesAPI:
                 part = hashed[i]
             elif part >= nparts:
                 return None
-            elif part != hashed[i]:
-                out[i] = part  # (placed by its message key or as given: grouped where it goes)
+            else:
+                if m.partition is not None:
+                    given = given or set()
+                    given.add(i)
+                if part != hashed[i]:
+                    out[i] = part  # (placed by its message key or as given: grouped where it goes)
             records.append((key, fl, bytes(payload)))  # type: ignore[arg-type]
         # ``Broker.direct``'s groups: each partition's indexes in batch order, their records and
         # keys, from one native counting sort over the placements (``out``).
@@ -1336,7 +1358,7 @@ class MessagesAPI:
             else:
                 pick = itemgetter(*idx)
                 groups[p] = (idx, list(pick(records)), list(pick(iks)))
-        return DeferredEntries(count, groups, name, inc, now), groups, keyed
+        return DeferredEntries(count, groups, name, inc, now, given), groups, keyed
 
     # ---- consume --------------------------------------------------------------------------------
     async def consume(self, req: Request) -> Response:

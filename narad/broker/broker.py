@@ -78,7 +78,7 @@ from narad.broker import deadletter as DL
 from narad.broker import idem as IDEM
 from narad.broker import peers as P
 from narad.broker.deadletter import DeadLetterDriver
-from narad.broker.dispatcher import Dispatcher, Watch
+from narad.broker.dispatcher import Dispatcher, Rehome, Watch
 from narad.broker.fanout import FanoutEngine, FanoutSettings
 from narad.broker.idem_claims import ClaimTable, topic_tag
 from narad.broker.moves import MoveRunner, MoveSource
@@ -107,6 +107,7 @@ from narad.meta import versions as V
 from narad.meta.records import TopicRecord
 from narad.meta.requests import ConfirmEpochReq, ConfirmEpochResp, QuarantinedCopy
 from narad.meta.store import MetaStore
+from narad.storage import frames as FR
 from narad.storage import iothreads
 from narad.storage import partition_log as PL
 from narad.storage import transfer as TR
@@ -1375,9 +1376,11 @@ class Broker:
                 plan.done.set_result(None)
         return settled
 
-    async def deliver(self, topic: str, topic_id: str, partition: int, entries: list[Entry]) -> str | Committed:
+    async def deliver(self, topic: str, topic_id: str, partition: int, entries: list[Entry]
+                      ) -> str | Committed | Rehome:
         """Dispatcher target: commit at the owner, here or one hop away. Returns the
-        owner's (first offset, duplicate indexes), or "gone"."""
+        owner's (first offset, duplicate indexes), "gone", or a ``Rehome`` of the records
+        this node placed that must go to their key's partition first (``rehome``)."""
         if DISPATCH_DELAY_S:
             await asyncio.sleep(DISPATCH_DELAY_S)
         t = self.store.topic(topic)
@@ -1386,6 +1389,12 @@ class Broker:
             if await self.confirm_gone(topic, topic_id):
                 return "gone"
             raise Unavailable(f'topic "{topic}" incarnation {topic_id} not confirmed; holding its records')
+        for e in entries:
+            if e.placed:  # (a keyless idempotent record this node placed: is it still to go here?)
+                moved = self.rehome(t, partition, entries)
+                if moved:
+                    return Rehome(moved)
+                break
         records = [(e.key, e.flags, e.payload) for e in entries]
         node, worker = self.where(t, partition)
         if node is None:
@@ -1417,6 +1426,36 @@ class Broker:
         else:
             base = (await self.links.call(worker, req, P.CommitResp, timeout=30)).base
         return base
+
+    def rehome(self, t: TopicRecord, partition: int, entries: Sequence[Entry]) -> list[tuple[int, int]]:
+        """``deliver``'s check: the entries of a batch bound for `partition` that must go to
+        their idempotency key's partition (its home) instead, as (index, home). A keyless
+        record with an idempotency key whose partition the node chose (``Entry.placed``;
+        never one the client gave) may be committed away from its home only on the
+        node that owns the home while the home has no move target
+        (topic.idempotent_local_placement: the node's claims table holds the key, and a
+        move of the home carries it); a record placed so whose home moved since (its
+        direct commit was refused, a move's seal among the reasons: it waited in the WAL)
+        or whose partition left this node is sent to the home, where its key is checked."""
+        n = t.partitions
+        out: list[tuple[int, int]] = []
+        pl: _Placement | None = None
+        here = False
+        for i, e in enumerate(entries):
+            if not e.placed or e.key is not None or not e.flags & F_EXT or not FR.has_idem(e.payload):
+                continue  # (a partition the client gave, or a key's: it stays)
+            k = IDEM.key_of(e.flags, e.payload)
+            if k is None:
+                continue
+            h = key_partition(k.encode(), n)
+            if h == partition:
+                continue
+            if pl is None:
+                pl = self._placement(t)
+                here = partition < n and self.remote.owner_node(t, partition) == self.node_id
+            if not here or not pl.home_here[h]:
+                out.append((i, h))
+        return out
 
     def partition_count(self, topic: str, topic_id: str) -> int:
         t = self.store.topic(topic)

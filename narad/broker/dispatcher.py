@@ -17,7 +17,10 @@ records reroute to the next partition upward (wrapping) whose owner is alive
 and which is not failing itself; a failing owner keeps one record as its probe,
 a dead one keeps none. A commit in flight is never rerouted. A record with an
 idempotency key is never rerouted either: its key is checked at the partition it
-was routed to (a retry lands there), so it waits for that owner.
+was routed to (a retry lands there), so it waits for that owner. A keyless one placed
+away from its key's partition (topic.idempotent_local_placement) is sent to that
+partition when the node it was placed on may no longer commit it elsewhere (the
+target answers ``Rehome`` instead of committing).
 
 Idempotent produce: a produce with idempotency keys ``watch``es its entries
 (seqs) after staging them; when their commit returns, the owner's duplicate
@@ -56,16 +59,31 @@ WATCH_SLACK = 0.05  # watch deadlines expire in 50 ms steps (one timer wake per 
 Committed = tuple[int, list[int]]  # the owner's first offset, indexes of the batch's duplicates
 
 
+class Rehome:
+    """``Target.deliver``'s answer when some entries of the batch must go to another
+    partition first (nothing of the batch was committed): (index, partition) each. A
+    keyless idempotent record the node placed away from its key's partition, on a node
+    that may no longer commit it there (``Broker.rehome``)."""
+
+    __slots__ = ("moved",)
+
+    def __init__(self, moved: list[tuple[int, int]]) -> None:
+        self.moved = moved
+
+
 class Target(Protocol):
-    async def deliver(self, topic: str, topic_id: str, partition: int, entries: list[Entry]) -> str | Committed:
+    async def deliver(self, topic: str, topic_id: str, partition: int, entries: list[Entry]
+                      ) -> str | Committed | Rehome:
         """Commit at the owner. Returns "ok" or the owner's ``Committed`` (which
         records were duplicates of an idempotency key), "gone" (incarnation
-        confirmed deleted: discard) or raises to retry later."""
+        confirmed deleted: discard), a ``Rehome`` (nothing committed: these entries go
+        elsewhere first) or raises to retry later."""
         ...
 
     def partition_count(self, topic: str, topic_id: str) -> int:
         """Partitions of this incarnation (0 if unknown here)."""
         ...
+
 
     def owner_alive(self, topic: str, topic_id: str, partition: int) -> bool:
         """False when the partition's owner is marked dead (or unassigned)."""
@@ -131,6 +149,7 @@ class Dispatcher:
         self.discarded = 0
         self.committed = 0
         self.rerouted = 0
+        self.rehomed = 0  # idempotent records sent to their key's partition (``_rehome``)
         self.closed = False
         self.loop: asyncio.AbstractEventLoop | None = None
         self._watched: dict[int, tuple[Watch, int]] = {}  # seq -> (watch, index in it)
@@ -288,7 +307,7 @@ class Dispatcher:
 
     async def _commit(self, key: tuple[str, bytes, int], d: _Dest, batch: list[Entry], groups: list[_Group]) -> None:
         topic, inc, part = key
-        outcome: str | Committed = "retry"
+        outcome: str | Committed | Rehome = "retry"
         moving = False
         try:
             outcome = await self.target.deliver(topic, inc.hex(), part, batch)
@@ -304,7 +323,9 @@ class Dispatcher:
         finally:
             d.inflight = False
             self._inflight -= 1
-        if outcome != "retry":
+        if isinstance(outcome, Rehome):
+            self._rehome(key, d, batch, groups, outcome.moved)
+        elif outcome != "retry":
             d.failing_since = 0.0
             if outcome == "gone":
                 self.discarded += len(batch)
@@ -333,6 +354,42 @@ class Dispatcher:
             d.failing_since = d.failing_since or now
             d.retry_at = now + (MOVING_RETRY_AFTER if moving else RETRY_AFTER)
         self._pump()
+
+    def _rehome(self, key: tuple[str, bytes, int], d: _Dest, batch: list[Entry], groups: list[_Group],
+                moved: list[tuple[int, int]]) -> None:
+        """A ``Rehome`` answer: its entries go to the destinations it names, the rest of
+        the batch back to the front of its own (in order), tried again at once."""
+        topic, inc, part = key
+        to = dict(moved)
+        kept_e: list[Entry] = []
+        kept_g: list[_Group] = []
+        for i, (e, g) in enumerate(zip(batch, groups, strict=True)):
+            q = to.get(i)
+            if q is None or q == part:
+                kept_e.append(e)
+                kept_g.append(g)
+                continue
+            e.partition = q
+            qkey = (topic, inc, q)
+            other = self._dests.get(qkey)
+            if other is None:
+                other = self._dests[qkey] = _Dest()
+            other.entries.append(e)
+            other.groups.append(g)
+        d.entries.extendleft(reversed(kept_e))
+        d.groups.extendleft(reversed(kept_g))
+        n = len(batch) - len(kept_e)
+        if not n:  # (nothing named elsewhere: a retry, not a loop)
+            d.retry_at = time.monotonic() + RETRY_AFTER
+            return
+        self.rehomed += n
+        log.info("idempotent records sent to their key's partition (the partition this node placed them in "
+                 "may no longer commit them)", extra={"topic": topic, "from_partition": part, "records": n})
+        if not d.entries and self.on_drained is not None:
+            try:
+                self.on_drained(key)
+            except Exception:
+                log.exception("dispatcher drain callback failed")
 
     def _reroute(self, key: tuple[str, bytes, int], d: _Dest, probe: bool = True) -> bool:
         """Move what is queued for a failing or dead destination to the next

@@ -20,9 +20,11 @@ The fingerprint is not a keyed PRF: someone who knows a producer's key can take 
 with a produce of their own anyway, so nothing is lost by that.
 
 Buckets of six slots, 256 bytes each (42.7 bytes a key); a full bucket evicts its
-committed key that expires first (counted), never a pending claim. Every operation
-takes one bucket's lock at a time, for a few hundred instructions; a lock whose
-holder died is taken over.
+committed key that expires first (counted), never a pending claim. A key may live in
+either of two buckets; an operation on a key takes both their locks (in ascending order),
+for a few hundred instructions; a lock whose holder died is taken over. A move's source
+seals the home it gives away (``seal``): from then on no key homed there is claimed on
+the node (``SEALED``), so none can be committed behind the keys the move carries.
 
 Imports the native module and posix_ipc; nothing else from narad.
 """
@@ -43,7 +45,8 @@ WAYS = 6
 BUCKET_BYTES = 256
 MAX_KEY_BYTES = 1 << 30  # (the API takes 1 to 128 bytes; a record's block may hold any: all are keys here)
 
-CLAIMED, DUPLICATE, PENDING, FULL = 0, 1, 2, 3
+CLAIMED, DUPLICATE, PENDING, FULL, SEALED = 0, 1, 2, 3, 4
+SEALS = 16  # seals a table holds at once (a move's source holds one while it is frozen)
 HOME_BY_KEY = 0x80000000  # a home of ``HOME_BY_KEY | partitions``: the key's CRC-32C modulo the partitions
 
 
@@ -58,7 +61,7 @@ CHECK = 0x6E61726164_49444D  # the head's layout check ("narad" "IDM")
 # and across restarts (a move's carried keys are fingerprints). A secret seed would only
 # hide which keys share a bucket; someone who could use that can produce the key itself.
 SEED = 0x9E3779B97F4A7C15
-HEAD_BYTES = 128
+HEAD_BYTES = 384
 
 
 def buckets_for(keys: int) -> int:
@@ -221,6 +224,22 @@ class ClaimTable:
             got = lib.idem_collect(self._base, topic, home, now_ms, fp, crc, at, cap, cursor)
             out.extend(zip(ffi.unpack(fp, got), ffi.unpack(crc, got), ffi.unpack(at, got), strict=True))
         return out
+
+    def seal(self, topic: int, home: int, until_ms: int, now_ms: int) -> bool:
+        """No key of `topic` homed at `home` is claimed on this node (``SEALED``) until
+        `until_ms` or ``unseal``: a move's source, before it collects the keys homed at the
+        partition it gives away. Once this returns, a claim that was not refused is
+        pending already (``pending_homed`` sees it) or settled. False: ``SEALS`` seals
+        are held already (a scan of every bucket's lock: about a millisecond)."""
+        return lib.idem_seal(self._base, topic, home, until_ms, now_ms) == 0
+
+    def unseal(self, topic: int, home: int, now_ms: int) -> None:
+        """Lifts `home`'s seal (the move was given up, or the partition came back here)."""
+        lib.idem_unseal(self._base, topic, home, now_ms)
+
+    def sealed(self, now_ms: int) -> int:
+        """Seals live at `now_ms`."""
+        return lib.idem_sealed_count(self._base, now_ms)
 
     def pending_homed(self, topic: int, home: int) -> int:
         """Claims of `topic` homed at `home` whose commit is not settled (a scan)."""

@@ -62,7 +62,7 @@ from narad.storage import transfer as TR
 
 from . import peers as P
 from .fanout import partition_dir
-from .idem_claims import topic_tag
+from .idem_claims import SEALS, topic_tag
 from .partition import MAX_REASON_CHARS, Partition, rfc3339_ms
 
 log = logging.getLogger("narad.broker.moves")
@@ -255,6 +255,8 @@ class MoveSource:
             # Durable before it is answered: a restart of this node keeps the partition frozen
             # for the rest of the TTL (the flip this renewal covers may commit meanwhile).
             await loop.run_in_executor(self.b.io, TR.write_freeze, d, m.token, int(time.time() * 1000 + ttl * 1000))
+            if p.claims_sealed:  # the seal of its keys' home lasts as long as the freeze
+                await loop.run_in_executor(self.b.io, self._seal, t, m.partition, p)
             if m.renew_only:
                 return P.MoveFreezeResp(m.token)
         else:
@@ -287,9 +289,11 @@ class MoveSource:
         """The idempotency keys homed at the partition that this node committed anywhere
         (its records in other partitions: topic.idempotent_local_placement), under the
         move's live freeze: no new key homed there is claimed here meanwhile (the
-        partition is frozen, and a key homed at a partition with a move target goes to that
-        partition, not elsewhere); the claims still pending are waited for first (at most
-        CLAIMS_SETTLE_S, then 503: the destination asks again)."""
+        partition is frozen, and its home is sealed in the node's table for as long as the
+        freeze holds: a worker whose replica has not shown the move yet and placed such a
+        key elsewhere has that commit refused, and the WAL's dispatcher sends the record to
+        the partition's new owner, ``Broker.rehome``); the claims still pending are waited
+        for first (at most CLAIMS_SETTLE_S, then 503: the destination asks again)."""
         t = self._owned_here(m.topic, m.topic_id, m.partition)
         p = await self.b.partition(t, m.partition)
         if not m.token or p.freeze_token != m.token or not p.frozen():
@@ -297,6 +301,8 @@ class MoveSource:
                            "restarted): commits may have landed behind the copy", code="freeze_lapsed")
         claims, tag = self.b.claims, topic_tag(t.id)
         loop = self.b.loop
+        if not await loop.run_in_executor(self.b.io, self._seal, t, m.partition, p):
+            raise Unavailable(f"this node holds {SEALS} move seals already; ask again")
         end = time.monotonic() + CLAIMS_SETTLE_S
         while await loop.run_in_executor(self.b.io, claims.pending_homed, tag, m.partition):
             if time.monotonic() >= end:
@@ -306,12 +312,23 @@ class MoveSource:
         keys = await loop.run_in_executor(self.b.io, claims.collect, tag, m.partition, int(time.time() * 1000))
         return P.MoveClaimsResp(t.idem_window_ms, keys)
 
+    def _seal(self, t: TopicRecord, partition: int, p: Any) -> bool:
+        """Seals the partition's home in the node's claims table until its freeze ends (I/O thread)."""
+        now_ms = int(time.time() * 1000)
+        until = now_ms + int(max(0.0, p.freeze_until - time.monotonic()) * 1000)
+        ok = self.b.claims.seal(topic_tag(t.id), partition, until, now_ms)
+        p.claims_sealed = p.claims_sealed or ok
+        return ok
+
     async def thaw(self, m: P.MoveThawReq) -> P.MoveFreezeResp:
         p = self.b.partitions.get((m.topic, m.partition))
         d = partition_dir(self.b.data_dir, m.topic, m.topic_id, m.partition)
         if p is not None and p.topic_id == m.topic_id and p.freeze_token == m.token:
             p.freeze_token = None
             p.freeze_until = 0.0
+            if p.claims_sealed:  # the move was given up: keys homed here are claimed again
+                p.claims_sealed = False
+                self.b.claims.unseal(topic_tag(m.topic_id), m.partition, int(time.time() * 1000))
             await self.b.loop.run_in_executor(self.b.io, TR.clear_freeze, d)
             log.info("move freeze lifted", extra={"topic": m.topic, "partition": m.partition})
         elif p is None and m.token:  # not open (restarted since): its marker alone holds the freeze
@@ -700,6 +717,9 @@ class MoveRunner:
                                   cursors={c: (e, n) for c, e, n in fz.cursors}, marker=marker, seg_mtimes=mtimes,
                                   counts=dict(fz.counts), reasons=_reasons(fz.reasons), dead=fz.dead,
                                   dlq=_dlq(fz), carried=carried)
+            # A seal this node may hold from the partition's last stay here (it moved away
+            # within its freeze's end) is lifted: the partition's keys are claimable here again.
+            await self._io(self.b.claims.unseal, topic_tag(mv.topic_id), part, int(time.time() * 1000))
             if cl.keys:
                 await self._io(self.b.claims.load_raw, topic_tag(mv.topic_id), part, cl.keys, cl.window_ms,
                                int(time.time() * 1000))

@@ -96,7 +96,18 @@ from typing import Any
 from narad import metrics
 from narad.broker.idem import key_of
 from narad.broker.idem import mark as idem_mark
-from narad.broker.idem_claims import CLAIMED, COMMIT, DUPLICATE, FULL, PENDING, RELEASE, ClaimTable, Keys, by_key
+from narad.broker.idem_claims import (
+    CLAIMED,
+    COMMIT,
+    DUPLICATE,
+    FULL,
+    PENDING,
+    RELEASE,
+    SEALED,
+    ClaimTable,
+    Keys,
+    by_key,
+)
 from narad.errors import Unavailable
 from narad.storage import frames as FR
 from narad.storage import offsets as OFF
@@ -241,6 +252,7 @@ class Partition:
         # A move's freeze on this (source) partition: token and monotonic deadline.
         self.freeze_token: str | None = None
         self.freeze_until = 0.0
+        self.claims_sealed = False  # the freeze sealed its home in the node's claims table (``MoveSource.claims``)
         # Delivery counts and dead-lettering (issue 14).
         self.deliveries: dict[int, int] = {}  # offset above the frontier, not acked -> times leased
         self.reasons: dict[int, str] = {}  # offset -> its last nack's reason (in the offset file, room allowing)
@@ -274,6 +286,10 @@ class Partition:
     def moving_error(self) -> Unavailable:
         return Unavailable(f"partition {self.index} of {self.topic} is being moved to another node; retry",
                            code="partition_moving")
+
+    def home_moving_error(self) -> Unavailable:
+        return Unavailable(f"an idempotency key of this batch belongs to a partition of {self.topic} that is "
+                           "being moved to another node; retry", code="partition_moving")
 
     async def commits_idle(self, timeout: float = 30.0) -> None:
         """Wait until no commit is running (a frozen partition refuses new ones)."""
@@ -881,6 +897,17 @@ class Partition:
                             if got.count(CLAIMED) == len(got):
                                 claimed.append((ks, None))
                             else:
+                                if SEALED in got:
+                                    # A key homed at a partition whose move is carrying its keys
+                                    # away (``ClaimTable.seal``): it belongs at that partition's new
+                                    # owner, so the batch is refused as moving; the WAL's dispatcher
+                                    # sends it there (``Broker.rehome``).
+                                    claims.settle(self.claims_topic, ks, self.claims_tag, 0, 0,
+                                                  [RELEASE if g == CLAIMED else 0 for g in got])
+                                    payload_bytes -= sum(map(len, map(_BODY, batch)))
+                                    if not item[1].done():
+                                        item[1].set_exception(self.home_moving_error())
+                                    continue
                                 if PENDING in got or FULL in got:
                                     # Another claim holds one of its keys: this batch waits for it.
                                     claims.settle(self.claims_topic, ks, self.claims_tag, 0, 0,

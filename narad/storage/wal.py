@@ -84,6 +84,7 @@ _REC = struct.Struct(">BH")
 _REC2 = struct.Struct(">8sIQBI")
 REC_FORMAT = 2
 NO_KEY = 0xFFFFFFFF
+PLACED_FLAG = 0x80  # a WAL record's flags byte: ``Entry.placed`` (record flags use the low bits)
 _TOPIC_HEADS: dict[str, bytes] = {}  # topic -> the record's format byte, topic length and topic
 
 
@@ -107,6 +108,11 @@ class Entry(msgspec.Struct, gc=False, eq=False):
     key: bytes | None
     payload: bytes
     seq: int = 0
+    # A keyless record with an idempotency key whose partition the node chose (no partition
+    # from the client): the dispatcher may send it to its key's partition instead
+    # (``Dispatcher._rehome``). Stored in the WAL as PLACED_FLAG of the flags byte, never
+    # in a partition's log.
+    placed: bool = False
 
     def head(self) -> bytes:
         """The record's bytes before the message."""
@@ -118,9 +124,10 @@ class Entry(msgspec.Struct, gc=False, eq=False):
                 _TOPIC_HEADS.clear()
             _TOPIC_HEADS[self.topic] = th
         k = self.key
+        fl = self.flags | PLACED_FLAG if self.placed else self.flags
         if k is None:
-            return th + _REC2.pack(self.incarnation, self.partition, self.ts_ms, self.flags, NO_KEY)
-        return th + _REC2.pack(self.incarnation, self.partition, self.ts_ms, self.flags, len(k)) + k
+            return th + _REC2.pack(self.incarnation, self.partition, self.ts_ms, fl, NO_KEY)
+        return th + _REC2.pack(self.incarnation, self.partition, self.ts_ms, fl, len(k)) + k
 
     def encode(self) -> bytes:
         return self.head() + self.payload
@@ -139,6 +146,8 @@ class Entry(msgspec.Struct, gc=False, eq=False):
         if klen != NO_KEY:
             key = bytes(data[pos : pos + klen])
             pos += klen
+        if flags & PLACED_FLAG:
+            return cls(topic, inc, part, ts, flags & ~PLACED_FLAG, key, bytes(data[pos:]), seq, True)
         return cls(topic, inc, part, ts, flags, key, bytes(data[pos:]), seq)
 
 

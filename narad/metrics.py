@@ -249,6 +249,13 @@ class _Metrics:
         self.wal_failed = a(Gauge("narad_ingress_wal_failed", "1 while produce is latched off by a WAL failure"))
         self.dispatch_backlog = a(Gauge("narad_ingress_dispatch_backlog_records",
                                         "accepted records not yet confirmed at their owner"))
+        self.idem_sealed = a(Counter("narad_idempotency_sealed_refusals_total",
+                                     "batches refused because an idempotency key's partition is being moved off "
+                                     "this node and its keys are carried away (the record goes to the new owner)"))
+        self.dispatch_rehomed = a(Counter("narad_ingress_dispatch_rehomed_total",
+                                          "idempotent records this node placed away from their key's partition "
+                                          "and sent there instead (the node may no longer commit them where "
+                                          "placed: the key's partition moved, or the placed one did)"))
         self.wal_pending = a(Gauge("narad_ingress_wal_pending_records",
                                    "produced records not yet durable (produce in flight): staged in the ingress "
                                    "WAL, or in a direct commit"))

@@ -193,3 +193,108 @@ def test_a_move_carries_the_keys_committed_away_from_their_partition(tmp_path: P
         assert sum(int(s["high_watermark"]) for s in r.json()["partition_stats"]) == 60
     finally:
         c.close()
+
+
+@pytest.mark.slow
+def test_a_record_waiting_in_the_wal_through_a_move_is_committed_once_at_its_keys_partition(
+        tmp_path: Path) -> None:
+    """A keyless idempotent record placed at a partition of its node whose direct commit
+    failed waits in the ingress WAL (held by a test seam) while a third node joins and
+    one partition of each node moves to it; a retry through the new node is committed
+    meanwhile. When the WAL's record is dispatched, its node may no longer commit it where
+    it was placed (its key's partition, or the placed one, left the node): it goes to its
+    key's partition instead and is found there. Every key is stored once."""
+    from tests.harness import Cluster
+    from tests.test_moves_cluster import FAST, moves, owners, spread
+
+    hold = tmp_path / "hold-dispatch"
+    hold.write_text("")
+    c = Cluster(tmp_path, 3, initial=2, env={**FAST, **ENV})
+    c["n1"].extra_env.update({"NARAD_FAULT_DIRECT_COMMIT_FAIL_EVERY": "1", "NARAD_FAULT_DISPATCH_HOLD_FILE": str(hold)})
+    try:
+        c.start()
+        n1 = c["n1"]
+        assert n1.post("/v1/topics", {"name": "lw", "partitions": PARTS}).status == 201
+        for nid in ("n1", "n2"):
+            wait_for(lambda nid=nid: c[nid].get("/v1/topics/lw").status == 200, 20, 0.05, "the topic")
+        before = owners(n1, "lw")
+        keys = [f"w{i}" for i in range(40)]
+        msgs = [{"payload": {"k": k}, "idempotency_key": k} for k in keys]
+        r = n1.post("/v1/topics/lw/produce/batch", {"messages": msgs})
+        assert r.status == 202, r  # durable in n1's WAL, held there
+        wait_for(lambda: n1.metric("narad_ingress_dispatch_backlog_records") == 40, 10, 0.1, "40 records held")
+        assert {key_partition(k.encode(), PARTS) for k in keys} == set(range(PARTS))
+        c.start(["n3"])
+        wait_for(lambda: spread(n1, "lw", c.ids, PARTS), 180, 0.2, "partitions spread over 3 nodes")
+        after = owners(n1, "lw")
+        assert any(before[p] == "n1" and after[p] == "n3" for p in after), (before, after)
+        for nid in c.ids:
+            wait_for(lambda nid=nid: owners(c[nid], "lw") == after, 20, 0.1, f"{nid} sees the new owners")
+        r = c["n3"].post("/v1/topics/lw/produce/batch", {"messages": msgs})  # the client's retry
+        assert r.status == 202, r
+        hold.unlink()  # the held WAL records go now
+        wait_for(lambda: n1.metric("narad_ingress_dispatch_backlog_records") == 0, 60, 0.2, "n1's WAL dispatched")
+        assert n1.metric("narad_ingress_dispatch_rehomed_total") > 0  # (the case under test did happen)
+        wait_for(lambda: _stored(n1, "lw") >= 40, 30, 0.1, "every key stored")
+        assert not moves(n1)
+        for nid in c.ids:  # and every key is a duplicate now, through either node
+            r = c[nid].post("/v1/topics/lw/produce/batch", {"messages": msgs})
+            assert r.status == 202 and r.json() == {"accepted": 40, "duplicates": 40}, (nid, r.json())
+        assert _stored(n1, "lw") == 40
+    finally:
+        c.close()
+
+
+@pytest.mark.slow
+def test_a_key_placed_by_a_worker_that_missed_the_move_is_refused_by_the_seal_not_lost(tmp_path: Path) -> None:
+    """A worker whose replica has not shown a move (a test seam: the placement ignores move
+    targets) places keys homed at a partition whose move has collected its keys and waits
+    to flip. The node's claims table has that home sealed: the commit is refused, the WAL
+    holds the record, and once the flip is seen it goes to the partition's new owner. A
+    retry through the new owner finds every key; each is stored once."""
+    from tests.harness import Cluster
+    from tests.test_moves_cluster import FAST, owners, spread
+
+    c = Cluster(tmp_path, 3, initial=2, env={**FAST, **ENV})
+    for nid in ("n1", "n2"):
+        c[nid].extra_env["NARAD_FAULT_PLACEMENT_IGNORES_MOVES"] = "1"
+    c["n3"].extra_env["NARAD_FAULT_MOVE_HOLD_FLIP_MS"] = "8000"
+    try:
+        c.start()
+        n1 = c["n1"]
+        assert n1.post("/v1/topics", {"name": "ls", "partitions": PARTS}).status == 201
+        for nid in ("n1", "n2"):
+            wait_for(lambda nid=nid: c[nid].get("/v1/topics/ls").status == 200, 20, 0.05, "the topic")
+        c.start(["n3"])
+        n3 = c["n3"]
+        held: list[dict[str, Any]] = []
+
+        def flip_held() -> bool:
+            r = n3.get("/v1/cluster/moves?detail=true")
+            assert r.status == 200, r
+            held[:] = [m for m in r.json()["moves"] if m.get("worker", {}).get("phase") == "flip_pending"]
+            return bool(held)
+
+        wait_for(flip_held, 120, 0.05, "a move to n3 held before its flip")
+        home, src = held[0]["partition"], held[0]["from"]
+        keys = [k for k in (f"s{i}" for i in range(2000)) if key_partition(k.encode(), PARTS) == home][:24]
+        assert len(keys) == 24
+        for lo in range(0, 24, 4):  # (batch after batch: placed at one partition after another of the worker)
+            msgs = [{"payload": {"k": k}, "idempotency_key": k} for k in keys[lo : lo + 4]]
+            r = c[src].post("/v1/topics/ls/produce/batch", {"messages": msgs})
+            assert r.status == 202, r
+        assert c[src].metric("narad_idempotency_sealed_refusals_total") > 0  # (the case under test did happen)
+        wait_for(lambda: spread(n1, "ls", c.ids, PARTS), 180, 0.2, "partitions spread over 3 nodes")
+        after = owners(n1, "ls")
+        for nid in c.ids:
+            wait_for(lambda nid=nid: owners(c[nid], "ls") == after, 20, 0.1, f"{nid} sees the new owners")
+        wait_for(lambda: c[src].metric("narad_ingress_dispatch_backlog_records") == 0, 60, 0.2,
+                 "the refused records dispatched")
+        wait_for(lambda: _stored(n1, "ls") >= 24, 30, 0.1, "every key stored")
+        msgs = [{"payload": {"k": k}, "idempotency_key": k} for k in keys]
+        for nid in c.ids:
+            r = c[nid].post("/v1/topics/ls/produce/batch", {"messages": msgs})
+            assert r.status == 202 and r.json() == {"accepted": 24, "duplicates": 24}, (nid, r.json())
+        assert _stored(n1, "ls") == 24
+    finally:
+        c.close()

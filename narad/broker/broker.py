@@ -127,6 +127,11 @@ SWEEP_EVERY = 1.0
 FAIL_DIRECT_EVERY = int(os.environ.get("NARAD_FAULT_DIRECT_COMMIT_FAIL_EVERY", "0") or 0)
 # Test seam: the dispatcher's commits of WAL records start this many ms late (records stay on their way).
 DISPATCH_DELAY_S = int(os.environ.get("NARAD_FAULT_DISPATCH_DELAY_MS", "0") or 0) / 1000
+# Test seam: the idempotent placement does not see move targets (as a worker whose replica
+# has not shown a move yet): a key homed at a moving partition is placed elsewhere here.
+STALE_MOVES = os.environ.get("NARAD_FAULT_PLACEMENT_IGNORES_MOVES", "") == "1"
+# Test seam: while this file exists, the dispatcher's commits of WAL records wait (polled every 50 ms).
+DISPATCH_HOLD_FILE = os.environ.get("NARAD_FAULT_DISPATCH_HOLD_FILE", "")
 # Test seam: "<task>:<n>" makes the worker's background loop <task> (``V.TASKS``) fail n times.
 _FAULT_TASK = os.environ.get("NARAD_FAULT_TASK_FAIL", "")
 TASK_PAUSE_MAX = 8.0  # a failing background loop starts again after 1 s, doubling up to this (< V.FAULT_HOLD)
@@ -402,6 +407,7 @@ class Broker:
         self.m_round_logs = _metric(reg, metrics.Counter, "narad_storage_commit_round_logs_total",
                                     "partition commits those rounds carried (per round: the logs one sync covered)")
         self._rounds_seen = (0, 0)
+        self._rehomed_seen = 0  # (the dispatcher's rehomed count the metric has)
         self.m_direct = _metric(reg, metrics.Counter, "narad_produced_direct_messages_total",
                                 "messages committed straight into their partition on this node (owned by this worker, "
                                 "or by another one a hop away), without the ingress WAL (the rest go through it)")
@@ -553,7 +559,8 @@ class Broker:
                         mine.append(i)
                 elif node is not None:
                     nodes.add(node)
-            here = tuple(loc[0] == self.node_id and not self.remote.moving(t, i) for i, loc in enumerate(locs))
+            here = tuple(loc[0] == self.node_id and (STALE_MOVES or not self.remote.moving(t, i))
+                         for i, loc in enumerate(locs))
             pl = self._owned_cache[key] = _Placement(mine, sorted(workers), sorted(nodes), self.index, tuple(locs),
                                                      here)
         return pl
@@ -1383,6 +1390,8 @@ class Broker:
         this node placed that must go to their key's partition first (``rehome``)."""
         if DISPATCH_DELAY_S:
             await asyncio.sleep(DISPATCH_DELAY_S)
+        while DISPATCH_HOLD_FILE and os.path.exists(DISPATCH_HOLD_FILE):
+            await asyncio.sleep(0.05)
         t = self.store.topic(topic)
         if t is None or t.id != topic_id:
             # Never discard on local absence alone: the replica may be behind.
@@ -2571,6 +2580,10 @@ class Broker:
             self.m_round_logs.inc(logs - self._rounds_seen[1])
             self._rounds_seen = (rounds, logs)
             self.m.dispatch_backlog.set(self.wal.backlog)
+            rehomed = self.dispatcher.rehomed
+            if rehomed != self._rehomed_seen:
+                self.m.dispatch_rehomed.inc(rehomed - self._rehomed_seen)
+                self._rehomed_seen = rehomed
             self.m.wal_pending.set(max(0, self.wal.next_seq - 1 - self.wal.durable_seq) + self.direct_in_flight)
             failed = self.wal.failed is not None
             if failed and not self._wal_failed_counted:

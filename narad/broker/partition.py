@@ -905,6 +905,7 @@ class Partition:
                                     claims.settle(self.claims_topic, ks, self.claims_tag, 0, 0,
                                                   [RELEASE if g == CLAIMED else 0 for g in got])
                                     payload_bytes -= sum(map(len, map(_BODY, batch)))
+                                    metrics.get().idem_sealed.inc()
                                     if not item[1].done():
                                         item[1].set_exception(self.home_moving_error())
                                     continue

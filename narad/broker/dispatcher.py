@@ -84,7 +84,6 @@ class Target(Protocol):
         """Partitions of this incarnation (0 if unknown here)."""
         ...
 
-
     def owner_alive(self, topic: str, topic_id: str, partition: int) -> bool:
         """False when the partition's owner is marked dead (or unassigned)."""
         ...

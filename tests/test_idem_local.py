@@ -57,6 +57,26 @@ def _stored(node: Node, name: str) -> int:
     return sum(int(s["high_watermark"]) for s in r.json()["partition_stats"])
 
 
+def _two_of_three(tmp_path: Path, topic: str, extra: dict[str, dict[str, str]] | None = None) -> Any:
+    """A 3-node cluster (fast move planning, local placement on) with n1 and n2 started
+    and `topic` made there; n3 joins when the test starts it. `extra`: more env by node."""
+    from tests.harness import Cluster
+    from tests.test_moves_cluster import FAST
+
+    c = Cluster(tmp_path, 3, initial=2, env={**FAST, **ENV})
+    for nid, env in (extra or {}).items():
+        c[nid].extra_env.update(env)
+    try:
+        c.start()
+        assert c["n1"].post("/v1/topics", {"name": topic, "partitions": PARTS}).status == 201
+        for nid in ("n1", "n2"):
+            wait_for(lambda nid=nid: c[nid].get(f"/v1/topics/{topic}").status == 200, 20, 0.05, "the topic")
+    except BaseException:
+        c.close()
+        raise
+    return c
+
+
 def test_records_stay_at_the_receiving_worker_and_a_repeat_through_the_other_is_found(node: Node) -> None:
     name = _mk(node, "local-a")
     keys = [f"a{i}" for i in range(40)]
@@ -147,16 +167,11 @@ def test_a_move_carries_the_keys_committed_away_from_their_partition(tmp_path: P
     retried through every node, is still found (the moves carried the keys homed at the
     moved partitions, ``idem.carried``), and so after a kill -9 of a source (its start
     reads the keys of the copies moved aside)."""
-    from tests.harness import Cluster
-    from tests.test_moves_cluster import FAST, moves, owners, spread
+    from tests.test_moves_cluster import moves, owners, spread
 
-    c = Cluster(tmp_path, 3, initial=2, env={**FAST, **ENV})
+    c = _two_of_three(tmp_path, "lp")
     try:
-        c.start()
         n1 = c["n1"]
-        assert n1.post("/v1/topics", {"name": "lp", "partitions": PARTS}).status == 201
-        for nid in ("n1", "n2"):
-            wait_for(lambda nid=nid: c[nid].get("/v1/topics/lp").status == 200, 20, 0.05, "the topic")
         before = owners(n1, "lp")
         keys = [f"m{i}" for i in range(60)]
         for nid, part in (("n1", keys[:30]), ("n2", keys[30:])):
@@ -204,19 +219,14 @@ def test_a_record_waiting_in_the_wal_through_a_move_is_committed_once_at_its_key
     meanwhile. When the WAL's record is dispatched, its node may no longer commit it where
     it was placed (its key's partition, or the placed one, left the node): it goes to its
     key's partition instead and is found there. Every key is stored once."""
-    from tests.harness import Cluster
-    from tests.test_moves_cluster import FAST, moves, owners, spread
+    from tests.test_moves_cluster import moves, owners, spread
 
     hold = tmp_path / "hold-dispatch"
     hold.write_text("")
-    c = Cluster(tmp_path, 3, initial=2, env={**FAST, **ENV})
-    c["n1"].extra_env.update({"NARAD_FAULT_DIRECT_COMMIT_FAIL_EVERY": "1", "NARAD_FAULT_DISPATCH_HOLD_FILE": str(hold)})
+    c = _two_of_three(tmp_path, "lw", {"n1": {"NARAD_FAULT_DIRECT_COMMIT_FAIL_EVERY": "1",
+                                              "NARAD_FAULT_DISPATCH_HOLD_FILE": str(hold)}})
     try:
-        c.start()
         n1 = c["n1"]
-        assert n1.post("/v1/topics", {"name": "lw", "partitions": PARTS}).status == 201
-        for nid in ("n1", "n2"):
-            wait_for(lambda nid=nid: c[nid].get("/v1/topics/lw").status == 200, 20, 0.05, "the topic")
         before = owners(n1, "lw")
         keys = [f"w{i}" for i in range(40)]
         msgs = [{"payload": {"k": k}, "idempotency_key": k} for k in keys]
@@ -252,19 +262,12 @@ def test_a_key_placed_by_a_worker_that_missed_the_move_is_refused_by_the_seal_no
     to flip. The node's claims table has that home sealed: the commit is refused, the WAL
     holds the record, and once the flip is seen it goes to the partition's new owner. A
     retry through the new owner finds every key; each is stored once."""
-    from tests.harness import Cluster
-    from tests.test_moves_cluster import FAST, owners, spread
+    from tests.test_moves_cluster import owners, spread
 
-    c = Cluster(tmp_path, 3, initial=2, env={**FAST, **ENV})
-    for nid in ("n1", "n2"):
-        c[nid].extra_env["NARAD_FAULT_PLACEMENT_IGNORES_MOVES"] = "1"
-    c["n3"].extra_env["NARAD_FAULT_MOVE_HOLD_FLIP_MS"] = "8000"
+    stale = {"NARAD_FAULT_PLACEMENT_IGNORES_MOVES": "1"}
+    c = _two_of_three(tmp_path, "ls", {"n1": stale, "n2": stale, "n3": {"NARAD_FAULT_MOVE_HOLD_FLIP_MS": "8000"}})
     try:
-        c.start()
         n1 = c["n1"]
-        assert n1.post("/v1/topics", {"name": "ls", "partitions": PARTS}).status == 201
-        for nid in ("n1", "n2"):
-            wait_for(lambda nid=nid: c[nid].get("/v1/topics/ls").status == 200, 20, 0.05, "the topic")
         c.start(["n3"])
         n3 = c["n3"]
         held: list[dict[str, Any]] = []

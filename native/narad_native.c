@@ -375,8 +375,8 @@ int crc32c_hardware(void) {
  * are claimed by a produce whose commit is not durable yet.
  * narad/broker/idem_claims.py owns the layout's Python side and says how it is used.
  *
- * Layout: a 384-byte head (counters, the workers' load bits, the sealed homes), then `nbuckets` (a power of two) buckets of 256 bytes: a
- * lock word (the thread id of its holder, 0: free), padding, IDEM_WAYS slots of 40 bytes.
+ * Layout: a 384-byte head (counters, the workers' load bits, the sealed homes), then
+ * `nbuckets` (a power of two) buckets of 256 bytes: a lock word (the thread id of its holder, 0: free), padding, IDEM_WAYS slots of 40 bytes.
  * A key is its 64-bit fingerprint (fp: the bucket is fp's low bits), its CRC-32C and
  * its topic's 32-bit tag; a slot matches when all three are equal. A slot's `owner` is
  * the single word that makes it valid: 0 empty, IDEM_DONE committed, anything else the
@@ -770,6 +770,7 @@ int idem_seal(void *base, uint32_t topic, uint32_t home, uint64_t until, uint64_
             return -1;
         }
     }
+    idem_seals_trim(h, now);
     idem_unlock(&h->seal_lock);
     for (uint64_t k = 0; k < h->nbuckets; k++) {
         idem_lock(base, &bs[k].lock);

@@ -63,6 +63,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import operator
 import os
 import resource
 import shutil
@@ -117,6 +118,7 @@ from narad.storage.offsets import OffsetFile
 from narad.storage.partition_log import OffsetGone, PartitionLog
 from narad.storage.wal import Entry, IngressWAL
 
+_PLACED = operator.attrgetter("placed")  # (``Entry.placed``, read in C over a batch)
 CLAIMS_INDEX_MASK = 0x1FF  # the worker index + 1 in a claimer tag (``Broker.claims_tag``)
 log = logging.getLogger("narad.broker")
 TRUST_POLL = 0.05  # how often a starting worker looks for the node's first readiness
@@ -1398,12 +1400,10 @@ class Broker:
             if await self.confirm_gone(topic, topic_id):
                 return "gone"
             raise Unavailable(f'topic "{topic}" incarnation {topic_id} not confirmed; holding its records')
-        for e in entries:
-            if e.placed:  # (a keyless idempotent record this node placed: is it still to go here?)
-                moved = self.rehome(t, partition, entries)
-                if moved:
-                    return Rehome(moved)
-                break
+        if any(map(_PLACED, entries)):  # (a keyless idempotent record this node placed: still to go here?)
+            moved = self.rehome(t, partition, entries)
+            if moved:
+                return Rehome(moved)
         records = [(e.key, e.flags, e.payload) for e in entries]
         node, worker = self.where(t, partition)
         if node is None:
@@ -1461,7 +1461,7 @@ class Broker:
                 continue
             if pl is None:
                 pl = self._placement(t)
-                here = partition < n and self.remote.owner_node(t, partition) == self.node_id
+                here = partition < n and pl.locs[partition][0] == self.node_id
             if not here or not pl.home_here[h]:
                 out.append((i, h))
         return out
